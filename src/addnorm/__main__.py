@@ -1,0 +1,5 @@
+import sys
+
+from addnorm.cli import main
+
+sys.exit(main())

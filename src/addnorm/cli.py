@@ -1,0 +1,101 @@
+"""The ``addnorm`` command line. Each subcommand lives with the code it drives; this file only assembles them.
+
+A subcommand module exposes ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+
+# Modules that add subcommands (imported at start-up, so they keep heavy imports inside their functions).
+COMMAND_MODULES: list[str] = []
+
+
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return None
+
+
+def collect_info() -> dict:
+    """Versions, devices and which backends can run here (and why not the others)."""
+    import os
+
+    import torch
+
+    import addnorm
+    from addnorm.ops.backends import available_backends
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    info = {
+        "addnorm": addnorm.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numba": _version("numba"),
+        "numpy": _version("numpy"),
+        "transformers": _version("transformers"),
+        "matplotlib": _version("matplotlib"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "backend_env": os.environ.get("ADDNORM_BACKEND"),
+        "backends": {d: available_backends(d) for d in devices},
+    }
+    from addnorm.ops.backends import resolve_backend
+
+    info["auto"] = {d: resolve_backend("auto", torch.device(d)) for d in devices}
+    return info
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"addnorm {info['addnorm']}  (python {info['python']}, {info['platform']})")
+    for key in ("torch", "triton", "numba", "numpy", "transformers", "matplotlib"):
+        print(f"  {key:<13}{info[key] or 'not installed'}")
+    print(f"  {'cpu':<13}{info['cpu_count']} cores, torch uses {info['torch_threads']} threads")
+    print(f"  {'cuda':<13}{info['cuda_device'] or 'no CUDA device'}")
+    if info["backend_env"]:
+        print(f"  ADDNORM_BACKEND={info['backend_env']}")
+    for device, backends in info["backends"].items():
+        print(f"backends for {device} tensors (auto -> {info['auto'][device]}):")
+        for name, reason in backends.items():
+            print(f"  {name:<10}{'available' if reason is None else 'unavailable: ' + reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="addnorm",
+        description="addnorm: residual connections and normalization for Transformers, done right and fast.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("info", help="versions, devices and which backends run here (and why not the others)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_info)
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

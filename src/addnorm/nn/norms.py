@@ -1,0 +1,94 @@
+"""Drop-in LayerNorm and RMSNorm with an optional fused residual add.
+
+They subclass ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``: same constructor, parameter names and state_dict keys,
+so either loads the other's weights. ``forward(x)`` returns a tensor; ``forward(x, residual)`` returns
+``(norm(x + residual), x + residual)``, the fused Add & Norm of a pre-norm block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+def _flatten_normalized(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
+    """Merge the normalized trailing dims into one, so the functional ops normalize over the last dim only."""
+    k = len(normalized_shape)
+    if tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape):
+        raise ValueError(
+            f"input's trailing shape must be normalized_shape {tuple(normalized_shape)}, got {tuple(x.shape)}"
+        )
+    return x if k == 1 else x.reshape(*x.shape[: x.dim() - k], -1)
+
+
+class _AddNormMixin:
+    """Shared forward: flatten the normalized dims, call the fused op, restore the shape."""
+
+    def _extra_init(self, zero_centered_weight: bool, residual_dtype: torch.dtype | None, backend: str) -> None:
+        self.zero_centered_weight = zero_centered_weight
+        self.residual_dtype = residual_dtype
+        self.backend = backend
+        if zero_centered_weight:
+            self.reset_parameters()
+
+    def _norm_params(self):
+        w = self.weight.reshape(-1) if self.weight is not None else None
+        b = getattr(self, "bias", None)
+        return w, (b.reshape(-1) if b is not None else None)
+
+    def _forward(self, fn, x: Tensor, residual: Tensor | None, params: tuple):
+        shape = x.shape
+        xf = _flatten_normalized(x, self.normalized_shape)
+        rf = _flatten_normalized(residual, self.normalized_shape) if residual is not None else None
+        out, res_out = fn(
+            xf, rf, *params, residual_dtype=self.residual_dtype, zero_centered_weight=self.zero_centered_weight,
+            backend=self.backend,
+        )  # fmt: skip
+        out = out.reshape(shape)
+        return out if residual is None else (out, res_out.reshape(shape))
+
+
+class LayerNorm(_AddNormMixin, nn.LayerNorm):
+    """``torch.nn.LayerNorm`` with addnorm's kernels and an optional fused residual add.
+
+    Extra keyword options: ``zero_centered_weight`` (scale by 1 + weight, weight initialised to 0),
+    ``residual_dtype`` (dtype of the residual stream returned with a residual), ``backend``.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, zero_centered_weight: bool = False,
+                 residual_dtype: torch.dtype | None = None, backend: str = "auto"):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self._extra_init(zero_centered_weight, residual_dtype, backend)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "zero_centered_weight", False) and self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        w, b = self._norm_params()
+        return self._forward(add_layer_norm, x, residual, (w, b, self.eps))
+
+
+class RMSNorm(_AddNormMixin, nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with addnorm's kernels and an optional fused residual add (eps=None: finfo eps)."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
+                 dtype=None, *, zero_centered_weight: bool = False, residual_dtype: torch.dtype | None = None,
+                 backend: str = "auto"):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self._extra_init(zero_centered_weight, residual_dtype, backend)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "zero_centered_weight", False) and self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        w, _ = self._norm_params()
+        return self._forward(add_rms_norm, x, residual, (w, self.eps))

@@ -1,0 +1,14 @@
+"""Fused residual add + norm ops: one contract, several backends (torch, reference, triton, cpu)."""
+
+from addnorm.ops.add_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from addnorm.ops.backends import BackendUnavailableError, available_backends, resolve_backend
+
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "layer_norm",
+    "rms_norm",
+    "BackendUnavailableError",
+    "available_backends",
+    "resolve_backend",
+]

@@ -1,0 +1,348 @@
+"""Residual add + LayerNorm/RMSNorm: the public functions, the kernel contract, and its torch.library registration.
+
+The contract (every backend implements exactly this):
+
+    residual_out = dropout(x) + residual          # just dropout(x) without a residual; stored in residual_dtype
+    out          = norm(residual_out)             # the value normalized is residual_out *as stored*, in x's dtype
+
+with statistics in fp32 (fp64 when x or the residual stream is fp64), ``norm`` LayerNorm or RMSNorm over the last
+dimension, weight applied as ``1 + weight`` when ``zero_centered_weight`` (Gemma). residual_dtype defaults to the
+residual's dtype, else x's.
+
+Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
+
+    forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
+            store_residual_out) -> (out, residual_out | None, mean | None, rstd)
+        x, residual: (M, N), last dim contiguous, rows may be strided; residual may be None.
+        out: (M, N) in x's dtype. residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
+        residual_out is x itself and the kernel normalizes x). mean (LayerNorm only) and rstd: (M,) in the
+        statistics dtype. Dropout keeps element (i, j) by a deterministic function of (seed, i, j), scaled 1/(1-p).
+
+    backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight,
+             x_dtype, residual_dtype, bias_dtype) -> (dx, dresidual | None, dweight | None, dbias | None)
+        h: the normalized input as stored (residual_out, or x). dresidual_out may be None. residual_dtype None
+        means there was no residual input; bias_dtype None means no bias. The dropout mask is regenerated from
+        the seed, never stored.
+
+The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd``, with
+fake implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces through them without a
+graph break. The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from addnorm.ops.backends import kernel_module, resolve_backend
+from addnorm.reference import acc_dtype
+
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtype:
+    """Statistics are fp32 unless x or the residual stream is fp64."""
+    return torch.float64 if torch.float64 in (x_dtype, residual_dtype) else torch.float32
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation: bad input gets an error naming the argument and what was seen
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
+    _check_float("x", x)
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least one dimension (the normalized one), got shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError(f"x's last dimension (the normalized one) must be > 0, got shape {tuple(x.shape)}")
+    if residual is not None:
+        _check_float("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.device != x.device:
+            raise ValueError(f"residual must be on x's device {x.device}, got {residual.device}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        _check_float(name, p)
+        if tuple(p.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
+        if p.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torch backend: plain PyTorch, differentiable by autograd, traced natively by torch.compile
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight):
+    cd = stats_dtype(x.dtype, residual_dtype)
+    h = x.to(cd)
+    if dropout_p > 0.0:
+        h = F.dropout(h, dropout_p)
+    if residual is not None:
+        h = h + residual.to(cd)
+    residual_out = h.to(residual_dtype)  # rounded once; the norm below sees exactly this
+    w = None if weight is None else (weight.to(cd) + 1 if zero_centered_weight else weight.to(cd))
+    n = (x.shape[-1],)
+    if is_rms:
+        out = F.rms_norm(residual_out.to(cd), n, w, eps)
+    else:
+        out = F.layer_norm(residual_out.to(cd), n, w, None if bias is None else bias.to(cd), eps)
+    return out.to(x.dtype), residual_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Custom ops around the kernel backends
+# --------------------------------------------------------------------------------------------------------------
+
+def _unaliased(outputs, inputs):
+    """Custom ops may not return inputs or views shared between outputs; a backend that returns, say, the same
+    tensor as dx and dresidual gets one of them copied here (rare: only when no rounding separates them)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    result = []
+    for t in outputs:
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        result.append(t)
+    return tuple(result)
+
+
+@torch.library.custom_op("addnorm::add_norm_fwd", mutates_args=())
+def _add_norm_fwd(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    dropout_p: float,
+    residual_dtype: torch.dtype,
+    zero_centered_weight: bool,
+    store_residual_out: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (out, residual_out or empty, mean or empty, rstd, seed). The seed is drawn here, from torch's
+    default generator, so the op stays traceable and the backward can regenerate the dropout mask."""
+    seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+    out, res_out, mean, rstd = kernel_module(backend).forward(
+        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
+        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
+        store_residual_out=store_residual_out,
+    )  # fmt: skip
+    empty = x.new_empty(0, dtype=rstd.dtype)
+    outputs = (out, res_out if res_out is not None else x.new_empty(0), mean if mean is not None else empty, rstd)
+    return (*_unaliased(outputs, (x, residual, weight, bias)), torch.tensor(seed, dtype=torch.int64))
+
+
+@_add_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store_residual_out,
+      backend):  # fmt: skip
+    m, n = x.shape
+    sd = stats_dtype(x.dtype, residual_dtype)
+    return (
+        x.new_empty((m, n)),
+        x.new_empty((m, n), dtype=residual_dtype) if store_residual_out else x.new_empty(0),
+        x.new_empty(0 if is_rms else m, dtype=sd),
+        x.new_empty(m, dtype=sd),
+        torch.empty((), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("addnorm::add_norm_bwd", mutates_args=())
+def _add_norm_bwd(
+    dout: Tensor,
+    dresidual_out: Optional[Tensor],
+    h: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    seed: Tensor,
+    is_rms: bool,
+    dropout_p: float,
+    zero_centered_weight: bool,
+    x_dtype: torch.dtype,
+    residual_dtype: Optional[torch.dtype],
+    bias_dtype: Optional[torch.dtype],
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, dresidual, dweight, dbias), an empty tensor standing for each absent gradient."""
+    dx, dres, dw, db = kernel_module(backend).backward(
+        dout, dresidual_out, h, weight, None if is_rms else mean, rstd, is_rms=is_rms, dropout_p=dropout_p,
+        seed=int(seed.item()) if dropout_p > 0 else 0, zero_centered_weight=zero_centered_weight,
+        x_dtype=x_dtype, residual_dtype=residual_dtype, bias_dtype=bias_dtype,
+    )  # fmt: skip
+    empty = dout.new_empty(0)
+    outputs = (dx, *(t if t is not None else empty for t in (dres, dw, db)))
+    return _unaliased(outputs, (dout, dresidual_out, h, weight, mean, rstd))
+
+
+@_add_norm_bwd.register_fake
+def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_centered_weight, x_dtype,
+      residual_dtype, bias_dtype, backend):  # fmt: skip
+    n = dout.shape[-1]
+    empty = dout.new_empty(0)
+    return (
+        dout.new_empty(dout.shape, dtype=x_dtype),
+        dout.new_empty(dout.shape, dtype=residual_dtype) if residual_dtype is not None else empty,
+        dout.new_empty(n, dtype=weight.dtype) if weight is not None else empty,
+        dout.new_empty(n, dtype=bias_dtype) if bias_dtype is not None else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend = inputs
+    out, res_out, mean, rstd, seed = output
+    ctx.save_for_backward(res_out if store else x, weight, mean, rstd, seed)
+    ctx.opts = (is_rms, dropout_p, zc, x.dtype, residual.dtype if residual is not None else None,
+                bias.dtype if bias is not None else None, backend)  # fmt: skip
+    ctx.has_residual_out = store
+    ctx.mark_non_differentiable(mean, rstd, seed)
+
+
+def _backward(ctx, dout, dres_out, _dmean, _drstd, _dseed):
+    h, weight, mean, rstd, seed = ctx.saved_tensors
+    is_rms, dropout_p, zc, x_dtype, residual_dtype, bias_dtype, backend = ctx.opts
+    if dout is None:
+        dout = torch.zeros(h.shape, dtype=x_dtype, device=h.device)
+    if not ctx.has_residual_out or (dres_out is not None and dres_out.numel() == 0):
+        dres_out = None
+    dx, dres, dw, db = torch.ops.addnorm.add_norm_bwd(
+        dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype, residual_dtype, bias_dtype,
+        backend,
+    )  # fmt: skip
+    return (
+        dx,
+        dres if residual_dtype is not None else None,
+        dw if weight is not None else None,
+        db if bias_dtype is not None else None,
+        None, None, None, None, None, None, None,
+    )  # fmt: skip
+
+
+torch.library.register_autograd("addnorm::add_norm_fwd", _backward, setup_context=_setup_context)
+
+
+def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
+                     backend):  # fmt: skip
+    shape = x.shape
+    n = shape[-1]
+    # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
+    x2 = x if x.dim() == 2 else x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual if residual.dim() == 2 else residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
+    store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
+    out, res_out, _, _, _ = torch.ops.addnorm.add_norm_fwd(
+        x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
+        backend,
+    )  # fmt: skip
+    return out.reshape(shape), (res_out.reshape(shape) if store else x)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, backend):
+    if is_rms and eps is None and isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES:
+        eps = torch.finfo(x.dtype).eps
+    _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
+    if residual_dtype is None:
+        residual_dtype = residual.dtype if residual is not None else x.dtype
+    name = resolve_backend(backend, x.device)
+    args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight)
+    if name == "torch":
+        return _torch_add_norm(*args)
+    return _kernel_add_norm(*args, name)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    dropout_p: float = 0.0,
+    residual_dtype: torch.dtype | None = None,
+    zero_centered_weight: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """``residual_out = dropout(x) + residual``; ``out = LayerNorm(residual_out)``. Returns ``(out, residual_out)``.
+
+    residual_out is stored in ``residual_dtype`` (default: residual's dtype, else x's); out is in x's dtype.
+    ``dropout_p`` applies whenever it is > 0 (pass 0 in eval). Gradients flow to x, residual, weight and bias.
+    """
+    return _add_norm(x, residual, weight, bias, eps, False, dropout_p, residual_dtype, zero_centered_weight, backend)
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor | None = None,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    residual_dtype: torch.dtype | None = None,
+    zero_centered_weight: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """``residual_out = dropout(x) + residual``; ``out = RMSNorm(residual_out)``. Returns ``(out, residual_out)``.
+
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``.
+    """
+    return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight, backend)
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """LayerNorm over the last dimension, statistics in fp32 (fp64 for fp64 input)."""
+    return add_layer_norm(x, None, weight, bias, eps, backend=backend)[0]
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None, *, backend: str = "auto") -> Tensor:
+    """RMSNorm over the last dimension; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
+    return add_rms_norm(x, None, weight, eps, backend=backend)[0]
+
+
+# Re-exported for kernel backends that want the same statistics dtype rule.
+__all__ += ["stats_dtype", "acc_dtype"]

@@ -1,0 +1,101 @@
+"""Backend registry: which implementations of the add + norm contract exist, which run here, and why not.
+
+Backends:
+- ``torch``: pure PyTorch (the reference path, always available, traced natively by torch.compile).
+- ``reference``: the explicit float oracle of :mod:`addnorm.reference` run through the kernel contract and the
+  registered custom ops; slow, available everywhere, used to test the plumbing every kernel backend shares.
+- ``triton``: fused Triton kernels (CUDA GPUs; on CPU tensors only under ``TRITON_INTERPRET=1``).
+- ``cpu``: fused numba kernels, parallel over rows (CPU tensors).
+
+A kernel backend is a module with ``unavailable_reason(device) -> str | None`` plus ``forward`` and ``backward``
+functions that follow the contract documented in :mod:`addnorm.ops.add_norm`.
+
+``backend="auto"`` picks the best available backend for the tensor's device; ``ADDNORM_BACKEND`` overrides it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+BACKEND_NAMES = ("auto", "torch", "reference", "triton", "cpu")
+ENV_VAR = "ADDNORM_BACKEND"
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    module: str  # import path of the kernel module, imported on first use
+    install_hint: str  # what a user needs to make it available
+
+
+KERNEL_BACKENDS: dict[str, KernelBackend] = {
+    "reference": KernelBackend("reference", "addnorm.ops.reference_backend", "nothing (always available)"),
+    "triton": KernelBackend(
+        "triton",
+        "addnorm.ops.triton_add_norm",
+        "a CUDA GPU and `pip install 'addnorm[triton]'` (or TRITON_INTERPRET=1 to run the kernels on CPU tensors)",
+    ),
+    "cpu": KernelBackend("cpu", "addnorm.ops.cpu_add_norm", "`pip install numba` (a core dependency of addnorm)"),
+}
+
+# auto's order of preference per device type
+AUTO_ORDER = {"cuda": ("triton",), "cpu": ("cpu",)}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here; the message says why and what to install."""
+
+
+_modules: dict[str, ModuleType] = {}
+
+
+def kernel_module(name: str) -> ModuleType:
+    """Import (once) and return the kernel module of backend ``name``."""
+    if name not in _modules:
+        _modules[name] = importlib.import_module(KERNEL_BACKENDS[name].module)
+    return _modules[name]
+
+
+def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | None:
+    """None if backend ``name`` can run on ``device``, else a sentence saying why not."""
+    device = torch.device(device)
+    if name == "torch":
+        return None
+    if name not in KERNEL_BACKENDS:
+        return f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+    try:
+        mod = kernel_module(name)
+    except ImportError as e:
+        return f"cannot import {KERNEL_BACKENDS[name].module}: {e}; needs {KERNEL_BACKENDS[name].install_hint}"
+    return mod.unavailable_reason(device)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn a user's ``backend=`` argument into the name of a backend that runs on ``device``."""
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and env != "auto":
+            if env not in BACKEND_NAMES:
+                raise ValueError(f"{ENV_VAR} must be one of {BACKEND_NAMES}, got {env!r}")
+            backend = env
+        else:
+            for name in AUTO_ORDER.get(device.type, ()):
+                if unavailable_reason(name, device) is None:
+                    return name
+            return "torch"
+    reason = unavailable_reason(backend, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {backend!r} is not available on {device}: {reason}")
+    return backend
+
+
+def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
+    """Every backend with None (usable on ``device``) or the reason it is not."""
+    return {name: unavailable_reason(name, device) for name in BACKEND_NAMES if name != "auto"}
