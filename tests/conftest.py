@@ -1,5 +1,15 @@
 import os
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; the variable must be set before
+# triton is imported.
+try:
+    import torch as _t
+
+    if not _t.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
 import pytest
 import torch
 

@@ -1,0 +1,8 @@
+"""Importing this package registers every experiment, in the order the modules are listed."""
+
+import importlib
+
+MODULES: list[str] = []
+
+for _m in MODULES:
+    importlib.import_module(f"addnorm.lab.experiments.{_m}")
