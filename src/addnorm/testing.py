@@ -43,15 +43,17 @@ def tol(dtype: torch.dtype, *, grad: bool = False, reduced_rows: int = 1) -> tup
     return t.atol * f * math.sqrt(max(reduced_rows, 1)), t.rtol * f
 
 
-def assert_close(actual: Tensor, expected: Tensor, what: str, *, grad: bool = False, reduced_rows: int = 1) -> None:
-    """Compare ``actual`` (any dtype) against a float64 ``expected`` with the tolerance of actual's dtype.
+def assert_close(actual: Tensor, expected: Tensor, what: str, *, grad: bool = False, reduced_rows: int = 1,
+                 dtype: torch.dtype | None = None) -> None:
+    """Compare ``actual`` (any dtype) against a float64 ``expected`` with the tolerance of actual's dtype (or of
+    ``dtype``, when a lower precision took part, e.g. an fp32 residual stream between fp64 tensors).
 
     Gradients are compared relative to the tensor's largest magnitude, since a gradient element near zero carries
     the absolute error of its larger neighbours.
     """
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
-    atol, rtol = tol(actual.dtype, grad=grad, reduced_rows=reduced_rows)
+    atol, rtol = tol(dtype or actual.dtype, grad=grad, reduced_rows=reduced_rows)
     if grad and expected.numel():
         atol *= max(1.0, float(expected.abs().max()))
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")

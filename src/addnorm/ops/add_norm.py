@@ -119,12 +119,17 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
 # --------------------------------------------------------------------------------------------------------------
 
 def _unaliased(outputs, inputs):
-    """Custom ops may not return inputs or views shared between outputs; a backend that returns, say, the same
-    tensor as dx and dresidual gets one of them copied here (rare: only when no rounding separates them)."""
+    """Custom ops may not return inputs, or one tensor twice. A backend that returns, say, the same tensor as dx
+    and dresidual (possible when no rounding separates them) gets one of them copied here; absent outputs (None)
+    become fresh empty tensors."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
     result = []
     for t in outputs:
-        if t.numel():
+        if t is None:
+            t = torch.empty(0, device=inputs[0].device)
+        elif t.numel() == 0:
+            t = torch.empty_like(t)  # empty tensors may share a null storage: give each its own
+        else:
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:
                 t = t.clone()
@@ -156,8 +161,7 @@ def _add_norm_fwd(
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
         store_residual_out=store_residual_out,
     )  # fmt: skip
-    empty = x.new_empty(0, dtype=rstd.dtype)
-    outputs = (out, res_out if res_out is not None else x.new_empty(0), mean if mean is not None else empty, rstd)
+    outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
     return (*_unaliased(outputs, (x, residual, weight, bias)), torch.tensor(seed, dtype=torch.int64))
 
 
@@ -198,21 +202,18 @@ def _add_norm_bwd(
         seed=int(seed.item()) if dropout_p > 0 else 0, zero_centered_weight=zero_centered_weight,
         x_dtype=x_dtype, residual_dtype=residual_dtype, bias_dtype=bias_dtype,
     )  # fmt: skip
-    empty = dout.new_empty(0)
-    outputs = (dx, *(t if t is not None else empty for t in (dres, dw, db)))
-    return _unaliased(outputs, (dout, dresidual_out, h, weight, mean, rstd))
+    return _unaliased((dx, dres, dw, db), (dout, dresidual_out, h, weight, mean, rstd))
 
 
 @_add_norm_bwd.register_fake
 def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_centered_weight, x_dtype,
       residual_dtype, bias_dtype, backend):  # fmt: skip
     n = dout.shape[-1]
-    empty = dout.new_empty(0)
     return (
         dout.new_empty(dout.shape, dtype=x_dtype),
-        dout.new_empty(dout.shape, dtype=residual_dtype) if residual_dtype is not None else empty,
-        dout.new_empty(n, dtype=weight.dtype) if weight is not None else empty,
-        dout.new_empty(n, dtype=bias_dtype) if bias_dtype is not None else empty,
+        dout.new_empty(dout.shape, dtype=residual_dtype) if residual_dtype is not None else dout.new_empty(0),
+        dout.new_empty(n, dtype=weight.dtype) if weight is not None else dout.new_empty(0),
+        dout.new_empty(n, dtype=bias_dtype) if bias_dtype is not None else dout.new_empty(0),
     )
 
 

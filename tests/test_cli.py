@@ -1,0 +1,32 @@
+import json
+import subprocess
+import sys
+
+from addnorm.cli import main
+
+
+def test_info_json_lists_versions_and_backends(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] and info["python"]
+    cpu = info["backends"]["cpu"]
+    assert cpu["torch"] is None and cpu["reference"] is None
+    assert info["auto"]["cpu"] in ("torch", "cpu")
+    # each unavailable backend carries a reason
+    assert all(reason is None or isinstance(reason, str) and reason for reason in cpu.values())
+
+
+def test_info_human_readable(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backends for cpu tensors" in out and "torch" in out
+
+
+def test_module_entry_point_and_help():
+    r = subprocess.run([sys.executable, "-m", "addnorm", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "info" in r.stdout
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().out

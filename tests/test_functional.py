@@ -1,0 +1,290 @@
+"""The functional add + norm contract, on the backends that run everywhere (torch and reference), against
+PyTorch and the float64 oracle; bad input; edge cases; torch.compile."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import addnorm
+from addnorm.ops import backends
+from addnorm.testing import TOLERANCES, assert_close, oracle
+
+BACKENDS = ["torch", "reference"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _call(is_rms, x, r, w, b, eps, **kw):
+    if is_rms:
+        return addnorm.add_rms_norm(x, r, w, eps, **kw)
+    return addnorm.add_layer_norm(x, r, w, b, eps, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_torch_layer_norm_and_rms_norm(backend):
+    x = torch.randn(4, 3, 33)
+    ln = torch.nn.LayerNorm(33)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(addnorm.layer_norm(x, ln.weight, ln.bias, 1e-5, backend=backend), ln(x))
+        w = torch.randn(33)
+        torch.testing.assert_close(addnorm.rms_norm(x, w, backend=backend), F.rms_norm(x, (33,), w))
+
+
+CASES = [
+    # (shape, is_rms, residual, weight, bias, zero_centered, residual_dtype)
+    ((7, 33), False, True, True, True, False, None),
+    ((1, 50), True, True, True, False, False, None),
+    ((0, 16), False, True, True, True, False, None),
+    ((2, 3, 17), True, False, True, False, True, None),
+    ((5, 24), False, False, False, False, False, None),
+    ((3, 40), True, True, False, False, False, torch.float32),
+    ((4, 31), False, True, True, False, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}")
+def test_forward_and_every_gradient_vs_float64_oracle(backend, dtype, case):
+    shape, is_rms, has_res, has_w, has_b, zc, rd = case
+    n = shape[-1]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    r = torch.randn(shape, dtype=dtype, requires_grad=True) if has_res else None
+    w = (torch.randn(n, dtype=dtype) * 0.5 + (0 if zc else 1)).requires_grad_() if has_w else None
+    b = torch.randn(n, dtype=dtype, requires_grad=True) if has_b else None
+    out, res_out = _call(is_rms, x, r, w, b, 1e-5, zero_centered_weight=zc, residual_dtype=rd, backend=backend)
+    want_rd = rd or dtype
+    assert out.dtype == dtype and res_out.dtype == want_rd and out.shape == x.shape == res_out.shape
+
+    dout = torch.randn(shape, dtype=dtype)
+    dres = torch.randn(shape, dtype=want_rd)
+    ((out.double() * dout.double()).sum() + (res_out.double() * dres.double()).sum()).backward()
+    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, zero_centered_weight=zc, dout=dout,
+                 dresidual_out=dres)  # fmt: skip
+    m = math.prod(shape[:-1])
+    # the torch backend's autograd rounds gradients through a lower-precision residual stream: allow for it
+    low = max((dtype, want_rd), key=lambda d: TOLERANCES[d].rtol)
+    assert_close(out, exp["out"], "out", dtype=low)
+    assert_close(res_out, exp["residual_out"], "residual_out")
+    assert_close(x.grad, exp["dx"], "dx", grad=True, dtype=low)
+    if r is not None:
+        assert_close(r.grad, exp["dresidual"], "dresidual", grad=True, dtype=low)
+    if w is not None:
+        assert_close(w.grad, exp["dweight"], "dweight", grad=True, reduced_rows=m, dtype=low)
+    if b is not None:
+        assert_close(b.grad, exp["dbias"], "dbias", grad=True, reduced_rows=m, dtype=low)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend):
+    x, r = (torch.randn(3, 9, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(9, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda *a: addnorm.add_layer_norm(*a, backend=backend), (x, r, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, r, w: addnorm.add_rms_norm(x, r, w, 1e-6, zero_centered_weight=True, backend=backend), (x, r, w)
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_residual_out_is_the_stored_sum_and_out_normalizes_it_exactly(backend, is_rms):
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    r = torch.randn(6, 64, dtype=torch.bfloat16) * 30
+    w = torch.randn(64, dtype=torch.bfloat16)
+    out, res_out = _call(is_rms, x, r, w, None, 1e-5, backend=backend)
+    assert torch.equal(res_out, (x.float() + r.float()).bfloat16())
+    # fused and unfused code agree bit for bit: the value normalized is residual_out as stored
+    unfused = addnorm.rms_norm(res_out, w, 1e-5, backend=backend) if is_rms else addnorm.layer_norm(
+        res_out, w, None, 1e-5, backend=backend)  # fmt: skip
+    assert torch.equal(out, unfused)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_residual_stream_with_bf16_x(backend):
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    r = torch.randn(4, 32, dtype=torch.float32)
+    out, res_out = addnorm.add_rms_norm(x, r, residual_dtype=torch.float32, backend=backend)
+    assert out.dtype == torch.bfloat16 and res_out.dtype == torch.float32
+    assert torch.equal(res_out, x.float() + r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_rows_and_non_contiguous_inputs(backend):
+    big = torch.randn(5, 80, dtype=torch.float64)
+    x = big[:, 7:40]  # rows strided, last dim contiguous
+    xt = torch.randn(33, 5, dtype=torch.float64).t()  # last dim strided
+    w = torch.randn(33, dtype=torch.float64)
+    for inp in (x, xt):
+        got, res = addnorm.add_layer_norm(inp, xt, w, None, backend=backend)
+        want = F.layer_norm(inp + xt, (33,), w, None, 1e-5)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(res, inp + xt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_give_empty_outputs_and_gradients(backend):
+    x = torch.randn(0, 12, requires_grad=True)
+    w = torch.randn(12, requires_grad=True)
+    out, res = addnorm.add_rms_norm(x, None, w, backend=backend)
+    assert out.shape == (0, 12) and res.shape == (0, 12)
+    out.sum().backward()
+    assert x.grad.shape == (0, 12) and torch.equal(w.grad, torch.zeros(12))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_nan_and_inf_stay_in_their_rows(backend, is_rms):
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    out, _ = _call(is_rms, x, None, torch.ones(16), torch.zeros(16), 1e-5, backend=backend)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[3]).all()
+    assert not torch.isfinite(out[1]).all() and not torch.isfinite(out[2]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_constant_rows_give_the_bias(backend, dtype):
+    x = torch.full((3, 40), 3.25, dtype=dtype)
+    b = torch.linspace(-1, 1, 40, dtype=dtype)
+    out = addnorm.layer_norm(x, torch.ones(40, dtype=dtype), b, backend=backend)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, b.expand(3, 40), atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_fp16_at_the_edge_of_its_range_gives_finite_statistics(backend, is_rms):
+    x = (torch.rand(3, 1024) * 2 - 1).half() * 65504
+    x[:, 0] = 65504
+    out, _ = _call(is_rms, x, None, None, None, 1e-5, backend=backend)
+    assert torch.isfinite(out).all()
+    want = F.rms_norm(x.float(), (1024,), eps=1e-5) if is_rms else F.layer_norm(x.float(), (1024,), eps=1e-5)
+    torch.testing.assert_close(out.float(), want, atol=4e-3, rtol=4e-3)
+
+
+# ---- dropout ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_keeps_fraction_scales_and_zeroes_grad_where_dropped(backend):
+    p = 0.3
+    x = (torch.rand(64, 96) + 0.5).requires_grad_()  # nonzero everywhere, so zeros mean "dropped"
+    out, res = addnorm.add_layer_norm(x, None, dropout_p=p, backend=backend)
+    kept = res != 0
+    frac = kept.double().mean().item()
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / kept.numel())
+    torch.testing.assert_close(res[kept], x.detach()[kept] / (1 - p))
+    res.sum().backward()
+    assert torch.equal(x.grad == 0, ~kept)
+    torch.testing.assert_close(x.grad[kept], torch.full_like(x.grad[kept], 1 / (1 - p)))
+
+
+def test_reference_backend_dropout_mask_is_the_seeded_hash():
+    from addnorm.reference import dropout_keep_mask
+
+    torch.manual_seed(5)
+    x = torch.rand(8, 40) + 0.5
+    res = torch.ops.addnorm.add_norm_fwd(x, None, None, None, 1e-5, True, 0.25, torch.float32, False, True, "reference")
+    seed = int(res[4])
+    assert torch.equal(res[1] != 0, dropout_keep_mask(seed, 8, 40, 0.25))
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(x=torch.randn(2, 8), weight=torch.randn(7)), ValueError, ["weight", "(8,)", "(7,)"]),
+        (dict(x=torch.randn(2, 8), bias=torch.randn(2, 8)), ValueError, ["bias", "(8,)"]),
+        (dict(x=torch.randn(2, 8), residual=torch.randn(2, 9)), ValueError, ["residual", "(2, 8)", "(2, 9)"]),
+        (dict(x=torch.ones(2, 8, dtype=torch.int64)), TypeError, ["x", "int64"]),
+        (dict(x=torch.randn(2, 8), residual=torch.ones(2, 8, dtype=torch.int32)), TypeError, ["residual", "int32"]),
+        (dict(x=torch.randn(2, 8), eps=-1.0), ValueError, ["eps", "-1.0"]),
+        (dict(x=torch.randn(2, 8), eps=float("nan")), ValueError, ["eps"]),
+        (dict(x=torch.randn(2, 8), dropout_p=1.0), ValueError, ["dropout_p"]),
+        (dict(x=torch.randn(2, 0)), ValueError, ["last dimension"]),
+        (dict(x=torch.randn(2, 8), residual_dtype=torch.int8), TypeError, ["residual_dtype"]),
+        (dict(x=[1.0, 2.0]), TypeError, ["x", "list"]),
+        (dict(x=torch.randn(2, 8), backend="cuda-magic"), ValueError, ["backend", "cuda-magic"]),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        addnorm.add_layer_norm(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type")
+def test_device_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="residual must be on"):
+        addnorm.add_layer_norm(torch.randn(2, 8), torch.randn(2, 8, device="cuda"))
+
+
+# ---- backend selection -----------------------------------------------------------------------------------------
+
+
+def test_env_var_overrides_auto(monkeypatch):
+    monkeypatch.setenv("ADDNORM_BACKEND", "reference")
+    assert backends.resolve_backend("auto", torch.device("cpu")) == "reference"
+    monkeypatch.setenv("ADDNORM_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="ADDNORM_BACKEND"):
+        backends.resolve_backend("auto", torch.device("cpu"))
+
+
+def test_unavailable_backend_says_why_and_what_to_install(monkeypatch):
+    monkeypatch.setitem(backends.KERNEL_BACKENDS, "cpu",
+                        backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"))  # fmt: skip
+    monkeypatch.setattr(backends, "_modules", {})
+    with pytest.raises(backends.BackendUnavailableError, match="pip install numba"):
+        addnorm.rms_norm(torch.randn(2, 4), backend="cpu")
+    # auto falls back to what runs
+    assert backends.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+# ---- properties --------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(shift=st.floats(-100, 100), scale=st.floats(0.01, 100), n=st.integers(2, 40), seed=st.integers(0, 2**16))
+def test_layer_norm_invariant_to_shift_and_positive_scale(shift, scale, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, n, dtype=torch.float64, generator=g)
+    base = addnorm.layer_norm(x, eps=0.0, backend="torch")
+    torch.testing.assert_close(addnorm.layer_norm(x * scale + shift, eps=0.0, backend="torch"), base,
+                               atol=1e-8, rtol=1e-8)  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(scale=st.floats(0.01, 100), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_rms_norm_invariant_to_positive_scale(scale, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, n, dtype=torch.float64, generator=g)
+    base = addnorm.rms_norm(x, eps=0.0, backend="reference")
+    torch.testing.assert_close(addnorm.rms_norm(x * scale, eps=0.0, backend="reference"), base, atol=1e-8, rtol=1e-8)
+
+
+# ---- torch.compile -----------------------------------------------------------------------------------------------
+
+
+def test_compile_fullgraph_through_the_custom_ops_matches_eager():
+    def f(x, r, w, b):
+        out, res = addnorm.add_layer_norm(x, r, w, b, backend="reference")
+        return out * 2 + res
+
+    args = [torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True),
+            torch.randn(24, requires_grad=True), torch.randn(24, requires_grad=True)]  # fmt: skip
+    eager = f(*args)
+    grads_eager = torch.autograd.grad(eager.square().sum(), args)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    grads_compiled = torch.autograd.grad(compiled.square().sum(), args)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(grads_compiled, grads_eager):
+        torch.testing.assert_close(a, b)
