@@ -1,5 +1,39 @@
 """Modules: drop-in norms (and, built on them, residual placements, layers, models and presets)."""
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
+from addnorm.nn.norm_kinds import NORM_KINDS, DyT, NoNorm, ScaleNorm, SequenceBatchNorm, make_norm
+from addnorm.nn.residual import PLACEMENTS, DeepNormCoefficients, Residual, deepnorm_coefficients
+from addnorm.nn.attention import MultiHeadAttention, RotaryEmbedding
+from addnorm.nn.ffn import FFN_KINDS, FeedForward
+from addnorm.nn.config import PRESETS, TransformerConfig
+from addnorm.nn.layers import DecoderLayer, EncoderLayer, ParallelBlock, make_block, residual_chain
+from addnorm.nn.models import TransformerEncoder, TransformerEncoderDecoder, TransformerLM
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "NORM_KINDS",
+    "ScaleNorm",
+    "DyT",
+    "SequenceBatchNorm",
+    "NoNorm",
+    "make_norm",
+    "PLACEMENTS",
+    "Residual",
+    "DeepNormCoefficients",
+    "deepnorm_coefficients",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "FFN_KINDS",
+    "FeedForward",
+    "PRESETS",
+    "TransformerConfig",
+    "EncoderLayer",
+    "DecoderLayer",
+    "ParallelBlock",
+    "make_block",
+    "residual_chain",
+    "TransformerLM",
+    "TransformerEncoder",
+    "TransformerEncoderDecoder",
+]
