@@ -1,0 +1,637 @@
+"""Triton kernels for residual add + LayerNorm/RMSNorm: the ``triton`` backend of :mod:`addnorm.ops.add_norm`.
+
+The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
+
+    forward   r    = keep * x / (1 - p) + residual        # keep: philox(seed, i * N + j) >= p, never stored
+              h    = round(r, residual_dtype)             # stored as residual_out; normalized exactly as stored
+              LayerNorm: mean = sum(h) / N,  var = sum((h - mean)^2) / N   (two passes over registers, or
+                         Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
+              RMSNorm:   mean = 0,           var = sum(h^2) / N
+              rstd = 1 / sqrt(var + eps);  xhat = (h - mean) * rstd;  out = xhat * w + b   (w -> 1 + w: Gemma)
+
+    backward  g  = dout * w
+              dh = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (RMSNorm: without the mean_j(g) term)
+              dresidual = dh + dresidual_out;   dx = dresidual * keep / (1 - p)
+              dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
+
+Layout of the work:
+- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``): a program holds BLOCK_M whole rows in
+  registers (BLOCK_M > 1 for small N, e.g. QK-norm's N = 128); the backward is persistent: a bounded set of
+  programs (about 2x the SM count) walks the rows and keeps its dw/db partial sums in registers.
+- looped path (wider rows): the forward loops over column tiles twice (stats + residual_out, then normalize);
+  the backward first reduces the two row sums, then a 2-D grid (column tiles x row groups) computes dx/dresidual
+  and accumulates the dw/db partials of its tile in registers.
+No atomics anywhere, so gradients are bitwise reproducible. Inputs may have strided rows (last-dim stride 1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from addnorm.ops.add_norm import stats_dtype
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the module still imports, so unavailable_reason() can say what to install
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+    _jit = lambda fn: fn  # noqa: E731
+
+__all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "backward"]
+
+
+@dataclass(kw_only=True)
+class Tuning:
+    """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N."""
+
+    max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
+    max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
+    loop_block_n: int = 4096  # column tile of the looped path
+    rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
+    interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
+
+
+TUNING = Tuning()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _rsqrt(v):
+    # correctly rounded sqrt then a division: tl.math.rsqrt is approximate, and sqrt_rn has no fp64 form
+    if v.dtype == tl.float64:
+        return 1.0 / tl.sqrt(v)
+    else:
+        return 1.0 / tl.sqrt_rn(v)
+
+
+@_jit
+def _fwd_rows_kernel(
+    X,  # (M, N) input, row stride stride_x
+    R,  # (M, N) residual (when HAS_RESIDUAL)
+    W,  # (N,) weight (when HAS_WEIGHT)
+    B,  # (N,) bias (when HAS_BIAS)
+    Out,  # (M, N) normalized output, x's dtype, contiguous
+    ResOut,  # (M, N) residual_out in residual_dtype, contiguous (when STORE_RESIDUAL_OUT)
+    Mean,  # (M,) stats dtype (LayerNorm)
+    Rstd,  # (M,) stats dtype; its element type is the accumulation type of the whole kernel
+    stride_x,
+    stride_r,
+    M,
+    N,
+    eps_hi,  # eps and 1/(1-p) arrive as fp32 pairs (hi + lo) so fp64 statistics keep full precision
+    eps_lo,
+    dropout_p,
+    scale_hi,
+    scale_lo,
+    seed,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
+    h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
+    if HAS_DROPOUT:
+        keep = tl.rand(seed, rows64 * N + cols[None, :]) >= dropout_p
+        h = tl.where(keep, h * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+    if HAS_RESIDUAL:
+        h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
+    if STORE_RESIDUAL_OUT:
+        stored = h.to(ResOut.dtype.element_ty)
+        tl.store(ResOut + rows64 * N + cols[None, :], stored, mask=mask)
+        h = stored.to(acc_t)  # normalize the sum exactly as stored
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    if IS_RMS:
+        rstd = _rsqrt(tl.sum(h * h, axis=1) / N + eps)
+        xhat = h * rstd[:, None]
+    else:
+        mean = tl.sum(h, axis=1) / N
+        d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
+        rstd = _rsqrt(tl.sum(d * d, axis=1) / N + eps)
+        tl.store(Mean + rows, mean, mask=row_ok)
+        xhat = d * rstd[:, None]
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+    y = xhat
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
+        if ZERO_CENTERED:
+            w += 1.0
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+    tl.store(Out + rows64 * N + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _fwd_looped_kernel(
+    X,  # (M, N) input, row stride stride_x
+    R,  # (M, N) residual (when HAS_RESIDUAL)
+    W,  # (N,) weight
+    B,  # (N,) bias
+    Out,  # (M, N) output, contiguous
+    ResOut,  # (M, N) residual_out, contiguous (when STORE_RESIDUAL_OUT)
+    Mean,  # (M,)
+    Rstd,  # (M,)
+    stride_x,
+    stride_r,
+    M,
+    N,
+    eps_hi,
+    eps_lo,
+    dropout_p,
+    scale_hi,
+    scale_lo,
+    seed,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    r_row = R + row * stride_r
+    res_row = ResOut + row * N
+    # pass 1: residual_out, and statistics merged tile by tile (Chan et al.: exact two-pass stats per tile)
+    mean = tl.zeros([1], dtype=acc_t)
+    m2 = tl.zeros([1], dtype=acc_t)
+    count = tl.zeros([1], dtype=acc_t)
+    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, row * N + cols) >= dropout_p
+            h = tl.where(keep, h * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+        if HAS_RESIDUAL:
+            h += tl.load(r_row + cols, mask=ok, other=0.0).to(acc_t)
+        if STORE_RESIDUAL_OUT:
+            stored = h.to(ResOut.dtype.element_ty)
+            tl.store(res_row + cols, stored, mask=ok)
+            h = stored.to(acc_t)
+        if IS_RMS:
+            sumsq += h * h
+        else:
+            n_b = tl.minimum(N - start, BLOCK_N).to(acc_t)
+            mean_b = tl.sum(h, axis=0) / n_b
+            d = tl.where(ok, h - mean_b, 0.0)
+            m2_b = tl.sum(d * d, axis=0)
+            n_ab = count + n_b
+            delta = mean_b - mean
+            mean += delta * (n_b / n_ab)
+            m2 += m2_b + delta * delta * (count * (n_b / n_ab))
+            count = n_ab
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    if IS_RMS:
+        rstd = _rsqrt(tl.sum(sumsq, axis=0) / N + eps)
+        mean_s = 0.0
+    else:
+        rstd = tl.sum(_rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
+        mean_s = tl.sum(mean, axis=0)
+        tl.store(Mean + row, mean_s)
+    tl.store(Rstd + row, rstd)
+    # residual_out was written by other threads of this program; make it visible before reading it back
+    tl.debug_barrier()
+    # pass 2: normalize
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        if STORE_RESIDUAL_OUT:
+            h = tl.load(res_row + cols, mask=ok, other=0.0).to(acc_t)
+        else:
+            h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
+        y = (h - mean_s) * rstd
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
+            if ZERO_CENTERED:
+                w += 1.0
+            y = y * w
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+        tl.store(Out + row * N + cols, y.to(Out.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward kernels: dx and dresidual in one kernel; dw/db as fp32 partial rows reduced by a second stage
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _bwd_rows_kernel(
+    DOut,  # (M, N) gradient of out, row stride stride_dout
+    DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
+    H,  # (M, N) residual_out as stored (or x), row stride stride_h
+    W,  # (N,) weight (when HAS_WEIGHT)
+    Mean,  # (M,) (LayerNorm)
+    Rstd,  # (M,); its element type is the accumulation type
+    DX,  # (M, N) gradient of x, contiguous
+    DRes,  # (M, N) gradient of residual, contiguous (when STORE_DRES)
+    DWPart,  # (programs, N) partial sums of dout * xhat, accumulation dtype
+    DBPart,  # (programs, N) partial sums of dout
+    stride_dout,
+    stride_dres_out,
+    stride_h,
+    M,
+    N,
+    dropout_p,
+    scale_hi,
+    scale_lo,
+    seed,
+    HAS_DRES_OUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_DRES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
+        if ZERO_CENTERED:
+            w += 1.0
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+    # persistent: this program takes row blocks pid, pid + programs, ... in a fixed order (deterministic)
+    for row_start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        h = tl.load(H + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        dy = tl.load(DOut + rows64 * stride_dout + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+            dw_acc += dy * xhat
+        else:
+            g = dy
+        if HAS_DB:
+            db_acc += dy
+        c1 = tl.sum(g * xhat, axis=1)[:, None] / N
+        if IS_RMS:
+            dh = (g - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(g, axis=1)[:, None] / N
+            dh = (g - c2 - xhat * c1) * rstd
+        if HAS_DRES_OUT:
+            dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        if STORE_DRES:
+            tl.store(DRes + rows64 * N + cols[None, :], dh.to(DRes.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rows64 * N + cols[None, :]) >= dropout_p
+            dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+        tl.store(DX + rows64 * N + cols[None, :], dh.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if HAS_DB:
+        tl.store(DBPart + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@_jit
+def _bwd_row_sums_kernel(
+    DOut,  # (M, N) gradient of out
+    H,  # (M, N) residual_out as stored (or x)
+    W,  # (N,) weight (when HAS_WEIGHT)
+    Mean,  # (M,) (LayerNorm)
+    Rstd,  # (M,)
+    C1,  # (M,) out: mean_j(g * xhat)
+    C2,  # (M,) out: mean_j(g) (LayerNorm)
+    stride_dout,
+    stride_h,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(Rstd + row)
+    if not IS_RMS:
+        mean = tl.load(Mean + row)
+    s1 = tl.zeros([BLOCK_N], dtype=acc_t)
+    s2 = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
+        g = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
+            if ZERO_CENTERED:
+                w = tl.where(ok, w + 1.0, 0.0)
+            g = g * w
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(ok, (h - mean) * rstd, 0.0)
+            s2 += g
+        s1 += g * xhat
+    tl.store(C1 + row, tl.sum(s1, axis=0) / N)
+    if not IS_RMS:
+        tl.store(C2 + row, tl.sum(s2, axis=0) / N)
+
+
+@_jit
+def _bwd_tiles_kernel(
+    DOut,  # (M, N) gradient of out
+    DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
+    H,  # (M, N) residual_out as stored (or x)
+    W,  # (N,) weight
+    Mean,  # (M,)
+    Rstd,  # (M,)
+    C1,  # (M,) mean_j(g * xhat) from _bwd_row_sums_kernel
+    C2,  # (M,) mean_j(g)
+    DX,  # (M, N) contiguous
+    DRes,  # (M, N) contiguous (when STORE_DRES)
+    DWPart,  # (row groups, N)
+    DBPart,  # (row groups, N)
+    stride_dout,
+    stride_dres_out,
+    stride_h,
+    M,
+    N,
+    dropout_p,
+    scale_hi,
+    scale_lo,
+    seed,
+    HAS_DRES_OUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_DRES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers
+    acc_t = Rstd.dtype.element_ty
+    group = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
+        if ZERO_CENTERED:
+            w += 1.0
+    dw_acc = tl.zeros([BLOCK_N], dtype=acc_t)
+    db_acc = tl.zeros([BLOCK_N], dtype=acc_t)
+    for r in range(group, M, tl.num_programs(1)):
+        row = tl.cast(r, tl.int64)
+        h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
+        dy = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
+        rstd = tl.load(Rstd + row)
+        c1 = tl.load(C1 + row)
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
+        if HAS_WEIGHT:
+            g = dy * w
+            dw_acc += dy * xhat
+        else:
+            g = dy
+        if HAS_DB:
+            db_acc += dy
+        if IS_RMS:
+            dh = (g - xhat * c1) * rstd
+        else:
+            dh = (g - tl.load(C2 + row) - xhat * c1) * rstd
+        if HAS_DRES_OUT:
+            dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
+        if STORE_DRES:
+            tl.store(DRes + row * N + cols, dh.to(DRes.dtype.element_ty), mask=ok)
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, row * N + cols) >= dropout_p
+            dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+        tl.store(DX + row * N + cols, dh.to(DX.dtype.element_ty), mask=ok)
+    if HAS_WEIGHT:
+        tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
+    if HAS_DB:
+        tl.store(DBPart + group * N + cols, db_acc, mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers: pick block sizes, allocate, launch
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _split(v: float) -> tuple[float, float]:
+    """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
+    hi = float(torch.tensor(v, dtype=torch.float32))
+    return hi, float(torch.tensor(v - hi, dtype=torch.float32))
+
+
+def _warps(elems: int) -> int:
+    # about 8-16 elements per thread (16-byte vector loads of 2-byte types), 1 to 16 warps
+    return min(16, max(1, _pow2(elems) // 512))
+
+
+def _programs(device: torch.device) -> int:
+    """Size of the persistent backward grid: about two programs per SM, a handful in the interpreter."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return TUNING.interpreter_programs
+
+
+def _rows_blocks(m: int, n: int, max_block_n: int) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) for the rows path, or None when a row is too wide for registers (looped path)."""
+    block_n = _pow2(n)
+    if block_n > max_block_n:
+        return None
+    block_m = max(1, min(TUNING.rows_block_elems // block_n, _pow2(m)))
+    return block_m, block_n
+
+
+def _loop_block(max_block_n: int) -> int:
+    return _pow2(min(TUNING.loop_block_n, max_block_n))
+
+
+def _row_stride(t: Tensor | None) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def _vec(t: Tensor | None) -> Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc):
+    m, n = x.shape
+    eps_hi, eps_lo = _split(eps)
+    scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
+    dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
+    args = (
+        x, residual if residual is not None else dummy, weight if weight is not None else dummy,
+        bias if bias is not None else dummy, out, res_out if res_out is not None else dummy,
+        mean if mean is not None else dummy, rstd, x.stride(0), _row_stride(residual), m, n,
+        eps_hi, eps_lo, float(dropout_p), scale_hi, scale_lo, int(seed),
+    )  # fmt: skip
+    flags = dict(
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        IS_RMS=is_rms, ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_RESIDUAL_OUT=res_out is not None,
+    )  # fmt: skip
+    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
+    if blocks is not None:
+        block_m, block_n = blocks
+        grid = (triton.cdiv(m, block_m),)
+        _fwd_rows_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n))
+    else:
+        block_n = _loop_block(TUNING.max_fwd_block_n)
+        _fwd_looped_kernel[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+
+
+def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc):
+    m, n = h.shape
+    acc = rstd.dtype
+    scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
+    dummy = rstd
+    dres_out_ = dres_out if dres_out is not None else dummy
+    weight_ = weight if weight is not None else dummy
+    mean_ = mean if mean is not None else dummy
+    dres_ = dres if dres is not None else dummy
+    drop = (float(dropout_p), scale_hi, scale_lo, int(seed))
+    flags = dict(
+        HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
+        ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None,
+    )  # fmt: skip
+    blocks = _rows_blocks(m, n, TUNING.max_bwd_block_n)
+    if blocks is not None:
+        block_m, block_n = blocks
+        programs = min(_programs(h.device), triton.cdiv(m, block_m))
+        dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
+        db_part = torch.empty((programs, n), dtype=acc, device=h.device)
+        _bwd_rows_kernel[(programs,)](
+            dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
+            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
+            **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n),
+        )  # fmt: skip
+    else:
+        block_n = _loop_block(TUNING.max_bwd_block_n)
+        c1 = torch.empty(m, dtype=acc, device=h.device)
+        c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
+        _bwd_row_sums_kernel[(m,)](
+            dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n,
+            HAS_WEIGHT=weight is not None, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n,
+            num_warps=_warps(block_n),
+        )  # fmt: skip
+        tiles = triton.cdiv(n, block_n)
+        groups = max(1, min(m, triton.cdiv(_programs(h.device), tiles)))
+        dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
+        db_part = torch.empty((groups, n), dtype=acc, device=h.device)
+        _bwd_tiles_kernel[(tiles, groups)](
+            dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part,
+            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
+            **flags, BLOCK_N=block_n, num_warps=_warps(block_n),
+        )  # fmt: skip
+    return dw_part, db_part
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The kernel contract (see addnorm.ops.add_norm)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _interpreted() -> bool:
+    """Whether the kernels above were built for Triton's interpreter (decided when this module was imported)."""
+    return type(_fwd_rows_kernel).__name__ == "InterpretedFunction"
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on ``device``, else a sentence saying why not."""
+    device = torch.device(device)
+    if triton is None:
+        return "triton is not installed: pip install 'addnorm[triton]'"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available (no GPU, or a CPU-only build of torch)"
+        if _interpreted():
+            return None  # the interpreter also runs CUDA tensors, slowly
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); use backend='cpu'"
+        if not _interpreted():
+            return (
+                "TRITON_INTERPRET=1 was set after addnorm.ops.triton_add_norm was imported; set it before "
+                "importing addnorm (Triton decides at import) or use backend='cpu'"
+            )
+        return None
+    return f"Triton kernels run on CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), not on {device.type}"
+
+
+def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
+            store_residual_out):  # fmt: skip
+    m, n = x.shape
+    sd = stats_dtype(x.dtype, residual_dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
+    mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
+    rstd = torch.empty(m, dtype=sd, device=x.device)
+    if m > 0:
+        _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
+                    zero_centered_weight)  # fmt: skip
+    return out, res_out, mean, rstd
+
+
+def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
+             residual_dtype, bias_dtype):  # fmt: skip
+    m, n = h.shape
+    # incoming gradients can be broadcast views (stride 0); the kernels want unit stride along the row
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dresidual_out is not None and dresidual_out.stride(-1) != 1:
+        dresidual_out = dresidual_out.contiguous()
+    dx = torch.empty((m, n), dtype=x_dtype, device=h.device)
+    dres = torch.empty((m, n), dtype=residual_dtype, device=h.device) if residual_dtype is not None else None
+    has_db = bias_dtype is not None
+    if m == 0:
+        dw = torch.zeros(n, dtype=weight.dtype, device=h.device) if weight is not None else None
+        db = torch.zeros(n, dtype=bias_dtype, device=h.device) if has_db else None
+        return dx, dres, dw, db
+    dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db, dropout_p,
+                                   seed, is_rms, zero_centered_weight)  # fmt: skip
+    # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
+    dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(dim=0).to(bias_dtype) if has_db else None
+    return dx, dres, dw, db
