@@ -327,3 +327,58 @@ def test_blocks_expose_the_residual_stream():
 def test_sequence_longer_than_max_seq_len_is_rejected():
     with pytest.raises(ValueError, match="exceeds max_seq_len 16"):
         TransformerLM(TransformerConfig(**TINY))(_ids(t=17))
+
+
+# ---------------------------------------------------------------------------------------------------- more shapes
+
+
+@pytest.mark.parametrize("placement", ["post", "pre", "deepnorm", "sandwich", "none", "post-noskip", "pre-noskip"])
+def test_every_placement_builds_a_trainable_lm(placement):
+    lm = TransformerLM(TransformerConfig(**TINY, placement=placement))
+    assert all(b.placement == placement for b in lm.blocks)
+    lm(_ids()).sum().backward()
+    assert _finite_grads(lm)
+
+
+def test_parallel_block_matches_its_equation():
+    cfg = TransformerConfig.preset("palm", **TINY)
+    block = ParallelBlock(cfg).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    h = block.norm(x)
+    torch.testing.assert_close(block(x), x + block.attn(h) + block.ffn(h), rtol=1e-12, atol=1e-12)
+
+
+def test_decoder_reads_the_source_through_cross_attention():
+    model = TransformerEncoderDecoder(TransformerConfig.preset("original", **TINY)).eval()
+    src, tgt = _ids(t=7), _ids(t=5)
+    changed = src.clone()
+    changed[:, 3] = (src[:, 3] + 1) % 50
+    assert not torch.allclose(model(src, tgt), model(changed, tgt))
+
+
+def test_padding_masks_must_be_bool():
+    enc = TransformerEncoder(TransformerConfig(**TINY))
+    with pytest.raises(TypeError, match="must be a bool tensor, True at padded positions"):
+        enc(_ids(), torch.ones(2, 10, dtype=torch.long))
+
+
+def test_embed_scale_multiplies_token_embeddings_by_sqrt_d():
+    cfg = TransformerConfig(**TINY, positional="none", embed_scale=True)
+    lm = TransformerLM(cfg)
+    ids = _ids()
+    torch.testing.assert_close(lm.embed(ids), lm.embed.tok(ids) * math.sqrt(32))
+
+
+def test_attention_logit_helpers():
+    from addnorm.nn import max_attention_logits, record_attention_logits
+
+    lm = TransformerLM(TransformerConfig(**TINY))
+    assert max_attention_logits(lm) == {}
+    mods = record_attention_logits(lm)
+    assert len(mods) == 2
+    lm(_ids())
+    logits = max_attention_logits(lm)
+    assert set(logits) == {"blocks.0.attn.sublayer", "blocks.1.attn.sublayer"}
+    assert all(math.isfinite(v) for v in logits.values())
+    record_attention_logits(lm, False)
+    assert max_attention_logits(lm) == {}

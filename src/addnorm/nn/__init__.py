@@ -3,7 +3,7 @@
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.nn.norm_kinds import NORM_KINDS, DyT, NoNorm, ScaleNorm, SequenceBatchNorm, make_norm
 from addnorm.nn.residual import PLACEMENTS, DeepNormCoefficients, Residual, deepnorm_coefficients
-from addnorm.nn.attention import MultiHeadAttention, RotaryEmbedding
+from addnorm.nn.attention import MultiHeadAttention, RotaryEmbedding, max_attention_logits, record_attention_logits
 from addnorm.nn.ffn import FFN_KINDS, FeedForward
 from addnorm.nn.config import PRESETS, TransformerConfig
 from addnorm.nn.layers import DecoderLayer, EncoderLayer, ParallelBlock, make_block, residual_chain
@@ -24,6 +24,8 @@ __all__ = [
     "deepnorm_coefficients",
     "MultiHeadAttention",
     "RotaryEmbedding",
+    "record_attention_logits",
+    "max_attention_logits",
     "FFN_KINDS",
     "FeedForward",
     "PRESETS",

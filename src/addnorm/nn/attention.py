@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from addnorm.nn.norm_kinds import make_norm
 
-__all__ = ["MultiHeadAttention", "RotaryEmbedding"]
+__all__ = ["MultiHeadAttention", "RotaryEmbedding", "record_attention_logits", "max_attention_logits"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,9 +89,13 @@ class MultiHeadAttention(nn.Module):
         if self.causal:
             allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
         if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool:
+                # an int mask is ambiguous (Hugging Face's attention_mask uses 1 for *real* tokens): insist on bool
+                raise TypeError(f"key_padding_mask must be a bool tensor, True at padded positions; got "
+                                f"{key_padding_mask.dtype}")  # fmt: skip
             if key_padding_mask.shape != (b, s):
                 raise ValueError(f"key_padding_mask must have shape {(b, s)}, got {tuple(key_padding_mask.shape)}")
-            keep = ~key_padding_mask.to(torch.bool)[:, None, None, :]
+            keep = ~key_padding_mask[:, None, None, :]
             allowed = keep if allowed is None else allowed & keep
         if allowed is not None and key_padding_mask is not None:
             # a query with no allowed key (e.g. a left-padded first position) would give NaN, and NaN in a padded
@@ -131,3 +135,22 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
+
+
+def record_attention_logits(model: nn.Module, enabled: bool = True) -> list[MultiHeadAttention]:
+    """Switch ``record_logits`` on (or off) in every attention module of ``model``; returns those modules.
+
+    Recording computes attention explicitly instead of with SDPA: slower, same result.
+    """
+    mods = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    for m in mods:
+        m.record_logits = enabled
+        if not enabled:
+            m.max_logit = None
+    return mods
+
+
+def max_attention_logits(model: nn.Module) -> dict[str, float]:
+    """``{module name: max attention logit of its last forward}`` for every attention module that recorded one."""
+    return {name: float(m.max_logit) for name, m in model.named_modules()
+            if isinstance(m, MultiHeadAttention) and m.max_logit is not None}  # fmt: skip

@@ -3,7 +3,7 @@
 Presets follow each family's published block (seed 000, section 6), at tiny CPU-friendly sizes:
 
     preset     norm       placement   block        ffn     final norm   notes
-    original   LayerNorm  post        sequential   relu    no           sinusoidal positions, Xavier init
+    original   LayerNorm  post        sequential   relu    no           sinusoidal positions, Xavier, sqrt(d) embed
     bert       LayerNorm  post        sequential   gelu    no           LayerNorm on the embeddings
     gpt2       LayerNorm  pre         sequential   gelu    yes          residual init scaling 1/sqrt(2L)
     gpt3       LayerNorm  pre         sequential   gelu    yes          as GPT-2 (dense attention here)
@@ -12,7 +12,7 @@ Presets follow each family's published block (seed 000, section 6), at tiny CPU-
     mistral    RMSNorm    pre         sequential   swiglu  yes          as LLaMA (full attention here)
     qwen       RMSNorm    pre         sequential   swiglu  yes          as LLaMA
     deepseek   RMSNorm    pre         sequential   swiglu  yes          as LLaMA (dense FFN here)
-    gemma      RMSNorm    pre         sequential   geglu   yes          weight applied as (1 + w), tied
+    gemma      RMSNorm    pre         sequential   geglu   yes          weight (1 + w), tied, sqrt(d) embed
     deepnet    LayerNorm  deepnorm    sequential   gelu    no           alpha/beta from depth, Xavier init
 
 Presets describe architecture; dropout is a training choice and defaults to 0 everywhere (override it).
@@ -40,7 +40,7 @@ _LLAMA = dict(norm="rmsnorm", placement="pre", ffn="swiglu", bias=False, positio
 # name -> (fields, one-line description)
 PRESETS: dict[str, tuple[dict, str]] = {
     "original": (dict(norm="layernorm", placement="post", ffn="relu", final_norm=False, positional="sinusoidal",
-                      init="xavier"), "Vaswani et al. 2017: LayerNorm, Post-LN"),
+                      init="xavier", embed_scale=True), "Vaswani et al. 2017: LayerNorm, Post-LN"),
     "bert": (dict(norm="layernorm", placement="post", ffn="gelu", final_norm=False, embed_norm=True),
              "BERT 2018: LayerNorm, Post-LN, LayerNorm on the embeddings"),
     "gpt2": (dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
@@ -54,7 +54,8 @@ PRESETS: dict[str, tuple[dict, str]] = {
     "qwen": (dict(_LLAMA, final_norm=True), "Qwen 2023: as LLaMA"),
     "deepseek": (dict(_LLAMA, final_norm=True), "DeepSeek 2024: as LLaMA"),
     "gemma": (dict(norm="rmsnorm", placement="pre", ffn="geglu", final_norm=True, bias=False, positional="rope",
-                   zero_centered_weight=True, tie_embeddings=True), "Gemma 2024: RMSNorm (1 + w), Pre-LN"),
+                   zero_centered_weight=True, tie_embeddings=True, embed_scale=True),
+              "Gemma 2024: RMSNorm (1 + w), Pre-LN"),
     "deepnet": (dict(norm="layernorm", placement="deepnorm", ffn="gelu", final_norm=False, init="xavier"),
                 "DeepNet 2022: DeepNorm, Norm(alpha x + F(x)), beta-scaled init"),
 }
@@ -75,7 +76,8 @@ class TransformerConfig:
     """Shape, Add & Norm choices and init of a Transformer; validated on construction.
 
     ``d_ff=None``: 4 * d_model, or for gated FFNs (swiglu/geglu) 8/3 * d_model rounded up to a multiple of 8
-    (same parameter count). ``final_norm=None``: on for placements whose stream leaves the last layer
+    (same parameter count). ``embed_scale``: multiply token embeddings by sqrt(d_model) (original Transformer,
+Gemma). ``final_norm=None``: on for placements whose stream leaves the last layer
     unnormalized (pre, sandwich, mix, pre-noskip, parallel). ``placement="mix"``: Post-LN for the first
     ``floor(mix_ln_fraction * n_layers)`` layers, Pre-LN after (Mix-LN). ``deepnorm_alpha/beta``: override the
     values :func:`deepnorm_coefficients` derives from the depth. ``fuse_add_norm``: run each pre-norm residual
@@ -104,6 +106,7 @@ class TransformerConfig:
     eps: float | None = None
     positional: str = "learned"
     embed_norm: bool = False
+    embed_scale: bool = False
     mix_ln_fraction: float = 0.25
     deepnorm_alpha: float | None = None
     deepnorm_beta: float | None = None

@@ -41,11 +41,13 @@ def _sinusoidal(max_len: int, d: int) -> Tensor:
 
 
 class Embeddings(nn.Module):
-    """Token embedding plus learned or sinusoidal positions (none for RoPE/"none"), optional norm, dropout."""
+    """Token embedding (times sqrt(d) with ``embed_scale``) plus learned or sinusoidal positions (none for
+    RoPE/"none"), optional norm, dropout."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.max_seq_len = config.max_seq_len
+        self.scale = math.sqrt(config.d_model) if config.embed_scale else 1.0
         self.tok = nn.Embedding(config.vocab_size, config.d_model)
         self.pos = nn.Embedding(config.max_seq_len, config.d_model) if config.positional == "learned" else None
         if config.positional == "sinusoidal":
@@ -63,6 +65,8 @@ class Embeddings(nn.Module):
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
         x = self.tok(ids)  # (B, T, d)
+        if self.scale != 1.0:
+            x = x * self.scale
         if self.pos is not None:
             x = x + self.pos.weight[:t]
         elif self.sinusoid is not None:

@@ -126,12 +126,15 @@ class SequenceBatchNorm(nn.Module):
         if self.training:
             flat = h.reshape(-1, self.d_model)
             if padding_mask is not None and self.mask_padding:
+                if padding_mask.dtype != torch.bool:
+                    raise TypeError(f"padding_mask must be a bool tensor, True at padded positions; got "
+                                    f"{padding_mask.dtype}")  # fmt: skip
                 if padding_mask.shape != h.shape[:-1]:
                     raise ValueError(
                         f"padding_mask must have the input's leading shape {tuple(h.shape[:-1])}, "
                         f"got {tuple(padding_mask.shape)}"
                     )
-                flat = flat[~padding_mask.reshape(-1).to(torch.bool)]
+                flat = flat[~padding_mask.reshape(-1)]
             n = flat.shape[0]
             if n < 2:
                 raise ValueError(f"batchnorm needs at least 2 unpadded positions in training mode, got {n}")
