@@ -1,0 +1,280 @@
+"""The Triton backend against the float64 oracle: forward, every gradient, dropout, determinism, both kernel paths.
+
+Runs on CUDA when present, else on CPU tensors in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so sizes
+stay tiny. The looped (wide-row) path is reached at small N by shrinking the launcher's block limits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from addnorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm  # noqa: E402
+from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops.backends import unavailable_reason  # noqa: E402
+from addnorm.reference import stats_naive  # noqa: E402
+from addnorm.testing import assert_close, oracle  # noqa: E402
+
+LN, RMS = False, True
+TINY = T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, loop_block_n=32)
+
+
+@pytest.fixture(autouse=True)
+def _triton_here(device):
+    reason = T.unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def looped(monkeypatch):
+    """Force the looped path: rows wider than 64 elements no longer fit 'registers'."""
+    monkeypatch.setattr(T, "TUNING", TINY)
+
+
+def _inputs(m, n, dtype, device, *, residual=True, weight=True, bias=True, residual_dtype=None, stride_pad=0):
+    """Leaf tensors; with stride_pad > 0, x and residual are column slices of wider buffers (strided rows)."""
+
+    def rows(dt):
+        big = torch.randn(m, n + stride_pad, dtype=dt, device=device)
+        return big[:, stride_pad:].requires_grad_(True) if stride_pad else big.requires_grad_(True)
+
+    x = rows(dtype)
+    r = rows(residual_dtype or dtype) if residual else None
+    w = (1 + 0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_(True) if weight else None
+    b = (0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_(True) if bias else None
+    return x, r, w, b
+
+
+def check_against_oracle(is_rms, x, r, w, b, *, eps=1e-5, dresidual_out=True, **kw):
+    """Run the Triton backend forward and backward and compare out, residual_out and every gradient."""
+    if is_rms:
+        out, res_out = add_rms_norm(x, r, w, eps, backend="triton", **kw)
+    else:
+        out, res_out = add_layer_norm(x, r, w, b, eps, backend="triton", **kw)
+    dout = torch.randn_like(out)
+    dres_out = torch.randn_like(res_out) if dresidual_out else None
+    torch.autograd.backward((out, res_out) if dresidual_out else (out,), (dout, dres_out) if dresidual_out else (dout,))
+    ref = oracle(x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
+                 residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False))  # fmt: skip
+    m = x.shape[0]
+    assert out.dtype == x.dtype
+    assert_close(out, ref["out"], "out")
+    assert_close(res_out, ref["residual_out"], "residual_out")
+    assert_close(x.grad, ref["dx"], "dx", grad=True)
+    if r is not None:
+        assert r.grad.dtype == r.dtype
+        assert_close(r.grad, ref["dresidual"], "dresidual", grad=True)
+    if w is not None:
+        assert_close(w.grad, ref["dweight"], "dweight", grad=True, reduced_rows=m)
+    if b is not None and not is_rms:
+        assert_close(b.grad, ref["dbias"], "dbias", grad=True, reduced_rows=m)
+    return out, res_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Against the oracle
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_dtypes(device, dtype, is_rms):
+    check_against_oracle(is_rms, *_inputs(3, 200, dtype, device))
+
+
+@pytest.mark.parametrize(
+    "m, n, dtype, is_rms, opts",
+    [
+        (0, 37, torch.float32, LN, {}),
+        (1, 37, torch.bfloat16, RMS, {}),
+        (5, 100, torch.float32, LN, dict(residual=False)),
+        (5, 100, torch.float16, LN, dict(weight=False, bias=False)),
+        (5, 100, torch.float32, LN, dict(weight=False)),  # bias alone
+        (5, 100, torch.float32, RMS, dict(residual=False, weight=False)),
+        (7, 300, torch.bfloat16, LN, dict(residual_dtype=torch.float32)),  # fp32 residual stream, bf16 x
+        (7, 300, torch.bfloat16, RMS, dict(residual_dtype=torch.float32)),
+        (3, 130, torch.float16, RMS, dict(stride_pad=5)),  # strided rows, no copies
+        (3, 130, torch.float32, LN, dict(stride_pad=3, residual_dtype=torch.float32)),
+    ],
+)
+def test_options(device, m, n, dtype, is_rms, opts):
+    residual_dtype = opts.get("residual_dtype")
+    inputs = _inputs(m, n, dtype, device, **opts)
+    kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
+    out, res_out = check_against_oracle(is_rms, *inputs, **kw)
+    if residual_dtype is not None:
+        assert res_out.dtype == residual_dtype and out.dtype == dtype
+
+
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_zero_centered_weight(device, is_rms):
+    x, r, w, b = _inputs(4, 96, torch.float32, device)
+    with torch.no_grad():
+        w.mul_(0.1)  # Gemma stores w near 0 and applies 1 + w
+    check_against_oracle(is_rms, x, r, w, b, zero_centered_weight=True)
+
+
+def test_small_n_packs_rows(device):
+    """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
+    m, n = 37, 64
+    block_m, _ = T._rows_blocks(m, n, T.TUNING.max_fwd_block_n)
+    assert block_m > 1
+    check_against_oracle(RMS, *_inputs(m, n, torch.bfloat16, device))
+
+
+def test_leading_dims_and_plain_norms(device):
+    x = torch.randn(2, 3, 50, device=device)
+    w, b = torch.randn(50, device=device), torch.randn(50, device=device)
+    ln = layer_norm(x, w, b, 1e-5, backend="triton")
+    torch.testing.assert_close(ln, torch.nn.functional.layer_norm(x, (50,), w, b, 1e-5), atol=2e-5, rtol=2e-5)
+    rms = rms_norm(x, w, 1e-6, backend="triton")
+    torch.testing.assert_close(rms, torch.nn.functional.rms_norm(x, (50,), w, 1e-6), atol=2e-5, rtol=2e-5)
+    assert ln.shape == x.shape
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The looped path (rows too wide for registers)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, is_rms, opts",
+    [
+        (torch.float32, LN, {}),
+        (torch.bfloat16, RMS, dict(residual_dtype=torch.float32)),
+        (torch.float64, LN, dict(stride_pad=2)),
+        (torch.float16, RMS, dict(residual=False, weight=False)),
+    ],
+)
+def test_looped_path(device, looped, dtype, is_rms, opts):
+    assert T._rows_blocks(3, 200, T.TUNING.max_fwd_block_n) is None
+    residual_dtype = opts.get("residual_dtype")
+    kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
+    check_against_oracle(is_rms, *_inputs(3, 200, dtype, device, **opts), **kw)
+
+
+@pytest.mark.parametrize("path", ["rows", "looped"])
+def test_stats_do_not_cancel(device, monkeypatch, path):
+    """A large common offset: E[h^2] - E[h]^2 in fp32 loses every digit of the variance (shown with the naive
+    reference); the kernels' two-pass / Welford-Chan statistics keep it."""
+    if path == "looped":
+        monkeypatch.setattr(T, "TUNING", TINY)
+    x = (1e4 + torch.randn(2, 200, dtype=torch.float64)).float().to(device)
+    _, _, _, rstd = T.forward(x, None, None, None, eps=1e-5, is_rms=False, dropout_p=0.0, seed=0,
+                              residual_dtype=x.dtype, zero_centered_weight=False, store_residual_out=False)  # fmt: skip
+    var64 = x.double().var(dim=-1, unbiased=False)
+    rstd64 = torch.rsqrt(var64 + 1e-5)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-4, atol=0)
+    naive = torch.rsqrt(stats_naive(x.cpu(), torch.float32)[1].double().clamp_min(0) + 1e-5).to(device)
+    assert not torch.allclose(naive, rstd64, rtol=1e-2, atol=0)  # the offset really does defeat naive stats
+
+
+def test_wide_row(device):
+    """A real hidden size above 65536 with the default block limits (one row, so the interpreter stays quick)."""
+    n = 65537
+    assert T._rows_blocks(1, n, T.TUNING.max_fwd_block_n) is None
+    check_against_oracle(LN, *_inputs(1, n, torch.bfloat16, device))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Determinism of the two-stage dweight/dbias reduction
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["rows", "looped"])
+def test_dweight_dbias_bitwise_reproducible(device, monkeypatch, path):
+    if path == "looped":
+        monkeypatch.setattr(T, "TUNING", TINY)
+    # several persistent programs in the interpreter (rows: 9 row blocks of 4 on 4 programs; looped: 3 column
+    # tiles x 2 row groups)
+    m, n = (33, 600) if path == "rows" else (9, 70)
+    x = torch.randn(m, n, device=device)
+    w = torch.randn(n, device=device, requires_grad=True)
+    b = torch.randn(n, device=device, requires_grad=True)
+    dout = torch.randn(m, n, device=device)
+    grads = []
+    for _ in range(2):
+        out, _ = add_layer_norm(x, None, w, b, backend="triton")
+        grads.append(torch.autograd.grad(out, (w, b), dout))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dropout: mask from (seed, row, col), regenerated in the backward
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_dropout(device):
+    m, n, p = 7, 300, 0.3
+    x = torch.randn(m, n, device=device, requires_grad=True)
+    r = torch.zeros(m, n, device=device, requires_grad=True)  # residual_out = dropout(x): the mask is visible
+    w = torch.randn(n, device=device, requires_grad=True)
+    b = torch.randn(n, device=device, requires_grad=True)
+    out, res_out = add_layer_norm(x, r, w, b, dropout_p=p, backend="triton")
+    keep = res_out != 0
+    # kept fraction within 5 binomial standard deviations of 1 - p
+    frac, count = keep.float().mean().item(), m * n
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / count)
+    torch.testing.assert_close(res_out[keep], x.detach()[keep] / (1 - p), atol=0, rtol=2e-7)
+    dout, dres_out = torch.randn_like(out), torch.randn_like(res_out)
+    torch.autograd.backward((out, res_out), (dout, dres_out))
+    assert torch.all(x.grad[~keep] == 0)
+    ref = oracle(x, r, w, b, eps=1e-5, is_rms=False, keep=keep, dropout_p=p, dout=dout, dresidual_out=dres_out)
+    for name, actual in (("out", out), ("residual_out", res_out)):
+        assert_close(actual, ref[name], name)
+    assert_close(x.grad, ref["dx"], "dx", grad=True)
+    assert_close(r.grad, ref["dresidual"], "dresidual", grad=True)
+    assert_close(w.grad, ref["dweight"], "dweight", grad=True, reduced_rows=m)
+    assert_close(b.grad, ref["dbias"], "dbias", grad=True, reduced_rows=m)
+
+
+def test_dropout_mask_depends_only_on_seed_and_position(device, monkeypatch):
+    """The rows and looped paths draw the same mask for the same seed; the next call draws a new one."""
+    x = torch.randn(3, 200, device=device) + 3  # no exact zeros in x
+    torch.manual_seed(1)
+    _, rows_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
+    _, next_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
+    monkeypatch.setattr(T, "TUNING", TINY)
+    torch.manual_seed(1)
+    xg = x.clone().requires_grad_(True)
+    out, looped_res = add_rms_norm(xg, dropout_p=0.5, backend="triton")
+    assert torch.equal(rows_res != 0, looped_res != 0)
+    assert not torch.equal(rows_res != 0, next_res != 0)
+    out.backward(torch.randn_like(out))  # the looped backward regenerates the same mask
+    assert torch.equal(xg.grad == 0, looped_res == 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch.compile and availability
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph(device):
+    def block(x, r, w):
+        out, res = add_rms_norm(x, r, w, 1e-6, backend="triton")
+        return (out * 2).sum() + res.square().sum()
+
+    x, r, w, _ = _inputs(3, 40, torch.float32, device, bias=False)
+    eager = block(x, r, w)
+    eager_grads = torch.autograd.grad(eager, (x, r, w))
+    # inductor needs a C++ toolchain on CPU; aot_eager still traces the whole graph through the custom ops
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if device.type == "cuda" else "aot_eager")
+    got = compiled(x, r, w)
+    got_grads = torch.autograd.grad(got, (x, r, w))
+    torch.testing.assert_close(got, eager)
+    for a, e in zip(got_grads, eager_grads):
+        torch.testing.assert_close(a, e)
+
+
+def test_unavailable_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in T.unavailable_reason(torch.device("cpu"))
+    assert "TRITON_INTERPRET=1" in unavailable_reason("triton", "cpu")
+    assert "not on meta" in T.unavailable_reason(torch.device("meta"))
+    monkeypatch.setattr(T, "triton", None)
+    assert "pip install 'addnorm[triton]'" in T.unavailable_reason(torch.device("cuda"))
