@@ -1,0 +1,465 @@
+"""Per-layer training telemetry for any PyTorch model, through removable hooks.
+
+What is recorded, per step (``Monitor.step`` after ``loss.backward()``):
+
+- global: ``step``, ``loss``, ``grad_norm`` (L2 norm of every parameter gradient, as ``clip_grad_norm_`` computes
+  it), ``output_logz`` (mean over positions of log sum_v exp(logits_v): the quantity z-loss keeps near 0,
+  Wortsman et al. 2023), and, every ``probe_every`` steps when a probe batch is given, ``update_size`` =
+  ||F(x, theta_t) - F(x, theta_0)|| on that fixed batch (the model-update measure of DeepNet, Wang et al. 2022);
+- per block (``record["layers"]``, in order): ``grad_norm`` of the block's parameters, ``residual_rms`` =
+  sqrt(mean(h^2)) of the block's output stream in the last forward, ``norm_input_rms`` (largest RMS of an input of
+  a norm module inside the block: LayerNorm's Jacobian shrinks like sqrt(d)/||x||, Xiong et al. 2020), and
+  ``max_attn_logit`` when the block's attention module exposes it.
+
+Per-step cost is kept to a few tensor ops per block and a single device-to-host copy (one ``.tolist()``), so
+recording every step stays cheap (see ``benchmarks/monitor_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Monitor", "find_blocks", "is_norm_module", "first_tensor", "output_logits", "call_model"]
+
+# Where well-known model families keep their repeated blocks, tried in this order before the general search.
+_KNOWN_BLOCK_PATHS = (
+    "blocks",  # addnorm, nanoGPT-style
+    "model.layers",  # Llama, Mistral, Qwen, Gemma (…ForCausalLM)
+    "layers",  # the same families' bare …Model
+    "transformer.h",  # GPT-2, GPT-J, Falcon
+    "h",
+    "gpt_neox.layers",
+    "model.decoder.layers",  # OPT
+    "decoder.layers",
+    "bert.encoder.layer",
+    "roberta.encoder.layer",
+    "encoder.layer",  # BertModel, RobertaModel
+    "transformer.blocks",
+    "transformer.layers",
+)
+
+# Attribute names an attention module may use to expose the largest pre-softmax logit of its last forward.
+MAX_ATTN_LOGIT_ATTRS = ("max_attn_logit", "last_max_logit", "max_logit")
+
+_TORCH_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """True for torch's norm layers and for leaf modules whose class name says "Norm" (LlamaRMSNorm, T5LayerNorm)."""
+    if isinstance(module, _TORCH_NORMS):
+        return True
+    name = type(module).__name__.lower()
+    return "norm" in name and next(module.children(), None) is None
+
+
+def first_tensor(value: Any) -> Tensor | None:
+    """The tensor a module "returns": itself, the first tensor of a tuple/list, or ``.last_hidden_state``-like."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, Tensor):
+                return v
+        return None
+    if isinstance(value, dict):  # Hugging Face ModelOutput is a dict subclass
+        for v in value.values():
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+def output_logits(value: Any) -> Tensor | None:
+    """The logits in a model's output: ``.logits`` (Hugging Face), else the first tensor, if it is (.., V) float."""
+    logits = getattr(value, "logits", None)
+    if not isinstance(logits, Tensor):
+        logits = first_tensor(value)
+    if logits is None or logits.dim() < 2 or not logits.is_floating_point():
+        return None
+    return logits
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call ``model`` on a batch given as a tensor, a tuple/list of positional inputs, or a dict of keyword inputs."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _resolve(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _homogeneous(container: nn.Module) -> bool:
+    children = list(container.children())
+    return len(children) >= 1 and len({type(c) for c in children}) == 1
+
+
+def find_blocks(model: nn.Module, blocks: Any = None) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks as ``[(qualified_name, module), ...]`` in execution order.
+
+    ``blocks`` overrides the search: an attribute path ("model.layers"), a ModuleList/Sequential, or a list of
+    modules of ``model``. Otherwise: known paths (addnorm ``model.blocks``, Hugging Face ``model.layers``,
+    ``transformer.h``, ``encoder.layer``, ...), then the largest ModuleList/Sequential whose children share a class.
+    Raises ValueError when nothing fits.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    if blocks is not None:
+        if isinstance(blocks, str):
+            found = _resolve(model, blocks)
+            if found is None:
+                raise ValueError(f"blocks={blocks!r}: the model has no submodule with that path")
+            blocks = list(found.children())
+        elif isinstance(blocks, nn.Module):
+            blocks = list(blocks.children())
+        else:
+            blocks = list(blocks)
+        if not blocks:
+            raise ValueError("blocks: got an empty list of blocks")
+        out = []
+        for b in blocks:
+            if not isinstance(b, nn.Module) or id(b) not in names:
+                raise ValueError(f"blocks: every block must be a submodule of the model, got {type(b).__name__}")
+            out.append((names[id(b)], b))
+        return out
+
+    for path in _KNOWN_BLOCK_PATHS:
+        found = _resolve(model, path)
+        if isinstance(found, (nn.ModuleList, nn.Sequential)) and _homogeneous(found):
+            return [(names[id(c)], c) for c in found.children()]
+
+    best, best_key = None, None
+    for _, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and _homogeneous(mod):
+            n_params = sum(p.numel() for p in mod.parameters())
+            key = (len(mod), n_params)  # most blocks first, then the heavier stack (blocks vs. a list of heads)
+            if n_params > 0 and (best_key is None or key > best_key):
+                best, best_key = mod, key
+    if best is None:
+        raise ValueError(
+            f"could not find repeated blocks in {type(model).__name__}: no ModuleList/Sequential of same-class "
+            "modules with parameters; pass blocks= (an attribute path such as 'model.layers', or a list of modules)"
+        )
+    return [(names[id(c)], c) for c in best.children()]
+
+
+def _batched_norms(tensors: list[Tensor]) -> list[Tensor]:
+    """L2 norm of each tensor (fp32), one fused call where torch offers it (the path clip_grad_norm_ takes)."""
+    if not tensors:
+        return []
+    foreach = getattr(torch, "_foreach_norm", None)
+    if foreach is not None:
+        try:
+            return list(foreach(tensors))
+        except (RuntimeError, TypeError):  # mixed devices/layouts: fall back to one norm per tensor
+            pass
+    return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+class Monitor:
+    """Record per-layer gradient norms, residual-stream RMS and friends at every ``step()``; hooks are removable.
+
+    Usage::
+
+        mon = Monitor(model, jsonl="run.jsonl")
+        for batch in data:
+            loss = model(batch).loss; loss.backward()
+            rec = mon.step(loss=loss)        # after backward, before optimizer.zero_grad()
+            opt.step(); opt.zero_grad()
+        mon.detach()                         # or: with Monitor(model) as mon: ...
+
+    Args:
+        model: any ``nn.Module``.
+        blocks: which modules are "the layers" (see :func:`find_blocks`); found automatically by default.
+        probe: a fixed batch (tensor, tuple or dict of inputs) for ``update_size``; F(probe, theta_0) is taken at
+            attach time, in eval mode and without gradients.
+        jsonl: path of a JSON-lines file, one record per recorded step, flushed each time (truncated at attach).
+        tensorboard: a log directory for ``torch.utils.tensorboard.SummaryWriter`` (needs the tensorboard package).
+        record_every: record every N-th step; other steps cost nothing beyond the hook calls and return None.
+        probe_every: compute ``update_size`` every N-th recorded step (a full extra forward).
+    """
+
+    def __init__(self, model: nn.Module, *, blocks: Any = None, probe: Any = None, jsonl: str | os.PathLike | None = None,
+                 tensorboard: str | os.PathLike | None = None, record_every: int = 1, probe_every: int = 10) -> None:  # fmt: skip
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(record_every, int) or record_every < 1:
+            raise ValueError(f"record_every must be a positive int, got {record_every!r}")
+        if not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every must be a positive int, got {probe_every!r}")
+        self.model = model
+        self.record_every = record_every
+        self.probe_every = probe_every
+        self.history: list[dict] = []
+        self.blocks = find_blocks(model, blocks)
+        self._steps = 0  # step() calls so far; the forward of step k happens while _steps == k
+        self._paused = False  # set while the monitor runs its own probe forward
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._jsonl = None
+        self._tb = None
+        n = len(self.blocks)
+        self._residual: list[Tensor | None] = [None] * n
+        self._norm_in: list[Tensor | None] = [None] * n
+        self._logz: Tensor | None = None
+
+        # Parameters: each assigned to the first block holding it (segment i), the rest to segment n.
+        seg_of: dict[int, int] = {}
+        for i, (_, block) in enumerate(self.blocks):
+            for p in block.parameters():
+                seg_of.setdefault(id(p), i)
+        self._params: list[nn.Parameter] = []
+        self._segment: list[int] = []
+        for p in model.parameters():  # .parameters() already skips shared duplicates
+            self._params.append(p)
+            self._segment.append(seg_of.get(id(p), n))
+
+        self._attn_modules: list[list[nn.Module]] = []
+        for i, (_, block) in enumerate(self.blocks):
+            self._handles.append(block.register_forward_hook(self._make_block_hook(i)))
+            for m in block.modules():
+                if m is not block and is_norm_module(m):
+                    self._handles.append(m.register_forward_pre_hook(self._make_norm_hook(i)))
+            attn = [m for m in block.modules() if any(hasattr(m, a) for a in MAX_ATTN_LOGIT_ATTRS)]
+            if not attn:  # the attribute may appear only after a forward: remember attention-looking modules
+                attn = [m for m in block.modules() if "attn" in type(m).__name__.lower()
+                        or "attention" in type(m).__name__.lower()]  # fmt: skip
+            self._attn_modules.append(attn)
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_hook))
+        self._handles.append(model.register_forward_hook(self._model_hook))
+
+        self._probe = probe
+        self._probe_ref: Tensor | None = None
+        if probe is not None:
+            self._probe_ref = self._probe_output()
+            if self._probe_ref is None:
+                raise ValueError("probe: the model's output on the probe batch has no floating-point tensor")
+        if jsonl is not None:
+            self._jsonl = open(jsonl, "w", encoding="utf-8")  # noqa: SIM115 - closed in detach()
+        if tensorboard is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                self.detach()
+                raise ImportError(
+                    "Monitor(tensorboard=...) needs the tensorboard package: pip install tensorboard"
+                ) from e
+            self._tb = SummaryWriter(log_dir=str(tensorboard))
+
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    def _armed(self) -> bool:
+        return not self._paused and self._steps % self.record_every == 0
+
+    def _make_block_hook(self, i: int) -> Callable:
+        def hook(module, args, output):
+            if not self._armed():
+                return
+            h = first_tensor(output)
+            if h is not None and h.is_floating_point() and h.numel() > 0:
+                h = h.detach()
+                self._residual[i] = torch.linalg.vector_norm(h, dtype=torch.float32) / math.sqrt(h.numel())
+
+        return hook
+
+    def _make_norm_hook(self, i: int) -> Callable:
+        def hook(module, args):
+            if not self._armed() or not args or not isinstance(args[0], Tensor) or not args[0].is_floating_point():
+                return
+            x = args[0].detach()
+            if len(args) > 1 and isinstance(args[1], Tensor) and args[1].shape == x.shape:
+                x = x + args[1].detach()  # addnorm's fused form norm(x, residual) normalizes x + residual
+            if x.numel() == 0:
+                return
+            rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+            prev = self._norm_in[i]
+            self._norm_in[i] = rms if prev is None else torch.maximum(prev, rms.to(prev.device))
+
+        return hook
+
+    def _model_pre_hook(self, module, args):
+        # Values describe the last forward (gradient accumulation runs several per step): start afresh.
+        if self._armed():
+            n = len(self.blocks)
+            self._residual = [None] * n
+            self._norm_in = [None] * n
+            self._logz = None
+
+    def _model_hook(self, module, args, output):
+        if not self._armed():
+            return
+        logits = output_logits(output)
+        if logits is not None and logits.numel() > 0:
+            self._logz = torch.logsumexp(logits.detach().float(), dim=-1).mean()
+
+    # ---- probe ---------------------------------------------------------------------------------------------------
+    def _probe_output(self) -> Tensor | None:
+        was_training = self.model.training
+        self._paused = True
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = call_model(self.model, self._probe)
+        finally:
+            self.model.train(was_training)
+            self._paused = False
+        t = output_logits(out)
+        if t is None:
+            t = first_tensor(out)
+        return None if t is None or not t.is_floating_point() else t.detach().float().clone()
+
+    # ---- the per-step record ---------------------------------------------------------------------------------------
+    def step(self, loss: Tensor | float | None = None, **extra: Any) -> dict | None:
+        """Close the current step: build its record (after backward), append it to ``history``, write it out.
+
+        Returns the record, or None on steps skipped by ``record_every``. Extra keyword values (lr=...) are copied
+        into the record as they are.
+        """
+        step = self._steps
+        self._steps += 1
+        if step % self.record_every:
+            return None
+        n = len(self.blocks)
+        device = self._params[0].device if self._params else torch.device("cpu")
+
+        # Gradient norms: one fused norm per tensor, then squared sums per segment (blocks, then "other").
+        grads, seg = [], []
+        for p, s in zip(self._params, self._segment):
+            if p.grad is not None:
+                grads.append(p.grad.detach())
+                seg.append(s)
+        sq = torch.zeros(n + 1, dtype=torch.float32, device=device)
+        if grads:
+            norms = torch.stack([t.to(device=device, dtype=torch.float32) for t in _batched_norms(grads)])
+            sq.index_add_(0, torch.tensor(seg, device=device), norms * norms)
+        layer_grad = sq[:n].sqrt()
+        total_grad = sq.sum().sqrt()
+
+        # Everything goes to the host in one transfer: [total_grad, loss, logz, per-layer values...].
+        zero = torch.zeros((), device=device)
+        has_res = [r is not None for r in self._residual]
+        has_norm = [v is not None for v in self._norm_in]
+        attn = [self._attn_logit(i) for i in range(n)]
+        has_attn = [a is not None for a in attn]
+        loss_t = loss.detach().float().reshape(()) if isinstance(loss, Tensor) else None
+        parts = [
+            total_grad.reshape(1),
+            (loss_t.to(device) if loss_t is not None else zero).reshape(1),
+            (self._logz.to(device) if self._logz is not None else zero).reshape(1),
+            layer_grad,
+            torch.stack([r.to(device) if r is not None else zero for r in self._residual]),
+            torch.stack([v.to(device) if v is not None else zero for v in self._norm_in]),
+            torch.stack([a.to(device) if a is not None else zero for a in attn]),
+        ]
+        values = torch.cat([t.float().reshape(-1) for t in parts]).tolist()
+        total, loss_v, logz_v = values[0], values[1], values[2]
+        grads_l = values[3 : 3 + n]
+        res_l = values[3 + n : 3 + 2 * n]
+        norm_l = values[3 + 2 * n : 3 + 3 * n]
+        attn_l = values[3 + 3 * n : 3 + 4 * n]
+
+        layers = []
+        for i, (name, _) in enumerate(self.blocks):
+            entry = {"index": i, "name": name, "grad_norm": grads_l[i], "residual_rms": res_l[i] if has_res[i] else None}
+            if has_norm[i]:
+                entry["norm_input_rms"] = norm_l[i]
+            if has_attn[i]:
+                entry["max_attn_logit"] = attn_l[i]
+            layers.append(entry)
+
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss_v if loss_t is not None else (float(loss) if loss is not None else None),
+            "grad_norm": total,
+            "output_logz": logz_v if self._logz is not None else None,
+        }
+        if self._probe is not None and (step // self.record_every) % self.probe_every == 0:
+            out = self._probe_output()
+            record["update_size"] = float(torch.linalg.vector_norm(out - self._probe_ref)) if out is not None else None
+        record.update(extra)
+        record["layers"] = layers
+        self.history.append(record)
+        self._write(record)
+        # Stale values must not leak into a later record if a forward skips a block (early exit, layer drop).
+        self._residual = [None] * n
+        self._norm_in = [None] * n
+        self._logz = None
+        return record
+
+    def _attn_logit(self, i: int) -> Tensor | None:
+        best = None
+        for m in self._attn_modules[i]:
+            for attr in MAX_ATTN_LOGIT_ATTRS:
+                v = getattr(m, attr, None)
+                if isinstance(v, Tensor) and v.numel() == 1:
+                    v = v.detach().float().reshape(())
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    v = torch.tensor(float(v))
+                else:
+                    continue
+                best = v if best is None else torch.maximum(best, v.to(best.device))
+                break
+        return best
+
+    def _write(self, record: dict) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for key in ("loss", "grad_norm", "output_logz", "update_size"):
+                if isinstance(record.get(key), (int, float)):
+                    self._tb.add_scalar(f"addnorm/{key}", record[key], step)
+            for entry in record["layers"]:
+                for key in ("grad_norm", "residual_rms", "norm_input_rms", "max_attn_logit"):
+                    if isinstance(entry.get(key), (int, float)):
+                        self._tb.add_scalar(f"addnorm/{key}/{entry['index']:03d}", entry[key], step)
+            self._tb.flush()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Remove every hook and close the output files; the model runs exactly as before attaching."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def layer_series(self, key: str = "grad_norm") -> tuple[list[int], list[list[float | None]]]:
+        """(steps, values[step][layer]) of one per-layer quantity over ``history``."""
+        return layer_series(self.history, key)
+
+
+def layer_series(history: Sequence[dict] | Iterable[dict], key: str = "grad_norm"):
+    """(steps, rows) with rows[k][i] the value of ``key`` for layer i at the k-th record (None when absent)."""
+    steps, rows = [], []
+    for rec in history:
+        if "layers" not in rec:
+            raise ValueError(f"history: every record needs a 'layers' list, got keys {sorted(rec)}")
+        steps.append(rec.get("step", len(steps)))
+        rows.append([entry.get(key) for entry in rec["layers"]])
+    return steps, rows

@@ -1,0 +1,292 @@
+"""addnorm doctor: one planted-bug model per finding, clean models without errors, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from addnorm.cli import main as cli_main
+from addnorm.diagnostics import diagnose
+
+# A nanoGPT-style LM with knobs that plant each bug; written to a file for the CLI tests, exec'd for the rest.
+TOY_SRC = textwrap.dedent('''
+    import math
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    V, T, B = 50, 7, 3  # T and B differ from every feature size, so a norm over them is recognisable
+
+
+    class SeqLayerNorm(nn.Module):  # bug: normalizes each channel over the sequence axis
+        def __init__(self, d):
+            super().__init__()
+            self.ln = nn.LayerNorm(T)
+
+        def forward(self, x):
+            return self.ln(x.transpose(1, 2)).transpose(1, 2)
+
+
+    class BatchNormSeq(nn.Module):  # bug: BatchNorm over (B, T) per channel
+        def __init__(self, d):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(d)
+
+        def forward(self, x):
+            return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
+    class NaiveRMSNorm(nn.Module):  # bug: statistics in the input dtype (fp16/bf16 when the model runs there)
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+    def make_norm(kind, d):
+        if kind == "ln":
+            return nn.LayerNorm(d)
+        if kind == "ln_2d":  # bug: LayerNorm([T, d]) shares statistics across positions
+            return nn.LayerNorm([T, d])
+        if kind == "ln_wrong":  # bug: normalized_shape does not match d
+            return nn.LayerNorm(d // 2)
+        return {"ln_seq": SeqLayerNorm, "bn": BatchNormSeq, "naive": NaiveRMSNorm}[kind](d)
+
+
+    class Attn(nn.Module):
+        def __init__(self, d, h, n_layers):
+            super().__init__()
+            self.h = h
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            for lin in (self.qkv, self.proj):
+                nn.init.normal_(lin.weight, std=0.02)
+                nn.init.zeros_(lin.bias)
+            nn.init.normal_(self.proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+    class MLP(nn.Module):
+        def __init__(self, d, n_layers):
+            super().__init__()
+            self.fc = nn.Linear(d, 4 * d)
+            self.proj = nn.Linear(4 * d, d)
+            nn.init.normal_(self.fc.weight, std=0.02)
+            nn.init.normal_(self.proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(x)))
+
+
+    class Block(nn.Module):
+        def __init__(self, d, h, n_layers, placement, skip, norm, gain):
+            super().__init__()
+            self.placement, self.skip, self.gain = placement, skip, gain
+            self.ln_1, self.ln_2 = make_norm(norm, d), make_norm(norm, d)
+            self.attn, self.mlp = Attn(d, h, n_layers), MLP(d, n_layers)
+            if skip == "proj":  # bug: a projection on the skip path
+                self.skip_proj = nn.Linear(d, d)
+
+        def res(self, x):
+            if self.skip == "scale":  # bug: the skip path is scaled
+                return 0.5 * x
+            if self.skip == "proj":
+                return self.skip_proj(x)
+            return x
+
+        def forward(self, x):
+            if self.placement == "nonorm":  # bug for residual-growth: branches read the raw, growing stream
+                x = x + self.gain * self.mlp(x)
+                return x + self.gain * self.mlp(x)
+            if self.placement == "pre":
+                x = self.res(x) + self.gain * self.attn(self.ln_1(x))
+                return self.res(x) + self.gain * self.mlp(self.ln_2(x))
+            x = self.ln_1(self.res(x) + self.gain * self.attn(x))
+            return self.ln_2(self.res(x) + self.gain * self.mlp(x))
+
+
+    class ToyLM(nn.Module):
+        def __init__(self, d=32, h=4, n_layers=3, placement="pre", skip="identity", norm="ln", gain=1.0,
+                     final_norm=True):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(16, d)
+            nn.init.normal_(self.wte.weight, std=0.02)
+            nn.init.normal_(self.wpe.weight, std=0.01)
+            self.blocks = nn.ModuleList(Block(d, h, n_layers, placement, skip, norm, gain) for _ in range(n_layers))
+            self.ln_f = make_norm("ln", d) if final_norm else nn.Identity()
+            self.head = nn.Linear(d, V, bias=False)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+
+    def batch():
+        return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+
+
+    def clean():
+        return ToyLM(), batch()
+
+
+    def scaled_skip():
+        return ToyLM(skip="scale"), batch()
+
+
+    def not_a_factory_result():
+        return ToyLM()
+
+
+    def raises():
+        raise RuntimeError("factory is broken")
+''')
+
+
+def toy():
+    ns: dict = {}
+    exec(compile(TOY_SRC, "<toy>", "exec"), ns)
+    return ns
+
+
+TOY = toy()
+
+
+def codes(findings, severity=None):
+    return {f.code for f in findings if severity is None or f.severity == severity}
+
+
+def run(**kw):
+    return diagnose(TOY["ToyLM"](**kw), TOY["batch"]())
+
+
+# ---- one planted bug per finding --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, code, severity, module",
+    [
+        (dict(skip="scale"), "residual-not-identity", "error", "blocks.0"),
+        (dict(skip="proj"), "residual-not-identity", "error", "blocks.0"),
+        (dict(final_norm=False), "missing-final-norm", "error", "blocks"),
+        (dict(norm="ln_seq"), "norm-dimension", "error", "blocks.0.ln_1.ln"),
+        (dict(norm="ln_2d"), "norm-dimension", "error", "blocks.0.ln_1"),
+        (dict(norm="ln_wrong"), "norm-dimension", "error", "blocks.0.ln_1"),
+        (dict(norm="bn"), "norm-dimension", "error", "blocks.0.ln_1.bn"),
+        (dict(norm="naive"), "low-precision-stats", "warning", "blocks.0.ln_1"),
+        (dict(placement="post", n_layers=12), "post-norm-deep", "warning", "blocks"),
+        (dict(placement="nonorm", n_layers=6, gain=100.0), "residual-growth", "warning", "blocks"),
+    ],
+)
+def test_planted_bug_is_found(kw, code, severity, module):
+    findings = run(**kw)
+    hits = [f for f in findings if f.code == code]
+    assert hits, f"{code} not reported for {kw}: {[(f.code, f.message) for f in findings]}"
+    assert hits[0].severity == severity and hits[0].module == module
+    assert hits[0].message and hits[0].fix
+    # No other error than the planted one (a failed forward is reported next to a wrong normalized_shape).
+    assert codes(findings, "error") <= {code, "forward-failed"}
+
+
+def test_scaled_skip_message_names_the_scale():
+    (f,) = [f for f in run(skip="scale", n_layers=1) if f.code == "residual-not-identity"]
+    assert "0.25" in f.message  # two sublayers, each 0.5 * x on the skip path
+
+
+def test_half_precision_stats_are_an_error_in_a_half_model():
+    model = TOY["ToyLM"](norm="naive").to(torch.bfloat16)
+    findings = diagnose(model, TOY["batch"]())
+    assert "low-precision-stats" in codes(findings, "error")
+
+
+def test_clean_models_have_no_errors_or_warnings():
+    for kw in ({}, dict(placement="post"), dict(n_layers=12), dict(placement="post", n_layers=6)):
+        findings = run(**kw)
+        assert codes(findings, "error") == set() and codes(findings, "warning") == set(), (kw, findings)
+    (summary,) = [f for f in run(placement="post") if f.code == "summary"]
+    assert "Post-Norm" in summary.message
+
+
+def test_diagnose_leaves_the_model_untouched():
+    model, batch = TOY["ToyLM"](norm="bn"), TOY["batch"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    diagnose(model, batch)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_addnorm_presets_are_clean():
+    nn_mod = pytest.importorskip("addnorm.nn")
+    if not hasattr(nn_mod, "TransformerLM"):
+        pytest.skip("addnorm.nn models not built yet")
+    for preset in ("gpt2", "llama"):
+        cfg = nn_mod.TransformerConfig.preset(preset, n_layers=2, d_model=32, n_heads=4, vocab_size=64)
+        model = nn_mod.TransformerLM(cfg)
+        findings = diagnose(model, torch.randint(0, 64, (2, 7)))
+        assert codes(findings, "error") == set(), (preset, findings)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def toy_file(tmp_path):
+    path = tmp_path / "toy_model.py"
+    path.write_text(TOY_SRC)
+    return path
+
+
+def test_cli_exit_codes_and_json(toy_file, capsys):
+    assert cli_main(["doctor", f"{toy_file}:clean"]) == 0
+    out = capsys.readouterr().out
+    assert "0 error(s)" in out and "Pre-Norm" in out
+
+    assert cli_main(["doctor", f"{toy_file}:scaled_skip", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc) == ["findings"]
+    assert {"code", "severity", "module", "message", "fix"} <= set(doc["findings"][0])
+    assert doc["findings"][0]["code"] == "residual-not-identity" and doc["findings"][0]["severity"] == "error"
+
+    assert cli_main(["doctor", f"{toy_file}:scaled_skip"]) == 1
+    out = capsys.readouterr().out
+    assert "ERRORS (3)" in out and "[residual-not-identity] blocks.0" in out and "fix:" in out
+
+
+@pytest.mark.parametrize(
+    "target, needle",
+    [
+        ("{dir}/missing.py:clean", "not found"),
+        ("{file}:no_such_factory", "no attribute 'no_such_factory'"),
+        ("{file}:raises", "factory is broken"),
+        ("{file}:not_a_factory_result", "must return (model, example_batch)"),
+        ("{file}", "FILE.py:FACTORY"),
+    ],
+)
+def test_cli_bad_target_exits_2_with_a_message(toy_file, capsys, target, needle):
+    code = cli_main(["doctor", target.format(dir=toy_file.parent, file=toy_file)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_cli_hf_config_tiny_llama(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert cli_main(["doctor", "--hf-config", str(path), "--json"]) == 0
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    (summary,) = [f for f in findings if f["code"] == "summary"]
+    assert summary["module"] == "model.layers" and "Pre-Norm" in summary["message"]
+    assert cli_main(["doctor", "--hf-config", str(tmp_path / "nope.json")]) == 2
+    assert "not found" in capsys.readouterr().err
