@@ -1,0 +1,385 @@
+"""The training loop the lab and users share: AdamW, warmup + decay, clipping, z-loss, monitoring, checkpoints.
+
+One step on a batch of inputs x and targets y (B, T):
+
+    logits = model(x)                                          # (B, T, V)
+    loss   = CE(logits, y) + z_loss * mean((log Z)^2),   log Z = logsumexp(logits, -1)
+    clip the global gradient norm to ``clip``; AdamW step; schedule step
+
+Weight decay applies to matrices only (``dim >= 2``: linear and embedding weights), never to norm gains or biases.
+With ``independent_wd`` the decay per step is ``weight_decay * m(t)`` (m the schedule multiplier), not
+``lr * weight_decay * m(t)`` as in torch's AdamW (Wortsman et al. 2023); it is torch's AdamW with the group's
+decay set to ``weight_decay / lr``, which makes ``lr(t) * wd_group = weight_decay * m(t)`` exactly.
+
+Checkpoints (``checkpoint.pt`` in ``out_dir``) are written to a temporary file and moved in place with
+``os.replace`` (a crash never leaves half a checkpoint). They hold the model, optimizer, scheduler, step, every
+RNG state and the curves so far; the data position is the step (batches are a function of it). Resuming gives
+the same losses as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from addnorm.train import distributed as D
+from addnorm.train.schedules import SCHEDULES, lr_multiplier, make_scheduler
+
+__all__ = ["TrainConfig", "TrainResult", "train", "z_loss", "build_optimizer", "detect_spikes", "evaluate"]
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "log.jsonl"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything about a run except the model and the data. Defaults follow Wortsman et al. 2023's setup."""
+
+    steps: int = 200
+    batch_size: int = 16  # global: split over data-parallel ranks
+    seq_len: int = 64
+    lr: float = 1e-3  # peak
+    warmup: int = 20
+    schedule: str = "cosine"  # cosine | inverse_sqrt | constant
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    independent_wd: bool = False
+    clip: float | None = 1.0  # None or 0: no clipping (the norm is still measured)
+    z_loss: float = 0.0
+    seed: int = 0  # model init is the caller's; this seeds the data and dropout
+    monitor: bool = False  # record addnorm.diagnostics.Monitor every `monitor_every` steps
+    monitor_every: int = 1
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    checkpoint_every: int = 0  # 0: only at the end (when out_dir is set)
+    out_dir: str | None = None  # JSONL log + checkpoint; None: nothing written
+    resume: bool = False  # continue from out_dir/checkpoint.pt when present
+    diverge_factor: float = 3.0  # stop when the loss is non-finite or above this times the initial loss
+    spike_window: int = 128  # (>= 2) OLMo-core's rule: a spike is > mean + spike_sigma * std of the last window values
+    spike_sigma: float = 6.0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "seq_len", "eval_batches", "monitor_every")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("warmup", "eval_every", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for name in ("weight_decay", "z_loss", "min_lr_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.spike_window, int) or self.spike_window < 2:
+            raise ValueError(f"TrainConfig.spike_window must be an int >= 2, got {self.spike_window!r}")
+        if self.clip is not None and self.clip < 0:
+            raise ValueError(f"TrainConfig.clip must be None or >= 0, got {self.clip}")
+        if self.resume and not self.out_dir:
+            raise ValueError("TrainConfig.resume needs out_dir (where the checkpoint is)")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    """Curves (one value per step) and the stability summary of a run."""
+
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    logz: list[float] = field(default_factory=list)  # mean output log Z of the step's batch
+    step_times: list[float] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # Monitor records (with their "step")
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    optimum: float | None = None
+    initial_loss: float = math.nan
+    final_loss: float = math.nan  # validation loss at the end (nan when diverged)
+    best_loss: float = math.nan  # lowest validation loss seen
+    spikes: list[int] = field(default_factory=list)
+    max_grad_norm: float = math.nan
+    diverged: bool = False
+    steps_done: int = 0
+
+    @property
+    def excess_loss(self) -> float | None:
+        return None if self.optimum is None else self.final_loss - self.optimum
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-friendly stability metrics (non-finite numbers become None)."""
+
+        def num(x):
+            return None if x is None or not math.isfinite(x) else float(x)
+
+        times = self.step_times[1:] or self.step_times  # the first step pays one-off costs
+        return {
+            "steps": self.steps_done, "final_loss": num(self.final_loss), "best_loss": num(self.best_loss),
+            "initial_loss": num(self.initial_loss), "optimum": num(self.optimum),
+            "excess_loss": num(self.excess_loss) if self.excess_loss is not None else None,
+            "spikes": len(self.spikes), "spike_steps": list(self.spikes), "max_grad_norm": num(self.max_grad_norm),
+            "diverged": self.diverged, "step_time_s": num(float(np.median(times))) if times else None,
+        }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pieces (each tested on its own)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def z_loss(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean (log Z)^2, mean log Z) over all positions, log Z = logsumexp over the vocabulary (in fp32)."""
+    logz = torch.logsumexp(logits.float(), dim=-1)
+    return (logz**2).mean(), logz.detach().mean()
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only; independent decay as ``weight_decay / lr`` (see the module docstring)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    wd = cfg.weight_decay / cfg.lr if cfg.independent_wd else cfg.weight_decay
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+
+
+def detect_spikes(values: list[float], *, window: int = 128, sigma: float = 6.0, min_history: int = 16) -> list[int]:
+    """Indices of spikes in a loss curve by OLMo-core's rule (above mean + sigma * std of the last ``window``
+    values), through :class:`addnorm.diagnostics.SpikeDetector`. Non-finite values count as spikes."""
+    from addnorm.diagnostics import SpikeDetector
+
+    detector = SpikeDetector(window=window, sigmas=sigma, min_history=min(min_history, window))
+    return [i for i, v in enumerate(values) if detector.update(v)]
+
+
+def _logits(model: nn.Module, x: Tensor) -> Tensor:
+    out = model(x)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "logits", out)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, cfg: TrainConfig, info: D.DistInfo | None = None) -> float:
+    """Mean validation loss over ``cfg.eval_batches`` fixed batches (each rank its slice, averaged)."""
+    info = info or D.current()
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=cfg.device)
+    rows = D.local_slice(cfg.batch_size, info)
+    for i in range(cfg.eval_batches):
+        x, y = data.batch(i, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")
+        x, y = x[rows].to(cfg.device), y[rows].to(cfg.device)
+        logits = _logits(model, x)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    model.train(was_training)
+    return float(D.mean_across_ranks(total / cfg.eval_batches, info))
+
+
+def _jsonable(obj):
+    """Monitor records may hold tensors or numpy scalars: make them JSON numbers/lists."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Tensor):
+        return _jsonable(obj.detach().cpu().tolist())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save to a temporary file in the same directory, then os.replace: atomic on POSIX."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _make_monitor(model: nn.Module, every: int):
+    from addnorm.diagnostics import Monitor
+
+    return Monitor(model, record_every=every)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train(
+    model: nn.Module,
+    data,
+    cfg: TrainConfig,
+    *,
+    callback: Callable[[dict], None] | None = None,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Train ``model`` (tokens (B, T) -> logits (B, T, V)) on ``data`` (``.batch(step, B, T, seed=, split=)``).
+
+    Under torchrun the model is wrapped in DistributedDataParallel and each rank trains on its slice of the global
+    batch. ``callback`` receives each step's log record (rank 0 only). ``stop_at`` ends the run after that many
+    steps while keeping the schedule of ``cfg.steps`` (a simulated interruption; resume continues it).
+    """
+    info = D.init_from_env(cfg.device)
+    device = torch.device(cfg.device)
+    model.to(device)
+    raw = model
+    rows = D.local_slice(cfg.batch_size, info)
+    if info.enabled and not isinstance(model, nn.parallel.DistributedDataParallel):
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = build_optimizer(raw, cfg)
+    sched = make_scheduler(opt, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps,
+                           min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
+    res = TrainResult(optimum=data.optimum(cfg.seq_len) if hasattr(data, "optimum") else None)
+    out = Path(cfg.out_dir) if cfg.out_dir else None
+    ckpt_path = out / CHECKPOINT if out else None
+    start = 0
+    if ckpt_path is not None and cfg.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        raw.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        res = TrainResult(**state["result"])
+        start = state["step"]
+    else:
+        torch.manual_seed(cfg.seed + 1_000_003 * info.rank)  # dropout streams: distinct per rank
+    if out is not None and info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        _truncate_log(out / LOG, start)
+    monitor = _make_monitor(raw, cfg.monitor_every) if cfg.monitor else None
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    model.train()
+    try:
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            x, y = data.batch(step, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="train")
+            x, y = x[rows].to(device), y[rows].to(device)
+            logits = _logits(model, x)
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            zl, logz = z_loss(logits)
+            loss = ce + cfg.z_loss * zl if cfg.z_loss else ce
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            record = None
+            if monitor is not None:
+                record = monitor.step(loss=ce)  # None on steps that record_every skips
+            gnorm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.clip if cfg.clip else float("inf"))
+            lr = opt.param_groups[0]["lr"]
+            ce_all = float(D.mean_across_ranks(ce.detach(), info))
+            logz_all = float(D.mean_across_ranks(logz, info))
+            if step == 0:
+                res.initial_loss = ce_all
+            if not math.isfinite(ce_all) or ce_all > cfg.diverge_factor * res.initial_loss:
+                res.diverged = True
+            else:
+                opt.step()
+                sched.step()
+            dt = time.perf_counter() - t0
+            res.losses.append(ce_all)
+            res.lrs.append(lr)
+            res.grad_norms.append(float(gnorm))
+            res.logz.append(logz_all)
+            res.step_times.append(dt)
+            res.steps_done = step + 1
+            entry = {"step": step, "loss": ce_all, "lr": lr, "grad_norm": float(gnorm), "logz": logz_all,
+                     "time_s": dt}  # fmt: skip
+            if record is not None:
+                rec = _jsonable(dict(record) if isinstance(record, dict) else {"record": record})
+                rec["step"] = step
+                res.records.append(rec)
+                entry["monitor"] = rec
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps and not res.diverged:
+                res.evals.append((step + 1, evaluate(model, data, cfg, info)))
+                entry["val_loss"] = res.evals[-1][1]
+            if info.is_main:
+                if out is not None:
+                    with open(out / LOG, "a") as f:
+                        f.write(json.dumps(_jsonable(entry)) + "\n")
+                if callback is not None:
+                    callback(entry)
+            if res.diverged:
+                break
+            if ckpt_path is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                _checkpoint(ckpt_path, raw, opt, sched, step + 1, res, cfg, info)
+    finally:
+        if monitor is not None and hasattr(monitor, "detach"):
+            monitor.detach()
+    if res.diverged:
+        res.final_loss = math.nan
+    elif res.steps_done == cfg.steps:
+        res.final_loss = evaluate(model, data, cfg, info)
+        res.evals.append((cfg.steps, res.final_loss))
+    finite = [v for _, v in res.evals if math.isfinite(v)]
+    res.best_loss = min(finite) if finite else math.nan
+    res.spikes = detect_spikes(res.losses, window=cfg.spike_window, sigma=cfg.spike_sigma)
+    res.max_grad_norm = max((g for g in res.grad_norms if math.isfinite(g)), default=math.nan)
+    if ckpt_path is not None and not res.diverged and res.steps_done > start:
+        _checkpoint(ckpt_path, raw, opt, sched, res.steps_done, res, cfg, info)
+    return res
+
+
+def _checkpoint(path: Path, raw: nn.Module, opt, sched, step: int, res: TrainResult, cfg: TrainConfig,
+                info: D.DistInfo) -> None:  # fmt: skip
+    if info.is_main:
+        result = asdict(res)
+        save_checkpoint(path, {
+            "model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": step, "rng": _rng_state(), "result": result, "config": asdict(cfg),
+        })  # fmt: skip
+    D.barrier(info)
+
+
+def _truncate_log(path: Path, start: int) -> None:
+    """Keep the log lines of steps before ``start`` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    if start == 0:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The learning rate the run uses at ``step`` (for plots and checks)."""
+    return cfg.lr * lr_multiplier(step, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps,
+                                  min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
