@@ -238,3 +238,11 @@ def test_deepnorm_coefficients_reject_bad_depths():
         deepnorm_coefficients()
     with pytest.raises(ValueError, match="num_decoder_layers"):
         deepnorm_coefficients(6, -1)
+
+
+def test_residual_scaled_std_is_gpt2s_rule():
+    from addnorm.nn.residual import residual_scaled_std
+
+    assert residual_scaled_std(0.02, 12) == pytest.approx(0.02 / math.sqrt(24))
+    with pytest.raises(ValueError, match="n_layers"):
+        residual_scaled_std(0.02, 0)

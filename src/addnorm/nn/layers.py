@@ -16,6 +16,11 @@ stream and its normalized copy together:
 :func:`residual_chain` applies this to any sequence of Residuals: whenever a step ends with a plain add (pre,
 sandwich, none) and the next starts by normalizing the stream (pre, sandwich), the two run fused. Every other
 placement runs its own (already fused where it can be) forward. The numbers equal the unfused code's exactly.
+
+Fusion stops at layer boundaries: each layer returns the full residual stream, so a forward hook on a layer sees
+the stream after it. Inside a fused chain ``Residual.forward`` itself is not called (its norm, sublayer and dropout
+are), so hook the sublayer, the norm or the layer rather than the Residual; ``fuse_add_norm=False`` calls every
+Residual's forward.
 """
 
 from __future__ import annotations
