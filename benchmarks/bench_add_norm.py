@@ -320,7 +320,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return cfg
 
 
-def run(cfg: BenchConfig) -> tuple[list[Row], dict]:
+def run(cfg: BenchConfig, checkpoint: Callable[[list[Row], dict], object] | None = None) -> tuple[list[Row], dict]:
+    """Benchmark every (N, mode, provider); ``checkpoint(rows, meta)`` runs after each N, so a run cut short by
+    a time limit still leaves its finished rows on disk."""
     if cfg.device == "cpu" and cfg.quick:
         torch.set_num_threads(1)  # a smoke run on a shared CPU: idle spinning threads would dominate tiny ops
     copy_bytes = (1 << 30) if cfg.device.startswith("cuda") else (1 << 26)
@@ -348,6 +350,8 @@ def run(cfg: BenchConfig) -> tuple[list[Row], dict]:
                 print(f"{prov:<11}{mode:<9}{m:>8}{n:>8}{ms}{gb}{fr}  {row.note}", flush=True)
             if cfg.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(rows, meta)
     return rows, meta
 
 
@@ -367,7 +371,7 @@ def write(rows: list[Row], meta: dict, out: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    rows, meta = run(cfg)
+    rows, meta = run(cfg, checkpoint=lambda rows, meta: write(rows, meta, cfg.out))
     path = write(rows, meta, cfg.out)
     print(f"# wrote {path}.csv and {path}.json")
     return 0
