@@ -21,6 +21,11 @@ def device() -> torch.device:
     return torch.device(name)
 
 
+# One intra-op thread per test process: the suite runs with one xdist worker per core, and tiny matmuls only lose
+# from more threads. Tests about threading set their own count.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -288,3 +288,14 @@ def test_compile_fullgraph_through_the_custom_ops_matches_eager():
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(grads_compiled, grads_eager):
         torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_with_auto_backend_before_any_eager_call(monkeypatch):
+    """auto's resolution (imports, environment) must not be traced: it is a constant of the compiled graph."""
+    monkeypatch.setattr(backends, "_modules", {})  # as in a fresh process: no backend imported yet
+
+    def f(x, r):
+        return addnorm.add_rms_norm(x, r, eps=1e-6)[0]
+
+    x, r = torch.randn(3, 20), torch.randn(3, 20)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, r), f(x, r))

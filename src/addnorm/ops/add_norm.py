@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from addnorm.ops.backends import kernel_module, resolve_backend
+from addnorm.ops.backends import kernel_module, resolve_backend, resolve_backend_for_trace
 from addnorm.reference import acc_dtype
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
@@ -283,7 +283,10 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
     if residual_dtype is None:
         residual_dtype = residual.dtype if residual is not None else x.dtype
-    name = resolve_backend(backend, x.device)
+    if torch.compiler.is_compiling():
+        name = resolve_backend_for_trace(backend, x.device.type)
+    else:
+        name = resolve_backend(backend, x.device)
     args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight)
     if name == "torch":
         return _torch_add_norm(*args)

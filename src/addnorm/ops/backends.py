@@ -51,14 +51,22 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here; the message says why and what to install."""
 
 
-_modules: dict[str, ModuleType] = {}
+# name -> imported module, or the ImportError it raised (cached too: a failed import is not retried on every call,
+# which would also make torch.compile trace importlib on each resolve)
+_modules: dict[str, ModuleType | ImportError] = {}
 
 
 def kernel_module(name: str) -> ModuleType:
-    """Import (once) and return the kernel module of backend ``name``."""
+    """Import (once) and return the kernel module of backend ``name``; re-raises a cached ImportError."""
     if name not in _modules:
-        _modules[name] = importlib.import_module(KERNEL_BACKENDS[name].module)
-    return _modules[name]
+        try:
+            _modules[name] = importlib.import_module(KERNEL_BACKENDS[name].module)
+        except ImportError as e:
+            _modules[name] = e
+    mod = _modules[name]
+    if isinstance(mod, ImportError):
+        raise mod
+    return mod
 
 
 def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | None:
@@ -73,6 +81,13 @@ def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | N
     except ImportError as e:
         return f"cannot import {KERNEL_BACKENDS[name].module}: {e}; needs {KERNEL_BACKENDS[name].install_hint}"
     return mod.unavailable_reason(device)
+
+
+@torch.compiler.assume_constant_result
+def resolve_backend_for_trace(backend: str, device_type: str) -> str:
+    """:func:`resolve_backend` as a constant for torch.compile: dynamo runs it once at trace time instead of
+    tracing imports and environment lookups (the choice is fixed for the compiled graph)."""
+    return resolve_backend(backend, torch.device(device_type))
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
