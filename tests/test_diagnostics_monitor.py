@@ -70,7 +70,7 @@ def loss_of(model, idx, tgt):
 
 
 def rms(t):
-    return float(t.double().pow(2).mean().sqrt())
+    return float(t.detach().double().pow(2).mean().sqrt())
 
 
 def no_hooks(model: nn.Module) -> bool:
@@ -370,3 +370,42 @@ def test_sentinel_names_first_nonfinite_module_forward_and_backward():
     with NonFiniteSentinel(clean) as sentinel:
         clean(x).sum().backward()
     assert sentinel.first is None
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_addnorm_presets_match_manual(preset):
+    nn_mod = pytest.importorskip("addnorm.nn")
+    if not hasattr(nn_mod, "TransformerLM"):
+        pytest.skip("addnorm.nn models not built yet")
+    cfg = nn_mod.TransformerConfig.preset(preset, n_layers=2, d_model=D, n_heads=2, vocab_size=V, record_logits=True)
+    model = nn_mod.TransformerLM(cfg)
+    idx, tgt = data()
+    with Monitor(model) as mon:
+        loss_of(model, idx, tgt).backward()
+        rec = mon.step()
+    assert [e["name"] for e in rec["layers"]] == ["blocks.0", "blocks.1"]
+    with torch.no_grad():
+        x = model.embed(idx)
+        res = []
+        for block in model.blocks:
+            x = block(x)
+            res.append(rms(x))
+    for entry, block, r in zip(rec["layers"], model.blocks, res):
+        g = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in block.parameters()))
+        assert entry["grad_norm"] == pytest.approx(g, rel=1e-5)
+        assert entry["residual_rms"] == pytest.approx(r, rel=1e-5)
+        logits = [float(m.max_logit) for m in block.modules() if getattr(m, "max_logit", None) is not None]
+        assert logits and entry["max_attn_logit"] == pytest.approx(max(logits), rel=1e-5)
+
+    # Norm inputs: the preset fuses each add with the next norm (norm(x, residual) -> (out, x + residual)); the
+    # unfused twin with the same weights calls every norm on its plain input, which a pre-hook can read.
+    twin = nn_mod.TransformerLM(cfg.replace(fuse_add_norm=False))
+    twin.load_state_dict(model.state_dict())
+    seen: dict[int, list[float]] = {}
+    for i, block in enumerate(twin.blocks):
+        for m in block.modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                m.register_forward_pre_hook(lambda mod, args, i=i: seen.setdefault(i, []).append(rms(args[0])))
+    twin(idx)
+    for i, entry in enumerate(rec["layers"]):
+        assert entry["norm_input_rms"] == pytest.approx(max(seen[i]), rel=1e-5)

@@ -57,11 +57,14 @@ _TORCH_NORMS = (
 
 
 def is_norm_module(module: nn.Module) -> bool:
-    """True for torch's norm layers and for leaf modules whose class name says "Norm" (LlamaRMSNorm, T5LayerNorm)."""
+    """True for torch's norm layers, leaf modules whose class name says "Norm" (LlamaRMSNorm, T5LayerNorm), DyT."""
     if isinstance(module, _TORCH_NORMS):
         return True
     name = type(module).__name__.lower()
-    return "norm" in name and next(module.children(), None) is None
+    if name in ("nonorm", "identitynorm"):  # stand-ins for "no norm here"
+        return False
+    # DyT (Zhu et al. 2025) replaces the norm in place, so it counts as one.
+    return ("norm" in name or name in ("dyt", "dynamictanh")) and next(module.children(), None) is None
 
 
 def first_tensor(value: Any) -> Tensor | None:
@@ -234,7 +237,7 @@ class Monitor:
             self._handles.append(block.register_forward_hook(self._make_block_hook(i)))
             for m in block.modules():
                 if m is not block and is_norm_module(m):
-                    self._handles.append(m.register_forward_pre_hook(self._make_norm_hook(i)))
+                    self._handles.append(m.register_forward_hook(self._make_norm_hook(i)))
             attn = [m for m in block.modules() if any(hasattr(m, a) for a in MAX_ATTN_LOGIT_ATTRS)]
             if not attn:  # the attribute may appear only after a forward: remember attention-looking modules
                 attn = [m for m in block.modules() if "attn" in type(m).__name__.lower()
@@ -277,12 +280,18 @@ class Monitor:
         return hook
 
     def _make_norm_hook(self, i: int) -> Callable:
-        def hook(module, args):
+        def hook(module, args, output):
             if not self._armed() or not args or not isinstance(args[0], Tensor) or not args[0].is_floating_point():
                 return
-            x = args[0].detach()
-            if len(args) > 1 and isinstance(args[1], Tensor) and args[1].shape == x.shape:
-                x = x + args[1].detach()  # addnorm's fused form norm(x, residual) normalizes x + residual
+            x = args[0]
+            if len(args) > 1 and isinstance(args[1], Tensor):
+                # The fused form norm(x, residual) normalizes x + residual and returns it as its second output;
+                # reading it there saves recomputing the sum.
+                if isinstance(output, (tuple, list)) and len(output) > 1 and isinstance(output[1], Tensor):
+                    x = output[1]
+                elif args[1].shape == x.shape:
+                    x = x + args[1]
+            x = x.detach()
             if x.numel() == 0:
                 return
             rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
