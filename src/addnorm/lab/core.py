@@ -37,13 +37,15 @@ class Result:
 
 @dataclass(kw_only=True)
 class Context:
-    """What an experiment may use: sizes (``quick``), the seed, the device, where figures go, a progress hook."""
+    """What an experiment may use: sizes (``quick``), the seed, the device, where figures go, a progress hook, and
+    the experiment's registered ``config`` (a copy, so an experiment cannot change its own cache key)."""
 
     quick: bool = False
     seed: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     figure_dir: Path = Path(".")
     progress: Callable[[str], None] = lambda message: None
+    config: dict[str, Any] = field(default_factory=dict)
 
     def figure_path(self, name: str) -> Path:
         self.figure_dir.mkdir(parents=True, exist_ok=True)
@@ -58,18 +60,24 @@ class Experiment:
     run: Callable[[Context], Result]
     # Anything that changes the result besides quick/seed/device: part of the cache key.
     config: dict[str, Any] = field(default_factory=dict)
+    # The verdict's rule in words, fixed before the run; the report shows it next to the verdict.
+    criterion: str = ""
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
 
 
-def experiment(name: str, *, claim: str, source: str, config: dict[str, Any] | None = None):
-    """Register ``fn(ctx) -> Result`` as the experiment ``name``."""
+def experiment(
+    name: str, *, claim: str, source: str, config: dict[str, Any] | None = None, criterion: str = ""
+):
+    """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule."""
 
     def register(fn: Callable[[Context], Result]) -> Callable[[Context], Result]:
         if name in EXPERIMENTS:
             raise ValueError(f"experiment {name!r} is registered twice")
-        EXPERIMENTS[name] = Experiment(name=name, claim=claim, source=source, run=fn, config=dict(config or {}))
+        EXPERIMENTS[name] = Experiment(
+            name=name, claim=claim, source=source, run=fn, config=dict(config or {}), criterion=criterion
+        )
         return fn
 
     return register

@@ -1,0 +1,350 @@
+"""The lab runner: cache, resume after a kill, atomic writes, shard + merge, report content, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from addnorm.lab import runner
+from addnorm.lab.core import Context, Experiment, Result, verdict_from
+from addnorm.lab.report import render_html, terminal_table
+from addnorm.lab.runner import MergeConflictError, RunOptions, atomic_write_text, merge, parse_shard, run, select
+
+# A 1x1 PNG, so fake experiments can emit a figure without matplotlib.
+PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+    "0000000d49444154789c6360f8cfc0f01f0005000201a5f6a1d50000000049454e44ae426082"
+)
+
+
+def make_registry(calls: dict[str, int], *, fail: set[str] = frozenset(), n: int = 4) -> dict[str, Experiment]:
+    """Fake experiments that count their calls; their metrics depend on the seed and quick so caching is visible."""
+
+    def make(name: str):
+        def fn(ctx: Context) -> Result:
+            calls[name] = calls.get(name, 0) + 1
+            if name in fail:
+                raise RuntimeError(f"{name} broke")
+            ctx.figure_path("fig.png").write_bytes(PNG)
+            value = ctx.seed * 10 + len(name) + (0.5 if ctx.quick else 0) + ctx.config["offset"]
+            return Result(verdict=verdict_from(value > 3), metrics={"value": value, "criterion": "value > 3"},
+                          figures=["fig.png"], summary=f"value {value}")  # fmt: skip
+
+        return fn
+
+    reg = {}
+    for i in range(n):
+        name = f"fake-{i}"
+        reg[name] = Experiment(name=name, claim=f"claim {i}", source="test", run=make(name), config={"offset": i})
+    return reg
+
+
+def opts(out: Path, **kw) -> RunOptions:
+    return RunOptions(out=out, progress=False, device="cpu", **kw)
+
+
+def test_second_run_reuses_cached_results_without_recomputing(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls)
+    first = run(opts(tmp_path), reg)
+    assert sorted(first.ran) == sorted(reg) and first.reused == []
+    second = run(opts(tmp_path), reg)
+    assert second.ran == [] and sorted(second.reused) == sorted(reg)
+    assert all(c == 1 for c in calls.values())
+    assert [r["metrics"] for r in first.records] == [r["metrics"] for r in second.records]
+    assert all(r["cached"] for r in second.records)
+
+
+def test_cache_key_changes_with_seed_quick_config_and_fresh_recomputes(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=1)
+    run(opts(tmp_path), reg)
+    run(opts(tmp_path, seed=1), reg)
+    run(opts(tmp_path, quick=True), reg)
+    assert calls["fake-0"] == 3
+    reg["fake-0"].config["offset"] = 7  # a config change is a different result
+    run(opts(tmp_path), reg)
+    run(opts(tmp_path, fresh=True), reg)
+    assert calls["fake-0"] == 5
+    run(opts(tmp_path), reg)
+    assert calls["fake-0"] == 5
+
+
+def test_missing_figure_invalidates_the_cached_result(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=1)
+    s = run(opts(tmp_path), reg)
+    (tmp_path / s.records[0]["figures"][0]).unlink()
+    run(opts(tmp_path), reg)
+    assert calls["fake-0"] == 2
+
+
+def test_failing_experiment_is_inconclusive_not_cached_and_the_run_continues(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, fail={"fake-1"})
+    s = run(opts(tmp_path), reg)
+    rec = {r["name"]: r for r in s.records}
+    assert rec["fake-1"]["verdict"] == "inconclusive" and "fake-1 broke" in rec["fake-1"]["error"]
+    assert s.failed == ["fake-1"] and rec["fake-2"]["verdict"] in ("reproduced", "not reproduced")
+    run(opts(tmp_path), reg)
+    assert calls["fake-1"] == 2 and calls["fake-0"] == 1  # retried; the others reused
+
+
+def test_keyboard_interrupt_keeps_finished_results_and_rerun_resumes(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls)
+    stop = {"on": True}
+    inner = reg["fake-2"].run
+
+    def interrupted(ctx):
+        if stop["on"]:
+            raise KeyboardInterrupt
+        return inner(ctx)
+
+    reg["fake-2"].run = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run(opts(tmp_path), reg)
+    stop["on"] = False
+    s = run(opts(tmp_path), reg)
+    assert sorted(s.reused) == ["fake-0", "fake-1"] and s.ran == ["fake-2", "fake-3"]
+    assert calls == {"fake-0": 1, "fake-1": 1, "fake-2": 1, "fake-3": 1}
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from addnorm.lab.core import Experiment, Result
+
+    COUNT = Path(os.environ["LAB_COUNT_DIR"])
+
+    def make(name):
+        def fn(ctx):
+            (COUNT / name).write_text(str(int((COUNT / name).read_text()) + 1 if (COUNT / name).exists() else 1))
+            if name == "b" and os.environ.get("LAB_DIE") == "1":
+                os._exit(3)  # killed midway: no cleanup, no exception handling
+            return Result(verdict="reproduced", metrics={"name": name})
+        return fn
+
+    REGISTRY = {n: Experiment(name=n, claim="c", source="s", run=make(n)) for n in ("a", "b", "c")}
+
+    if __name__ == "__main__":
+        from addnorm.lab.runner import RunOptions, run
+        run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu"), REGISTRY)
+    """
+)
+
+
+def test_run_killed_by_os_exit_in_a_subprocess_resumes(tmp_path, monkeypatch):
+    script = tmp_path / "lab_resume_script.py"
+    script.write_text(RESUME_SCRIPT)
+    counts, out = tmp_path / "counts", tmp_path / "out"
+    counts.mkdir()
+    env = dict(os.environ, LAB_COUNT_DIR=str(counts), LAB_DIE="1")
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert len(list((out / "runs").glob("a-*/result.json"))) == 1
+    assert not list((out / "runs").glob("b-*/result.json"))
+
+    import importlib.util
+
+    monkeypatch.setenv("LAB_COUNT_DIR", str(counts))
+    monkeypatch.setenv("LAB_DIE", "0")
+    spec = importlib.util.spec_from_file_location("lab_resume_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    s = run(opts(out), mod.REGISTRY)
+    assert s.reused == ["a"] and s.ran == ["b", "c"]
+    assert {p.name: p.read_text() for p in counts.iterdir()} == {"a": "1", "b": "2", "c": "1"}
+
+
+def test_atomic_write_leaves_the_old_file_when_replace_fails(tmp_path, monkeypatch):
+    target = tmp_path / "results.json"
+    atomic_write_text(target, "old")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(runner.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left behind
+
+
+def test_record_is_written_last_so_a_partial_run_dir_is_not_a_cache_hit(tmp_path):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=1)
+    s = run(opts(tmp_path), reg)
+    rec_file = next((tmp_path / "runs").glob("fake-0-*/result.json"))
+    rec_file.write_text(rec_file.read_text()[:20])  # a torn write (what atomic writes prevent)
+    run(opts(tmp_path), reg)
+    assert calls["fake-0"] == 2 and json.loads(rec_file.read_text())["key"] == s.records[0]["key"]
+
+
+def test_report_files_schema_and_self_contained_html(tmp_path):
+    reg = make_registry({}, fail={"fake-3"})
+    run(opts(tmp_path, quick=True, seed=2), reg)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [e["name"] for e in doc["experiments"]] == list(reg)
+    for e in doc["experiments"]:
+        assert {"name", "claim", "source", "verdict", "metrics", "figures"} <= set(e)
+        assert e["verdict"] in ("reproduced", "not reproduced", "inconclusive")
+        for f in e["figures"]:
+            assert (tmp_path / f).read_bytes() == PNG
+    assert doc["meta"]["quick"] is True and doc["meta"]["seed"] == 2 and doc["meta"]["addnorm"]
+    assert doc["meta"]["torch"] and doc["meta"]["date"]
+    assert sum(doc["counts"].values()) == len(reg)
+    page = (tmp_path / "index.html").read_text()
+    for name in reg:
+        assert f'id="{name}"' in page and f"claim {name[-1]}" in page
+    assert page.count("data:image/png;base64,") == 3  # the failed one has none
+    assert "http://" not in page and "https://" not in page
+    assert "fake-3 broke" in page and "quick" in page
+    md = (tmp_path / "report.md").read_text()
+    assert all(f"## {name}" in md for name in reg) and "![fig](runs/" in md
+    table = terminal_table(doc)
+    assert all(name in table for name in reg) and "RuntimeError: fake-3 broke" in table
+
+
+def test_html_escapes_text(tmp_path):
+    doc = {"experiments": [{"name": "x", "claim": "<script>alert(1)</script>", "source": "s", "verdict":
+                            "reproduced", "metrics": {"a<b": 1.0}, "figures": []}], "meta": {}, "counts": {}}  # fmt: skip
+    page = render_html(doc, tmp_path)
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a&lt;b" in page
+
+
+@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+                    reason="no headless browser installed")  # fmt: skip
+def test_page_renders_in_a_headless_browser(tmp_path):
+    reg = make_registry({}, n=2)
+    run(opts(tmp_path), reg)
+    browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b))
+    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                           (tmp_path / "index.html").as_uri()], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0
+    assert all(f'id="{n}"' in proc.stdout for n in reg) and "data:image/png;base64," in proc.stdout
+
+
+def test_shard_split_is_a_partition_in_order():
+    reg = make_registry({}, n=5)
+    parts = [select(None, (k, 3), reg) for k in (1, 2, 3)]
+    indices = sorted(i for p in parts for i, _ in p)
+    assert indices == list(range(5))
+    assert [e.name for _, e in parts[0]] == ["fake-0", "fake-3"]
+    assert [e.name for _, e in select(["fake-4", "fake-1"], None, reg)] == ["fake-1", "fake-4"]  # registry order
+    with pytest.raises(ValueError, match="unknown experiment"):
+        select(["nope"], None, reg)
+    for bad in ("0/2", "3/2", "a/b", "2", "1/0"):
+        with pytest.raises(ValueError, match="shard"):
+            parse_shard(bad)
+
+
+def test_shards_merged_equal_the_unsharded_run(tmp_path):
+    reg = make_registry({}, n=5)
+    whole = run(opts(tmp_path / "whole"), reg)
+    for k in (1, 2):
+        run(opts(tmp_path / f"s{k}", shard=(k, 2)), reg)
+    merged = merge([tmp_path / "s2", tmp_path / "s1"], tmp_path / "merged")
+    strip = lambda recs: [{k: r[k] for k in ("name", "verdict", "metrics", "key")} for r in recs]  # noqa: E731
+    assert strip(merged.records) == strip(whole.records)
+    doc = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert strip(doc["experiments"]) == strip(whole.records)
+    for e in doc["experiments"]:
+        assert all((tmp_path / "merged" / f).is_file() for f in e["figures"])
+    # the merged directory is itself a cache: running there recomputes nothing
+    calls: dict[str, int] = {}
+    again = run(opts(tmp_path / "merged"), make_registry(calls, n=5))
+    assert calls == {} and len(again.reused) == 5
+
+
+def test_merge_rejects_conflicting_results_and_mismatched_runs(tmp_path):
+    reg = make_registry({}, n=2)
+    run(opts(tmp_path / "a"), reg)
+    run(opts(tmp_path / "b"), reg)
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    doc["experiments"][0]["metrics"]["value"] = -1
+    (tmp_path / "b" / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(MergeConflictError, match="fake-0.*metrics"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    run(opts(tmp_path / "c", seed=5), reg)
+    with pytest.raises(MergeConflictError, match="seed"):
+        merge([tmp_path / "a", tmp_path / "c"], tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        merge([tmp_path / "a", tmp_path / "nothing"], tmp_path / "m")
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+@pytest.fixture
+def fake_cli(monkeypatch):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=3)
+    monkeypatch.setattr(runner, "load_experiments", lambda: reg)
+    return calls
+
+
+def test_cli_run_json_shard_and_merge(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    assert main(["lab", "--out", str(tmp_path / "w"), "--no-progress", "--device", "cpu", "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert [e["name"] for e in doc["experiments"]] == ["fake-0", "fake-1", "fake-2"]
+    assert "fake-0" in err and "reproduced" in err  # the verdict table goes to stderr with --json
+    for k in (1, 2):
+        assert main(["lab", "--shard", f"{k}/2", "--out", str(tmp_path / f"s{k}"), "--no-progress",
+                     "--device", "cpu"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["lab", "merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "fake-2" in out and "index.html" in out
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert [e["metrics"] for e in merged["experiments"]] == [e["metrics"] for e in doc["experiments"]]
+    assert fake_cli == {"fake-0": 2, "fake-1": 2, "fake-2": 2}  # once whole, once in its shard
+
+
+def test_cli_only_and_errors(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    assert main(["lab", "--only", "fake-1", "--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
+    assert fake_cli == {"fake-1": 1}
+    assert "fake-1" in capsys.readouterr().out
+    assert main(["lab", "--only", "nope", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "unknown experiment" in capsys.readouterr().err
+    assert main(["lab", "--shard", "3/2", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "shard" in capsys.readouterr().err
+    assert main(["lab", "merge", str(tmp_path / "none"), "--out", str(tmp_path / "m")]) == 2
+
+
+def test_cli_list_names_every_registered_experiment(capsys):
+    from addnorm.cli import main
+    from addnorm.lab.core import EXPERIMENTS
+
+    assert main(["lab", "--list"]) == 0
+    out = capsys.readouterr().out
+    mine = ["residual-gradient-flow", "xiong-init-gradients", "deepnet-update-size", "admin-output-change",
+            "ln-vs-rms", "half-precision-stats", "batchnorm-vs-layernorm", "residual-stream-growth"]  # fmt: skip
+    for name in set(mine) | set(EXPERIMENTS):
+        assert name in out
+        assert EXPERIMENTS[name].claim[:30] in out
+
+
+def test_cli_help_explains_every_flag(capsys):
+    from addnorm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["lab", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard"):
+        assert flag in text
+    with pytest.raises(SystemExit):
+        main(["lab", "merge", "--help"])
+    assert "--out" in capsys.readouterr().out
