@@ -26,6 +26,7 @@ No atomics anywhere, so gradients are bitwise reproducible. Inputs may have stri
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -464,14 +465,21 @@ def _split(v: float) -> tuple[float, float]:
 
 
 def _warps(elems: int) -> int:
-    # about 8-16 elements per thread (16-byte vector loads of 2-byte types), 1 to 16 warps
-    return min(16, max(1, _pow2(elems) // 512))
+    # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
+    # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
+    # count (hence occupancy) roughly halves with each halving of elements per thread.
+    return min(32, max(4, _pow2(elems) // 256))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _programs(device: torch.device) -> int:
     """Size of the persistent backward grid: about two programs per SM, a handful in the interpreter."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return TUNING.interpreter_programs
 
 
