@@ -64,6 +64,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--json", metavar="PATH", help="also write the raw results as JSON to PATH ('-': stdout)")
     p.add_argument("--out", metavar="PATH", default=str(DEFAULT_OUT), help="markdown table (default %(default)s)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write the markdown file")
+    p.add_argument("--note", default="", help="a sentence for the markdown file, e.g. how busy the machine was")
     args = p.parse_args(argv)
     cfg = BenchConfig(**{k: getattr(args, k) for k in asdict(d)})
     for name in ("layers", "hidden", "heads", "vocab", "batch", "seq", "repeats"):
@@ -108,7 +109,12 @@ def run(cfg: BenchConfig) -> dict:
             t0 = time.perf_counter()
             step(model, ids)
             times[v].append((time.perf_counter() - t0) * 1e3)
-    return {v: {"median_ms": statistics.median(t), "min_ms": min(t), "times_ms": t} for v, t in times.items()}
+    return {v: _summary(t) for v, t in times.items()}
+
+
+def _summary(t: list[float]) -> dict:
+    q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+    return {"median_ms": statistics.median(t), "p25_ms": q[0], "p75_ms": q[2], "min_ms": min(t), "times_ms": t}
 
 
 def environment() -> dict:
@@ -131,10 +137,12 @@ def environment() -> dict:
 
 def table(results: dict) -> str:
     base = results["hf"]["median_ms"]
-    rows = ["| variant | median ms | min ms | speedup vs hf (median) |", "|---|---:|---:|---:|"]
+    rows = ["| variant | median ms | p25 ms | p75 ms | min ms | speedup vs hf (median) |",
+            "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for v in VARIANTS:
         r = results[v]
-        rows.append(f"| {v} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {base / r['median_ms']:.3f}x |")
+        rows.append(f"| {v} | {r['median_ms']:.2f} | {r['p25_ms']:.2f} | {r['p75_ms']:.2f} | {r['min_ms']:.2f} "
+                    f"| {base / r['median_ms']:.3f}x |")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -144,7 +152,8 @@ def main(argv=None) -> int:
     env = environment()
     text = table(results)
     print(text)
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/bench_hf_llama.py", *(argv if argv is not None else sys.argv[1:])])
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_hf_llama.py", *argv])
     if not args.no_write:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +165,8 @@ def main(argv=None) -> int:
             f"batch {cfg.batch} x seq {cfg.seq}, {cfg.dtype}; {cfg.repeats} timed steps per variant after "
             f"{cfg.warmup} warm-up steps, run round-robin.\n\n{env_lines}\n\n{text}\n\n"
             "hf: unpatched; norms: `apply(model, fuse_residual=False)`; fused: `apply(model)` (residual add + "
-            "post-attention norm in one call).\n"
+            "post-attention norm in one call). A difference smaller than the p25-p75 spread is noise.\n"
+            + (f"\nNote: {args.note}\n" if args.note else "")
         )
         print(f"wrote {out}")
     if args.json:

@@ -251,6 +251,17 @@ def test_patched_model_deepcopies_and_pickles():
     ref = _logits(model, ids)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(_logits(clone, ids), ref)
+        hf.revert(clone)  # the copy carries its own record of what to undo
+        assert not any(type(m).__module__ == hf.__name__ for m in clone.modules())
+        _assert_rel(_logits(clone, ids), ref, 1e-5, "reverted copy")
+
+
+def test_torch_compile_traces_the_patched_model_without_graph_breaks():
+    model = hf.apply(_model("llama"))
+    ids = _ids(seq=8)
+    ref = _logits(model, ids)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    _assert_rel(_logits(compiled, ids), ref, 1e-6, "compiled")
 
 
 def test_past_key_values_keyword_still_reaches_attention():
@@ -266,6 +277,14 @@ def test_past_key_values_keyword_still_reaches_attention():
     pos = model.model.rotary_emb(x, torch.arange(3)[None])
     layer(x, past_key_values=cache, position_embeddings=pos, attention_mask=None)
     assert seen.get("cache") is cache
+    # positional arguments bind to the original forward's parameters, in its order
+    other = transformers.DynamicCache(config=model.config)
+    layer(x, None, None, other, False, pos)
+    assert seen["cache"] is other and seen["attention_mask"] is None
+    with pytest.raises(TypeError, match="positional arguments"):
+        layer(x, None, None, None, False, pos, "one too many")
+    with pytest.raises(TypeError, match="multiple values for argument 'attention_mask'"):
+        layer(x, None, attention_mask=None, position_embeddings=pos)
 
 
 def test_cast_before_weight_matches_llama_rmsnorm_in_bf16():

@@ -131,26 +131,48 @@ def _layer_norm(old: nn.LayerNorm) -> nn.Module:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Signature:
+    """The original forward's parameters after (self, hidden_states), read once per class: binding by hand keeps the
+    fused forward free of inspect calls (cheap per layer call, and nothing for torch.compile to trip on)."""
+
+    names: tuple[str, ...]  # named parameters, in order
+    defaults: dict  # name -> default, for those that have one
+    var_keyword: bool  # whether the original takes **kwargs
+
+    @classmethod
+    def of(cls, fn) -> _Signature:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return cls(
+            names=tuple(p.name for p in named),
+            defaults={p.name: p.default for p in named if p.default is not p.empty},
+            var_keyword=any(p.kind is p.VAR_KEYWORD for p in params),
+        )
+
+
 def _bound_arguments(self, hidden_states, args, kwargs) -> dict:
     """The original forward's arguments after hidden_states, by name, defaults filled in, **kwargs flattened."""
-    sig = self._addnorm_signature
-    if "past_key_values" in kwargs and "cache" in sig.parameters and "past_key_values" not in sig.parameters:
-        # the original forward is wrapped in transformers' deprecate_kwarg, which renames the old keyword
-        kwargs = dict(kwargs)
-        value = kwargs.pop("past_key_values")
-        kwargs.setdefault("cache", value)
-    bound = sig.bind(self, hidden_states, *args, **kwargs)
-    bound.apply_defaults()
-    out = {}
-    for name, value in list(bound.arguments.items())[2:]:
-        kind = sig.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise TypeError(f"{type(self).__name__}.forward got unexpected positional arguments {value!r}")
-        else:
-            out[name] = value
+    sig: _Signature = self._addnorm_signature
+    where = f"{type(self).__name__}.forward()"
+    if len(args) > len(sig.names):
+        raise TypeError(f"{where} takes {len(sig.names) + 1} positional arguments, got {len(args) + 1}")
+    out = dict(sig.defaults)
+    out.update(zip(sig.names, args))
+    for name, value in kwargs.items():
+        if name == "past_key_values" and "cache" in sig.names and "past_key_values" not in sig.names:
+            # transformers' deprecate_kwarg wraps the original forward and renames the old keyword the same way
+            if "cache" in kwargs:
+                continue
+            name = "cache"
+        if name in sig.names[: len(args)]:
+            raise TypeError(f"{where} got multiple values for argument {name!r}")
+        if name not in sig.names and not sig.var_keyword:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+        out[name] = value
+    missing = [n for n in sig.names if n not in out]
+    if missing:
+        raise TypeError(f"{where} missing required arguments: {', '.join(missing)}")
     return out
 
 
@@ -332,7 +354,7 @@ def _fused_class(cls: type, rule: _LayerRule) -> type:
         name = f"AddNormFused{cls.__name__}"
         sub = type(name, (cls,), {
             "forward": rule.forward, "__module__": __name__, "__qualname__": name,
-            "_addnorm_signature": inspect.signature(cls.forward),
+            "_addnorm_signature": _Signature.of(cls.forward),
         })  # fmt: skip
         globals()[name] = sub
         _FUSED_CLASSES[cls] = sub
