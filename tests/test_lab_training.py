@@ -1,0 +1,124 @@
+"""The training experiments of the lab: each criterion as a pure function, registration, and one quick run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from addnorm.lab.core import EXPERIMENTS, Context
+from addnorm.lab.experiments import training as T
+
+NAMES = ("warmup", "depth-sweep", "lr-sensitivity", "z-loss", "placement-comparison", "ln-vs-rms-training")
+
+
+def test_all_training_experiments_are_registered_with_a_criterion():
+    import addnorm.lab.experiments  # noqa: F401 - registers everything in MODULES
+
+    for name in NAMES:
+        assert name in EXPERIMENTS, name
+        assert EXPERIMENTS[name].claim and EXPERIMENTS[name].source
+        assert T.CRITERIA[name]
+
+
+# ---- warmup ---------------------------------------------------------------------------------------------------
+
+
+def test_warmup_verdict():
+    ok = {"post": {0: 1.0, 50: 0.5, 400: 0.6}, "pre": {0: 0.52, 50: 0.5, 400: 0.55}}
+    assert T.warmup_verdict(ok)[0] is True
+    assert T.warmup_verdict(ok)[1]["gap_post"] == pytest.approx(0.5)
+    pre_cares = {"post": {0: 1.0, 50: 0.5, 400: 0.6}, "pre": {0: 1.0, 50: 0.5, 400: 0.55}}
+    assert T.warmup_verdict(pre_cares)[0] is False
+    post_fine = {"post": {0: 0.52, 50: 0.5, 400: 0.6}, "pre": {0: 0.5, 50: 0.5, 400: 0.55}}
+    assert T.warmup_verdict(post_fine)[0] is False
+    assert T.warmup_verdict({"post": {0: math.nan, 50: 0.5}, "pre": {0: 0.5, 50: 0.5}})[0] is None
+
+
+# ---- depth ----------------------------------------------------------------------------------------------------
+
+
+def test_depth_verdict():
+    never = {"post": {6: False, 48: False}, "deepnorm": {6: False, 48: False}}
+    ok = {"post": {6: 0.3, 24: 0.6, 48: 1.5}, "deepnorm": {6: 0.3, 24: 0.3, 48: 0.35}}
+    passed, extra = T.depth_verdict(ok, never)
+    assert passed is True and extra["degrade_post"] == pytest.approx(1.2)
+    assert T.depth_verdict(ok, {"post": never["post"], "deepnorm": {6: False, 48: True}})[0] is False
+    flat = {"post": {6: 0.3, 48: 0.35}, "deepnorm": {6: 0.3, 48: 0.3}}
+    assert T.depth_verdict(flat, never)[0] is False
+    deep_also_bad = {"post": {6: 0.3, 48: 1.5}, "deepnorm": {6: 0.3, 48: 1.2}}
+    assert T.depth_verdict(deep_also_bad, never)[0] is False
+
+
+# ---- learning-rate sensitivity --------------------------------------------------------------------------------
+
+
+def test_lr_sensitivity_formula():
+    # loss_0 = 4; best = 1; capped losses: 2, 1, 4 (5 capped), 4 (diverged) -> mean of (1, 0, 3, 3) = 1.75
+    assert T.lr_sensitivity([2.0, 1.0, 5.0, math.nan], [4.0, 4.0, 4.0, 4.0]) == pytest.approx(1.75)
+    assert T.lr_sensitivity([1.0, 1.0], [3.0, 3.0]) == 0.0
+
+
+def test_lr_verdict():
+    grows = [2.0, 2.5, 3.0, 5.0, 9.0, 30.0, None]
+    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, grows)[0] is True
+    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, grows)[1]["max_logit_growth_pre"] == pytest.approx(15.0)
+    assert T.lr_verdict({"pre": 0.3, "pre+qk": 0.8}, grows)[0] is False
+    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, [2.0] * 7)[0] is False
+    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, [None] * 7)[0] is None
+
+
+# ---- z-loss, placements, LN vs RMS ----------------------------------------------------------------------------
+
+
+def test_z_loss_verdict():
+    assert T.z_loss_verdict(-8.0, 0.5, False)[0] is True
+    assert T.z_loss_verdict(-8.0, -5.0, False)[0] is False
+    assert T.z_loss_verdict(1.0, 0.1, False)[0] is False  # no drift to prevent
+    assert T.z_loss_verdict(-8.0, 0.5, True)[0] is None
+
+
+def test_placement_verdict():
+    res = {"pre": 5.0, "sandwich": 1.5, "post": 1.0}
+    grad = {"post": 3.0, "pre": 1.0}
+    passed, checks = T.placement_verdict(res, grad)
+    assert passed is True and all(checks.values())
+    passed, checks = T.placement_verdict(res, {"post": 0.5, "pre": 1.0})
+    assert passed is False and checks["post_grad_rises_vs_pre"] is False
+    assert T.placement_verdict({"pre": 1.5, "sandwich": 1.0}, grad)[0] is False
+    assert T.placement_verdict({"pre": None, "sandwich": 1.0}, grad)[0] is None
+
+
+def test_ln_rms_verdict():
+    assert T.ln_rms_verdict(0.50, 0.52, 1.0, 0.98)[0] is True
+    assert T.ln_rms_verdict(0.50, 0.70, 1.0, 0.98)[0] is False  # loss differs
+    assert T.ln_rms_verdict(0.50, 0.51, 1.0, 1.2)[0] is False  # RMSNorm slower
+    assert T.ln_rms_verdict(2.0, 2.15, 1.0, 1.0)[0] is True  # tolerance: 10% of a large excess
+    assert T.ln_rms_verdict(math.nan, 0.5, 1.0, 1.0)[0] is None
+
+
+def test_excess_caps_a_diverged_run_at_its_initial_loss():
+    from addnorm.train.loop import TrainResult
+
+    r = TrainResult(optimum=1.0, initial_loss=3.5, final_loss=math.nan, diverged=True)
+    assert T.excess(r) == pytest.approx(2.5)
+    r = TrainResult(optimum=1.0, initial_loss=3.5, final_loss=1.25)
+    assert T.excess(r) == pytest.approx(0.25)
+
+
+# ---- one quick run --------------------------------------------------------------------------------------------
+
+
+def test_quick_z_loss_run(tmp_path):
+    ctx = Context(quick=True, seed=0, figure_dir=tmp_path)
+    res = EXPERIMENTS["z-loss"].run(ctx)
+    assert res.verdict in ("reproduced", "not reproduced", "inconclusive")
+    assert res.metrics["criterion"] == T.CRITERIA["z-loss"] and "Criterion:" in res.summary
+    assert math.isfinite(res.metrics["late_logz_without"]) and res.metrics["steps"] == 100
+    expected, _ = T.z_loss_verdict(res.metrics["late_logz_without"], res.metrics["late_logz_with"],
+                                   res.metrics["diverged_without"])  # fmt: skip
+    assert res.verdict == {True: "reproduced", False: "not reproduced", None: "inconclusive"}[expected]
+    json.dumps(res.metrics)  # the runner stores metrics as JSON
+    for name in res.figures:
+        assert (tmp_path / name).stat().st_size > 0
