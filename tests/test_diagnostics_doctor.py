@@ -224,15 +224,24 @@ def test_diagnose_leaves_the_model_untouched():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_addnorm_presets_are_clean():
+def test_addnorm_models():
     nn_mod = pytest.importorskip("addnorm.nn")
     if not hasattr(nn_mod, "TransformerLM"):
         pytest.skip("addnorm.nn models not built yet")
-    for preset in ("gpt2", "llama"):
-        cfg = nn_mod.TransformerConfig.preset(preset, n_layers=2, d_model=32, n_heads=4, vocab_size=64)
-        model = nn_mod.TransformerLM(cfg)
-        findings = diagnose(model, torch.randint(0, 64, (2, 7)))
-        assert codes(findings, "error") == set(), (preset, findings)
+
+    def check(preset="gpt2", **kw):
+        cfg = nn_mod.TransformerConfig.preset(preset, **{"d_model": 32, "n_heads": 4, "vocab_size": 64, **kw})
+        return diagnose(nn_mod.TransformerLM(cfg), torch.randint(0, 64, (2, 7)))
+
+    for preset in ("gpt2", "llama", "palm", "gemma", "bert"):
+        findings = check(preset, n_layers=2)
+        assert codes(findings, "error") == set() and codes(findings, "warning") == set(), (preset, findings)
+    # DeepNorm is the cure the deep-Post-Norm warning suggests: it must not be warned about.
+    assert "post-norm-deep" not in codes(check("deepnet", n_layers=12))
+    assert "post-norm-deep" in codes(check("bert", n_layers=12), "warning")
+    assert "missing-final-norm" in codes(check("gpt2", n_layers=2, final_norm=False), "error")
+    assert "norm-dimension" in codes(check("gpt2", n_layers=2, norm="batchnorm"), "error")
+    assert "residual-not-identity" in codes(check("gpt2", n_layers=2, placement="pre-noskip"), "error")
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------
@@ -290,3 +299,24 @@ def test_cli_hf_config_tiny_llama(tmp_path, capsys):
     assert summary["module"] == "model.layers" and "Pre-Norm" in summary["message"]
     assert cli_main(["doctor", "--hf-config", str(tmp_path / "nope.json")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_monitor_on_hf_llama():
+    transformers = pytest.importorskip("transformers")
+    from addnorm.diagnostics import Monitor
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 64, (2, 7))
+    with Monitor(model) as mon:
+        out = model(input_ids=ids, output_hidden_states=True)
+        out.logits.float().pow(2).mean().backward()
+        rec = mon.step()
+    assert [e["name"] for e in rec["layers"]] == ["model.layers.0", "model.layers.1"]
+    # hidden_states[1] is the stream after layer 0 (the last entry has the final norm applied).
+    after_first = out.hidden_states[1].detach().double()
+    assert rec["layers"][0]["residual_rms"] == pytest.approx(float(after_first.pow(2).mean().sqrt()), rel=1e-5)
+    assert all(e["norm_input_rms"] > 0 for e in rec["layers"])
+    expected = float(torch.logsumexp(out.logits.detach().double(), -1).mean())
+    assert rec["output_logz"] == pytest.approx(expected, rel=1e-5)

@@ -209,6 +209,29 @@ def test_update_size_equals_manual():
     mon.detach()
 
 
+def test_output_logz_on_a_strided_subset_of_positions():
+    model = TinyLM(n_layers=1)
+    idx = data()[0]  # B * T = 12 positions
+    with Monitor(model, logz_rows=4) as mon:
+        logits = model(idx)
+        rec = mon.step()
+    rows = logits.detach().double().reshape(-1, V)[::3]  # 12 positions, at most 4: every third
+    assert rec["output_logz"] == pytest.approx(float(torch.logsumexp(rows, -1).mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="logz_rows"):
+        Monitor(model, logz_rows=0)
+
+
+def test_sparse_embedding_gradients():
+    model = TinyLM(n_layers=1)
+    model.wte.sparse = True
+    with Monitor(model) as mon:
+        loss_of(model, *data()).backward()
+        rec = mon.step()
+    assert model.wte.weight.grad.is_sparse
+    dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+    assert rec["grad_norm"] == pytest.approx(math.sqrt(sum(float(g.double().pow(2).sum()) for g in dense)), rel=1e-5)
+
+
 # ---- lifecycle and outputs -----------------------------------------------------------------------------------------
 def test_detach_removes_every_hook():
     model = TinyLM(n_layers=2)

@@ -571,10 +571,13 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
                 "projection down with depth (std 0.02/sqrt(2L) as GPT-2, or a 1/sqrt(2L) branch scale)",
             ))  # fmt: skip
 
-    placement = "mixed"
-    for kind in ("pre", "post", "none"):
-        if kinds.count(kind) == L:
-            placement = {"pre": "Pre-Norm", "post": "Post-Norm", "none": "no norm"}[kind]
+    label = {"pre": "Pre-Norm", "post": "Post-Norm", "none": "no norm", "bad": "non-identity skip",
+             None: "not checked"}  # fmt: skip
+    counts = {k: kinds.count(k) for k in label if kinds.count(k)}
+    if len(counts) == 1:
+        placement = label[next(iter(counts))]
+    else:
+        placement = "mixed (" + ", ".join(f"{n} {label[k]}" for k, n in counts.items()) + ")"
     findings.append(Finding(
         code="summary", severity="info", module=container,
         message=f"{L} blocks of {type(found[0][1]).__name__} at '{container}', placement {placement}, "

@@ -12,7 +12,8 @@ What is recorded, per step (``Monitor.step`` after ``loss.backward()``):
   ``max_attn_logit`` when the block's attention module exposes it.
 
 Per-step cost is kept to a few tensor ops per block and a single device-to-host copy (one ``.tolist()``), so
-recording every step stays cheap (see ``benchmarks/monitor_overhead.py``).
+recording every step stays cheap (see ``benchmarks/monitor_overhead.py``). Under sharded training (FSDP, tensor
+parallel) the values are those of the local shards on each rank; they are not reduced across ranks.
 """
 
 from __future__ import annotations
@@ -162,17 +163,33 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[tuple[str, nn.Modu
     return [(names[id(c)], c) for c in best.children()]
 
 
-def _batched_norms(tensors: list[Tensor]) -> list[Tensor]:
+def _l2(t: Tensor) -> Tensor:
+    """L2 norm as a 0-d fp32 tensor, accumulated in fp32 whatever t's dtype (one kernel, no copy of t)."""
+    return torch.linalg.vector_norm(t) if t.dtype == torch.float32 else torch.linalg.vector_norm(t, dtype=torch.float32)
+
+
+def _batched_norms(tensors: list[Tensor], all_fp32: bool = False) -> list[Tensor]:
     """L2 norm of each tensor (fp32), one fused call where torch offers it (the path clip_grad_norm_ takes)."""
     if not tensors:
         return []
     foreach = getattr(torch, "_foreach_norm", None)
     if foreach is not None:
         try:
-            return list(foreach(tensors))
-        except (RuntimeError, TypeError):  # mixed devices/layouts: fall back to one norm per tensor
+            if all_fp32:
+                return list(foreach(tensors))
+            return list(foreach(tensors, 2, dtype=torch.float32))  # bf16 grads: fp32 accumulation and result
+        except (RuntimeError, TypeError):  # sparse grads, mixed devices, older torch: one norm per tensor
             pass
-    return [torch.linalg.vector_norm(t) for t in tensors]
+    return [_l2(t.coalesce().values() if t.is_sparse else t) for t in tensors]
+
+
+def _stack_scalars(tensors: list[Tensor], device: torch.device, cat: bool = False) -> Tensor:
+    """Stack (or cat) small fp32 tensors; moves them to ``device`` only when they are not all there already."""
+    join = torch.cat if cat else torch.stack
+    try:
+        return join(tensors)
+    except RuntimeError:  # different devices or dtypes (model split over devices): gather them first
+        return join([t.to(device=device, dtype=torch.float32) for t in tensors])
 
 
 class Monitor:
@@ -196,10 +213,13 @@ class Monitor:
         tensorboard: a log directory for ``torch.utils.tensorboard.SummaryWriter`` (needs the tensorboard package).
         record_every: record every N-th step; other steps cost nothing beyond the hook calls and return None.
         probe_every: compute ``update_size`` every N-th recorded step (a full extra forward).
+        logz_rows: ``output_logz`` averages log Z over at most this many positions, evenly strided (a full
+            log-sum-exp over (B*T, V) logits costs about as much as the loss itself on CPU); None: all positions.
     """
 
     def __init__(self, model: nn.Module, *, blocks: Any = None, probe: Any = None, jsonl: str | os.PathLike | None = None,
-                 tensorboard: str | os.PathLike | None = None, record_every: int = 1, probe_every: int = 10) -> None:  # fmt: skip
+                 tensorboard: str | os.PathLike | None = None, record_every: int = 1, probe_every: int = 10,
+                 logz_rows: int | None = 256) -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(record_every, int) or record_every < 1:
@@ -209,6 +229,9 @@ class Monitor:
         self.model = model
         self.record_every = record_every
         self.probe_every = probe_every
+        if logz_rows is not None and (not isinstance(logz_rows, int) or logz_rows < 1):
+            raise ValueError(f"logz_rows must be a positive int or None, got {logz_rows!r}")
+        self.logz_rows = logz_rows
         self.history: list[dict] = []
         self.blocks = find_blocks(model, blocks)
         self._steps = 0  # step() calls so far; the forward of step k happens while _steps == k
@@ -217,9 +240,12 @@ class Monitor:
         self._jsonl = None
         self._tb = None
         n = len(self.blocks)
-        self._residual: list[Tensor | None] = [None] * n
-        self._norm_in: list[Tensor | None] = [None] * n
+        # Per forward, per block: L2 norms (0-d tensors, still on the device) with the element count they cover;
+        # RMS = norm / sqrt(count) is taken on the host after the one transfer in step().
+        self._residual: list[tuple[Tensor, int] | None] = [None] * n
+        self._norm_in: list[list[tuple[Tensor, int]]] = [[] for _ in range(n)]
         self._logz: Tensor | None = None
+        self._seg_cache: dict[tuple, Tensor] = {}
 
         # Parameters: each assigned to the first block holding it (segment i), the rest to segment n.
         seg_of: dict[int, int] = {}
@@ -231,6 +257,7 @@ class Monitor:
         for p in model.parameters():  # .parameters() already skips shared duplicates
             self._params.append(p)
             self._segment.append(seg_of.get(id(p), n))
+        self._all_fp32 = all(p.dtype == torch.float32 for p in self._params)
 
         self._attn_modules: list[list[nn.Module]] = []
         for i, (_, block) in enumerate(self.blocks):
@@ -274,8 +301,7 @@ class Monitor:
                 return
             h = first_tensor(output)
             if h is not None and h.is_floating_point() and h.numel() > 0:
-                h = h.detach()
-                self._residual[i] = torch.linalg.vector_norm(h, dtype=torch.float32) / math.sqrt(h.numel())
+                self._residual[i] = (_l2(h.detach()), h.numel())
 
         return hook
 
@@ -291,12 +317,8 @@ class Monitor:
                     x = output[1]
                 elif args[1].shape == x.shape:
                     x = x + args[1]
-            x = x.detach()
-            if x.numel() == 0:
-                return
-            rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
-            prev = self._norm_in[i]
-            self._norm_in[i] = rms if prev is None else torch.maximum(prev, rms.to(prev.device))
+            if x.numel() > 0:
+                self._norm_in[i].append((_l2(x.detach()), x.numel()))
 
         return hook
 
@@ -305,7 +327,7 @@ class Monitor:
         if self._armed():
             n = len(self.blocks)
             self._residual = [None] * n
-            self._norm_in = [None] * n
+            self._norm_in = [[] for _ in range(n)]
             self._logz = None
 
     def _model_hook(self, module, args, output):
@@ -313,7 +335,10 @@ class Monitor:
             return
         logits = output_logits(output)
         if logits is not None and logits.numel() > 0:
-            self._logz = torch.logsumexp(logits.detach().float(), dim=-1).mean()
+            rows = logits.detach().reshape(-1, logits.shape[-1])
+            if self.logz_rows is not None and rows.shape[0] > self.logz_rows:
+                rows = rows[:: -(-rows.shape[0] // self.logz_rows)]  # evenly strided subset of positions
+            self._logz = torch.logsumexp(rows.float(), dim=-1).mean()
 
     # ---- probe ---------------------------------------------------------------------------------------------------
     def _probe_output(self) -> Tensor | None:
@@ -346,56 +371,78 @@ class Monitor:
         device = self._params[0].device if self._params else torch.device("cpu")
 
         # Gradient norms: one fused norm per tensor, then squared sums per segment (blocks, then "other").
+        # (A plain loop: this runs every step, and per-parameter Python work is most of the Monitor's cost.)
         grads, seg = [], []
         for p, s in zip(self._params, self._segment):
-            if p.grad is not None:
-                grads.append(p.grad.detach())
+            g = p.grad
+            if g is not None:
+                grads.append(g)
                 seg.append(s)
-        sq = torch.zeros(n + 1, dtype=torch.float32, device=device)
-        if grads:
-            norms = torch.stack([t.to(device=device, dtype=torch.float32) for t in _batched_norms(grads)])
-            sq.index_add_(0, torch.tensor(seg, device=device), norms * norms)
-        layer_grad = sq[:n].sqrt()
-        total_grad = sq.sum().sqrt()
+        with torch.no_grad():
+            sq = torch.zeros(n + 1, dtype=torch.float32, device=device)
+            if grads:
+                key = tuple(seg)
+                index = self._seg_cache.get(key)
+                if index is None:
+                    index = self._seg_cache[key] = torch.tensor(seg, device=device)
+                norms = _stack_scalars(_batched_norms(grads, self._all_fp32), device)
+                sq.index_add_(0, index, norms * norms)
 
-        # Everything goes to the host in one transfer: [total_grad, loss, logz, per-layer values...].
-        zero = torch.zeros((), device=device)
-        has_res = [r is not None for r in self._residual]
-        has_norm = [v is not None for v in self._norm_in]
+        # Everything goes to the host in one transfer; the layout is recorded in `slots`.
+        scalars: list[Tensor] = [sq]
+        loss_t = loss.detach().float().reshape(1) if isinstance(loss, Tensor) else None
+        if loss_t is not None:
+            scalars.append(loss_t)
+        if self._logz is not None:
+            scalars.append(self._logz.reshape(1))
+        counts: list[int] = []  # element counts for the residual and norm-input norms, in order
+        for r in self._residual:
+            if r is not None:
+                scalars.append(r[0].reshape(1))
+                counts.append(r[1])
+        for entries in self._norm_in:
+            for t, c in entries:
+                scalars.append(t.reshape(1))
+                counts.append(c)
         attn = [self._attn_logit(i) for i in range(n)]
-        has_attn = [a is not None for a in attn]
-        loss_t = loss.detach().float().reshape(()) if isinstance(loss, Tensor) else None
-        parts = [
-            total_grad.reshape(1),
-            (loss_t.to(device) if loss_t is not None else zero).reshape(1),
-            (self._logz.to(device) if self._logz is not None else zero).reshape(1),
-            layer_grad,
-            torch.stack([r.to(device) if r is not None else zero for r in self._residual]),
-            torch.stack([v.to(device) if v is not None else zero for v in self._norm_in]),
-            torch.stack([a.to(device) if a is not None else zero for a in attn]),
-        ]
-        values = torch.cat([t.float().reshape(-1) for t in parts]).tolist()
-        total, loss_v, logz_v = values[0], values[1], values[2]
-        grads_l = values[3 : 3 + n]
-        res_l = values[3 + n : 3 + 2 * n]
-        norm_l = values[3 + 2 * n : 3 + 3 * n]
-        attn_l = values[3 + 3 * n : 3 + 4 * n]
+        scalars += [a.reshape(1) for a in attn if a is not None]
+        values = _stack_scalars(scalars, device, cat=True).tolist()
+
+        pos = n + 1
+        sq_v = values[:pos]
+        total = math.sqrt(sum(sq_v))
+        loss_v = None
+        if loss_t is not None:
+            loss_v, pos = values[pos], pos + 1
+        elif loss is not None:
+            loss_v = float(loss)
+        logz_v = None
+        if self._logz is not None:
+            logz_v, pos = values[pos], pos + 1
+        k = 0
+        res_v: list[float | None] = []
+        for r in self._residual:
+            if r is None:
+                res_v.append(None)
+            else:
+                res_v.append(values[pos] / math.sqrt(counts[k]))
+                pos, k = pos + 1, k + 1
+        norm_v: list[float | None] = []
+        for entries in self._norm_in:
+            rms = [values[pos + j] / math.sqrt(counts[k + j]) for j in range(len(entries))]
+            pos, k = pos + len(entries), k + len(entries)
+            norm_v.append(max(rms) if rms else None)
 
         layers = []
         for i, (name, _) in enumerate(self.blocks):
-            entry = {"index": i, "name": name, "grad_norm": grads_l[i], "residual_rms": res_l[i] if has_res[i] else None}
-            if has_norm[i]:
-                entry["norm_input_rms"] = norm_l[i]
-            if has_attn[i]:
-                entry["max_attn_logit"] = attn_l[i]
+            entry = {"index": i, "name": name, "grad_norm": math.sqrt(sq_v[i]), "residual_rms": res_v[i]}
+            if norm_v[i] is not None:
+                entry["norm_input_rms"] = norm_v[i]
+            if attn[i] is not None:
+                entry["max_attn_logit"], pos = values[pos], pos + 1
             layers.append(entry)
 
-        record: dict[str, Any] = {
-            "step": step,
-            "loss": loss_v if loss_t is not None else (float(loss) if loss is not None else None),
-            "grad_norm": total,
-            "output_logz": logz_v if self._logz is not None else None,
-        }
+        record: dict[str, Any] = {"step": step, "loss": loss_v, "grad_norm": total, "output_logz": logz_v}
         if self._probe is not None and (step // self.record_every) % self.probe_every == 0:
             out = self._probe_output()
             record["update_size"] = float(torch.linalg.vector_norm(out - self._probe_ref)) if out is not None else None
@@ -405,15 +452,18 @@ class Monitor:
         self._write(record)
         # Stale values must not leak into a later record if a forward skips a block (early exit, layer drop).
         self._residual = [None] * n
-        self._norm_in = [None] * n
+        self._norm_in = [[] for _ in range(n)]
         self._logz = None
         return record
 
     def _attn_logit(self, i: int) -> Tensor | None:
         best = None
         for m in self._attn_modules[i]:
+            attrs = m.__dict__  # plain attributes; nn.Module.__getattr__ is slow for names that are not there
             for attr in MAX_ATTN_LOGIT_ATTRS:
-                v = getattr(m, attr, None)
+                v = attrs.get(attr)
+                if v is None:
+                    v = m._buffers.get(attr)
                 if isinstance(v, Tensor) and v.numel() == 1:
                     v = v.detach().float().reshape(())
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
