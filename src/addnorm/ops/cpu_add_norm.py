@@ -1,0 +1,534 @@
+"""CPU backend: fused residual add + LayerNorm/RMSNorm in numba, parallel over rows.
+
+The math (one row h of length N; statistics in fp32, fp64 when x or the residual stream is fp64):
+
+    forward     h     = dropout(x) + residual, rounded once to residual_dtype and stored (residual_out)
+                mean  = sum(h) / N                          (LayerNorm only)
+                rstd  = 1 / sqrt(sum((h - mean)^2) / N + eps)   (RMSNorm: 1 / sqrt(sum(h^2) / N + eps))
+                out   = (h - mean) * rstd * w + b           (w is 1 + weight when zero_centered_weight)
+
+    backward    xhat  = (h - mean) * rstd,   g = dout * w
+                dh    = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dresidual_out   (RMSNorm: no mean(g))
+                dresidual = dh,   dx = dh * keep / (1 - p)
+                dweight = sum over rows of dout * xhat,   dbias = sum over rows of dout
+
+A row is at most a few hundred KB, so it stays in L1/L2 while it is read several times: the forward streams x
+and residual in once, writes residual_out, then reads that row back from cache for the statistics (two passes,
+mean then squared deviations: no E[h^2] - E[h]^2 cancellation) and for the output. Everything in between lives in
+registers; DRAM sees each input read once and each output written once, which is the whole game on a CPU.
+
+Half types never exist as numpy/numba floats here: bf16 travels as uint16 bits and fp16 as int16 bits, converted
+in registers (bf16 by bit operations with round-to-nearest-even, fp16 by LLVM's half type, F16C on x86).
+
+dweight and dbias are reduced in a fixed number of row chunks that depends only on M (never on the thread
+count): each chunk sums its rows in order, then the chunk partials are summed in order. The result is bitwise
+identical whatever the number of threads, and run to run.
+
+Dropout keeps element (i, j) iff splitmix64(seed, i * N + j) >= p, exactly the hash of
+:func:`addnorm.reference.dropout_keep_mask`, so the backward regenerates the mask and the two backends agree bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic, overload
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as _e:  # the module must still import so that unavailable_reason can say why
+    numba = ir = types = None
+    _IMPORT_ERROR = f"numba is not installed ({_e}); `pip install numba`"
+
+    def njit(*args, **kwargs):
+        return (lambda f: f) if not args or not callable(args[0]) else args[0]
+
+    def intrinsic(f):
+        return f
+
+    def overload(f, **kwargs):
+        return lambda impl: impl
+
+    prange = range
+
+__all__ = ["unavailable_reason", "forward", "backward", "forward_into"]
+
+# Flags for the row reductions only: reassociation lets LLVM keep 8 partial sums in a vector register (faster, and
+# no less accurate than one sequential sum). Elementwise code stays IEEE-exact so residual_out is bit-identical to
+# the reference. No nnan/ninf: NaN and inf must propagate.
+_FAST = {"reassoc", "contract"}
+_JIT = dict(cache=True, nogil=True)
+
+# --------------------------------------------------------------------------------------------------------------
+# Register-level dtype conversions
+# --------------------------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, bits):
+    """bf16 bits (uint16) -> float32: a bf16 is the high half of a float32."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, value):
+    """float32 -> bf16 bits, round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0 (as torch does)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(u, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.lshr(builder.add(u, builder.add(lsb, ir.Constant(i32, 0x7FFF))), ir.Constant(i32, 16))
+        isnan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(isnan, ir.Constant(i32, 0x7FC0), rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _f16_to_f32(typingctx, bits):
+    """fp16 bits (int16) -> float32, exact."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f32_to_f16(typingctx, value):
+    """float32 -> fp16 bits, round to nearest even (overflow to inf)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(types.float32), codegen
+
+
+def _load(a, j):
+    """a[j] as a float (float32 for bf16/fp16/fp32 storage, float64 for fp64); numba-only."""
+    raise NotImplementedError
+
+
+def _store(a, j, v):
+    """a[j] = v rounded to a's storage type; numba-only."""
+    raise NotImplementedError
+
+
+def _cast(v, like):
+    """v converted to the float type of ``like`` (the statistics dtype); numba-only."""
+    raise NotImplementedError
+
+
+@overload(_load, inline="always")
+def _load_impl(a, j):
+    if a.dtype == types.uint16:
+        return lambda a, j: _bf16_to_f32(a[j])
+    if a.dtype == types.int16:
+        return lambda a, j: _f16_to_f32(a[j])
+    return lambda a, j: a[j]
+
+
+@overload(_store, inline="always")
+def _store_impl(a, j, v):
+    if a.dtype == types.uint16:
+
+        def store_bf16(a, j, v):
+            a[j] = _f32_to_bf16(np.float32(v))  # fp64 goes through fp32 first, as torch's cast does
+
+        return store_bf16
+    if a.dtype == types.int16:
+
+        def store_f16(a, j, v):
+            a[j] = _f32_to_f16(np.float32(v))
+
+        return store_f16
+
+    def store_float(a, j, v):
+        a[j] = v
+
+    return store_float
+
+
+@overload(_cast, inline="always")
+def _cast_impl(v, like):
+    if like == types.float64:
+        return lambda v, like: np.float64(v)
+    return lambda v, like: np.float32(v)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dropout: splitmix64 of (seed, element index), identical to addnorm.reference.dropout_keep_mask
+# --------------------------------------------------------------------------------------------------------------
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
+
+
+@njit(inline="always", **_JIT)
+def _keep(idx, seed_mix, threshold):
+    """True iff element ``idx`` survives: the hash's top 24 bits, read as k / 2^24, are >= p (k >= threshold)."""
+    z = np.uint64(idx) * _GAMMA + seed_mix  # uint64 arithmetic wraps like the reference's int64
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
+
+
+def _dropout_args(seed: int, p: float) -> tuple[np.uint64, np.uint64]:
+    seed_mix = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
+    # u = k / 2^24 is exact, so u >= p  <=>  k >= ceil(p * 2^24) (p * 2^24 is exact too)
+    return np.uint64(seed_mix), np.uint64(math.ceil(p * (1 << 24)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels. Arrays are flat 1-D views; row i of X starts at i * sx (row strides allow strided rows without a copy).
+# Capitalised names are arrays, as in Triton's pointer arguments.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(fastmath=_FAST, **_JIT)
+def _sum(h, n, zero):
+    s = zero
+    for j in range(n):
+        s += _cast(_load(h, j), zero)
+    return s
+
+
+@njit(fastmath=_FAST, **_JIT)
+def _sum_sq_dev(h, n, mean, zero):
+    s = zero
+    for j in range(n):
+        d = _cast(_load(h, j), zero) - mean
+        s += d * d
+    return s
+
+
+@njit(**_JIT)
+def _residual_row(x, r, h, i, n, has_res, dropout, seed_mix, threshold, keep_div, zero):
+    """h = dropout(x) + r for row i, rounded to h's storage type."""
+    for j in range(n):
+        v = _cast(_load(x, j), zero)
+        if dropout:
+            v = v / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
+        if has_res:
+            v = v + _cast(_load(r, j), zero)
+        _store(h, j, v)
+
+
+@njit(**_JIT)
+def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, zero):
+    for j in range(n):
+        y = (_cast(_load(h, j), zero) - mean) * rstd
+        if has_w:
+            y = y * W[j]
+        if has_b:
+            y = y + B[j]
+        _store(out, j, y)
+
+
+@njit(**_JIT)
+def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
+             seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+    # X: x rows; R: residual rows (stride sr); W, B: weight, bias in the statistics dtype; Out: (M, N) output;
+    # H: residual_out rows (stride sh; H is X itself when nothing is stored); Mean, Rstd: (M,) statistics
+    h = H[i * sh : i * sh + n]
+    if store:  # rounded once; everything below normalizes the stored value
+        _residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_mix,
+                      threshold, keep_div, zero)  # fmt: skip
+    nf = _cast(n, zero)
+    if is_rms:
+        mean = zero
+        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, zero, zero) / nf + eps)
+    else:
+        mean = _sum(h, n, zero) / nf
+        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, mean, zero) / nf + eps)
+        Mean[i] = mean
+    rstd = _cast(rstd, zero)
+    Rstd[i] = rstd
+    _normalize_row(h, Out[i * n : i * n + n], W, B, n, mean, rstd, has_w, has_b, zero)
+
+
+# Two drivers over the same row function: prange for large inputs, a plain loop for small ones, where the ~10-60
+# microseconds of waking a thread pool would dominate. Two functions, not one compiled twice: numba's cache keys
+# entries by function, not by the parallel flag.
+@njit(parallel=True, **_JIT)
+def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
+                  seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+    for i in prange(m):
+        _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
+                 seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
+
+
+@njit(**_JIT)
+def _fwd_serial(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
+                seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+    for i in range(m):
+        _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
+                 seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
+
+
+@njit(fastmath=_FAST, **_JIT)
+def _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero):
+    """sum(g) and sum(g * xhat) over one row, g = dy * w."""
+    sg = zero
+    sgx = zero
+    for j in range(n):
+        g = _cast(_load(dy, j), zero)
+        if has_w:
+            g = g * W[j]
+        xhat = (_cast(_load(h, j), zero) - mean) * rstd
+        sg += g
+        sgx += g * xhat
+    return sg, sgx
+
+
+@njit(**_JIT)
+def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
+               has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+    # DY: dout rows; DRO: dresidual_out rows; H: the normalized input as stored; W: effective weight (stats
+    # dtype); DX, DRes: (M, N) outputs; DWp, DBp: (chunks, N) partial sums of this chunk's rows
+    nf = _cast(n, zero)
+    dwp = DWp[c * n : c * n + n]
+    dbp = DBp[c * n : c * n + n]
+    for i in range(c * m // chunks, (c + 1) * m // chunks):
+        dy = DY[i * sdy : i * sdy + n]
+        h = H[i * sh : i * sh + n]
+        dro = DRO[i * sdro : i * sdro + n]
+        dx = DX[i * n : i * n + n]
+        dres = DRes[i * n : i * n + n]
+        rstd = Rstd[i]
+        mean = zero if is_rms else Mean[i]
+        sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
+        mean_g = zero if is_rms else sg / nf
+        proj = sgx / nf
+        for j in range(n):
+            d = _cast(_load(dy, j), zero)
+            xhat = (_cast(_load(h, j), zero) - mean) * rstd
+            g = d * W[j] if has_w else d
+            dh = rstd * (g - mean_g - xhat * proj)
+            if has_dro:
+                dh = dh + _cast(_load(dro, j), zero)
+            if has_dres:
+                _store(dres, j, dh)
+            if dropout:
+                dh = dh / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
+            _store(dx, j, dh)
+            if has_w:
+                dwp[j] += d * xhat
+            if has_db:
+                dbp[j] += d
+
+
+@njit(**_JIT)
+def _sum_chunks(P, chunks, n, Out):
+    """Out[j] = sum of P[c, j] over c in order: a fixed order, so the result is deterministic."""
+    for j in range(n):
+        Out[j] = P[j]
+    for c in range(1, chunks):
+        for j in range(n):
+            Out[j] += P[c * n + j]
+
+
+@njit(parallel=True, **_JIT)
+def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
+                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+    for c in prange(chunks):
+        _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
+                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
+    if has_w:
+        _sum_chunks(DWp, chunks, n, DW)
+    if has_db:
+        _sum_chunks(DBp, chunks, n, DB)
+
+
+@njit(**_JIT)
+def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
+                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+    for c in range(chunks):
+        _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
+                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
+    if has_w:
+        _sum_chunks(DWp, chunks, n, DW)
+    if has_db:
+        _sum_chunks(DBp, chunks, n, DB)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers: flat numpy views, allocation, dtype handling, thread count
+# --------------------------------------------------------------------------------------------------------------
+
+# Below this many elements a call runs on the calling thread: waking the pool costs more than it saves.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+# Rows per dweight/dbias chunk (at least) and the most chunks; the chunking depends on M only (determinism).
+_CHUNK_ROWS = 32
+_MAX_CHUNKS = 64
+
+# bf16/fp16 have no numpy/numba float type: the kernels see their bits (uint16 = bf16, int16 = fp16).
+_BITS_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+_NP_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
+
+_state = threading.local()  # the thread count last given to numba on this thread (numba's setting is per thread)
+_parallel_lock = threading.Lock()  # numba's workqueue layer aborts on concurrent parallel launches; omp/tbb don't
+
+
+def _threads() -> int:
+    """torch's thread count (capped by numba's pool), applied to numba only when it changed: setting costs ~us."""
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if getattr(_state, "threads", None) != want:
+        numba.set_num_threads(want)
+        _state.threads = want
+    return want
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A contiguous 1-D tensor as a numpy array, half types as their bits."""
+    bits = _BITS_VIEW.get(t.dtype)
+    return (t if bits is None else t.view(bits)).numpy()
+
+
+def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """(flat numpy view spanning the rows of 2-D ``t``, row stride), without copying row-strided input."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    m, n = t.shape
+    rs = t.stride(0) if m > 1 else n
+    flat = t.view(-1) if rs == n else t.as_strided(((m - 1) * rs + n,), (1,))
+    return _np(flat), rs
+
+
+def _vector(t: torch.Tensor | None, dtype: torch.dtype, plus_one: bool, dummy: np.ndarray) -> np.ndarray:
+    if t is None:
+        return dummy
+    t = t.detach().to(dtype)
+    if plus_one:
+        t = t + 1  # zero-centered weight: the stored parameter is w - 1
+    return t.contiguous().numpy()
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None when the numba kernels can run on ``device``, else why not."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the cpu backend runs on CPU tensors; got {device.type}"
+    return None
+
+
+def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
+            store_residual_out):  # fmt: skip
+    """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None, rstd)."""
+    m, n = x.shape
+    sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
+    out = torch.empty((m, n), dtype=x.dtype)
+    res_out = torch.empty((m, n), dtype=residual_dtype) if store_residual_out else None
+    mean = None if is_rms else torch.empty(m, dtype=sd)
+    rstd = torch.empty(m, dtype=sd)
+    if m > 0:
+        forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
+                     zero_centered_weight=zero_centered_weight)  # fmt: skip
+    return out, res_out, mean, rstd
+
+
+def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight):
+    """The forward kernel writing into given outputs (out and res_out contiguous; res_out None: normalize x; mean
+    None: RMSNorm). ``forward`` allocates and calls this; benchmarks call it to time the kernel without the cost of
+    faulting in fresh output pages."""
+    m, n = x.shape
+    sd = rstd.dtype
+    X, sx = _rows(x)
+    store = res_out is not None
+    if store:
+        H, sh = _np(res_out.view(-1)), n
+    else:
+        H, sh = X, sx  # nothing stored: the kernel normalizes x
+    R, sr = H, sh  # placeholder of a type the kernel is compiled for anyway
+    if residual is not None:
+        if residual.dtype not in ((res_out if store else x).dtype, sd):
+            residual = residual.to(sd)  # exact (or the reference's own rounding of an fp64 residual)
+        R, sr = _rows(residual)
+    Rstd = rstd.numpy()
+    is_rms = mean is None
+    Mean = Rstd if is_rms else mean.numpy()
+    W = _vector(weight, sd, zero_centered_weight, Rstd)
+    B = _vector(bias, sd, False, Rstd)
+    dropout = dropout_p > 0.0
+    seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (np.uint64(0), np.uint64(0))
+    f = _NP_FLOAT[sd]
+    args = (X, sx, R, sr, W, B, _np(out.view(-1)), H, sh, Mean, Rstd, m, n, residual is not None,
+            weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
+            seed_mix, threshold, f(1.0 - dropout_p), f(eps), f(0.0))  # fmt: skip
+    if m * n >= PARALLEL_MIN_ELEMENTS and _threads() > 1:
+        with _parallel_lock:
+            _fwd_parallel(*args)
+    else:
+        _fwd_serial(*args)
+
+
+def _chunks(m: int) -> int:
+    return max(1, min(_MAX_CHUNKS, m // _CHUNK_ROWS))
+
+
+def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
+             residual_dtype, bias_dtype):  # fmt: skip
+    """Kernel contract backward: (dx, dresidual | None, dweight | None, dbias | None)."""
+    m, n = dout.shape
+    sd = rstd.dtype
+    dx = torch.empty((m, n), dtype=x_dtype)
+    dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
+    chunks = _chunks(m)
+    dw = torch.zeros(n, dtype=sd) if weight is not None else None
+    db = torch.zeros(n, dtype=sd) if bias_dtype is not None else None
+    if m > 0:
+        DY, sdy = _rows(dout)
+        H, sh = _rows(h)
+        DRO, sdro = (H, sh) if dresidual_out is None else _rows(dresidual_out)
+        Rstd = _np(rstd.detach().contiguous())
+        Mean = Rstd if mean is None else _np(mean.detach().to(sd).contiguous())
+        W = _vector(weight, sd, zero_centered_weight, Rstd)
+        DX = _np(dx.view(-1))
+        DRes = H if dres is None else _np(dres.view(-1))
+        dwp = torch.zeros((chunks, n), dtype=sd) if dw is not None else None
+        dbp = torch.zeros((chunks, n), dtype=sd) if db is not None else None
+        DWp, DW = (Rstd, Rstd) if dw is None else (_np(dwp.view(-1)), dw.numpy())
+        DBp, DB = (Rstd, Rstd) if db is None else (_np(dbp.view(-1)), db.numpy())
+        dropout = dropout_p > 0.0
+        seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (np.uint64(0), np.uint64(0))
+        f = _NP_FLOAT[sd]
+        args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
+                dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
+                seed_mix, threshold, f(1.0 - dropout_p), f(0.0))  # fmt: skip
+        if m * n >= PARALLEL_MIN_ELEMENTS and chunks > 1 and _threads() > 1:
+            with _parallel_lock:
+                _bwd_parallel(*args)
+        else:
+            _bwd_serial(*args)
+    dweight = dw.to(weight.dtype) if dw is not None else None
+    dbias = db.to(bias_dtype) if db is not None else None
+    return dx, dres, dweight, dbias
