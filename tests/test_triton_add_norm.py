@@ -100,10 +100,14 @@ def test_dtypes(device, dtype, is_rms):
         (7, 300, torch.bfloat16, RMS, dict(residual_dtype=torch.float32)),
         (3, 130, torch.float16, RMS, dict(stride_pad=5)),  # strided rows, no copies
         (3, 130, torch.float32, LN, dict(stride_pad=3, residual_dtype=torch.float32)),
+        # the sum is rounded to the stored dtype (bf16 here) and the norm sees exactly that rounded value
+        (5, 100, torch.float32, RMS, dict(store_as=torch.bfloat16)),
+        (5, 100, torch.bfloat16, LN, dict(store_as=torch.float32)),  # bf16 residual, fp32 stream from here on
     ],
 )
 def test_options(device, m, n, dtype, is_rms, opts):
-    residual_dtype = opts.get("residual_dtype")
+    opts = dict(opts)
+    residual_dtype = opts.get("residual_dtype") or opts.pop("store_as", None)
     inputs = _inputs(m, n, dtype, device, **opts)
     kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
     out, res_out = check_against_oracle(is_rms, *inputs, **kw)
@@ -121,9 +125,9 @@ def test_zero_centered_weight(device, is_rms):
 
 def test_small_n_packs_rows(device):
     """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
-    m, n = 37, 64
+    m, n = 37, 128
     block_m, _ = T._rows_blocks(m, n, T.TUNING.max_fwd_block_n)
-    assert block_m > 1
+    assert 1 < block_m < m  # two programs, the second one partly past the last row
     check_against_oracle(RMS, *_inputs(m, n, torch.bfloat16, device))
 
 

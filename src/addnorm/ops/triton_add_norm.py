@@ -46,6 +46,9 @@ except ImportError:  # the module still imports, so unavailable_reason() can say
     tl = SimpleNamespace(constexpr=None)
     _jit = lambda fn: fn  # noqa: E731
 
+# Whether the kernels below run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1") if triton is not None else False
+
 __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "backward"]
 
 
@@ -66,6 +69,18 @@ TUNING = Tuning()
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
 # --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _round(v, dtype: tl.constexpr):
+    """v converted to dtype, rounding to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds),
+    which would bias every bf16 result on CPU; there the rounding is done on the bits instead."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)  # add half an ulp of bf16, ties to even
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
 
 
 @_jit
@@ -120,7 +135,7 @@ def _fwd_rows_kernel(
     if HAS_RESIDUAL:
         h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if STORE_RESIDUAL_OUT:
-        stored = h.to(ResOut.dtype.element_ty)
+        stored = _round(h, ResOut.dtype.element_ty)
         tl.store(ResOut + rows64 * N + cols[None, :], stored, mask=mask)
         h = stored.to(acc_t)  # normalize the sum exactly as stored
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
@@ -142,7 +157,7 @@ def _fwd_rows_kernel(
         y = y * w[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-    tl.store(Out + rows64 * N + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + rows64 * N + cols[None, :], _round(y, Out.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -194,7 +209,7 @@ def _fwd_looped_kernel(
         if HAS_RESIDUAL:
             h += tl.load(r_row + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_RESIDUAL_OUT:
-            stored = h.to(ResOut.dtype.element_ty)
+            stored = _round(h, ResOut.dtype.element_ty)
             tl.store(res_row + cols, stored, mask=ok)
             h = stored.to(acc_t)
         if IS_RMS:
@@ -236,7 +251,7 @@ def _fwd_looped_kernel(
             y = y * w
         if HAS_BIAS:
             y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-        tl.store(Out + row * N + cols, y.to(Out.dtype.element_ty), mask=ok)
+        tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -315,11 +330,11 @@ def _bwd_rows_kernel(
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
         if STORE_DRES:
-            tl.store(DRes + rows64 * N + cols[None, :], dh.to(DRes.dtype.element_ty), mask=mask)
+            tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
             keep = tl.rand(seed, rows64 * N + cols[None, :]) >= dropout_p
             dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
-        tl.store(DX + rows64 * N + cols[None, :], dh.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if HAS_DB:
@@ -438,11 +453,11 @@ def _bwd_tiles_kernel(
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_DRES:
-            tl.store(DRes + row * N + cols, dh.to(DRes.dtype.element_ty), mask=ok)
+            tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
         if HAS_DROPOUT:
             keep = tl.rand(seed, row * N + cols) >= dropout_p
             dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
-        tl.store(DX + row * N + cols, dh.to(DX.dtype.element_ty), mask=ok)
+        tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
     if HAS_WEIGHT:
         tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
     if HAS_DB:
