@@ -62,6 +62,7 @@ class Row:
     bytes: int = 0
     gbps: float | None = None
     frac_copy: float | None = None
+    max_err: float | None = None  # largest |out - fp32 eager out| (fwd rows): a fast but wrong kernel shows here
     note: str = ""
 
 
@@ -228,6 +229,10 @@ def bench_one(provider: str, mode: str, m: int, n: int, cfg: BenchConfig, copy_g
     try:
         if mode == "fwd":
             with torch.no_grad():
+                out, _ = fn(x, r, w, b)
+                ref, _ = _eager(cfg.norm, 1e-6 if cfg.norm == "rms" else 1e-5)(
+                    x.float(), r.float(), w.float(), None if b is None else b.float())
+                row.max_err = float((out.float() - ref).abs().max()) if out.numel() else 0.0
                 ms = time_ms(lambda: fn(x, r, w, b), dev, cfg.warmup, cfg.reps)
         elif mode == "bwd":
             graph = {}
@@ -336,7 +341,7 @@ def run(cfg: BenchConfig, checkpoint: Callable[[list[Row], dict], object] | None
         "config": asdict(cfg),
     }
     print(f"# {meta['device']}: device-to-device copy {copy_gbps:.0f} GB/s; {cfg.norm} norm, {cfg.dtype}")
-    print(f"{'provider':<11}{'mode':<9}{'M':>8}{'N':>8}{'ms':>10}{'GB/s':>9}{'copy%':>7}  note")
+    print(f"{'provider':<11}{'mode':<9}{'M':>8}{'N':>8}{'ms':>10}{'GB/s':>9}{'copy%':>7}{'max err':>10}  note")
     rows = []
     for n in cfg.sizes:
         m = max(1, cfg.elements // n)
@@ -347,7 +352,8 @@ def run(cfg: BenchConfig, checkpoint: Callable[[list[Row], dict], object] | None
                 ms = f"{row.ms:10.4f}" if row.ms is not None else f"{'-':>10}"
                 gb = f"{row.gbps:9.1f}" if row.gbps is not None else f"{'-':>9}"
                 fr = f"{100 * row.frac_copy:6.1f}%" if row.frac_copy is not None else f"{'-':>7}"
-                print(f"{prov:<11}{mode:<9}{m:>8}{n:>8}{ms}{gb}{fr}  {row.note}", flush=True)
+                err = f"{row.max_err:10.2e}" if row.max_err is not None else f"{'':>10}"
+                print(f"{prov:<11}{mode:<9}{m:>8}{n:>8}{ms}{gb}{fr}{err}  {row.note}", flush=True)
             if cfg.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         if checkpoint is not None:

@@ -178,11 +178,14 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
     assert not torch.allclose(naive, rstd64, rtol=1e-2, atol=0)  # the offset really does defeat naive stats
 
 
-def test_wide_row(device):
-    """A real hidden size above 65536 with the default block limits (one row, so the interpreter stays quick)."""
-    n = 65537
+@pytest.mark.parametrize(
+    "n, dtype, is_rms",
+    [(65537, torch.bfloat16, LN), (65537, torch.float16, RMS), (65537, torch.float64, LN), (262144, torch.float32, RMS)],
+)
+def test_wide_row(device, n, dtype, is_rms):
+    """Real hidden sizes above 65536 with the default block limits (one row, so the interpreter stays quick)."""
     assert T._rows_blocks(1, n, T.TUNING.max_fwd_block_n) is None
-    check_against_oracle(LN, *_inputs(1, n, torch.bfloat16, device))
+    check_against_oracle(is_rms, *_inputs(1, n, dtype, device))
 
 
 # --------------------------------------------------------------------------------------------------------------
