@@ -59,8 +59,10 @@ def check_against_oracle(is_rms, x, r, w, b, *, eps=1e-5, dresidual_out=True, **
     dout = torch.randn_like(out)
     dres_out = torch.randn_like(res_out) if dresidual_out else None
     torch.autograd.backward((out, res_out) if dresidual_out else (out,), (dout, dres_out) if dresidual_out else (dout,))
-    ref = oracle(x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
-                 residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False))  # fmt: skip
+    ref = oracle(
+        x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
+        residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False),
+    )  # fmt: skip
     m = x.shape[0]
     assert out.dtype == x.dtype
     assert_close(out, ref["out"], "out")
@@ -180,12 +182,39 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
 
 @pytest.mark.parametrize(
     "n, dtype, is_rms",
-    [(65537, torch.bfloat16, LN), (65537, torch.float16, RMS), (65537, torch.float64, LN), (262144, torch.float32, RMS)],
+    [
+        (65537, torch.bfloat16, LN),
+        (65537, torch.float16, RMS),
+        (65537, torch.float64, LN),
+        (262144, torch.float32, RMS),
+    ],
 )
 def test_wide_row(device, n, dtype, is_rms):
     """Real hidden sizes above 65536 with the default block limits (one row, so the interpreter stays quick)."""
     assert T._rows_blocks(1, n, T.TUNING.max_fwd_block_n) is None
     check_against_oracle(is_rms, *_inputs(1, n, dtype, device))
+
+
+@pytest.mark.parametrize(
+    "m, n, is_rms",
+    [(4096, 4096, RMS), (1000, 8192, LN), (300, 16384, RMS), (64, 262144, LN), (20000, 128, RMS)],
+)
+def test_real_sizes_on_gpu(device, m, n, is_rms):
+    """Every launcher choice at the sizes it exists for (bf16, fp32 residual stream): GPU only, the interpreter
+    would take minutes. Also checks the full-size persistent backward is bitwise reproducible."""
+    if device.type != "cuda":
+        pytest.skip("real sizes need a GPU")
+    x, r, w, b = _inputs(m, n, torch.bfloat16, device, residual_dtype=torch.float32)
+    check_against_oracle(is_rms, x, r, w, b, residual_dtype=torch.float32)
+    dout = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        if is_rms:
+            out, _ = add_rms_norm(x, r, w, 1e-5, backend="triton")
+        else:
+            out, _ = add_layer_norm(x, r, w, b, backend="triton")
+        runs.append(torch.autograd.grad(out, (w,), dout)[0])
+    assert torch.equal(runs[0], runs[1])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -308,7 +337,8 @@ for name in ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd
     setattr(T, name, Recorder(getattr(T, name)))
 T._programs = lambda device: 264
 
-for dt, is_rms, m, n in [(torch.bfloat16, False, 64, 300), (torch.bfloat16, True, 2, 70000), (torch.float64, False, 2, 20000)]:
+shapes = [(torch.bfloat16, False, 64, 300), (torch.bfloat16, True, 2, 70000), (torch.float64, False, 2, 20000)]
+for dt, is_rms, m, n in shapes:
     x, r, w = torch.empty(m, n, dtype=dt), torch.empty(m, n, dtype=dt), torch.empty(n, dtype=dt)
     rd = torch.float32 if dt == torch.bfloat16 else dt
     b = None if is_rms else torch.empty(n, dtype=dt)
