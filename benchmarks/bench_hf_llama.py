@@ -48,8 +48,8 @@ class BenchConfig:
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     d = BenchConfig()
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (default %(default)s)")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (default %(default)s)")
@@ -89,8 +89,13 @@ def build(cfg: BenchConfig, variant: str):
     return model
 
 
-def step(model, ids) -> None:
+def step(model, ids, threads: int = 0) -> None:
     """One training step's worth of compute: forward, loss, backward (no optimizer: it is the same for all)."""
+    if threads and torch.get_num_threads() != threads:
+        # numba's OpenMP threading layer (the cpu backend) resets the process's OpenMP thread count, which torch
+        # reads as its own, at its first parallel launch: pin it again, or every later step (hf's too) runs with
+        # more threads than asked for
+        torch.set_num_threads(threads)
     model.zero_grad(set_to_none=True)
     model(ids, labels=ids).loss.backward()
 
@@ -102,12 +107,12 @@ def run(cfg: BenchConfig) -> dict:
     models = {v: build(cfg, v) for v in VARIANTS}
     for model in models.values():
         for _ in range(cfg.warmup):
-            step(model, ids)
+            step(model, ids, cfg.threads)
     times = {v: [] for v in VARIANTS}
     for _ in range(cfg.repeats):
         for v, model in models.items():  # round-robin: drifting load hits every variant alike
             t0 = time.perf_counter()
-            step(model, ids)
+            step(model, ids, cfg.threads)
             times[v].append((time.perf_counter() - t0) * 1e3)
     return {v: _summary(t) for v, t in times.items()}
 

@@ -80,7 +80,7 @@ class CastBeforeWeightRMSNorm(RMSNorm):
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w = self.weight
         if w is None or (x.dtype == torch.float32 and w.dtype != torch.float64):
-            # the cast to x's dtype is a no-op and w * fp32 is computed in fp32: the fused weighted call gives HF's value
+            # the cast to x's dtype is a no-op and w * fp32 is computed in fp32: the fused weighted call is HF's value
             return super().forward(x, residual)
         # In bf16/fp16 HF rounds the normalized value to x's dtype and then multiplies by the weight (a second
         # rounding); addnorm's fused weighted call rounds once. Normalize without a weight, multiply as HF does.
