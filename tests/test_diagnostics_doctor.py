@@ -216,6 +216,17 @@ def test_clean_models_have_no_errors_or_warnings():
     assert "Post-Norm" in summary.message
 
 
+def test_nonfinite_forward_names_the_module():
+    class LogOf(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(x)  # NaN for the negative entries
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), LogOf(), torch.nn.Linear(4, 2))
+    findings = diagnose(model, torch.randn(3, 4))
+    (f,) = [f for f in findings if f.code == "non-finite"]
+    assert f.severity == "error" and f.module == "1"
+
+
 def test_diagnose_leaves_the_model_untouched():
     model, batch = TOY["ToyLM"](norm="bn"), TOY["batch"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -17,7 +17,7 @@ code                        severity  what is checked
 ``post-norm-deep``          warning   Post-Norm with 12 or more blocks (Xiong et al. 2020: needs warmup;
                                       Wang et al. 2022: DeepNorm) and no DeepNorm scaling found
 ``low-precision-stats``     warning   a norm whose mean/variance reduction runs in fp16/bf16 when fed half
-                                      precision (error when the model already runs in half precision)
+                                      precision (error when it already does so on its input in this model)
 ``residual-growth``         warning   at init, RMS(stream after the last block) / RMS(after the first)
                                       above 2 * sqrt((1 + 3L/2) / (3/2)): twice the ratio of the Pre-LN
                                       bounds of Xiong et al.'s Lemma 2 (upper at layer L, lower at layer 1);
@@ -40,7 +40,7 @@ import math
 import os
 import sys
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -201,21 +201,18 @@ def _batch_shape(batch: Any) -> tuple[int, ...] | None:
 # ---- the checks ---------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class _Trace:
-    order: int = 0
-    failed: bool = False
-    block_calls: dict = None  # block index -> (args, kwargs) of its first call
-    block_in_rms: dict = None
-    block_out: dict = None  # block index -> (rms, last dim)
-    block_end: dict = None  # block index -> order when it finished
-    norm_calls: dict = None  # norm path -> (args, order)
-    shape_errors: dict = None  # norm path -> message
+    """What the hooks saw during the example forward."""
 
-    def __post_init__(self):
-        for f in ("block_calls", "block_in_rms", "block_out", "block_end", "norm_calls", "shape_errors"):
-            setattr(self, f, {})
+    order: int = 0  # a counter shared by block ends and norm calls, to tell what ran after the last block
+    failed: bool = False  # the forward raised
+    block_calls: dict = field(default_factory=dict)  # block index -> (args, kwargs) of its first call
+    block_out: dict = field(default_factory=dict)  # block index -> (RMS of its output, output's last dim)
+    block_end: dict = field(default_factory=dict)  # block index -> order when it finished
+    norm_calls: dict = field(default_factory=dict)  # norm path -> (args, order) of its first call
+    shape_errors: dict = field(default_factory=dict)  # norm path -> message
 
 
-def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) -> _Trace | None:
+def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) -> _Trace:
     """One forward (hooks record block and norm calls) and one backward; failures become findings."""
     tr = _Trace()
     handles = []
@@ -225,9 +222,6 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         def hook(module, args, kwargs):
             if i not in tr.block_calls:
                 tr.block_calls[i] = (_detach(args), _detach(kwargs))
-                x = first_tensor(args) if first_tensor(args) is not None else first_tensor(kwargs)
-                if x is not None and x.is_floating_point():
-                    tr.block_in_rms[i] = _rms(x)
 
         return hook
 
@@ -317,7 +311,6 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
 def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorConfig) -> None:
     modules = dict(model.named_modules())
     features = _feature_sizes(model) | ({d_model} if d_model else set())
-    model_half = any(p.dtype in _HALF for p in model.parameters())
     seq_len = batch_shape[1] if batch_shape and len(batch_shape) >= 2 else None
     batch_size = batch_shape[0] if batch_shape else None
     norm_fix = "normalize each position over its features: LayerNorm(d_model)/RMSNorm(d_model) on a (..., d_model) input"
@@ -360,12 +353,12 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
                     fix=norm_fix,
                 ))  # fmt: skip
         if not _trusted_norm(m):
-            sev = _low_precision(m, args, model_half)
+            sev = _low_precision(m, args)
             if sev:
                 findings.append(Finding(
                     code="low-precision-stats", severity=sev, module=path,
                     message=f"{type(m).__name__} computes its mean/variance in half precision"
-                    + (" (the model runs in half precision)" if sev == "error" else " when fed fp16/bf16 input")
+                    + (" on its input in this model" if sev == "error" else " when fed fp16/bf16 input")
                     + ": sums of squares lose digits and can overflow",
                     fix="upcast before the statistics (x.float()), normalize, then cast back; "
                     "or use torch.nn.RMSNorm/LayerNorm or addnorm.nn norms",
@@ -393,13 +386,13 @@ def _couples_positions(m: nn.Module, args: tuple, cfg: DoctorConfig) -> bool:
     return float(diff.max()) > cfg.coupling_rtol * max(float(y0.abs().max()), 1e-6)
 
 
-def _low_precision(m: nn.Module, args: tuple, model_half: bool) -> str | None:
-    x = args[0]
+def _low_precision(m: nn.Module, args: tuple) -> str | None:
+    """Returns "error" if the norm reduces in fp16/bf16 on its real input, "warning" if it would on bf16 input."""
     try:
         c = copy.deepcopy(m).eval()
         with torch.no_grad():
             if _half_reductions(lambda: c(*args)):
-                return "error" if (model_half or x.dtype in _HALF) else "warning"
+                return "error"  # it does so right now, in the dtype the model runs in
             c16 = c.to(torch.bfloat16)
             a16 = tuple(a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
             if _half_reductions(lambda: c16(*a16)):
