@@ -12,7 +12,7 @@ import platform
 import sys
 
 # Modules that add subcommands (imported at start-up, so they keep heavy imports inside their functions).
-COMMAND_MODULES: list[str] = ["addnorm.lab.cli", "addnorm.train.cli"]
+COMMAND_MODULES: list[str] = ["addnorm.lab.cli", "addnorm.train.cli", "addnorm.diagnostics.doctor"]
 
 
 def _version(module: str) -> str | None:
