@@ -72,8 +72,10 @@ def layer_norm_ref(
     eps: float = 1e-5,
     zero_centered_weight: bool = False,
     compute_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNorm over the last dim. Returns ``(y, mean, rstd)``; y in x's dtype, stats in the compute dtype."""
+    """LayerNorm over the last dim. Returns ``(y, mean, rstd)``; y in ``out_dtype`` (default x's dtype), rounded
+    once from the compute dtype; stats in the compute dtype."""
     cd = compute_dtype or acc_dtype(x.dtype)
     h = x.to(cd)
     mean = h.mean(dim=-1)
@@ -86,7 +88,7 @@ def layer_norm_ref(
         y = y * w
     if bias is not None:
         y = y + bias.to(cd)
-    return y.to(x.dtype), mean, rstd
+    return y.to(out_dtype or x.dtype), mean, rstd
 
 
 def rms_norm_ref(
@@ -95,8 +97,10 @@ def rms_norm_ref(
     eps: float | None = None,
     zero_centered_weight: bool = False,
     compute_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """RMSNorm over the last dim. Returns ``(y, rstd)``. ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
+    """RMSNorm over the last dim. Returns ``(y, rstd)``, y in ``out_dtype`` (default x's dtype).
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
     cd = compute_dtype or acc_dtype(x.dtype)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
@@ -106,7 +110,7 @@ def rms_norm_ref(
     w = _effective_weight(weight, zero_centered_weight, cd)
     if w is not None:
         y = y * w
-    return y.to(x.dtype), rstd
+    return y.to(out_dtype or x.dtype), rstd
 
 
 def _norm_bwd(
@@ -231,12 +235,14 @@ def add_norm_ref(
     if residual is not None:
         h = h + residual.to(cd)
     residual_out = h.to(rd)  # the value normalized is the sum exactly as stored
+    # y is rounded once, from the compute dtype straight to x's dtype (not through the residual dtype)
     if is_rms:
-        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd)
+        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=x.dtype)
         mean = None
     else:
-        y, mean, rstd = layer_norm_ref(residual_out, weight, bias, eps, zero_centered_weight, compute_dtype=cd)
-    return y.to(x.dtype), residual_out, mean, rstd
+        y, mean, rstd = layer_norm_ref(residual_out, weight, bias, eps, zero_centered_weight, compute_dtype=cd,
+                                       out_dtype=x.dtype)  # fmt: skip
+    return y, residual_out, mean, rstd
 
 
 def add_norm_bwd_ref(
