@@ -227,6 +227,9 @@ def test_resume_gives_the_same_losses(tmp_path):
     assert resumed.final_loss == full.final_loss
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(12))
+    again = train(tiny_model(seed=5), LANG, resumed_cfg)  # resuming a finished run: nothing left to do
+    assert again.losses == full.losses and again.final_loss == full.final_loss
+    assert len(again.evals) == len(resumed.evals)
 
 
 def test_resume_with_dropout_restores_rng(tmp_path):

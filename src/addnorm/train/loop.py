@@ -349,7 +349,7 @@ def train(
             monitor.detach()
     if res.diverged:
         res.final_loss = math.nan
-    elif res.steps_done == cfg.steps:
+    elif res.steps_done == cfg.steps and start < cfg.steps:  # (resuming a finished run keeps its final eval)
         res.final_loss = evaluate(model, data, cfg, info)
         res.evals.append((cfg.steps, res.final_loss))
     finite = [v for _, v in res.evals if math.isfinite(v)]
