@@ -142,12 +142,13 @@ def _sizes(ctx: Context) -> dict:
 
 
 # ------------------------------------------------------------------------------------ residual-gradient-flow
-def gradient_flow_verdict(plain_ratio: float, residual_ratio: float) -> tuple[bool | None, str]:
+def gradient_flow_verdict(plain_ratio: float, residual_ratio: float) -> tuple[bool | None, dict]:
     """``*_ratio`` = first-layer gradient norm at the deepest stack / at the shallowest. Reproduced when the plain
     stack's collapses below 1e-3 while the residual stack's stays above 0.1 (the gradient still arrives)."""
     if not all(math.isfinite(v) for v in (plain_ratio, residual_ratio)):
-        return None, "non-finite gradient ratio"
-    return plain_ratio < 1e-3 and residual_ratio > 0.1, ""
+        return None, {"note": "non-finite gradient ratio"}
+    checks = {"plain_ratio_<_1e-3": plain_ratio < 1e-3, "residual_ratio_>_0.1": residual_ratio > 0.1}
+    return all(checks.values()), {"checks": checks}
 
 
 @experiment(
@@ -171,9 +172,10 @@ def residual_gradient_flow(ctx: Context) -> Result:
             for r in range(s["repeats"]):
                 torch.manual_seed(ctx.seed * 1000 + r)
                 # each layer: tanh(W x + b) with torch's default Linear init (what a user gets without care)
-                layers = [nn.Linear(d, d).to(ctx.device) for _ in range(depth)]
-                x = torch.randn(s["batch"], d, device=ctx.device)
-                probe = torch.randn(d, device=ctx.device) / math.sqrt(d)
+                # float64: the plain stack's gradient falls below fp32's range (it would read as exactly 0)
+                layers = [nn.Linear(d, d).to(ctx.device, torch.float64) for _ in range(depth)]
+                x = torch.randn(s["batch"], d, device=ctx.device, dtype=torch.float64)
+                probe = torch.randn(d, device=ctx.device, dtype=torch.float64) / math.sqrt(d)
                 for lin in layers:
                     y = torch.tanh(lin(x))
                     x = x + y if kind == "residual" else y
@@ -183,7 +185,7 @@ def residual_gradient_flow(ctx: Context) -> Result:
             per_layer[kind][depth] = (acc / s["repeats"]).tolist()
     first = {k: {L: v[L][0] for L in depths} for k, v in per_layer.items()}
     ratio = {k: first[k][depths[-1]] / first[k][depths[0]] for k in first}
-    passed, note = gradient_flow_verdict(ratio["plain"], ratio["residual"])
+    passed, details = gradient_flow_verdict(ratio["plain"], ratio["residual"])
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
@@ -198,7 +200,7 @@ def residual_gradient_flow(ctx: Context) -> Result:
     return Result(
         verdict=verdict_from(passed),
         metrics={"first_layer_grad": {k: {str(L): v for L, v in f.items()} for k, f in first.items()},
-                 "ratio_deepest_over_shallowest": ratio, "depths": depths, "d": d, "note": note},  # fmt: skip
+                 "ratio_deepest_over_shallowest": ratio, "depths": depths, "d": d, **details},  # fmt: skip
         figures=[fig_name],
         summary=f"first-layer gradient, {depths[-1]} vs {depths[0]} layers: plain x{ratio['plain']:.2g}, "
         f"residual x{ratio['residual']:.2g}",
