@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from addnorm.lab import runner
 from addnorm.lab.core import Context, Experiment, Result, verdict_from
@@ -322,6 +323,12 @@ def test_cli_only_and_errors(tmp_path, fake_cli, capsys):
     assert main(["lab", "--shard", "3/2", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "shard" in capsys.readouterr().err
     assert main(["lab", "merge", str(tmp_path / "none"), "--out", str(tmp_path / "m")]) == 2
+    assert main(["lab", "--device", "bogus", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["lab", "--device", "cuda", "--out", str(tmp_path), "--no-progress"]) == 2
+        assert "cuda" in capsys.readouterr().err
+    assert fake_cli == {"fake-1": 1}  # bad arguments ran nothing
 
 
 def test_cli_list_names_every_registered_experiment(capsys):

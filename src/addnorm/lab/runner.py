@@ -82,9 +82,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        # fail before running anything, not once per experiment
+        raise ValueError(f"device {device!r} was asked for but torch.cuda.is_available() is False")
+    return dev
 
 
 # ------------------------------------------------------------------------------------------------- selection
