@@ -178,6 +178,18 @@ def _cast_impl(v, like):
     return lambda v, like: np.float32(v)
 
 
+def _zero_of(a):
+    """0 in the float type of array ``a``'s elements (the statistics dtype); numba-only."""
+    raise NotImplementedError
+
+
+@overload(_zero_of, inline="always")
+def _zero_of_impl(a):
+    if a.dtype == types.float64:
+        return lambda a: np.float64(0.0)
+    return lambda a: np.float32(0.0)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Dropout: splitmix64 of (seed, element index), identical to addnorm.reference.dropout_keep_mask
 # --------------------------------------------------------------------------------------------------------------
@@ -198,10 +210,11 @@ def _keep(idx, seed_mix, threshold):
     return (z >> np.uint64(40)) >= threshold
 
 
-def _dropout_args(seed: int, p: float) -> tuple[np.uint64, np.uint64]:
+def _dropout_args(seed: int, p: float) -> tuple[int, int]:
+    """(seed's splitmix64 offset as a signed int64, keep threshold): plain ints, reinterpreted as uint64 inside."""
     seed_mix = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
     # u = k / 2^24 is exact, so u >= p  <=>  k >= ceil(p * 2^24) (p * 2^24 is exact too)
-    return np.uint64(seed_mix), np.uint64(math.ceil(p * (1 << 24)))
+    return seed_mix - (1 << 64) if seed_mix >= 1 << 63 else seed_mix, math.ceil(p * (1 << 24))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -277,7 +290,10 @@ def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, h
 # entries by function, not by the parallel flag.
 @njit(parallel=True, **_JIT)
 def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                  seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+                  seed_mix, threshold, keep_div, eps):  # fmt: skip
+    zero = _zero_of(Rstd)
+    seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
+    keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
     for i in prange(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
                  seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
@@ -285,7 +301,10 @@ def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has
 
 @njit(**_JIT)
 def _fwd_serial(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+                seed_mix, threshold, keep_div, eps):  # fmt: skip
+    zero = _zero_of(Rstd)  # the scalars arrive as python floats and ints (cheap to pass), typed here
+    seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
+    keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
     for i in range(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
                  seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
@@ -355,7 +374,9 @@ def _sum_chunks(P, chunks, n, Out):
 
 @njit(parallel=True, **_JIT)
 def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div):  # fmt: skip
+    zero = _zero_of(Rstd)
+    seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
     for c in prange(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
                    has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
@@ -367,7 +388,9 @@ def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
 
 @njit(**_JIT)
 def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div):  # fmt: skip
+    zero = _zero_of(Rstd)
+    seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
     for c in range(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
                    has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
@@ -389,7 +412,6 @@ _MAX_CHUNKS = 64
 
 # bf16/fp16 have no numpy/numba float type: the kernels see their bits (uint16 = bf16, int16 = fp16).
 _BITS_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
-_NP_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
 
 _state = threading.local()  # the thread count last given to numba on this thread (numba's setting is per thread)
 _parallel_lock = threading.Lock()  # numba's workqueue layer aborts on concurrent parallel launches; omp/tbb don't
@@ -405,21 +427,22 @@ def _threads() -> int:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A contiguous 1-D tensor as a numpy array, half types as their bits."""
+    """A tensor as a numpy array sharing its memory, half types as their bits."""
     bits = _BITS_VIEW.get(t.dtype)
     return (t if bits is None else t.view(bits)).numpy()
 
 
 def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
     """(flat numpy view spanning the rows of 2-D ``t``, row stride), without copying row-strided input."""
+    m, n = t.shape
+    rs, cs = t.stride()
+    if cs != 1:
+        t, rs = t.contiguous(), n
     if t.requires_grad:
         t = t.detach()
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    m, n = t.shape
-    rs = t.stride(0) if m > 1 else n
-    flat = t.view(-1) if rs == n else t.as_strided(((m - 1) * rs + n,), (1,))
-    return _np(flat), rs
+    if rs == n or m == 1:
+        return _np(t).reshape(-1), n
+    return _np(t.as_strided(((m - 1) * rs + n,), (1,))), rs
 
 
 def _vector(t: torch.Tensor | None, dtype: torch.dtype, plus_one: bool, dummy: np.ndarray) -> np.ndarray:
@@ -465,7 +488,7 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
     X, sx = _rows(x)
     store = res_out is not None
     if store:
-        H, sh = _np(res_out.view(-1)), n
+        H, sh = _np(res_out).reshape(-1), n
     else:
         H, sh = X, sx  # nothing stored: the kernel normalizes x
     R, sr = H, sh  # placeholder of a type the kernel is compiled for anyway
@@ -479,11 +502,10 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
     W = _vector(weight, sd, zero_centered_weight, Rstd)
     B = _vector(bias, sd, False, Rstd)
     dropout = dropout_p > 0.0
-    seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (np.uint64(0), np.uint64(0))
-    f = _NP_FLOAT[sd]
-    args = (X, sx, R, sr, W, B, _np(out.view(-1)), H, sh, Mean, Rstd, m, n, residual is not None,
+    seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
+    args = (X, sx, R, sr, W, B, _np(out).reshape(-1), H, sh, Mean, Rstd, m, n, residual is not None,
             weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
-            seed_mix, threshold, f(1.0 - dropout_p), f(eps), f(0.0))  # fmt: skip
+            seed_mix, threshold, 1.0 - dropout_p, float(eps))  # fmt: skip
     if m * n >= PARALLEL_MIN_ELEMENTS and _threads() > 1:
         with _parallel_lock:
             _fwd_parallel(*args)
@@ -512,18 +534,17 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         Rstd = _np(rstd.detach().contiguous())
         Mean = Rstd if mean is None else _np(mean.detach().to(sd).contiguous())
         W = _vector(weight, sd, zero_centered_weight, Rstd)
-        DX = _np(dx.view(-1))
-        DRes = H if dres is None else _np(dres.view(-1))
+        DX = _np(dx).reshape(-1)
+        DRes = H if dres is None else _np(dres).reshape(-1)
         dwp = torch.zeros((chunks, n), dtype=sd) if dw is not None else None
         dbp = torch.zeros((chunks, n), dtype=sd) if db is not None else None
-        DWp, DW = (Rstd, Rstd) if dw is None else (_np(dwp.view(-1)), dw.numpy())
-        DBp, DB = (Rstd, Rstd) if db is None else (_np(dbp.view(-1)), db.numpy())
+        DWp, DW = (Rstd, Rstd) if dw is None else (dwp.numpy().reshape(-1), dw.numpy())
+        DBp, DB = (Rstd, Rstd) if db is None else (dbp.numpy().reshape(-1), db.numpy())
         dropout = dropout_p > 0.0
-        seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (np.uint64(0), np.uint64(0))
-        f = _NP_FLOAT[sd]
+        seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
         args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
                 dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
-                seed_mix, threshold, f(1.0 - dropout_p), f(0.0))  # fmt: skip
+                seed_mix, threshold, 1.0 - dropout_p)  # fmt: skip
         if m * n >= PARALLEL_MIN_ELEMENTS and chunks > 1 and _threads() > 1:
             with _parallel_lock:
                 _bwd_parallel(*args)
