@@ -8,6 +8,7 @@ hide a weight applied in the wrong place or order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import sys
 
@@ -227,6 +228,32 @@ def test_gpt2_cross_attention_fuses_both_norms(monkeypatch):
         got = model(ids, encoder_hidden_states=enc).logits
     assert calls[0] == 2 * LAYERS  # ln_cross_attn and ln_2 of every block
     _assert_rel(got, ref, 1e-5, "gpt2 cross-attention logits")
+
+
+def test_forwards_of_another_transformers_version_are_left_alone(monkeypatch):
+    """apply rewrites only forwards whose source it recognises; a changed one (another transformers version) keeps
+    HF's module or layer, with a warning, and the model still computes what it did."""
+    family = hf._FAMILIES["llama"]
+    changed = ("a line no version of transformers has",)
+    monkeypatch.setitem(hf._FAMILIES, "llama", dataclasses.replace(
+        family, layers={k: dataclasses.replace(r, source_has=changed) for k, r in family.layers.items()}))  # fmt: skip
+    model = _model("llama")
+    ids = _ids()
+    ref = _logits(model, ids)
+    with pytest.warns(UserWarning, match="left unfused"):
+        hf.apply(model)
+    assert not any(type(m).__name__.startswith("AddNormFused") for m in model.modules())
+    assert isinstance(model.model.norm, hf.CastBeforeWeightRMSNorm)  # the norms are still swapped
+    _assert_rel(_logits(model, ids), ref, 1e-5, "unfused llama")
+
+    monkeypatch.setitem(hf._FAMILIES, "llama", dataclasses.replace(
+        family, norms={k: dataclasses.replace(r, source_has=changed) for k, r in family.norms.items()}))  # fmt: skip
+    model = _model("llama")
+    with pytest.warns(UserWarning, match="left as is"):
+        hf.apply(model)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert not any(type(m).__module__ == hf.__name__ for m in model.modules())  # no norm swapped: nothing fused
+    _assert_rel(_logits(model, ids), ref, 1e-5, "untouched llama")
 
 
 def test_from_pretrained_round_trip(tmp_path):

@@ -423,7 +423,9 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             rule = family.layers.get(cls.__name__) if _from_transformers(cls) else None
             if rule is None:
                 continue
-            if not _layer_rule_fits(cls, rule) or not _norms_swapped(module):
+            if not _norms_swapped(module):
+                continue  # a norm it calls was left as is (warned above): the fused call needs addnorm's
+            if not _layer_rule_fits(cls, rule):
                 warnings.warn(f"addnorm: {cls.__name__}.forward in this transformers version differs from the one "
                               "addnorm fuses; left unfused", stacklevel=2)  # fmt: skip
                 continue
