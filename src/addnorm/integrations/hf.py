@@ -19,7 +19,7 @@ for fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the
 With ``fuse_residual=True`` the decoder layers are given a forward that computes the residual add and the next norm
 in one call, ``h, residual = norm(branch_out, residual)`` (``residual += branch_out; h = norm(residual)``):
 
-    Llama-like       the attention residual add + post_attention_layernorm
+    Llama-like       the attention residual add + post_attention_layernorm (Llama, Mistral, Qwen2, Qwen3, Gemma)
     Gemma2/Gemma3    the attention residual add + pre_feedforward_layernorm (sandwich norms)
     GPT-2            the attention residual add + ln_2 (and ln_cross_attn with cross-attention)
     BERT (post-norm) LayerNorm(dropout(dense(h)) + input) in BertSelfOutput and BertOutput
@@ -29,6 +29,7 @@ layers pass each other, which generation, hooks and hidden-state outputs rely on
 original's signature and return value (checked against the installed transformers when applied, see
 ``_FAMILIES``), so generation with a KV cache and gradient checkpointing keep working. HF's dropout modules are kept
 and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as the unpatched model.
+Hooks registered on the replaced norm modules do not move to the new ones; register them after ``apply``.
 """
 
 from __future__ import annotations
