@@ -276,7 +276,9 @@ def test_cli_exit_codes_and_json(toy_file, capsys):
 
     assert cli_main(["doctor", f"{toy_file}:scaled_skip"]) == 1
     out = capsys.readouterr().out
-    assert "ERRORS (3)" in out and "[residual-not-identity] blocks.0" in out and "fix:" in out
+    # One finding per block, printed once with every module it applies to.
+    assert "ERRORS (3)" in out and "[residual-not-identity] blocks.0, blocks.1, blocks.2\n" in out
+    assert out.count("multiplies the skip path") == 1 and "fix:" in out
 
 
 @pytest.mark.parametrize(

@@ -353,13 +353,15 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
                     fix=norm_fix,
                 ))  # fmt: skip
         if not _trusted_norm(m):
-            sev = _low_precision(m, args)
-            if sev:
+            low = _low_precision(m, args)
+            if low:
+                sev, ops = low
                 findings.append(Finding(
                     code="low-precision-stats", severity=sev, module=path,
-                    message=f"{type(m).__name__} computes its mean/variance in half precision"
+                    message=f"{type(m).__name__} computes its statistics in half precision "
+                    f"({', '.join(sorted(set(ops)))} return fp16/bf16)"
                     + (" on its input in this model" if sev == "error" else " when fed fp16/bf16 input")
-                    + ": sums of squares lose digits and can overflow",
+                    + ": squares overflow fp16 above |x| = 256 and the statistics keep only 3-4 significant digits",
                     fix="upcast before the statistics (x.float()), normalize, then cast back; "
                     "or use torch.nn.RMSNorm/LayerNorm or addnorm.nn norms",
                 ))  # fmt: skip
@@ -386,17 +388,20 @@ def _couples_positions(m: nn.Module, args: tuple, cfg: DoctorConfig) -> bool:
     return float(diff.max()) > cfg.coupling_rtol * max(float(y0.abs().max()), 1e-6)
 
 
-def _low_precision(m: nn.Module, args: tuple) -> str | None:
-    """Returns "error" if the norm reduces in fp16/bf16 on its real input, "warning" if it would on bf16 input."""
+def _low_precision(m: nn.Module, args: tuple) -> tuple[str, list[str]] | None:
+    """("error", ops) if the norm's reductions return fp16/bf16 on its real input, ("warning", ops) if they would on
+    bf16 input, else None."""
     try:
         c = copy.deepcopy(m).eval()
         with torch.no_grad():
-            if _half_reductions(lambda: c(*args)):
-                return "error"  # it does so right now, in the dtype the model runs in
+            hits = _half_reductions(lambda: c(*args))
+            if hits:
+                return "error", hits  # it does so right now, in the dtype the model runs in
             c16 = c.to(torch.bfloat16)
             a16 = tuple(a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
-            if _half_reductions(lambda: c16(*a16)):
-                return "warning"
+            hits = _half_reductions(lambda: c16(*a16))
+            if hits:
+                return "warning", hits
     except Exception:  # noqa: BLE001 - a norm that does not run in bf16 here is not checked
         return None
     return None
@@ -661,18 +666,24 @@ def build_hf_model(config_path: str, *, batch_size: int = 2, seq_len: int = 11) 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------------
 def _print_human(findings: list[Finding], title: str) -> None:
+    """Findings grouped by severity; the same finding in several modules (every layer, usually) printed once."""
     print(f"addnorm doctor: {title}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     for sev in SEVERITIES:
-        group = [f for f in findings if f.severity == sev]
-        if not group:
+        groups: dict[tuple, list[str]] = {}
+        for f in findings:
+            if f.severity == sev:
+                groups.setdefault((f.code, f.message, f.fix), []).append(f.module)
+        if not groups:
             continue
-        print(f"\n{sev.upper()}S ({len(group)})" if len(group) > 1 else f"\n{sev.upper()} (1)")
-        for f in group:
-            print(f"  [{f.code}] {f.module}")
-            print(f"      {f.message}")
-            if f.fix and f.fix != "none needed":
-                print(f"      fix: {f.fix}")
+        print(f"\n{sev.upper()}S ({counts[sev]})" if counts[sev] > 1 else f"\n{sev.upper()} (1)")
+        for (code, message, fix), modules in groups.items():
+            where = modules[0] if len(modules) == 1 else f"{', '.join(modules[:4])}" + (
+                f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+            print(f"  [{code}] {where}")
+            print(f"      {message}")
+            if fix and fix != "none needed":
+                print(f"      fix: {fix}")
     print(f"\n{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)")
 
 
