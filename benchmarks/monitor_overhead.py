@@ -6,7 +6,8 @@
 One training step = forward, cross-entropy, backward, AdamW step, zero_grad. Steps with and without the Monitor
 alternate one by one (so load from other processes hits both alike), after a warm-up; the overhead is the ratio of
 the median step times (and, less sensitive to load swings, the median of the paired differences). The Monitor is
-attached before each monitored step and detached after it, outside the timed region. Writes a Markdown table to --out (the command, machine, versions, numbers).
+attached before each monitored step and detached after it, outside the timed region. Writes a Markdown table to
+--out (the command, machine, versions, numbers).
 """
 
 from __future__ import annotations

@@ -313,7 +313,8 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
     features = _feature_sizes(model) | ({d_model} if d_model else set())
     seq_len = batch_shape[1] if batch_shape and len(batch_shape) >= 2 else None
     batch_size = batch_shape[0] if batch_shape else None
-    norm_fix = "normalize each position over its features: LayerNorm(d_model)/RMSNorm(d_model) on a (..., d_model) input"
+    norm_fix = ("normalize each position over its features: LayerNorm(d_model)/RMSNorm(d_model) on a "
+                "(..., d_model) input")
     for path, (args, _) in tr.norm_calls.items():
         m = modules.get("" if path == "<root>" else path)
         x = args[0] if args and isinstance(args[0], Tensor) else None
@@ -724,7 +725,8 @@ def register(subparsers) -> None:
     )
     p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_batch)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...]} as JSON')
-    p.add_argument("--hf-config", metavar="CONFIG.json", help="build a random-init Hugging Face model from a local config")
+    p.add_argument("--hf-config", metavar="CONFIG.json",
+                   help="build a random-init Hugging Face model from a local config.json (or its folder)")
     p.set_defaults(func=_doctor)
 
 

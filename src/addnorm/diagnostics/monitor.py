@@ -217,9 +217,9 @@ class Monitor:
             log-sum-exp over (B*T, V) logits costs about as much as the loss itself on CPU); None: all positions.
     """
 
-    def __init__(self, model: nn.Module, *, blocks: Any = None, probe: Any = None, jsonl: str | os.PathLike | None = None,
-                 tensorboard: str | os.PathLike | None = None, record_every: int = 1, probe_every: int = 10,
-                 logz_rows: int | None = 256) -> None:  # fmt: skip
+    def __init__(self, model: nn.Module, *, blocks: Any = None, probe: Any = None,
+                 jsonl: str | os.PathLike | None = None, tensorboard: str | os.PathLike | None = None,
+                 record_every: int = 1, probe_every: int = 10, logz_rows: int | None = 256) -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(record_every, int) or record_every < 1:
