@@ -87,6 +87,18 @@ def test_missing_figure_invalidates_the_cached_result(tmp_path):
     assert calls["fake-0"] == 2
 
 
+def test_threads_option_applies_during_the_run_and_is_restored(tmp_path):
+    seen = []
+    reg = {"t": Experiment(name="t", claim="c", source="s",
+                           run=lambda ctx: seen.append(torch.get_num_threads()) or Result(verdict="reproduced",
+                                                                                           metrics={}))}  # fmt: skip
+    before = torch.get_num_threads()
+    s = run(opts(tmp_path, threads=1), reg)
+    assert seen == [1] and s.meta["torch_threads"] == 1 and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        RunOptions(threads=0)
+
+
 def test_failing_experiment_is_inconclusive_not_cached_and_the_run_continues(tmp_path):
     calls: dict[str, int] = {}
     reg = make_registry(calls, fail={"fake-1"})
@@ -350,7 +362,8 @@ def test_cli_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["lab", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard"):
+    for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard",
+                 "--threads"):
         assert flag in text
     with pytest.raises(SystemExit):
         main(["lab", "merge", "--help"])

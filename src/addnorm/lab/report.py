@@ -175,6 +175,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
         f"&middot; python {e(str(meta.get('python')))} &middot; {e(str(meta.get('date')))} &middot; device "
         f"{e(str(meta.get('device')))} &middot; seed {e(str(meta.get('seed')))} &middot; "
         f"{'quick sizes (--quick)' if meta.get('quick') else 'default sizes'}"
+        + (f" &middot; run took {e(str(meta['seconds']))} s" if meta.get("seconds") is not None else "")
         + (f" &middot; shard {e(str(meta['shard']))}" if meta.get("shard") else "")
         + (f" &middot; merged from {len(meta['merged_from'])} directories" if meta.get("merged_from") else "")
         + "</p>",
