@@ -348,6 +348,25 @@ def test_localize_jump_finds_first_layer_and_step():
         localize_jump(history, factor=1.0)
 
 
+def test_monitor_history_localizes_a_planted_blow_up():
+    # The seed's bisection trick end to end: log the residual stream per layer, break one layer mid-run, and the
+    # history points at that layer and step (later layers inherit the jump; the earlier one does not move).
+    model = TinyLM(n_layers=3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Monitor(model) as mon:
+        for step in range(8):
+            if step == 5:
+                with torch.no_grad():
+                    model.blocks[1].mlp[2].weight.mul_(200.0)
+            opt.zero_grad()
+            loss = loss_of(model, *data(step))
+            loss.backward()
+            mon.step(loss=loss)
+            opt.step()
+    jump = localize_jump(mon.history, key="residual_rms", factor=3.0)
+    assert (jump.layer, jump.name, jump.step) == (1, "blocks.1", 5)
+
+
 class _LogOf(nn.Module):
     def forward(self, x):
         return torch.log(x)  # NaN for negative inputs
