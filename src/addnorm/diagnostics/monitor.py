@@ -388,7 +388,7 @@ class Monitor:
                 norms = _stack_scalars(_batched_norms(grads, self._all_fp32), device)
                 sq.index_add_(0, index, norms * norms)
 
-        # Everything goes to the host in one transfer; the layout is recorded in `slots`.
+        # Everything goes to the host in one transfer (one sync); unpacked below in the same order.
         scalars: list[Tensor] = [sq]
         loss_t = loss.detach().float().reshape(1) if isinstance(loss, Tensor) else None
         if loss_t is not None:
