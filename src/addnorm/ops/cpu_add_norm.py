@@ -404,8 +404,9 @@ def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, D
 # Launchers: flat numpy views, allocation, dtype handling, thread count
 # --------------------------------------------------------------------------------------------------------------
 
-# Below this many elements a call runs on the calling thread: waking the pool costs more than it saves.
-PARALLEL_MIN_ELEMENTS = 1 << 16
+# Below this many elements (e.g. 64 rows of 4096) a call runs on the calling thread: waking the thread pool costs
+# ~10 us on an idle machine and whole scheduler ticks on a busy one, more than a few hundred KB of work takes.
+PARALLEL_MIN_ELEMENTS = 1 << 18
 # Rows per dweight/dbias chunk (at least) and the most chunks; the chunking depends on M only (determinism).
 _CHUNK_ROWS = 32
 _MAX_CHUNKS = 64
@@ -458,9 +459,9 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     """None when the numba kernels can run on ``device``, else why not."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
-    device = torch.device(device)
-    if device.type != "cpu":
-        return f"the cpu backend runs on CPU tensors; got {device.type}"
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type  # called on every op
+    if kind != "cpu":
+        return f"the cpu backend runs on CPU tensors; got {kind}"
     return None
 
 
