@@ -138,7 +138,12 @@ def save_figure(fig, ctx: Context, name: str) -> str:
 
 
 def _sizes(ctx: Context) -> dict:
-    return ctx.config["quick" if ctx.quick else "default"]
+    """The experiment's sizes for this run, from the config it registered (the runner puts it in ctx.config)."""
+    key = "quick" if ctx.quick else "default"
+    if key not in ctx.config:
+        raise ValueError(f"ctx.config has no {key!r} sizes: pass the experiment's registered config "
+                         "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner")  # fmt: skip
+    return ctx.config[key]
 
 
 # ------------------------------------------------------------------------------------ residual-gradient-flow
