@@ -160,7 +160,7 @@ def test_all_eight_experiments_run_quick_and_report(tmp_path):
     """The real experiments end to end in --quick mode: a verdict, metrics, figures embedded in the page."""
     from addnorm.lab.runner import RunOptions, run
 
-    summary = run(RunOptions(out=tmp_path, only=MINE, quick=True, progress=False, device="cpu"))
+    summary = run(RunOptions(out=tmp_path, only=MINE, quick=True, progress=False, device="cpu", threads=1))
     assert summary.failed == [], [r.get("error") for r in summary.records]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert sorted(e["name"] for e in doc["experiments"]) == sorted(MINE)
