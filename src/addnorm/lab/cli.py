@@ -40,9 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shard", metavar="K/N",
                    help="run only part K of N of the selected experiments (a fixed split, K in 1..N); combine the "
                         "parts with `addnorm lab merge`")  # fmt: skip
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch intra-op threads for the run (default: torch's setting); the tensors are tiny, so on "
-                        "a busy machine --threads 1 is often several times faster")  # fmt: skip
+    p.add_argument("--threads", type=int, metavar="N", default=1,
+                   help="torch intra-op threads for the run (default 1: the experiments' tensors are tiny, and "
+                        "threads waiting on each other made the suite several times slower on 2 cores; 0 keeps "
+                        "torch's own setting)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_lab)
 
@@ -90,7 +91,7 @@ def _lab(args: argparse.Namespace) -> int:
         shard = parse_shard(args.shard) if args.shard else None
         options = RunOptions(out=args.out, only=args.only, quick=args.quick, seed=args.seed, device=args.device,
                              fresh=args.fresh, shard=shard, progress=not args.no_progress,
-                             threads=args.threads)  # fmt: skip
+                             threads=args.threads or None)  # fmt: skip
         summary = run(options)
     except ValueError as err:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
