@@ -35,6 +35,12 @@ class _AddNormMixin:
         if zero_centered_weight:
             self.reset_parameters()
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # the torch.nn class next in the MRO
+        # with a zero-centered weight the effective scale is 1 + weight: start it at 1
+        if getattr(self, "zero_centered_weight", False) and self.weight is not None:
+            nn.init.zeros_(self.weight)
+
     def _norm_params(self):
         w = self.weight.reshape(-1) if self.weight is not None else None
         b = getattr(self, "bias", None)
@@ -65,11 +71,6 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self._extra_init(zero_centered_weight, residual_dtype, backend)
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if getattr(self, "zero_centered_weight", False) and self.weight is not None:
-            nn.init.zeros_(self.weight)
-
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w, b = self._norm_params()
         return self._forward(add_layer_norm, x, residual, (w, b, self.eps))
@@ -83,11 +84,6 @@ class RMSNorm(_AddNormMixin, nn.RMSNorm):
                  backend: str = "auto"):  # fmt: skip
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self._extra_init(zero_centered_weight, residual_dtype, backend)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if getattr(self, "zero_centered_weight", False) and self.weight is not None:
-            nn.init.zeros_(self.weight)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w, _ = self._norm_params()
