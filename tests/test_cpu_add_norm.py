@@ -3,11 +3,13 @@ the reference hash; strided rows; determinism across runs and thread counts; tor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -299,3 +301,41 @@ def test_warm_start_loads_kernels_from_cache():
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["misses"] == 0 and info["hits"] >= 1, info
+
+
+def _inputs_for_fork_test():
+    # numpy, not torch ops: torch's own OpenMP regions are no safer in such a child than numba's
+    a = np.sin(np.arange(300 * 72, dtype=np.float32)).reshape(300, 72)
+    return torch.from_numpy(a), torch.from_numpy(np.cos(a))
+
+
+def _forward_in_child(queue):
+    assert torch.get_num_threads() >= 2  # inherited: without the guard, numba would start its pool here
+    out = add_rms_norm(*_inputs_for_fork_test(), backend="cpu")[0]
+    queue.put(hashlib.sha256(out.numpy().tobytes()).hexdigest())
+
+
+def test_forked_child_after_parallel_parent(monkeypatch):
+    """GNU OpenMP does not survive fork(): numba terminates a child that starts a parallel region after its parent
+    did. Such a child (a DataLoader worker, say) must fall back to the serial kernels and still get the result."""
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        expected = add_rms_norm(*_inputs_for_fork_test(), backend="cpu")[0]  # the parent starts its thread pool
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_forward_in_child, args=(queue,))
+        child.start()
+    finally:
+        torch.set_num_threads(before)
+    child.join(timeout=60)
+    if child.is_alive():  # GNU OpenMP deadlocks in such a child: don't leave it behind
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, f"child exited with {child.exitcode} (None or < 0: hung or killed)"
+    assert queue.get(timeout=10) == hashlib.sha256(expected.numpy().tobytes()).hexdigest()

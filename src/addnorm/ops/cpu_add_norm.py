@@ -31,7 +31,10 @@ for bit.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 import threading
 
 import numpy as np
@@ -416,6 +419,25 @@ _BITS_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 
 _state = threading.local()  # the thread count last given to numba on this thread (numba's setting is per thread)
 _parallel_lock = threading.Lock()  # numba's workqueue layer aborts on concurrent parallel launches; omp/tbb don't
+# GNU OpenMP (numba's usual threading layer here, as torch's) does not survive fork(): a child that launches a
+# parallel region after its parent did is terminated by numba. Such children (DataLoader workers, fork-based
+# multiprocessing) run the serial kernels instead.
+_pool = {"started": False, "forked": False}
+
+
+def _after_fork_in_child() -> None:
+    _pool["forked"] = _pool["started"]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _use_parallel(elements: int) -> bool:
+    if elements < PARALLEL_MIN_ELEMENTS or _pool["forked"] or _threads() < 2:
+        return False
+    _pool["started"] = True
+    return True
 
 
 def _threads() -> int:
@@ -425,6 +447,40 @@ def _threads() -> int:
         numba.set_num_threads(want)
         _state.threads = want
     return want
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 1 << 21
+_HUGE_MIN_BYTES = 1 << 23
+
+
+def _empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty, with large outputs hinted to be backed by 2 MB pages before anything touches them.
+
+    A fresh 128 MB output otherwise takes 32K page faults, each zeroing 4 KB: on a VM that costs several times the
+    kernel itself. The hint (what torch does for every allocation under THP_MEM_ALLOC_ENABLE=1) covers only the
+    whole huge pages inside this tensor; it is advice, so a failure changes nothing.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+        start = (t.data_ptr() + _HUGE_PAGE - 1) & -_HUGE_PAGE
+        end = (t.data_ptr() + nbytes) & -_HUGE_PAGE
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)
+    return t
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -470,8 +526,8 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None, rstd)."""
     m, n = x.shape
     sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
-    out = torch.empty((m, n), dtype=x.dtype)
-    res_out = torch.empty((m, n), dtype=residual_dtype) if store_residual_out else None
+    out = _empty((m, n), x.dtype)
+    res_out = _empty((m, n), residual_dtype) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd)
     rstd = torch.empty(m, dtype=sd)
     if m > 0:
@@ -507,7 +563,7 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
     args = (X, sx, R, sr, W, B, _np(out).reshape(-1), H, sh, Mean, Rstd, m, n, residual is not None,
             weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
             seed_mix, threshold, 1.0 - dropout_p, float(eps))  # fmt: skip
-    if m * n >= PARALLEL_MIN_ELEMENTS and _threads() > 1:
+    if _use_parallel(m * n):
         with _parallel_lock:
             _fwd_parallel(*args)
     else:
@@ -523,8 +579,8 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
     """Kernel contract backward: (dx, dresidual | None, dweight | None, dbias | None)."""
     m, n = dout.shape
     sd = rstd.dtype
-    dx = torch.empty((m, n), dtype=x_dtype)
-    dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
+    dx = _empty((m, n), x_dtype)
+    dres = _empty((m, n), residual_dtype) if residual_dtype is not None else None
     chunks = _chunks(m)
     dw = torch.zeros(n, dtype=sd) if weight is not None else None
     db = torch.zeros(n, dtype=sd) if bias_dtype is not None else None
@@ -546,7 +602,7 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
                 dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
                 seed_mix, threshold, 1.0 - dropout_p)  # fmt: skip
-        if m * n >= PARALLEL_MIN_ELEMENTS and chunks > 1 and _threads() > 1:
+        if chunks > 1 and _use_parallel(m * n):
             with _parallel_lock:
                 _bwd_parallel(*args)
         else:
