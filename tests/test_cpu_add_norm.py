@@ -274,7 +274,8 @@ def test_auto_is_cpu_and_reasons():
 
 
 def test_reason_without_numba():
-    code = "import sys; sys.modules['numba'] = None\nimport addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))"
+    code = ("import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
+            "import addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "numba is not installed" in res.stdout

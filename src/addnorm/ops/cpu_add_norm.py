@@ -328,6 +328,37 @@ def _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero):
     return sg, sgx
 
 
+# The per-row loops live in small functions of their own: LLVM vectorizes each simple loop, where one long loop body
+# full of flags stayed scalar (several times slower).
+@njit(**_JIT)
+def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro, has_w, has_dres, dropout,
+                seed_mix, threshold, keep_div, zero):  # fmt: skip
+    for j in range(n):
+        xhat = (_cast(_load(h, j), zero) - mean) * rstd
+        g = _cast(_load(dy, j), zero)
+        if has_w:
+            g = g * W[j]
+        dh = rstd * (g - mean_g - xhat * proj)
+        if has_dro:
+            dh = dh + _cast(_load(dro, j), zero)
+        if has_dres:
+            _store(dres, j, dh)
+        if dropout:
+            dh = dh / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
+        _store(dx, j, dh)
+
+
+@njit(**_JIT)
+def _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, zero):
+    """This row's share of dweight (dy * xhat) and dbias (dy), added to its chunk's partial sums."""
+    for j in range(n):
+        d = _cast(_load(dy, j), zero)
+        if has_w:
+            dwp[j] += d * ((_cast(_load(h, j), zero) - mean) * rstd)
+        if has_db:
+            dbp[j] += d
+
+
 @njit(**_JIT)
 def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
                has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
@@ -346,23 +377,10 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         mean = zero if is_rms else Mean[i]
         sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
-        proj = sgx / nf
-        for j in range(n):
-            d = _cast(_load(dy, j), zero)
-            xhat = (_cast(_load(h, j), zero) - mean) * rstd
-            g = d * W[j] if has_w else d
-            dh = rstd * (g - mean_g - xhat * proj)
-            if has_dro:
-                dh = dh + _cast(_load(dro, j), zero)
-            if has_dres:
-                _store(dres, j, dh)
-            if dropout:
-                dh = dh / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
-            _store(dx, j, dh)
-            if has_w:
-                dwp[j] += d * xhat
-            if has_db:
-                dbp[j] += d
+        _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres, dropout,
+                    seed_mix, threshold, keep_div, zero)  # fmt: skip
+        if has_w or has_db:
+            _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, zero)
 
 
 @njit(**_JIT)
