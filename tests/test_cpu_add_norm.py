@@ -340,3 +340,18 @@ def test_forked_child_after_parallel_parent(monkeypatch):
         child.join()
     assert child.exitcode == 0, f"child exited with {child.exitcode} (None or < 0: hung or killed)"
     assert queue.get(timeout=10) == hashlib.sha256(expected.numpy().tobytes()).hexdigest()
+
+
+def test_calls_leave_torchs_thread_count_alone():
+    """numba's OpenMP pool start resets the process-wide thread count torch shares; the backend restores it.
+    A fresh process, because the pool starts once."""
+    code = (
+        "import torch, addnorm\n"
+        "torch.set_num_threads(1)\n"
+        "x = torch.randn(2048, 512, requires_grad=True)\n"
+        "o, h = addnorm.add_rms_norm(x, x, backend='cpu'); o.sum().backward()\n"
+        "print(torch.get_num_threads())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1"

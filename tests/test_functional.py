@@ -240,6 +240,14 @@ def test_env_var_overrides_auto(monkeypatch):
         backends.resolve_backend("auto", torch.device("cpu"))
 
 
+def test_auto_keeps_tiny_cpu_tensors_on_torch(monkeypatch):
+    monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
+    cpu = torch.device("cpu")
+    assert backends.resolve_backend("auto", cpu, numel=backends.AUTO_CPU_MIN_ELEMENTS - 1) == "torch"
+    big = backends.resolve_backend("auto", cpu, numel=backends.AUTO_CPU_MIN_ELEMENTS)
+    assert big == ("cpu" if backends.unavailable_reason("cpu", cpu) is None else "torch")
+
+
 def test_unavailable_backend_says_why_and_what_to_install(monkeypatch):
     monkeypatch.setitem(backends.KERNEL_BACKENDS, "cpu",
                         backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"))  # fmt: skip

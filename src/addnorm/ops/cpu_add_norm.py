@@ -460,10 +460,15 @@ def _use_parallel(elements: int) -> bool:
 
 def _threads() -> int:
     """torch's thread count (capped by numba's pool), applied to numba only when it changed: setting costs ~us."""
-    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    torch_threads = torch.get_num_threads()
+    want = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
     if getattr(_state, "threads", None) != want:
         numba.set_num_threads(want)
         _state.threads = want
+        # starting numba's OpenMP pool resets the process-wide OpenMP thread count, which torch shares: put
+        # torch's setting back (otherwise torch.set_num_threads(1) silently became 2 after the first call)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
     return want
 
 
