@@ -133,23 +133,22 @@ class _LMHead(nn.Module):
         return self.proj(x)
 
 
-class TransformerLM(nn.Module):
-    """Decoder-only language model: ``forward(input_ids) -> logits`` (B, T, vocab_size).
+class _BlockStackLM(nn.Module):
+    """Embeddings, a stack of blocks, the final norm and the LM head: what the decoder-only and the encoder-only
+    models share; they differ in the attention mask and in which side's DeepNorm constants apply."""
 
-    ``self.blocks``: one module per layer (hook a block's output to read the residual stream after that layer);
-    ``self.final_norm``: the norm before the LM head, or None. ``self.deepnorm_alpha/beta``: DeepNorm's constants
-    in use (None unless placement is "deepnorm").
-    """
-
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, *, causal: bool):
         super().__init__()
         self.config = config
-        _, _, alpha, beta = _deepnorm(config, 0, config.n_layers)
+        enc_alpha, enc_beta, dec_alpha, dec_beta = (
+            _deepnorm(config, 0, config.n_layers) if causal else _deepnorm(config, config.n_layers, 0)
+        )
+        alpha, beta = (dec_alpha, dec_beta) if causal else (enc_alpha, enc_beta)
         self.deepnorm_alpha, self.deepnorm_beta = alpha, beta
         self.embed = Embeddings(config)
         rotary = _rotary(config)
         self.blocks = nn.ModuleList(
-            make_block(config, i, causal=True, deepnorm_alpha=alpha, rotary=rotary) for i in range(config.n_layers)
+            make_block(config, i, causal=causal, deepnorm_alpha=alpha, rotary=rotary) for i in range(config.n_layers)
         )
         self.final_norm = _final_norm(config)
         self.lm_head = _LMHead(config, self.embed)
@@ -168,7 +167,19 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, padding_mask))
 
 
-class TransformerEncoder(nn.Module):
+class TransformerLM(_BlockStackLM):
+    """Decoder-only language model: ``forward(input_ids) -> logits`` (B, T, vocab_size).
+
+    ``self.blocks``: one module per layer (hook a block's output to read the residual stream after that layer);
+    ``self.final_norm``: the norm before the LM head, or None. ``self.deepnorm_alpha/beta``: DeepNorm's constants
+    in use (None unless placement is "deepnorm").
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config, causal=True)
+
+
+class TransformerEncoder(_BlockStackLM):
     """Bidirectional encoder (BERT-style): ``forward(input_ids, padding_mask=None) -> logits`` (B, T, V).
 
     padding_mask (B, T) bool, True at padded positions (no attention to them; batchnorm leaves them out of its
@@ -176,29 +187,10 @@ class TransformerEncoder(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig):
-        super().__init__()
-        self.config = config
-        alpha, beta, _, _ = _deepnorm(config, config.n_layers, 0)
-        self.deepnorm_alpha, self.deepnorm_beta = alpha, beta
-        self.embed = Embeddings(config)
-        rotary = _rotary(config)
-        self.blocks = nn.ModuleList(
-            make_block(config, i, causal=False, deepnorm_alpha=alpha, rotary=rotary) for i in range(config.n_layers)
-        )
-        self.final_norm = _final_norm(config)
-        self.lm_head = _LMHead(config, self.embed)
-        _init_weights(self, config, [(self.blocks, config.n_layers, beta)])
+        super().__init__(config, causal=False)
 
     def encode(self, input_ids: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        x = self.embed(input_ids, padding_mask)
-        for block in self.blocks:
-            x = block(x, padding_mask)
-        if self.final_norm is not None:
-            x = call_norm(self.final_norm, x, padding_mask=padding_mask)
-        return x
-
-    def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        return self.lm_head(self.encode(input_ids, padding_mask))
+        return self.hidden_states(input_ids, padding_mask)
 
 
 class TransformerEncoderDecoder(nn.Module):
