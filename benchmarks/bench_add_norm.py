@@ -15,6 +15,7 @@ import argparse
 import csv
 import datetime
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -62,7 +63,7 @@ class Row:
     bytes: int = 0
     gbps: float | None = None
     frac_copy: float | None = None
-    max_err: float | None = None  # largest |out - fp32 eager out| (fwd rows): a fast but wrong kernel shows here
+    max_err: float | None = None  # largest |output - fp32 eager| over out and residual_out: a wrong kernel shows here
     note: str = ""
 
 
@@ -98,6 +99,14 @@ def count_bytes(provider: str, mode: str, m: int, n: int, dtype: torch.dtype, no
 # --------------------------------------------------------------------------------------------------------------
 # Providers: each returns f(x, residual, weight, bias) -> (out, residual_out), or raises ImportError
 # --------------------------------------------------------------------------------------------------------------
+#
+# Every provider computes out = norm(x + residual) * w (+ b) and residual_out = x + residual with the benchmark's
+# own eps, w and b, so the `max err` column compares like with like and backward reaches x, residual, w (and b).
+# The third-party ones are called through their functional entry points, which take the weight as an argument, rather
+# than through their nn.Modules, which would bring a ones-initialised weight of their own. The APIs below were read
+# from the projects' sources (versions in the comments); `_accepts` adapts to keyword arguments that come and go
+# between releases, and a release that lacks what the fused add needs raises ImportError, which becomes a "not
+# available" row rather than a crash of the run.
 
 
 def _eager(norm: str, eps: float) -> Callable:
@@ -110,17 +119,107 @@ def _eager(norm: str, eps: float) -> Callable:
     return f
 
 
+def _accepts(fn: Callable, *names: str) -> bool:
+    """Whether ``fn`` takes every keyword in ``names`` (False when the signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names)
+
+
 _COMPILED: dict[tuple[str, float], Callable] = {}
 
 
+def _liger(norm: str, eps: float) -> Callable:
+    # Liger-Kernel 0.8.5 (liger_kernel/transformers/functional.py, ops/fused_add_rms_norm.py):
+    #   liger_fused_add_rms_norm(X, R, W, eps, offset=0.0, casting_mode="llama", in_place=True) -> (Y, S), S = X + R
+    #   liger_layer_norm(X, W, B, eps) -> Y   (no fused add for LayerNorm: the add runs outside, as in eager)
+    # in_place=True (the functional's default) writes dX into the incoming dY buffer; the benchmark reuses one dout
+    # across repetitions, so it is turned off (the module LigerFusedAddRMSNorm defaults to False too).
+    # Liger's kernels hold a whole row in one block: N > 65536 raises RuntimeError (a "failed" row, not a bug here).
+    if norm == "layer":
+        from liger_kernel.transformers.functional import liger_layer_norm
+
+        def liger_ln(x, r, w, b):
+            h = x + r
+            return liger_layer_norm(h, w, b, eps), h
+
+        return liger_ln
+    try:
+        from liger_kernel.transformers.functional import liger_fused_add_rms_norm
+    except ImportError as e:  # older releases have no fused add + RMSNorm
+        raise ImportError(f"liger_kernel has no fused add + RMSNorm (liger_fused_add_rms_norm): {e}") from e
+    kw = {"in_place": False} if _accepts(liger_fused_add_rms_norm, "in_place") else {}
+    return lambda x, r, w, b: liger_fused_add_rms_norm(x, r, w, eps, **kw)
+
+
+def _apex(norm: str, eps: float, n: int) -> Callable:
+    # NVIDIA Apex (apex/normalization/fused_layer_norm.py):
+    #   fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False) -> out
+    #   fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False) -> out
+    # (FusedRMSNorm / FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False) are
+    # modules around these holding their own weight.) Apex has no fused residual add: the add runs outside its kernel.
+    # The kernels live in the compiled extension fused_layer_norm_cuda, which a Python-only install of apex lacks; it
+    # is imported here so that case is "not available" instead of a failure at the first call.
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+
+    importlib.import_module("fused_layer_norm_cuda")
+    shape = [n]  # a list: the custom-op schema of newer apex declares normalized_shape as int[]
+
+    def apex_norm(x, r, w, b):
+        h = x + r
+        if norm == "rms":
+            return fused_rms_norm_affine(h, w, shape, eps), h
+        return fused_layer_norm_affine(h, w, b, shape, eps), h
+
+    return apex_norm
+
+
+def _flash_attn(norm: str, eps: float) -> Callable:
+    # flash-attention 2.8.3 (flash_attn/ops/triton/layer_norm.py):
+    #   layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+    #                 rowscale=None, prenorm=False, residual_in_fp32=False, is_rms_norm=False, ...)
+    #   rms_norm_fn(...): the same without is_rms_norm
+    # With a residual and prenorm=True it returns (out, residual_out), residual_out in the residual's dtype
+    # (residual_in_fp32 only matters when no residual is passed). One block per row: N * element size must stay
+    # under 64 KB (bf16: N <= 32768), beyond that it raises RuntimeError.
+    from flash_attn.ops.triton.layer_norm import layer_norm_fn, rms_norm_fn
+
+    fn = rms_norm_fn if norm == "rms" else layer_norm_fn
+    if not _accepts(fn, "residual", "prenorm"):
+        raise ImportError("flash_attn's layer_norm_fn/rms_norm_fn take no residual/prenorm: flash-attn too old")
+    return lambda x, r, w, b: fn(x, w, b, residual=r, eps=eps, prenorm=True)
+
+
+def _quack(norm: str, eps: float) -> Callable:
+    # QuACK 0.6.5 (quack/rmsnorm.py):
+    #   rmsnorm(x, weight=None, bias=None, residual=None, out_dtype=None, residual_dtype=None, eps=1e-6,
+    #           prenorm=False, weight_offset=0.0)
+    # With a residual it returns out alone unless prenorm=True, then (out, residual_out). Releases with a residual
+    # argument take fp32, fp16 or bf16 weights; the first releases (rmsnorm(x, weight, eps), no residual) asserted an
+    # fp32 weight and cannot fuse the add, so they are reported as not available. quack.fused_add_rmsnorm (an older
+    # file, gone from 0.6.5) returned no residual_out and wanted an fp32 weight: not used.
+    if norm != "rms":
+        raise ImportError("QuACK benchmarked for RMSNorm only")
+    from quack.rmsnorm import rmsnorm
+
+    if not _accepts(rmsnorm, "residual", "prenorm"):
+        raise ImportError("quack.rmsnorm.rmsnorm takes no residual/prenorm: QuACK too old for a fused add")
+    return lambda x, r, w, b: rmsnorm(x, w, residual=r, eps=eps, prenorm=True)
+
+
 def make_provider(name: str, norm: str, eps: float, n: int, dtype: torch.dtype, device: str) -> Callable:
+    del dtype, device  # every provider takes the benchmark's tensors as they are
     if name == "eager":
         return _eager(norm, eps)
     if name == "compile":
-        # one compiled function per (norm, eps), reused across sizes: dynamo then marks the sizes dynamic after
-        # the first recompile instead of compiling every shape from scratch
+        # One compiled function per (norm, eps), reused across sizes and compiled with dynamic shapes from the first
+        # call: a static first compile and then a dynamic recompile at the second size would cost two more Inductor
+        # compiles (about 10-20 s each on the GPU host) out of gpu_check.sh's 150 s budget. Dynamo still compiles one
+        # graph for no_grad (fwd rows) and one for training (bwd, fwd+bwd rows): two compiles per run in all.
         if (norm, eps) not in _COMPILED:
-            _COMPILED[norm, eps] = torch.compile(_eager(norm, eps))
+            _COMPILED[norm, eps] = torch.compile(_eager(norm, eps), dynamic=True)
         return _COMPILED[norm, eps]
     if name == "addnorm":
         from addnorm import add_layer_norm, add_rms_norm
@@ -129,41 +228,13 @@ def make_provider(name: str, norm: str, eps: float, n: int, dtype: torch.dtype, 
             return lambda x, r, w, b: add_rms_norm(x, r, w, eps, backend="triton")
         return lambda x, r, w, b: add_layer_norm(x, r, w, b, eps, backend="triton")
     if name == "liger":
-        if norm == "rms":
-            from liger_kernel.transformers import LigerFusedAddRMSNorm
-
-            mod = LigerFusedAddRMSNorm(n, eps=eps).to(device=device, dtype=dtype)
-            return lambda x, r, w, b: mod(x, r)
-        from liger_kernel.transformers import LigerLayerNorm  # no fused add for LayerNorm: add outside
-
-        mod = LigerLayerNorm(n, eps=eps).to(device=device, dtype=dtype)
-
-        def liger_ln(x, r, w, b):
-            h = x + r
-            return mod(h), h
-
-        return liger_ln
-    if name == "apex":  # Apex has no fused residual add: the add runs outside its kernel
-        from apex.normalization import FusedLayerNorm, FusedRMSNorm
-
-        mod = (FusedRMSNorm(n, eps=eps) if norm == "rms" else FusedLayerNorm(n, eps=eps)).to(device=device, dtype=dtype)
-
-        def apex_norm(x, r, w, b):
-            h = x + r
-            return mod(h), h
-
-        return apex_norm
+        return _liger(norm, eps)
+    if name == "apex":
+        return _apex(norm, eps, n)
     if name == "flash_attn":
-        from flash_attn.ops.triton.layer_norm import layer_norm_fn, rms_norm_fn
-
-        fn = rms_norm_fn if norm == "rms" else layer_norm_fn
-        return lambda x, r, w, b: fn(x, w, b, residual=r, eps=eps, prenorm=True)
+        return _flash_attn(norm, eps)
     if name == "quack":
-        if norm != "rms":
-            raise ImportError("QuACK benchmarked for RMSNorm only")
-        from quack.rmsnorm import rmsnorm
-
-        return lambda x, r, w, b: rmsnorm(x, w, residual=r, eps=eps)
+        return _quack(norm, eps)
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
 
 
@@ -211,34 +282,66 @@ def copy_bandwidth(device: str, nbytes: int, warmup: int, reps: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def _pair(result: object, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A provider's result as (out, residual_out); TypeError naming how it breaks that convention (a provider that
+    returns out alone would otherwise be unpacked row by row, silently so when M == 2)."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = type(result).__name__
+        if isinstance(result, (tuple, list)):
+            got += f" of {len(result)}"
+        raise TypeError(f"provider returned {got}, expected (out, residual_out)")
+    for what, t in zip(("out", "residual_out"), result):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, n):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"provider's {what} is {shape}, expected a tensor of shape {(m, n)}")
+    return result[0], result[1]
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).abs().max()) if a.numel() else 0.0
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
 def bench_one(provider: str, mode: str, m: int, n: int, cfg: BenchConfig, copy_gbps: float) -> Row:
     dtype = DTYPES[cfg.dtype]
     dev = cfg.device
+    eps = 1e-6 if cfg.norm == "rms" else 1e-5
     row = Row(provider=provider, mode=mode, m=m, n=n, dtype=cfg.dtype, norm=cfg.norm)
     try:
-        fn = make_provider(provider, cfg.norm, 1e-6 if cfg.norm == "rms" else 1e-5, n, dtype, dev)
+        fn = make_provider(provider, cfg.norm, eps, n, dtype, dev)
     except ImportError as e:
-        row.note = f"not available: {e}"
+        row.note = f"not available: {_first_line(e)}"[:200]
+        return row
+    except Exception as e:  # noqa: BLE001 - a broken install (ABI or Triton mismatch) must not end the run either
+        row.note = f"setup failed: {type(e).__name__}: {_first_line(e)}"[:200]
         return row
     x = torch.randn(m, n, device=dev, dtype=dtype, requires_grad=mode != "fwd")
     r = torch.randn(m, n, device=dev, dtype=dtype, requires_grad=mode != "fwd")
     w = torch.randn(n, device=dev, dtype=dtype, requires_grad=mode != "fwd")
     b = torch.randn(n, device=dev, dtype=dtype, requires_grad=mode != "fwd") if cfg.norm == "layer" else None
-    leaves = [t for t in (x, r, w, b) if t is not None]
+    leaves = {"x": x, "residual": r, "weight": w, "bias": b}
+    leaves = {k: t for k, t in leaves.items() if t is not None}
     dout, dres = torch.randn(m, n, device=dev, dtype=dtype), torch.randn(m, n, device=dev, dtype=dtype)
     try:
+        # The first call, untimed, in the row's grad mode (it also compiles what needs compiling): checks the return
+        # convention and compares both outputs with an fp32 eager computation on the same inputs.
+        with torch.set_grad_enabled(mode != "fwd"):
+            out, res = _pair(fn(x, r, w, b), m, n)
+        with torch.no_grad():
+            ref_out, ref_res = _eager(cfg.norm, eps)(x.float(), r.float(), w.float(), None if b is None else b.float())
+            row.max_err = max(_max_abs_diff(out, ref_out), _max_abs_diff(res, ref_res))
+        del out, res, ref_out, ref_res
         if mode == "fwd":
             with torch.no_grad():
-                out, _ = fn(x, r, w, b)
-                ref, _ = _eager(cfg.norm, 1e-6 if cfg.norm == "rms" else 1e-5)(
-                    x.float(), r.float(), w.float(), None if b is None else b.float())
-                row.max_err = float((out.float() - ref).abs().max()) if out.numel() else 0.0
                 ms = time_ms(lambda: fn(x, r, w, b), dev, cfg.warmup, cfg.reps)
         elif mode == "bwd":
             graph = {}
 
             def forward_untimed():
-                for t in leaves:
+                for t in leaves.values():
                     t.grad = None
                 graph["outputs"] = fn(x, r, w, b)
 
@@ -249,14 +352,19 @@ def bench_one(provider: str, mode: str, m: int, n: int, cfg: BenchConfig, copy_g
         else:
 
             def fwd_bwd():
-                for t in leaves:
+                for t in leaves.values():
                     t.grad = None
                 out, res = fn(x, r, w, b)
                 torch.autograd.backward((out, res), (dout, dres))
 
             ms = time_ms(fwd_bwd, dev, cfg.warmup, cfg.reps)
+        if mode != "fwd":
+            # a provider that trains a weight of its own, or detaches the residual, would be timed doing less work
+            missing = [name for name, t in leaves.items() if t.grad is None]
+            if missing:
+                raise RuntimeError(f"backward left no gradient on {', '.join(missing)}")
     except Exception as e:  # noqa: BLE001 - one provider failing must not lose the rest of the table
-        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        row.note = f"failed: {type(e).__name__}: {_first_line(e)}"[:200]
         return row
     row.ms = ms
     row.bytes = count_bytes(provider, mode, m, n, dtype, cfg.norm)
