@@ -368,3 +368,55 @@ def test_cli_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["lab", "merge", "--help"])
     assert "--out" in capsys.readouterr().out
+
+
+def test_cli_out_that_is_a_file_is_an_error_naming_out(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("not a directory")
+    assert main(["lab", "--out", str(a_file), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a directory" in err and "Traceback" not in err
+    assert main(["lab", "--out", str(a_file / "sub"), "--no-progress", "--device", "cpu"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert fake_cli == {}  # nothing ran
+    assert main(["lab", "--out", str(tmp_path / "ok"), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["lab", "merge", str(tmp_path / "ok"), "--out", str(a_file)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, needle", [("{", "not a readable results file"), ("[]", "not an `addnorm lab`"),
+                                              ('{"experiments": [{"x": 1}]}', "not an `addnorm lab`")])  # fmt: skip
+def test_cli_merge_names_a_corrupt_results_file(tmp_path, capsys, content, needle):
+    from addnorm.cli import main
+
+    (tmp_path / "shard").mkdir()
+    (tmp_path / "shard" / "results.json").write_text(content)
+    assert main(["lab", "merge", str(tmp_path / "shard"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(tmp_path / "shard" / "results.json") in err
+
+
+def test_cli_ctrl_c_exits_130_with_a_resume_hint_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    from addnorm.cli import main
+
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=3)
+    inner = reg["fake-1"].run
+
+    def interrupted_once(ctx):
+        if "stopped" not in calls:
+            calls["stopped"] = 1
+            raise KeyboardInterrupt  # what Ctrl-C raises in the main thread
+        return inner(ctx)
+
+    reg["fake-1"].run = interrupted_once
+    monkeypatch.setattr(runner, "load_experiments", lambda: reg)
+    argv = ["lab", "--out", str(tmp_path), "--no-progress", "--device", "cpu"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "again to resume" in err and str(tmp_path / "runs") in err
+    assert main(argv) == 0
+    assert calls == {"fake-0": 1, "stopped": 1, "fake-1": 1, "fake-2": 1}  # fake-0 came from the cache

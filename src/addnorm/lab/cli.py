@@ -84,6 +84,8 @@ def _finish(doc: dict, as_json: bool) -> None:
 def _lab(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
+    from pathlib import Path
+
     from addnorm.lab.report import load_results
     from addnorm.lab.runner import RunOptions, parse_shard, run
 
@@ -96,6 +98,11 @@ def _lab(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Finished experiments are already on disk (each written atomically), so this is a pause, not a loss.
+        print(f"\naddnorm lab: interrupted; finished experiments are kept in {Path(args.out) / 'runs'}; run the same "
+              "command again to resume", file=sys.stderr)  # fmt: skip
+        return 130
     _finish(load_results(options.out), args.json)
     if not args.json:
         print(f"report: {options.out / 'index.html'}")
@@ -110,7 +117,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     try:
         merge([Path(d) for d in args.dirs], Path(args.out))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"addnorm lab merge: error: {err}", file=sys.stderr)
         return 2
     _finish(load_results(args.out), args.json)

@@ -78,6 +78,19 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+def prepare_out_dir(out: Path, flag: str = "--out") -> Path:
+    """Create the output directory ``out`` (and its parents); a ValueError naming ``flag`` when it is a file or
+    cannot be created, before anything runs."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {str(out)!r} is a file, not a directory: give a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a parent is a file, no permission, read-only file system, ...
+        raise ValueError(f"{flag} {str(out)!r}: cannot create the directory ({err.strerror or err})") from None
+    return out
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -274,8 +287,7 @@ def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> R
     """Run (or reuse) the selected experiments, then write the report into ``options.out``."""
     device = resolve_device(options.device)
     chosen = select(options.only, options.shard, registry)
-    out = options.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(options.out)
     if options.threads is None:
         return _run_selected(options, chosen, device, out)
     threads_before = torch.get_num_threads()
@@ -353,7 +365,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
         path = d / RESULTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{d} has no {RESULTS_FILE}: is it an `addnorm lab` output directory?")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _read_results(path)
         m = data.get("meta", {})
         if meta is None:
             meta = dict(m)
@@ -375,7 +387,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
                 continue
             by_name[name] = rec
             origin[name] = d
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(out)
     for name, rec in by_name.items():
         for fig in rec.get("figures", []):
             src, dst = origin[name] / fig, out / fig
@@ -396,3 +408,16 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     write_report(out, records, meta)
     return RunSummary(records=records, meta=meta)
 
+
+def _read_results(path: Path) -> dict:
+    """A shard's results.json, checked enough that merge fails with the file's name, not a traceback."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable results file: {err}") from None
+    records = data.get("experiments") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "name" in r and "verdict" in r for r in records):
+        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a name and a verdict)")
+    if not isinstance(data.get("meta", {}), dict):
+        raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
+    return data
