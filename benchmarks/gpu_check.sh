@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU check for the Triton backend (about 4 minutes on an H100/H200; torch preinstalled):
-#   1. install addnorm (+ triton) if needed,
+#   1. make addnorm importable (source tree on PYTHONPATH if it is not installed),
 #   2. run the Triton tests on CUDA,
 #   3. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144).
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
@@ -11,9 +11,19 @@ RESULTS="${OUT:-benchmarks/results}"
 mkdir -p "$RESULTS"
 start=$(date +%s)
 
-python -c "import addnorm, triton" 2>/dev/null || pip install -q -e '.[triton]' || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt" 2>&1
-addnorm info > "$RESULTS/info.txt" 2>&1
+# No pip install: the GPU machine reaches no package index, so pip's isolated build of the editable package (it
+# fetches setuptools) would fail there. Its image holds torch, triton, numba, numpy and tqdm: the source tree on
+# PYTHONPATH is enough when addnorm is not installed.
+python -c "import addnorm" 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import addnorm, triton" || { echo "addnorm or triton does not import; see above"; exit 1; }
+# Optional third-party providers for the benchmark: wheels carried in .whl/ (Liger is pure Python, see
+# benchmarks/results/README.md). --no-deps and a separate target: they never replace the image's torch or triton.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/bench-site .whl/*.whl \
+        && export PYTHONPATH="/tmp/bench-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# one file for the environment: the device tool brings back at most 8 files, and ADDNORM_BENCH_LAYER=1 writes 8 with it
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
 
 echo "== Triton tests on CUDA"
 timeout 170 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
@@ -21,6 +31,10 @@ tests_rc=${PIPESTATUS[0]}
 echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
 
 echo "== benchmark: add + RMSNorm, bf16"
+# Budget, estimated without a GPU run: start-up and the copy-bandwidth run ~10 s; 6 sizes x 3 modes x the providers
+# present, each row ~25 calls of at most a few ms plus one fp32 reference (~15 s for addnorm, eager and compile);
+# Triton JIT of addnorm's kernels per N (~1 s each); 2 Inductor compiles for `compile` (dynamic shapes, see
+# make_provider). Liger, if carried, adds its JIT per N. A run cut short still leaves every finished N in the CSV/JSON.
 timeout 150 python benchmarks/bench_add_norm.py --norm rms --dtype bf16 \
     --sizes 512,1024,4096,16384,65536,262144 --reps 20 --out "$RESULTS" 2>&1 | tee "$RESULTS/bench_rms.txt"
 bench_rc=${PIPESTATUS[0]}
