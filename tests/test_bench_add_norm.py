@@ -1,4 +1,5 @@
-"""Smoke test of the add + norm benchmark CLI on CPU (tiny sizes; numbers are not checked, the files are)."""
+"""The add + norm benchmark on CPU: a CLI smoke run (numbers not checked, the files are), the napkin math, and the
+wiring of every third-party provider against fake modules with that project's API."""
 
 from __future__ import annotations
 
