@@ -161,7 +161,8 @@ def test_batches_are_a_function_of_the_step():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(vocab_size=1), "vocab_size"), (dict(order=0), "order"),
-                                       (dict(branching=99), "branching"), (dict(smoothing=1.0), "smoothing")])
+                                       (dict(branching=99), "branching"), (dict(smoothing=1.0), "smoothing"),
+                                       (dict(seed=-1), "seed")])
 def test_language_bad_input(kw, match):
     with pytest.raises(ValueError, match=match):
         MarkovLanguage(**kw)
@@ -285,3 +286,60 @@ def test_cli_train_human_summary_and_bad_input(capsys):
     assert "key=value" in capsys.readouterr().err
     assert main(["train", *CLI_SMALL, "--set", "not_a_field=1"]) == 2
     assert "not_a_field" in capsys.readouterr().err
+
+
+def test_cli_resume_takes_the_run_flags_from_out_and_rejects_others(tmp_path, capsys):
+    """README: `addnorm train --out runs/a --resume` alone continues a run started with other flags."""
+    from addnorm.cli import main
+
+    out = str(tmp_path / "a")
+    first = ["--preset", "llama", *CLI_SMALL, "--lr", "3e-3", "--set", "checkpoint_every=3", "--out", out]
+    assert main(["train", *first, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    ckpt = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 6
+    assert main(["train", "--out", out, "--resume", "--json"]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["preset"] == "llama" and resumed["train"]["lr"] == 3e-3 and resumed["model"]["n_layers"] == 1
+    assert resumed["losses"] == full["losses"]
+    assert main(["train", "--out", out, "--resume", "--lr", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr" in err and "0.003" in err and "Traceback" not in err
+
+
+def test_resume_onto_other_settings_or_another_model_is_a_clear_error(tmp_path):
+    from addnorm.train.loop import TrainConfig, train
+
+    base = dict(steps=4, batch_size=2, seq_len=8, warmup=1, out_dir=str(tmp_path))
+    train(tiny_model(), LANG, TrainConfig(**base), stop_at=2)
+    with pytest.raises(ValueError, match=r"lr=0.01 \(checkpoint: 0.001\)"):
+        train(tiny_model(), LANG, TrainConfig(**base, lr=1e-2, resume=True))
+    with pytest.raises(ValueError, match="different model"):
+        train(tiny_model(n_layers=2), LANG, TrainConfig(**base, resume=True))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--set", "lr=abc"], "TrainConfig.lr must be a number"),
+    (["--set", "independent_wd=maybe"], "independent_wd"),
+    (["--device", "nonsense"], "TrainConfig.device"),
+    (["--data-seed", "-1"], "--data-seed"),
+])  # fmt: skip
+def test_cli_bad_values_name_the_argument(capsys, argv, needle):
+    from addnorm.cli import main
+
+    assert main(["train", *CLI_SMALL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_cli_cuda_without_cuda_and_out_that_is_a_file(tmp_path, capsys):
+    from addnorm.cli import main
+
+    if not torch.cuda.is_available():
+        assert main(["train", *CLI_SMALL, "--device", "cuda"]) == 2
+        assert "cuda" in capsys.readouterr().err
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    assert main(["train", *CLI_SMALL, "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a directory" in err

@@ -2,12 +2,13 @@
 
     addnorm train --preset gpt2 --set n_layers=6 --set qk_norm=true --steps 300 --lr 3e-3 --out runs/a
     addnorm train --preset llama --data notes.txt --steps 500 --json
+    addnorm train --out runs/a --resume            # continue runs/a with the flags it was started with
     torchrun --nproc_per_node 2 -m addnorm train --preset gpt2 --steps 200        # data-parallel
 
 ``--set key=value`` sets a TransformerConfig field (overriding the preset) or a TrainConfig field (``z_loss``,
 ``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) or kept as
 strings. The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
-the JSONL log, a checkpoint, ``summary.json`` and ``loss.png``.
+the JSONL log, a checkpoint, ``args.json`` (the flags, for ``--resume``), ``summary.json`` and ``loss.png``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,67 @@ def _plot(result, path: Path, title: str) -> str | None:
     return str(path)
 
 
+ARGS_FILE = "args.json"  # in --out: the flags of the run, so `--out DIR --resume` alone continues it
+# The flags that define a run; on --resume each one not given again is taken from ARGS_FILE.
+_RUN_FLAGS = ("preset", "set", "steps", "lr", "warmup", "batch_size", "seq_len", "seed", "data", "data_seed")
+_DEFAULTS = {"preset": "gpt2", "data_seed": 0}  # argparse leaves these None so --resume can tell "not given"
+
+
+def _saved_args(out: Path) -> dict | None:
+    path = out / ARGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--resume: cannot read {path}: {e}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {path} is not an `addnorm train` arguments file")
+    return saved
+
+
+def resolve_run_args(args: argparse.Namespace) -> None:
+    """Fill in defaults; with --resume, take every run flag not given again from OUT/args.json, and reject one
+    given with another value (it would continue a different run from the checkpoint)."""
+    saved = _saved_args(Path(args.out)) if args.resume and args.out else None
+    if saved is not None:
+        conflicts = []
+        for key in _RUN_FLAGS:
+            given, old = getattr(args, key), saved.get(key)
+            if given is None:
+                setattr(args, key, old)
+            elif (parse_sets(given) != parse_sets(old)) if key == "set" else given != old:
+                conflicts.append(f"--{key.replace('_', '-')} {given!r} (the run in {args.out} used {old!r})")
+        if conflicts:
+            raise ValueError(f"--resume continues the run in {args.out} with its own settings, but got "
+                             f"{'; '.join(conflicts)}: drop these flags, or train into a new --out")  # fmt: skip
+        args.monitor = args.monitor or bool(saved.get("monitor"))
+    for key, value in _DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def _prepare_out(out: str) -> Path:
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out!r} is a file, not a directory: give a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot create the directory ({e.strerror or e})") from None
+    return path
+
+
+def _save_args(out: Path, args: argparse.Namespace) -> None:
+    import os
+
+    data = {key: getattr(args, key) for key in _RUN_FLAGS}
+    data["monitor"] = bool(args.monitor)
+    tmp = out / f".{ARGS_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / ARGS_FILE)  # atomic: a crash never leaves half a file for --resume to read
+
+
 def run_training(args: argparse.Namespace) -> int:
     import dataclasses
     import sys
@@ -116,6 +178,15 @@ def run_training(args: argparse.Namespace) -> int:
     from addnorm.train import distributed as D
     from addnorm.train.loop import train
 
+    try:
+        resolve_run_args(args)
+        if args.data_seed < 0:
+            raise ValueError(f"--data-seed must be an int >= 0, got {args.data_seed}")
+        if args.out:
+            _prepare_out(args.out)
+    except ValueError as e:
+        print(f"addnorm train: error: {e}", file=sys.stderr)
+        return 2
     flags = {"steps": args.steps, "lr": args.lr, "warmup": args.warmup, "batch_size": args.batch_size,
              "seq_len": args.seq_len, "seed": args.seed, "device": args.device, "monitor": args.monitor,
              "out_dir": args.out, "resume": args.resume}  # fmt: skip
@@ -128,6 +199,10 @@ def run_training(args: argparse.Namespace) -> int:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
     info = D.init_from_env(cfg.device)
+    if args.out and info.is_main:
+        if args.resume and not (Path(args.out) / "checkpoint.pt").exists():
+            print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
+        _save_args(Path(args.out), args)
     bar = None
     if info.is_main and not args.quiet:
         from tqdm import tqdm
@@ -141,9 +216,19 @@ def run_training(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", gnorm=f"{entry['grad_norm']:.2f}")
 
-    result = train(model, data, cfg, callback=on_step)
-    if bar is not None:
-        bar.close()
+    try:
+        result = train(model, data, cfg, callback=on_step)
+    except ValueError as e:  # e.g. --resume onto a checkpoint of another model
+        print(f"addnorm train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        where = (f"the last checkpoint in {args.out} (--set checkpoint_every=N writes one every N steps)"
+                 if args.out else "nothing (no --out, nothing saved)")  # fmt: skip
+        print(f"\naddnorm train: interrupted; --resume would continue from {where}", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
     if not info.is_main:
         return 0
     summary = result.summary()
@@ -186,9 +271,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="train one model configuration and report loss curves and stability metrics",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="gpt2", help="model preset (TransformerConfig.preset names); default gpt2")
+    p.add_argument("--preset", help="model preset, a TransformerConfig.preset name such as gpt2, llama or deepnet "
+                   "(default gpt2; an unknown name lists them all)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="set a model or training field (repeatable), e.g. --set n_layers=6 --set z_loss=1e-4")
     p.add_argument("--steps", type=int, help="training steps (default 200)")
@@ -198,11 +284,13 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, help="sequence length (default 64)")
     p.add_argument("--seed", type=int, help="seed of model init, data order and dropout (default 0)")
     p.add_argument("--data", metavar="FILE", help="train on this text file (bytes) instead of the synthetic language")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic language itself (default 0)")
+    p.add_argument("--data-seed", type=int, help="seed of the synthetic language itself (default 0)")
     p.add_argument("--device", help="cpu or cuda (default cpu)")
     p.add_argument("--monitor", action="store_true", help="record per-layer telemetry every step into the log")
     p.add_argument("--out", metavar="DIR", help="write log.jsonl, checkpoint.pt, summary.json, loss.png here")
-    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt (needs --out)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out DIR from DIR/checkpoint.pt, with the flags it was started with "
+                        "(saved in DIR/args.json; a flag given again must agree)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_training)

@@ -69,6 +69,8 @@ class MarkovLanguage:
             raise ValueError(f"branching must be in [1, vocab_size={vocab_size}], got {branching}")
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         rng = np.random.default_rng(seed)
         contexts = vocab_size**order
         table = np.zeros((contexts, vocab_size))

@@ -74,6 +74,24 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        # Types first: a value from `--set lr=abc` must fail here, naming the field, not deep in a comparison.
+        for name in ("lr", "min_lr_ratio", "beta1", "beta2", "adam_eps", "weight_decay", "z_loss", "diverge_factor",
+                     "spike_sigma") + (("clip",) if self.clip is not None else ()):  # fmt: skip
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+                raise TypeError(f"TrainConfig.{name} must be a number, got {v!r}")
+        for name in ("independent_wd", "monitor", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"TrainConfig.device must be a torch device such as 'cpu' or 'cuda', got "
+                             f"{self.device!r}") from None  # fmt: skip
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"TrainConfig.device is {self.device!r} but torch.cuda.is_available() is False")
         positive = ("steps", "batch_size", "seq_len", "eval_batches", "monitor_every")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -278,7 +296,12 @@ def train(
     start = 0
     if ckpt_path is not None and cfg.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        raw.load_state_dict(state["model"])
+        _check_resumable(ckpt_path, state, cfg)
+        try:
+            raw.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ValueError(f"resume: {ckpt_path} holds a different model (give the model settings of the run "
+                             f"that wrote it): {str(err).splitlines()[0]}") from None  # fmt: skip
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
@@ -370,6 +393,21 @@ def _checkpoint(path: Path, raw: nn.Module, opt, sched, step: int, res: TrainRes
             "step": step, "rng": _rng_state(), "result": result, "config": asdict(cfg),
         })  # fmt: skip
     D.barrier(info)
+
+
+# TrainConfig fields that shape the run's trajectory: a resumed run must use the checkpoint's values, or it would
+# silently continue another run (a different schedule length, learning rate or data order).
+_RESUME_MUST_MATCH = ("steps", "batch_size", "seq_len", "lr", "warmup", "schedule", "min_lr_ratio", "beta1", "beta2",
+                      "adam_eps", "weight_decay", "independent_wd", "clip", "z_loss", "seed")  # fmt: skip
+
+
+def _check_resumable(path: Path, state: dict, cfg: TrainConfig) -> None:
+    saved = state.get("config") or {}
+    diff = [f"{k}={getattr(cfg, k)!r} (checkpoint: {saved[k]!r})" for k in _RESUME_MUST_MATCH
+            if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    if diff:
+        raise ValueError(f"resume: {path} was written by a run with other settings: {', '.join(diff)}; resume "
+                         "with the original settings, or train into a new directory")  # fmt: skip
 
 
 def _truncate_log(path: Path, start: int) -> None:
