@@ -146,10 +146,10 @@ def _liger(norm: str, eps: float) -> Callable:
             return liger_layer_norm(h, w, b, eps), h
 
         return liger_ln
-    try:
-        from liger_kernel.transformers.functional import liger_fused_add_rms_norm
-    except ImportError as e:  # older releases have no fused add + RMSNorm
-        raise ImportError(f"liger_kernel has no fused add + RMSNorm (liger_fused_add_rms_norm): {e}") from e
+    functional = importlib.import_module("liger_kernel.transformers.functional")
+    liger_fused_add_rms_norm = getattr(functional, "liger_fused_add_rms_norm", None)
+    if liger_fused_add_rms_norm is None:  # releases before the fused add + RMSNorm
+        raise ImportError("liger_kernel has no liger_fused_add_rms_norm: Liger-Kernel too old for a fused add")
     kw = {"in_place": False} if _accepts(liger_fused_add_rms_norm, "in_place") else {}
     return lambda x, r, w, b: liger_fused_add_rms_norm(x, r, w, eps, **kw)
 

@@ -221,3 +221,9 @@ def test_setup_error_other_than_import_fails_the_row_not_the_run(monkeypatch):
     monkeypatch.setattr(bench_add_norm, "make_provider", broken)
     row = _bench("apex", "fwd")
     assert row.note == "setup failed: OSError: undefined symbol in the extension"
+
+
+def test_liger_without_the_fused_add_is_not_available(monkeypatch):
+    _install(monkeypatch, "liger_kernel.transformers.functional", liger_layer_norm=lambda X, W, B, eps: X)
+    row = _bench("liger", "fwd")
+    assert row.note.startswith("not available:") and "liger_fused_add_rms_norm" in row.note
