@@ -355,3 +355,23 @@ def test_calls_leave_torchs_thread_count_alone():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_cast_before_weight_is_the_reference_bit_for_bit_and_gradients_match_the_oracle(dtype, is_rms):
+    x, r = (torch.randn(37, 130).to(dtype).requires_grad_() for _ in range(2))
+    w = (1 + 0.5 * torch.randn(130)).to(dtype).requires_grad_()
+    b = None if is_rms else torch.randn(130).to(dtype).requires_grad_()
+    fn = add_rms_norm if is_rms else add_layer_norm
+    args = (x, r, w, 1e-5) if is_rms else (x, r, w, b, 1e-5)
+    out, res = fn(*args, cast_before_weight=True, backend="cpu")
+    with torch.no_grad():
+        want, _ = fn(*args, cast_before_weight=True, backend="reference")
+    assert torch.equal(out, want)
+    dout, dres = torch.randn_like(out), torch.randn_like(res)
+    torch.autograd.backward((out, res), (dout, dres))
+    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, cast_before_weight=True, dout=dout, dresidual_out=dres)
+    for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
+        if t is not None:
+            assert_close(t.grad, exp[name], name, grad=True, reduced_rows=37 if name in ("dweight", "dbias") else 1)

@@ -308,3 +308,81 @@ def test_compile_fullgraph_with_auto_backend_before_any_eager_call(monkeypatch):
 
     x, r = torch.randn(3, 20), torch.randn(3, 20)
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, r), f(x, r))
+
+
+# ---- cast_before_weight: Hugging Face Llama's rounding order ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("rd", [None, torch.float32], ids=["stream-x", "stream-fp32"])
+def test_cast_before_weight_forward_and_every_gradient_vs_oracle(backend, dtype, is_rms, rd):
+    x, r = (torch.randn(9, 45, dtype=dtype, requires_grad=True) for _ in range(2))
+    w = (1 + 0.5 * torch.randn(45)).to(dtype).requires_grad_()
+    b = None if is_rms else torch.randn(45, dtype=dtype, requires_grad=True)
+    out, res_out = _call(is_rms, x, r, w, b, 1e-5, residual_dtype=rd, cast_before_weight=True, backend=backend)
+    dout, dres = torch.randn_like(out), torch.randn_like(res_out)
+    torch.autograd.backward((out, res_out), (dout, dres))
+    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, cast_before_weight=True, dout=dout,
+                 dresidual_out=dres)  # fmt: skip
+    assert_close(out, exp["out"], "out")
+    for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
+        if t is not None:
+            assert_close(t.grad, exp[name], name, grad=True, reduced_rows=9 if name in ("dweight", "dbias") else 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_before_weight_is_llamas_formula_bit_for_bit(backend):
+    """bf16 out == HF LlamaRMSNorm's ``weight * (h * rsqrt(mean(h^2) + eps)).to(bf16)``; the default (one rounding,
+    after the weight) differs from it in many elements, so the option is what makes the two agree."""
+    x, r = (torch.randn(64, 96) * 3).bfloat16(), torch.randn(64, 96).bfloat16()
+    w = (1 + 0.5 * torch.randn(96)).bfloat16()
+    out, res_out = addnorm.add_rms_norm(x, r, w, 1e-6, cast_before_weight=True, backend=backend)
+    h = res_out.float()
+    llama = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(res_out, x + r) and torch.equal(out, llama)
+    fused_once, _ = addnorm.add_rms_norm(x, r, w, 1e-6, backend=backend)
+    assert (fused_once != llama).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_before_weight_changes_nothing_without_a_cast_or_an_affine_step(backend):
+    x, r, w = torch.randn(5, 24), torch.randn(5, 24), torch.randn(24)
+    for args in ((x, r, w), (x.bfloat16(), r.bfloat16(), None)):  # fp32: the cast is exact; no weight: no cast
+        plain = addnorm.add_rms_norm(*args, 1e-5, backend=backend)
+        cast = addnorm.add_rms_norm(*args, 1e-5, cast_before_weight=True, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(plain, cast))
+
+
+def test_cast_before_weight_under_compile_matches_eager():
+    x, r = (torch.randn(4, 40, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    w = (1 + torch.randn(40)).bfloat16().requires_grad_()
+
+    def f(x, r, w):
+        return addnorm.add_rms_norm(x, r, w, 1e-6, cast_before_weight=True, backend="reference")[0]
+
+    eager = f(x, r, w)
+    grads_eager = torch.autograd.grad(eager.float().square().sum(), (x, r, w))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, r, w)
+    grads_compiled = torch.autograd.grad(compiled.float().square().sum(), (x, r, w))
+    assert torch.equal(compiled, eager)
+    for a, b in zip(grads_compiled, grads_eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "cpu", "triton"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_cast_before_weight_dweight_uses_the_rounded_value(backend, is_rms):
+    """One row, an fp32 weight: dweight is exactly dout * round(xhat) (no sum, no rounding after), so a backend that
+    used the unrounded xhat is off by bf16's rounding error and this test sees it."""
+    if backends.unavailable_reason(backend, torch.device("cpu")) is not None:
+        pytest.skip(backends.unavailable_reason(backend, torch.device("cpu")))
+    x = torch.randn(1, 77).bfloat16()
+    w = (1 + torch.randn(77)).requires_grad_()
+    b = None if is_rms else torch.zeros(77)
+    xq = _call(is_rms, x, None, None, None, 1e-5, backend=backend)[0]  # the normalized value, rounded to bf16
+    out, _ = _call(is_rms, x, None, w, b, 1e-5, cast_before_weight=True, backend=backend)
+    dout = torch.randn(1, 77).bfloat16()
+    out.backward(dout)
+    assert torch.equal(w.grad, (dout.float() * xq.float())[0])

@@ -331,6 +331,29 @@ def test_cast_before_weight_matches_llama_rmsnorm_in_bf16():
     assert torch.equal(new(x, r)[1], x + r)
 
 
+def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    import addnorm.nn.norms as norms
+
+    calls = []
+    real = norms.add_rms_norm
+    monkeypatch.setattr(norms, "add_rms_norm", lambda *a, **k: calls.append((a[2], k)) or real(*a, **k))
+    old = LlamaRMSNorm(32, eps=1e-6).bfloat16()
+    new = hf._cast_before_weight_norm(old)
+    x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    new(x, r)
+    (weight, kwargs), = calls
+    assert weight is not None and kwargs["cast_before_weight"]  # the weight is applied inside the fused op
+    # an fp32 weight with bf16 activations: HF's output is fp32 (type promotion), and so is addnorm's
+    old32 = LlamaRMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        old32.weight.copy_(1 + 0.5 * torch.randn(32))
+    got, want = hf._cast_before_weight_norm(old32)(x), old32(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert (got != want).float().mean().item() < 0.01
+
+
 def test_gemma_norm_is_zero_centered_with_eps_from_hf():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 

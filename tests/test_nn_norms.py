@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import addnorm
 from addnorm.nn import LayerNorm, RMSNorm
 
 
@@ -81,3 +82,18 @@ def test_gradients_flow_to_parameters_and_inputs():
 def test_wrong_trailing_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="normalized_shape"):
         LayerNorm((4, 6))(torch.randn(2, 6, 4))
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_cast_before_weight_option_reaches_the_op(cls):
+    x, r = torch.randn(6, 32).bfloat16(), torch.randn(6, 32).bfloat16()
+    norm = cls(32, eps=1e-5, cast_before_weight=True, dtype=torch.bfloat16, backend="reference")
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(32))
+    assert norm.cast_before_weight and not cls(32).cast_before_weight
+    params = (norm.weight, norm.bias) if cls is LayerNorm else (norm.weight,)
+    fn = addnorm.add_layer_norm if cls is LayerNorm else addnorm.add_rms_norm
+    want = fn(x, r, *params, 1e-5, cast_before_weight=True, backend="reference")
+    got = norm(x, r)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(norm(x), fn(x, None, *params, 1e-5, cast_before_weight=True, backend="reference")[0])

@@ -62,6 +62,7 @@ def check_against_oracle(is_rms, x, r, w, b, *, eps=1e-5, dresidual_out=True, **
     ref = oracle(
         x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
         residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False),
+        cast_before_weight=kw.get("cast_before_weight", False),
     )  # fmt: skip
     m = x.shape[0]
     assert out.dtype == x.dtype
@@ -123,6 +124,23 @@ def test_zero_centered_weight(device, is_rms):
     with torch.no_grad():
         w.mul_(0.1)  # Gemma stores w near 0 and applies 1 + w
     check_against_oracle(is_rms, x, r, w, b, zero_centered_weight=True)
+
+
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+@pytest.mark.parametrize("path", ["rows", "looped"])
+def test_cast_before_weight(device, is_rms, path, monkeypatch):
+    """Llama's order on both kernel paths; the fwd output matches the reference backend's (same two roundings)."""
+    if path == "looped":
+        monkeypatch.setattr(T, "TUNING", TINY)
+    x, r, w, b = _inputs(5, 100, torch.bfloat16, device)
+    out, _ = check_against_oracle(is_rms, x, r, w, b, cast_before_weight=True)
+    fn = add_rms_norm if is_rms else add_layer_norm
+    args = (x, r, w, 1e-5) if is_rms else (x, r, w, b, 1e-5)
+    with torch.no_grad():
+        want, _ = fn(*args, cast_before_weight=True, backend="reference")
+        once, _ = fn(*args, backend="triton")
+    # equal up to the rare element where an fp32 rsqrt differs in its last bit; one rounding differs far more often
+    assert (out != want).float().mean() < 0.01 < (once != want).float().mean()
 
 
 def test_small_n_packs_rows(device):

@@ -9,7 +9,10 @@ Over the last dimension of a row h (length N), with statistics in ``acc`` precis
                 y = h * rstd * w
 
 ``w`` is replaced by ``1 + w`` when ``zero_centered_weight`` (Gemma). ``y`` is computed in ``acc`` precision
-and rounded once to the input dtype.
+and rounded once to the output dtype. With ``cast_before_weight`` (the cast order of Llama, Mistral and Qwen in
+Hugging Face: ``weight * xhat.to(dtype)``) the normalized value is rounded to the output dtype *before* the weight
+and bias are applied, then the affine result is rounded again; its gradient passes that first rounding straight
+through, and dw sums ``dy * round(xhat)``.
 
 The backward passes are written out (not autograd) so they can check kernels independently. With
 ``xhat = (h - mean) * rstd`` (``h * rstd`` for RMSNorm), ``g = dy * w`` and means taken over the row:
@@ -60,6 +63,17 @@ def _effective_weight(weight: Tensor | None, zero_centered_weight: bool, dtype: 
     return w + 1 if zero_centered_weight else w
 
 
+def _affine(xhat: Tensor, w: Tensor | None, b: Tensor | None, cast_to: torch.dtype | None) -> Tensor:
+    """``xhat * w + b`` in xhat's dtype; with ``cast_to``, xhat is first rounded to that dtype (Llama's order)."""
+    if cast_to is not None and (w is not None or b is not None):
+        xhat = xhat.to(cast_to).to(xhat.dtype)
+    if w is not None:
+        xhat = xhat * w
+    if b is not None:
+        xhat = xhat + b
+    return xhat
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Forward and backward oracles
 # --------------------------------------------------------------------------------------------------------------
@@ -73,22 +87,22 @@ def layer_norm_ref(
     zero_centered_weight: bool = False,
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    *,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm over the last dim. Returns ``(y, mean, rstd)``; y in ``out_dtype`` (default x's dtype), rounded
-    once from the compute dtype; stats in the compute dtype."""
+    once from the compute dtype (twice with ``cast_before_weight``); stats in the compute dtype."""
     cd = compute_dtype or acc_dtype(x.dtype)
+    od = out_dtype or x.dtype
     h = x.to(cd)
     mean = h.mean(dim=-1)
     # two-pass variance: no E[x^2] - E[x]^2 cancellation
     var = (h - mean.unsqueeze(-1)).square().mean(dim=-1)
     rstd = torch.rsqrt(var + eps)
-    y = (h - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    xhat = (h - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     w = _effective_weight(weight, zero_centered_weight, cd)
-    if w is not None:
-        y = y * w
-    if bias is not None:
-        y = y + bias.to(cd)
-    return y.to(out_dtype or x.dtype), mean, rstd
+    y = _affine(xhat, w, None if bias is None else bias.to(cd), od if cast_before_weight else None)
+    return y.to(od), mean, rstd
 
 
 def rms_norm_ref(
@@ -98,19 +112,20 @@ def rms_norm_ref(
     zero_centered_weight: bool = False,
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    *,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm over the last dim. Returns ``(y, rstd)``, y in ``out_dtype`` (default x's dtype).
     ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
     cd = compute_dtype or acc_dtype(x.dtype)
+    od = out_dtype or x.dtype
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     h = x.to(cd)
     rstd = torch.rsqrt(h.square().mean(dim=-1) + eps)
-    y = h * rstd.unsqueeze(-1)
-    w = _effective_weight(weight, zero_centered_weight, cd)
-    if w is not None:
-        y = y * w
-    return y.to(out_dtype or x.dtype), rstd
+    xhat = h * rstd.unsqueeze(-1)
+    y = _affine(xhat, _effective_weight(weight, zero_centered_weight, cd), None, od if cast_before_weight else None)
+    return y.to(od), rstd
 
 
 def _norm_bwd(
@@ -121,7 +136,9 @@ def _norm_bwd(
     rstd: Tensor,
     zero_centered_weight: bool,
     compute_dtype: torch.dtype,
+    cast_to: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
+    # cast_to: the forward rounded xhat to this dtype before the weight (cast_before_weight); dw sees that value
     cd = compute_dtype
     h = x.to(cd)
     rs = rstd.to(cd).unsqueeze(-1)
@@ -135,7 +152,8 @@ def _norm_bwd(
     else:
         dh = rs * (g - xhat * proj)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - rows of any leading shape
-    dw = flat(dyf * xhat).sum(dim=0) if weight is not None else None
+    xq = xhat.to(cast_to).to(cd) if cast_to is not None else xhat
+    dw = flat(dyf * xq).sum(dim=0) if weight is not None else None
     db = flat(dyf).sum(dim=0)
     return dh, dw, db
 
@@ -220,6 +238,7 @@ def add_norm_ref(
     seed: int = 0,
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """``residual_out = dropout(x) + residual`` stored in residual_dtype; ``out = norm(residual_out)`` in x's dtype.
 
@@ -237,11 +256,12 @@ def add_norm_ref(
     residual_out = h.to(rd)  # the value normalized is the sum exactly as stored
     # y is rounded once, from the compute dtype straight to x's dtype (not through the residual dtype)
     if is_rms:
-        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=x.dtype)
+        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=x.dtype,
+                               cast_before_weight=cast_before_weight)  # fmt: skip
         mean = None
     else:
         y, mean, rstd = layer_norm_ref(residual_out, weight, bias, eps, zero_centered_weight, compute_dtype=cd,
-                                       out_dtype=x.dtype)  # fmt: skip
+                                       out_dtype=x.dtype, cast_before_weight=cast_before_weight)  # fmt: skip
     return y, residual_out, mean, rstd
 
 
@@ -257,6 +277,7 @@ def add_norm_bwd_ref(
     dropout_p: float = 0.0,
     seed: int = 0,
     zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
     x_dtype: torch.dtype,
     residual_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
@@ -267,7 +288,8 @@ def add_norm_bwd_ref(
     there is no bias).
     """
     cd = mean.dtype if mean is not None else rstd.dtype
-    dh, dw, db = _norm_bwd(dout, residual_out, weight, mean, rstd, zero_centered_weight, cd)
+    dh, dw, db = _norm_bwd(dout, residual_out, weight, mean, rstd, zero_centered_weight, cd,
+                           x_dtype if cast_before_weight else None)  # fmt: skip
     if dresidual_out is not None:
         dh = dh + dresidual_out.to(cd)
     dres = dh.to(residual_dtype) if residual_dtype is not None else None

@@ -59,6 +59,11 @@ def assert_close(actual: Tensor, expected: Tensor, what: str, *, grad: bool = Fa
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def _straight_through_round(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t rounded to ``dtype`` (kept in fp64), with the identity as gradient."""
+    return t + (t.detach().to(dtype).double() - t.detach())
+
+
 def oracle(
     x: Tensor,
     residual: Tensor | None,
@@ -69,6 +74,7 @@ def oracle(
     is_rms: bool,
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
     keep: Tensor | None = None,
     dropout_p: float = 0.0,
     dout: Tensor | None = None,
@@ -77,7 +83,8 @@ def oracle(
     """Float64 results of the add + norm contract: out, residual_out and, when ``dout`` is given, every gradient.
 
     ``residual_out`` is rounded to ``residual_dtype`` exactly as the contract stores it, then normalized in fp64.
-    ``keep`` is the dropout keep mask (boolean, x's shape) when ``dropout_p`` > 0.
+    ``keep`` is the dropout keep mask (boolean, x's shape) when ``dropout_p`` > 0. With ``cast_before_weight`` the
+    normalized value is rounded to x's dtype before the weight and bias, its gradient passing straight through.
     """
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     leaves = {k: v.detach().double().requires_grad_(True) for k, v in
@@ -88,15 +95,23 @@ def oracle(
     if residual is not None:
         h = h + leaves["residual"]
     # round to the stored dtype, but let the gradient pass straight through (the rounding is not differentiated)
-    res_out = h + (h.detach().to(rd).double() - h.detach())
+    res_out = _straight_through_round(h, rd)
     w = leaves.get("weight")
+    b = leaves.get("bias")
     if w is not None and zero_centered_weight:
         w = w + 1
     n = (x.shape[-1],)
     if is_rms:
-        out = torch.nn.functional.rms_norm(res_out, n, w, eps)
+        xhat = torch.nn.functional.rms_norm(res_out, n, None, eps)
     else:
-        out = torch.nn.functional.layer_norm(res_out, n, w, leaves.get("bias"), eps)
+        xhat = torch.nn.functional.layer_norm(res_out, n, None, None, eps)
+    if cast_before_weight and (w is not None or b is not None):
+        xhat = _straight_through_round(xhat, x.dtype)
+    out = xhat
+    if w is not None:
+        out = out * w
+    if b is not None:
+        out = out + b
     result: dict[str, Tensor | None] = {"out": out.detach(), "residual_out": res_out.detach()}
     if dout is not None:
         total = (out * dout.double()).sum()

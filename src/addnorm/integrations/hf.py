@@ -10,11 +10,12 @@ and state_dict keys are untouched) and reproduces each family's own numerics:
     Gemma, Gemma2, Gemma3          y = to(x.dtype)(x * rstd * (1 + weight))     all in fp32, one rounding
     GPT-2, BERT (nn.LayerNorm)     y = to(x.dtype)((x - mean) * rstd * w + b)   all in fp32, one rounding
 
-The last two are addnorm's own contract (zero_centered_weight for Gemma). The first is not: in bf16/fp16 Llama
-rounds the normalized value to the input dtype and multiplies by the weight afterwards (a second rounding), so
-:class:`CastBeforeWeightRMSNorm` asks addnorm for the normalized value without a weight and multiplies as Llama does.
-In fp32 the cast is a no-op and the fused weighted call gives Llama's value. One difference remains, on purpose:
-for fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the two).
+All three are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
+value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma. So
+the fused kernels reproduce each family's rounding, bit for bit when weight and input share a dtype (the usual
+case). When they differ, HF's ``weight * x`` promotes the output's dtype, which a kernel writing x's dtype cannot;
+:class:`CastBeforeWeightRMSNorm` then normalizes without the weight and multiplies as HF does. One difference
+remains, on purpose: for fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the two).
 
 With ``fuse_residual=True`` the decoder layers are given a forward that computes the residual add and the next norm
 in one call, ``h, residual = norm(branch_out, residual)`` (``residual += branch_out; h = norm(residual)``):
@@ -78,13 +79,16 @@ class CastBeforeWeightRMSNorm(RMSNorm):
     def variance_epsilon(self, value: float) -> None:
         self.eps = value
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, cast_before_weight=True, **kwargs)
+
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w = self.weight
-        if w is None or (x.dtype == torch.float32 and w.dtype != torch.float64):
-            # the cast to x's dtype is a no-op and w * fp32 is computed in fp32: the fused weighted call is HF's value
+        if w is None or torch.promote_types(w.dtype, x.dtype) == x.dtype:
+            # HF's ``w * x.to(dtype)`` stays in x's dtype: the fused call with cast_before_weight is its value
             return super().forward(x, residual)
-        # In bf16/fp16 HF rounds the normalized value to x's dtype and then multiplies by the weight (a second
-        # rounding); addnorm's fused weighted call rounds once. Normalize without a weight, multiply as HF does.
+        # a weight of a wider dtype than x (an fp32 weight with bf16 activations) makes HF's output that wider
+        # dtype; the kernel writes x's dtype, so normalize without the weight and multiply as HF does
         result = self._forward(add_rms_norm, x, residual, (None, self.eps))
         if residual is None:
             return w * result

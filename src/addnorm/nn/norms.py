@@ -28,8 +28,10 @@ def _flatten_normalized(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
 class _AddNormMixin:
     """Shared forward: flatten the normalized dims, call the fused op, restore the shape."""
 
-    def _extra_init(self, zero_centered_weight: bool, residual_dtype: torch.dtype | None, backend: str) -> None:
+    def _extra_init(self, zero_centered_weight: bool, cast_before_weight: bool, residual_dtype: torch.dtype | None,
+                    backend: str) -> None:  # fmt: skip
         self.zero_centered_weight = zero_centered_weight
+        self.cast_before_weight = cast_before_weight
         self.residual_dtype = residual_dtype
         self.backend = backend
         if zero_centered_weight:
@@ -52,7 +54,7 @@ class _AddNormMixin:
         rf = _flatten_normalized(residual, self.normalized_shape) if residual is not None else None
         out, res_out = fn(
             xf, rf, *params, residual_dtype=self.residual_dtype, zero_centered_weight=self.zero_centered_weight,
-            backend=self.backend,
+            cast_before_weight=getattr(self, "cast_before_weight", False), backend=self.backend,
         )  # fmt: skip
         out = out.reshape(shape)
         return out if residual is None else (out, res_out.reshape(shape))
@@ -62,14 +64,15 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` with addnorm's kernels and an optional fused residual add.
 
     Extra keyword options: ``zero_centered_weight`` (scale by 1 + weight, weight initialised to 0),
-    ``residual_dtype`` (dtype of the residual stream returned with a residual), ``backend``.
+    ``cast_before_weight`` (round the normalized value to the input dtype before the weight: Hugging Face Llama's
+    order), ``residual_dtype`` (dtype of the residual stream returned with a residual), ``backend``.
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, *, zero_centered_weight: bool = False,
+                 device=None, dtype=None, *, zero_centered_weight: bool = False, cast_before_weight: bool = False,
                  residual_dtype: torch.dtype | None = None, backend: str = "auto"):  # fmt: skip
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        self._extra_init(zero_centered_weight, residual_dtype, backend)
+        self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w, b = self._norm_params()
@@ -77,13 +80,14 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
 
 
 class RMSNorm(_AddNormMixin, nn.RMSNorm):
-    """``torch.nn.RMSNorm`` with addnorm's kernels and an optional fused residual add (eps=None: finfo eps)."""
+    """``torch.nn.RMSNorm`` with addnorm's kernels and an optional fused residual add (eps=None: finfo eps).
+    Extra keyword options as :class:`LayerNorm`."""
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
-                 dtype=None, *, zero_centered_weight: bool = False, residual_dtype: torch.dtype | None = None,
-                 backend: str = "auto"):  # fmt: skip
+                 dtype=None, *, zero_centered_weight: bool = False, cast_before_weight: bool = False,
+                 residual_dtype: torch.dtype | None = None, backend: str = "auto"):  # fmt: skip
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        self._extra_init(zero_centered_weight, residual_dtype, backend)
+        self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w, _ = self._norm_params()

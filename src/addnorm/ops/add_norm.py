@@ -7,19 +7,23 @@ The contract (every backend implements exactly this):
 
 with statistics in fp32 (fp64 when x or the residual stream is fp64), ``norm`` LayerNorm or RMSNorm over the last
 dimension, weight applied as ``1 + weight`` when ``zero_centered_weight`` (Gemma). residual_dtype defaults to the
-residual's dtype, else x's.
+residual's dtype, else x's. ``out`` is rounded once to x's dtype, except with ``cast_before_weight`` (the order of
+Hugging Face's Llama, Mistral and Qwen: ``weight * xhat.to(x.dtype)``): then the normalized value is rounded to
+x's dtype first, the weight and bias applied in the statistics dtype, and the result rounded again. Its backward
+passes the first rounding straight through; dweight sums ``dout * round(xhat)``.
 
 Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 
     forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out) -> (out, residual_out | None, mean | None, rstd)
+            store_residual_out, cast_before_weight=False) -> (out, residual_out | None, mean | None, rstd)
         x, residual: (M, N), last dim contiguous, rows may be strided; residual may be None.
         out: (M, N) in x's dtype. residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
         residual_out is x itself and the kernel normalizes x). mean (LayerNorm only) and rstd: (M,) in the
         statistics dtype. Dropout keeps element (i, j) by a deterministic function of (seed, i, j), scaled 1/(1-p).
 
     backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight,
-             x_dtype, residual_dtype, bias_dtype) -> (dx, dresidual | None, dweight | None, dbias | None)
+             x_dtype, residual_dtype, bias_dtype, cast_before_weight=False)
+             -> (dx, dresidual | None, dweight | None, dbias | None)
         h: the normalized input as stored (residual_out, or x). dresidual_out may be None. residual_dtype None
         means there was no residual input; bias_dtype None means no bias. The dropout mask is regenerated from
         the seed, never stored.
@@ -97,7 +101,8 @@ def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight):
+def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
+                    cast_before_weight):  # fmt: skip
     cd = stats_dtype(x.dtype, residual_dtype)
     h = x.to(cd)
     if dropout_p > 0.0:
@@ -106,11 +111,21 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
         h = h + residual.to(cd)
     residual_out = h.to(residual_dtype)  # rounded once; the norm below sees exactly this
     w = None if weight is None else (weight.to(cd) + 1 if zero_centered_weight else weight.to(cd))
+    b = None if bias is None or is_rms else bias.to(cd)
     n = (x.shape[-1],)
-    if is_rms:
+    if cast_before_weight:
+        # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
+        h = residual_out.to(cd)
+        xhat = F.rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
+        out = xhat.to(x.dtype).to(cd)
+        if w is not None:
+            out = out * w
+        if b is not None:
+            out = out + b
+    elif is_rms:
         out = F.rms_norm(residual_out.to(cd), n, w, eps)
     else:
-        out = F.layer_norm(residual_out.to(cd), n, w, None if bias is None else bias.to(cd), eps)
+        out = F.layer_norm(residual_out.to(cd), n, w, b, eps)
     return out.to(x.dtype), residual_out
 
 
@@ -151,6 +166,7 @@ def _fwd_impl(
     zero_centered_weight: bool,
     store_residual_out: bool,
     backend: str,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, residual_out or empty, mean or empty, rstd, seed). The seed is drawn here, from torch's
     default generator, so the op stays traceable and the backward can regenerate the dropout mask."""
@@ -158,7 +174,7 @@ def _fwd_impl(
     out, res_out, mean, rstd = kernel_module(backend).forward(
         x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        store_residual_out=store_residual_out,
+        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight,
     )  # fmt: skip
     outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
     return (*_unaliased(outputs, (x, residual, weight, bias)), torch.tensor(seed, dtype=torch.int64))
@@ -169,7 +185,7 @@ _add_norm_fwd = torch.library.custom_op("addnorm::add_norm_fwd", _fwd_impl, muta
 
 @_add_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store_residual_out,
-      backend):  # fmt: skip
+      backend, cast_before_weight=False):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     return (
@@ -196,12 +212,14 @@ def _bwd_impl(
     residual_dtype: Optional[torch.dtype],
     bias_dtype: Optional[torch.dtype],
     backend: str,
+    cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dresidual, dweight, dbias), an empty tensor standing for each absent gradient."""
     dx, dres, dw, db = kernel_module(backend).backward(
         dout, dresidual_out, h, weight, None if is_rms else mean, rstd, is_rms=is_rms, dropout_p=dropout_p,
         seed=int(seed.item()) if dropout_p > 0 else 0, zero_centered_weight=zero_centered_weight,
         x_dtype=x_dtype, residual_dtype=residual_dtype, bias_dtype=bias_dtype,
+        cast_before_weight=cast_before_weight,
     )  # fmt: skip
     return _unaliased((dx, dres, dw, db), (dout, dresidual_out, h, weight, mean, rstd))
 
@@ -211,7 +229,7 @@ _add_norm_bwd = torch.library.custom_op("addnorm::add_norm_bwd", _bwd_impl, muta
 
 @_add_norm_bwd.register_fake
 def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_centered_weight, x_dtype,
-      residual_dtype, bias_dtype, backend):  # fmt: skip
+      residual_dtype, bias_dtype, backend, cast_before_weight=False):  # fmt: skip
     n = dout.shape[-1]
     return (
         dout.new_empty(dout.shape, dtype=x_dtype),
@@ -222,10 +240,11 @@ def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_
 
 
 def _setup_context(ctx, inputs, output, *, eager: bool = False):
-    x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend = inputs
+    x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *cbw = inputs
+    cbw = bool(cbw and cbw[0])  # the op's last argument has a default: called positionally, it may be absent
     out, res_out, mean, rstd, seed = output
     ctx.save_for_backward(res_out if store else x, weight, mean, rstd, seed)
-    ctx.opts = (is_rms, dropout_p, zc, x.dtype, residual.dtype if residual is not None else None,
+    ctx.opts = (is_rms, dropout_p, zc, cbw, x.dtype, residual.dtype if residual is not None else None,
                 bias.dtype if bias is not None else None, backend)  # fmt: skip
     ctx.has_residual_out = store
     ctx.eager = eager
@@ -235,7 +254,7 @@ def _setup_context(ctx, inputs, output, *, eager: bool = False):
 
 def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
     h, weight, mean, rstd, seed = ctx.saved_tensors
-    is_rms, dropout_p, zc, x_dtype, residual_dtype, bias_dtype, backend = ctx.opts
+    is_rms, dropout_p, zc, cbw, x_dtype, residual_dtype, bias_dtype, backend = ctx.opts
     if dout is None:
         dout = torch.zeros(h.shape, dtype=x_dtype, device=h.device)
     if not ctx.has_residual_out or (dres_out is not None and dres_out.numel() == 0):
@@ -243,14 +262,14 @@ def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
     bwd = _bwd_impl if ctx.eager else torch.ops.addnorm.add_norm_bwd
     dx, dres, dw, db = bwd(
         dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype, residual_dtype, bias_dtype,
-        backend,
+        backend, cbw,
     )  # fmt: skip
     return (
         dx,
         dres if residual_dtype is not None else None,
         dw if weight is not None else None,
         db if bias_dtype is not None else None,
-        None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -274,7 +293,7 @@ class _EagerAddNorm(torch.autograd.Function):
 
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                     backend):  # fmt: skip
+                     cast_before_weight, backend):  # fmt: skip
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -289,7 +308,7 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
     # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
     store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
-            backend)  # fmt: skip
+            backend, cast_before_weight)  # fmt: skip
     if torch.compiler.is_compiling():
         out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
     else:
@@ -302,7 +321,8 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, backend):
+def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
+              cast_before_weight, backend):  # fmt: skip
     if is_rms and eps is None and isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES:
         eps = torch.finfo(x.dtype).eps
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
@@ -312,7 +332,11 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
         name = resolve_backend_for_trace(backend, x.device.type)
     else:
         name = resolve_backend(backend, x.device, x.numel())
-    args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight)
+    # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
+    cast_before_weight = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
+    cast_before_weight = cast_before_weight and x.dtype != stats_dtype(x.dtype, residual_dtype)
+    args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
+            cast_before_weight)
     if name == "torch":
         return _torch_add_norm(*args)
     return _kernel_add_norm(*args, name)
@@ -328,14 +352,18 @@ def add_layer_norm(
     dropout_p: float = 0.0,
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = LayerNorm(residual_out)``. Returns ``(out, residual_out)``.
 
     residual_out is stored in ``residual_dtype`` (default: residual's dtype, else x's); out is in x's dtype.
     ``dropout_p`` applies whenever it is > 0 (pass 0 in eval). Gradients flow to x, residual, weight and bias.
+    ``zero_centered_weight`` scales by ``1 + weight`` (Gemma); ``cast_before_weight`` rounds the normalized value to
+    x's dtype before the weight and bias (Hugging Face Llama's order; see the module docstring).
     """
-    return _add_norm(x, residual, weight, bias, eps, False, dropout_p, residual_dtype, zero_centered_weight, backend)
+    return _add_norm(x, residual, weight, bias, eps, False, dropout_p, residual_dtype, zero_centered_weight,
+                     cast_before_weight, backend)  # fmt: skip
 
 
 def add_rms_norm(
@@ -347,13 +375,16 @@ def add_rms_norm(
     dropout_p: float = 0.0,
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = RMSNorm(residual_out)``. Returns ``(out, residual_out)``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``. The other options are
+    those of :func:`add_layer_norm`.
     """
-    return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight, backend)
+    return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight,
+                     cast_before_weight, backend)  # fmt: skip
 
 
 def layer_norm(
@@ -362,15 +393,17 @@ def layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
+    cast_before_weight: bool = False,
     backend: str = "auto",
 ) -> Tensor:
     """LayerNorm over the last dimension, statistics in fp32 (fp64 for fp64 input)."""
-    return add_layer_norm(x, None, weight, bias, eps, backend=backend)[0]
+    return add_layer_norm(x, None, weight, bias, eps, cast_before_weight=cast_before_weight, backend=backend)[0]
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None, *, backend: str = "auto") -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None, *, cast_before_weight: bool = False,
+             backend: str = "auto") -> Tensor:  # fmt: skip
     """RMSNorm over the last dimension; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
-    return add_rms_norm(x, None, weight, eps, backend=backend)[0]
+    return add_rms_norm(x, None, weight, eps, cast_before_weight=cast_before_weight, backend=backend)[0]
 
 
 # Re-exported for kernel backends that want the same statistics dtype rule.

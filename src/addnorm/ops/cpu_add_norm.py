@@ -5,12 +5,14 @@ The math (one row h of length N; statistics in fp32, fp64 when x or the residual
     forward     h     = dropout(x) + residual, rounded once to residual_dtype and stored (residual_out)
                 mean  = sum(h) / N                          (LayerNorm only)
                 rstd  = 1 / sqrt(sum((h - mean)^2) / N + eps)   (RMSNorm: 1 / sqrt(sum(h^2) / N + eps))
-                out   = (h - mean) * rstd * w + b           (w is 1 + weight when zero_centered_weight)
+                out   = (h - mean) * rstd * w + b           (w is 1 + weight when zero_centered_weight;
+                                                             cast_before_weight rounds (h - mean) * rstd to
+                                                             out's dtype before w and b: Llama's order)
 
     backward    xhat  = (h - mean) * rstd,   g = dout * w
                 dh    = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dresidual_out   (RMSNorm: no mean(g))
                 dresidual = dh,   dx = dh * keep / (1 - p)
-                dweight = sum over rows of dout * xhat,   dbias = sum over rows of dout
+                dweight = sum over rows of dout * xhat (* round(xhat) with cast_before_weight),   dbias = sum of dout
 
 A row is at most a few hundred KB, so it stays in L1/L2 while it is read several times: the forward streams x
 and residual in once, writes residual_out, then reads that row back from cache for the statistics (two passes,
@@ -174,6 +176,22 @@ def _store_impl(a, j, v):
     return store_float
 
 
+def _round_as(a, v):
+    """v rounded to the storage type of array ``a`` and back to v's float type; numba-only."""
+    raise NotImplementedError
+
+
+@overload(_round_as, inline="always")
+def _round_as_impl(a, v):
+    if a.dtype == types.uint16:
+        return lambda a, v: _cast(_bf16_to_f32(_f32_to_bf16(np.float32(v))), v)
+    if a.dtype == types.int16:
+        return lambda a, v: _cast(_f16_to_f32(_f32_to_f16(np.float32(v))), v)
+    if a.dtype == types.float32:
+        return lambda a, v: _cast(np.float32(v), v)
+    return lambda a, v: v
+
+
 @overload(_cast, inline="always")
 def _cast_impl(v, like):
     if like == types.float64:
@@ -256,9 +274,11 @@ def _residual_row(x, r, h, i, n, has_res, dropout, seed_mix, threshold, keep_div
 
 
 @njit(**_JIT)
-def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, zero):
+def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
     for j in range(n):
         y = (_cast(_load(h, j), zero) - mean) * rstd
+        if cast:
+            y = _round_as(out, y)
         if has_w:
             y = y * W[j]
         if has_b:
@@ -268,7 +288,7 @@ def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, zero):
 
 @njit(**_JIT)
 def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-             seed_mix, threshold, keep_div, eps, zero):  # fmt: skip
+             seed_mix, threshold, keep_div, eps, cast, zero):  # fmt: skip
     # X: x rows; R: residual rows (stride sr); W, B: weight, bias in the statistics dtype; Out: (M, N) output;
     # H: residual_out rows (stride sh; H is X itself when nothing is stored); Mean, Rstd: (M,) statistics
     h = H[i * sh : i * sh + n]
@@ -285,7 +305,7 @@ def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, h
         Mean[i] = mean
     rstd = _cast(rstd, zero)
     Rstd[i] = rstd
-    _normalize_row(h, Out[i * n : i * n + n], W, B, n, mean, rstd, has_w, has_b, zero)
+    _normalize_row(h, Out[i * n : i * n + n], W, B, n, mean, rstd, has_w, has_b, cast, zero)
 
 
 # Two drivers over the same row function: prange for large inputs, a plain loop for small ones, where the ~10-60
@@ -293,24 +313,24 @@ def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, h
 # entries by function, not by the parallel flag.
 @njit(parallel=True, **_JIT)
 def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                  seed_mix, threshold, keep_div, eps):  # fmt: skip
+                  seed_mix, threshold, keep_div, eps, cast):  # fmt: skip
     zero = _zero_of(Rstd)
     seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
     keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
     for i in prange(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
+                 seed_mix, threshold, keep_div, eps, cast, zero)  # fmt: skip
 
 
 @njit(**_JIT)
 def _fwd_serial(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                seed_mix, threshold, keep_div, eps):  # fmt: skip
+                seed_mix, threshold, keep_div, eps, cast):  # fmt: skip
     zero = _zero_of(Rstd)  # the scalars arrive as python floats and ints (cheap to pass), typed here
     seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
     keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
     for i in range(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_mix, threshold, keep_div, eps, zero)  # fmt: skip
+                 seed_mix, threshold, keep_div, eps, cast, zero)  # fmt: skip
 
 
 @njit(fastmath=_FAST, **_JIT)
@@ -349,19 +369,22 @@ def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro
 
 
 @njit(**_JIT)
-def _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, zero):
+def _bwd_dw_row(dy, h, dx, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero):
     """This row's share of dweight (dy * xhat) and dbias (dy), added to its chunk's partial sums."""
     for j in range(n):
         d = _cast(_load(dy, j), zero)
         if has_w:
-            dwp[j] += d * ((_cast(_load(h, j), zero) - mean) * rstd)
+            xhat = (_cast(_load(h, j), zero) - mean) * rstd
+            if cast:  # the forward rounded xhat to x's dtype (dx's storage type) before the weight
+                xhat = _round_as(dx, xhat)
+            dwp[j] += d * xhat
         if has_db:
             dbp[j] += d
 
 
 @njit(**_JIT)
 def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-               has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero):  # fmt: skip
+               has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero):  # fmt: skip
     # DY: dout rows; DRO: dresidual_out rows; H: the normalized input as stored; W: effective weight (stats
     # dtype); DX, DRes: (M, N) outputs; DWp, DBp: (chunks, N) partial sums of this chunk's rows
     nf = _cast(n, zero)
@@ -380,7 +403,7 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres, dropout,
                     seed_mix, threshold, keep_div, zero)  # fmt: skip
         if has_w or has_db:
-            _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, zero)
+            _bwd_dw_row(dy, h, dx, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
 
 
 @njit(**_JIT)
@@ -395,12 +418,12 @@ def _sum_chunks(P, chunks, n, Out):
 
 @njit(parallel=True, **_JIT)
 def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div):  # fmt: skip
+                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast):  # fmt: skip
     zero = _zero_of(Rstd)
     seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
     for c in prange(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
+                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero)  # fmt: skip
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -409,12 +432,12 @@ def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
 
 @njit(**_JIT)
 def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div):  # fmt: skip
+                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast):  # fmt: skip
     zero = _zero_of(Rstd)
     seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
     for c in range(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, zero)  # fmt: skip
+                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero)  # fmt: skip
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -545,7 +568,7 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out):  # fmt: skip
+            store_residual_out, cast_before_weight=False):  # fmt: skip
     """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None, rstd)."""
     m, n = x.shape
     sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
@@ -555,11 +578,12 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     rstd = torch.empty(m, dtype=sd)
     if m > 0:
         forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                     zero_centered_weight=zero_centered_weight)  # fmt: skip
+                     zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight)  # fmt: skip
     return out, res_out, mean, rstd
 
 
-def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight):
+def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
+                 cast_before_weight=False):  # fmt: skip
     """The forward kernel writing into given outputs (out and res_out contiguous; res_out None: normalize x; mean
     None: RMSNorm). ``forward`` allocates and calls this; benchmarks call it to time the kernel without the cost of
     faulting in fresh output pages."""
@@ -585,7 +609,7 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
     seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
     args = (X, sx, R, sr, W, B, _np(out).reshape(-1), H, sh, Mean, Rstd, m, n, residual is not None,
             weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
-            seed_mix, threshold, 1.0 - dropout_p, float(eps))  # fmt: skip
+            seed_mix, threshold, 1.0 - dropout_p, float(eps), bool(cast_before_weight))  # fmt: skip
     if _use_parallel(m * n):
         with _parallel_lock:
             _fwd_parallel(*args)
@@ -598,7 +622,7 @@ def _chunks(m: int) -> int:
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype):  # fmt: skip
+             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
     """Kernel contract backward: (dx, dresidual | None, dweight | None, dbias | None)."""
     m, n = dout.shape
     sd = rstd.dtype
@@ -624,7 +648,7 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
         args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
                 dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
-                seed_mix, threshold, 1.0 - dropout_p)  # fmt: skip
+                seed_mix, threshold, 1.0 - dropout_p, bool(cast_before_weight))  # fmt: skip
         if chunks > 1 and _use_parallel(m * n):
             with _parallel_lock:
                 _bwd_parallel(*args)

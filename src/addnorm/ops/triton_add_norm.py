@@ -8,11 +8,13 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
                          Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
               RMSNorm:   mean = 0,           var = sum(h^2) / N
               rstd = 1 / sqrt(var + eps);  xhat = (h - mean) * rstd;  out = xhat * w + b   (w -> 1 + w: Gemma)
+              (CAST_BEFORE_WEIGHT, Llama's order: xhat is rounded to out's dtype before the weight and bias)
 
     backward  g  = dout * w
               dh = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (RMSNorm: without the mean_j(g) term)
               dresidual = dh + dresidual_out;   dx = dresidual * keep / (1 - p)
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
+              (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
 Layout of the work:
 - rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``): a program holds BLOCK_M whole rows in
@@ -119,6 +121,7 @@ def _fwd_rows_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -150,6 +153,8 @@ def _fwd_rows_kernel(
         xhat = d * rstd[:, None]
     tl.store(Rstd + rows, rstd, mask=row_ok)
     y = xhat
+    if CAST_BEFORE_WEIGHT:
+        y = _round(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
         if ZERO_CENTERED:
@@ -187,6 +192,7 @@ def _fwd_looped_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     acc_t = Rstd.dtype.element_ty
@@ -244,6 +250,8 @@ def _fwd_looped_kernel(
         else:
             h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
         y = (h - mean_s) * rstd
+        if CAST_BEFORE_WEIGHT:
+            y = _round(y, Out.dtype.element_ty).to(acc_t)
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
             if ZERO_CENTERED:
@@ -287,6 +295,7 @@ def _bwd_rows_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -316,7 +325,10 @@ def _bwd_rows_kernel(
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         if HAS_WEIGHT:
             g = dy * w[None, :]
-            dw_acc += dy * xhat
+            if CAST_BEFORE_WEIGHT:
+                dw_acc += dy * _round(xhat, DX.dtype.element_ty).to(acc_t)
+            else:
+                dw_acc += dy * xhat
         else:
             g = dy
         if HAS_DB:
@@ -416,6 +428,7 @@ def _bwd_tiles_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers
@@ -441,7 +454,10 @@ def _bwd_tiles_kernel(
             xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
         if HAS_WEIGHT:
             g = dy * w
-            dw_acc += dy * xhat
+            if CAST_BEFORE_WEIGHT:
+                dw_acc += dy * _round(xhat, DX.dtype.element_ty).to(acc_t)
+            else:
+                dw_acc += dy * xhat
         else:
             g = dy
         if HAS_DB:
@@ -519,7 +535,7 @@ def _vec(t: Tensor | None) -> Tensor | None:
     return t.contiguous() if t is not None else None
 
 
-def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc):
+def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast):
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
     scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
@@ -533,6 +549,7 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
     flags = dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         IS_RMS=is_rms, ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_RESIDUAL_OUT=res_out is not None,
+        CAST_BEFORE_WEIGHT=cast,
     )  # fmt: skip
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
@@ -544,7 +561,7 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
         _fwd_looped_kernel[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
-def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc):
+def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast):
     m, n = h.shape
     acc = rstd.dtype
     scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
@@ -556,7 +573,7 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
     drop = (float(dropout_p), scale_hi, scale_lo, int(seed))
     flags = dict(
         HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
-        ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None,
+        ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None, CAST_BEFORE_WEIGHT=cast,
     )  # fmt: skip
     blocks = _rows_blocks(m, n, TUNING.max_bwd_block_n)
     if blocks is not None:
@@ -624,7 +641,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out):  # fmt: skip
+            store_residual_out, cast_before_weight=False):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -633,12 +650,12 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     rstd = torch.empty(m, dtype=sd, device=x.device)
     if m > 0:
         _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
-                    zero_centered_weight)  # fmt: skip
+                    zero_centered_weight, cast_before_weight)  # fmt: skip
     return out, res_out, mean, rstd
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype):  # fmt: skip
+             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
     m, n = h.shape
     # incoming gradients can be broadcast views (stride 0); the kernels want unit stride along the row
     if dout.stride(-1) != 1:
@@ -653,7 +670,7 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         db = torch.zeros(n, dtype=bias_dtype, device=h.device) if has_db else None
         return dx, dres, dw, db
     dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db, dropout_p,
-                                   seed, is_rms, zero_centered_weight)  # fmt: skip
+                                   seed, is_rms, zero_centered_weight, cast_before_weight)  # fmt: skip
     # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
     dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(dim=0).to(bias_dtype) if has_db else None
