@@ -210,7 +210,8 @@ class Monitor:
         probe: a fixed batch (tensor, tuple or dict of inputs) for ``update_size``; F(probe, theta_0) is taken at
             attach time, in eval mode and without gradients.
         jsonl: path of a JSON-lines file, one record per recorded step, flushed each time (truncated at attach).
-        tensorboard: a log directory for ``torch.utils.tensorboard.SummaryWriter`` (needs the tensorboard package).
+        tensorboard: a log directory for ``torch.utils.tensorboard.SummaryWriter`` (``pip install
+            'addnorm[tensorboard]'``): scalars ``addnorm/<key>`` and ``addnorm/<key>/<layer index>`` per record.
         record_every: record every N-th step; other steps cost nothing beyond the hook calls and return None.
         probe_every: compute ``update_size`` every N-th recorded step (a full extra forward).
         logz_rows: ``output_logz`` averages log Z over at most this many positions, evenly strided (a full
@@ -275,21 +276,24 @@ class Monitor:
 
         self._probe = probe
         self._probe_ref: Tensor | None = None
-        if probe is not None:
-            self._probe_ref = self._probe_output()
-            if self._probe_ref is None:
-                raise ValueError("probe: the model's output on the probe batch has no floating-point tensor")
-        if jsonl is not None:
-            self._jsonl = open(jsonl, "w", encoding="utf-8")  # noqa: SIM115 - closed in detach()
-        if tensorboard is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                self.detach()
-                raise ImportError(
-                    "Monitor(tensorboard=...) needs the tensorboard package: pip install tensorboard"
-                ) from e
-            self._tb = SummaryWriter(log_dir=str(tensorboard))
+        try:  # the hooks are attached: any failure from here on must take them off again
+            if probe is not None:
+                self._probe_ref = self._probe_output()
+                if self._probe_ref is None:
+                    raise ValueError("probe: the model's output on the probe batch has no floating-point tensor")
+            if jsonl is not None:
+                self._jsonl = open(jsonl, "w", encoding="utf-8")  # noqa: SIM115 - closed in detach()
+            if tensorboard is not None:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError as e:
+                    raise ImportError(
+                        "Monitor(tensorboard=...) needs the tensorboard package: pip install 'addnorm[tensorboard]'"
+                    ) from e
+                self._tb = SummaryWriter(log_dir=str(tensorboard))
+        except BaseException:
+            self.detach()
+            raise
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def _armed(self) -> bool:
