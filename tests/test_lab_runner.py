@@ -78,6 +78,25 @@ def test_cache_key_changes_with_seed_quick_config_and_fresh_recomputes(tmp_path)
     assert calls["fake-0"] == 5
 
 
+def test_a_change_anywhere_in_the_library_invalidates_cached_results(tmp_path, monkeypatch):
+    """Experiments run the library (models, norms, loop): a fixed bug there must not leave old verdicts cached."""
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=1)
+    run(opts(tmp_path / "a"), reg)
+    run(opts(tmp_path / "a"), reg)
+    assert calls["fake-0"] == 1
+    digest = runner.package_digest()
+    assert len(digest) == 12 and runner.code_version(reg["fake-0"]).split("+")[1] == digest
+    monkeypatch.setattr(runner, "package_digest", lambda: "edited-lib")  # what editing e.g. nn/norms.py does
+    run(opts(tmp_path / "a"), reg)
+    assert calls["fake-0"] == 2
+    run(opts(tmp_path / "b"), reg)  # a shard made with the edited library does not merge with one made before it
+    monkeypatch.setattr(runner, "package_digest", lambda: digest)
+    run(opts(tmp_path / "c"), reg)
+    with pytest.raises(MergeConflictError, match="code"):
+        merge([tmp_path / "b", tmp_path / "c"], tmp_path / "m")
+
+
 def test_missing_figure_invalidates_the_cached_result(tmp_path):
     calls: dict[str, int] = {}
     reg = make_registry(calls, n=1)

@@ -7,7 +7,8 @@ Layout of an output directory::
     OUT/results.json, report.md, index.html   the report over the selected experiments (see report.py)
 
 ``key`` hashes everything that can change a result: the experiment's name and config, quick, seed, device, the
-addnorm version and the source of the experiment's module. A result is reused only when its key matches and its
+addnorm version, the library's sources and the source of the experiment's module. A result is reused only when its
+key matches and its
 figures are still there. An experiment that raises is recorded as "inconclusive" with the error, and is not
 cached (so the next run retries it); KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what
 finished.
@@ -15,6 +16,7 @@ finished.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -138,8 +140,29 @@ def select(only: Sequence[str] | None = None, shard: tuple[int, int] | None = No
 
 
 # ----------------------------------------------------------------------------------------------------- cache
+# Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
+_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py"})
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """A hash of every addnorm source file that can change a result: the experiments run the library (models,
+    norms, kernels, training loop), so a fix anywhere in it must invalidate cached verdicts, not only a change in
+    the experiment's own module. Computed once per process."""
+    import addnorm
+
+    root = Path(addnorm.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel not in _PRESENTATION_FILES:
+            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def code_version(exp: Experiment) -> str:
-    """addnorm's version plus a hash of the source of the module that defines the experiment."""
+    """addnorm's version, a hash of the library's sources (:func:`package_digest`) and a hash of the source of the
+    module that defines the experiment (which may live outside the package)."""
     import addnorm
 
     try:  # the whole file, read by path: the same key whether the module ran as __main__ or was imported
@@ -147,7 +170,7 @@ def code_version(exp: Experiment) -> str:
     except (OSError, TypeError):
         source = exp.run.__qualname__.encode()  # no source file (e.g. defined in a REPL): fall back to the name
     digest = hashlib.sha256(source).hexdigest()[:12]
-    return f"{addnorm.__version__}+{digest}"
+    return f"{addnorm.__version__}+{package_digest()}+{digest}"
 
 
 def cache_key(exp: Experiment, *, quick: bool, seed: int, device: torch.device) -> str:
@@ -270,6 +293,7 @@ def run_meta(options: RunOptions, device: torch.device) -> dict[str, Any]:
 
     return {
         "addnorm": addnorm.__version__,
+        "code": package_digest(),  # which sources produced the results (merge refuses to mix two)
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -342,7 +366,7 @@ class MergeConflictError(ValueError):
     """Two shard directories hold different results for the same experiment."""
 
 
-_META_MUST_AGREE = ("quick", "seed", "device", "addnorm")
+_META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code")
 _RESULT_FIELDS = ("verdict", "metrics", "figures", "key")
 
 
