@@ -361,10 +361,11 @@ for dt, is_rms, m, n in shapes:
     rd = torch.float32 if dt == torch.bfloat16 else dt
     b = None if is_rms else torch.empty(n, dtype=dt)
     out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, is_rms=is_rms, dropout_p=0.1, seed=7, residual_dtype=rd,
-                                     zero_centered_weight=True, store_residual_out=True)
+                                     zero_centered_weight=True, store_residual_out=True,
+                                     cast_before_weight=dt == torch.bfloat16)
     T.backward(torch.empty(m, n, dtype=dt), torch.empty(m, n, dtype=rd), res, w, mean, rstd, is_rms=is_rms,
                dropout_p=0.1, seed=7, zero_centered_weight=True, x_dtype=dt, residual_dtype=dt,
-               bias_dtype=None if is_rms else dt)
+               bias_dtype=None if is_rms else dt, cast_before_weight=dt == torch.bfloat16)
 
 names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 for kernel, args, kw in launches:
