@@ -87,6 +87,9 @@ def test_placement_verdict():
     passed, checks = T.placement_verdict(res, {"post": 0.5, "pre": 1.0})
     assert passed is False and checks["post_grad_rises_vs_pre"] is False
     assert T.placement_verdict({"pre": 1.5, "sandwich": 1.0}, grad)[0] is False
+    # Post-LN above Pre-LN but falling towards the last layer is not "rising towards the last layers"
+    passed, checks = T.placement_verdict(res, {"post": 0.6, "pre": 0.3})
+    assert passed is False and checks["post_grad_rises_towards_last_layer"] is False
     assert T.placement_verdict({"pre": None, "sandwich": 1.0}, grad)[0] is None
 
 
@@ -111,7 +114,7 @@ def test_excess_caps_a_diverged_run_at_its_initial_loss():
 
 
 def test_quick_z_loss_run(tmp_path):
-    ctx = Context(quick=True, seed=0, figure_dir=tmp_path)
+    ctx = Context(quick=True, seed=0, figure_dir=tmp_path, config=EXPERIMENTS["z-loss"].config)
     res = EXPERIMENTS["z-loss"].run(ctx)
     assert res.verdict in ("reproduced", "not reproduced", "inconclusive")
     assert res.metrics["criterion"] == T.CRITERIA["z-loss"] and "Criterion:" in res.summary
@@ -122,3 +125,32 @@ def test_quick_z_loss_run(tmp_path):
     json.dumps(res.metrics)  # the runner stores metrics as JSON
     for name in res.figures:
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_settings_come_from_the_registered_config_only(name):
+    """The config in the report and the cache key is what runs: every size is read from it, none hard-coded."""
+    import addnorm.lab.experiments  # noqa: F401
+
+    config = EXPERIMENTS[name].config
+    for mode, quick in (("default", False), ("quick", True)):
+        s = T._settings(Context(quick=quick, config=config))
+        assert s == {**{k: v for k, v in config.items() if k not in ("default", "quick")}, **config[mode]}
+    with pytest.raises(ValueError, match="config"):
+        EXPERIMENTS[name].run(Context(quick=True))  # without its config an experiment refuses to guess sizes
+
+
+def test_quick_run_uses_the_sizes_in_its_config(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_training(ctx, model_kw, **train_kw):
+        seen.append((model_kw["n_layers"], train_kw["steps"], train_kw["lr"]))
+        from addnorm.train.loop import TrainResult
+
+        return TrainResult(optimum=1.0, initial_loss=3.0, final_loss=2.0, losses=[3.0, 2.0])
+
+    monkeypatch.setattr(T, "run_training", fake_training)
+    config = dict(EXPERIMENTS["warmup"].config, quick={"layers": 3, "steps": 7}, lr=0.5, warmups=[0, 2])
+    res = EXPERIMENTS["warmup"].run(Context(quick=True, figure_dir=tmp_path, config=config))
+    assert seen == [(3, 7, 0.5)] * 4  # (post, pre) x warmups (0, 2)
+    assert res.metrics["layers"] == 3 and res.metrics["steps"] == 7 and res.metrics["lr"] == 0.5

@@ -14,7 +14,6 @@ experiments together take about 155 s of CPU time in default mode and 40 s with 
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from contextlib import contextmanager
@@ -53,7 +52,8 @@ CRITERIA = {
     ),
     "placement-comparison": (
         "At init: Pre-LN's residual RMS last/first layer ratio > 2; Sandwich (Peri-LN) ratio < Pre-LN's; Post-LN's "
-        "gradient-norm last/first layer ratio > Pre-LN's. Reproduced iff all three hold."
+        "gradient-norm last/first layer ratio > 1 (rising towards the last layers) and > Pre-LN's. Reproduced iff "
+        "all four hold."
     ),
     "ln-vs-rms-training": (
         "Reproduced iff |excess(LayerNorm) - excess(RMSNorm)| < max(0.05 nats, 10% of LayerNorm's excess) and "
@@ -61,12 +61,20 @@ CRITERIA = {
     ),
 }
 
-_HAS_CRITERION_KW = "criterion" in inspect.signature(experiment).parameters
-
-
 def _register(name: str, *, claim: str, source: str, config: dict):
-    kw = {"criterion": CRITERIA[name]} if _HAS_CRITERION_KW else {}
-    return experiment(name, claim=claim, source=source, config={"version": 1, **config}, **kw)
+    return experiment(name, claim=claim, source=source, config={"version": 1, **config}, criterion=CRITERIA[name])
+
+
+def _settings(ctx: Context) -> dict:
+    """The run's settings, read from the experiment's registered config only (``ctx.config``, which the runner
+    fills and the cache key hashes), so the config shown in the report is exactly what ran: its shared entries
+    with the "quick" or "default" sizes merged in."""
+    mode = "quick" if ctx.quick else "default"
+    if mode not in ctx.config:
+        raise ValueError(f"ctx.config has no {mode!r} sizes: pass the experiment's registered config "
+                         "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner")  # fmt: skip
+    shared = {k: v for k, v in ctx.config.items() if k not in ("quick", "default")}
+    return {**shared, **ctx.config[mode]}
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -138,6 +146,7 @@ def placement_verdict(residual_ratio: dict[str, float], grad_ratio: dict[str, fl
     checks = {
         "pre_residual_grows": residual_ratio["pre"] > 2.0,
         "sandwich_bounded_vs_pre": residual_ratio["sandwich"] < residual_ratio["pre"],
+        "post_grad_rises_towards_last_layer": grad_ratio["post"] > 1.0,  # the claim itself, not only "more than Pre"
         "post_grad_rises_vs_pre": grad_ratio["post"] > grad_ratio["pre"],
     }
     return all(checks.values()), checks
@@ -248,15 +257,17 @@ def _summary(verdict_line: str, name: str) -> str:
     claim="Post-LN trained with Adam needs learning-rate warmup (without it, it ends clearly worse); Pre-LN does "
     "not depend on warmup.",
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, section 3.2",
-    config={"lr": BASE_LR, "warmups": list(WARMUPS), "layers": (6, 4), "steps": (150, 50)},
+    config={"lr": BASE_LR, "warmups": list(WARMUPS), "default": {"layers": 6, "steps": 150},
+            "quick": {"layers": 4, "steps": 50}},  # fmt: skip
 )
 def warmup_experiment(ctx: Context) -> Result:
-    layers, steps = (4, 50) if ctx.quick else (6, 150)
+    s = _settings(ctx)
+    layers, steps, lr = s["layers"], s["steps"], s["lr"]
     results: dict[str, dict[int, object]] = {"post": {}, "pre": {}}
     for p in results:
-        for w in WARMUPS:
+        for w in s["warmups"]:
             ctx.progress(f"{p}-LN, warmup {w}")
-            results[p][w] = run_training(ctx, {"placement": p, "n_layers": layers}, steps=steps, lr=BASE_LR, warmup=w,
+            results[p][w] = run_training(ctx, {"placement": p, "n_layers": layers}, steps=steps, lr=lr, warmup=w,
                                          schedule="constant")  # fmt: skip
     ex = {p: {w: excess(r) for w, r in runs.items()} for p, runs in results.items()}
     passed, extra = warmup_verdict(ex)
@@ -268,21 +279,21 @@ def warmup_experiment(ctx: Context) -> Result:
             for w, r in results[p].items():
                 ax.plot(_smooth(r.losses), label=f"warmup {w}")
             ax.axhline(results[p][0].optimum, color="k", ls="--", lw=1, label="optimum")
-            ax.set_title(f"{p.capitalize()}-LN, {layers} layers, Adam lr {BASE_LR:g}")
+            ax.set_title(f"{p.capitalize()}-LN, {layers} layers, Adam lr {lr:g}")
             ax.set_xlabel("step")
             ax.legend(fontsize=8)
         axes[0].set_ylabel("train loss (smoothed)")
         figures = _save(plt, fig, ctx, "warmup_loss.png")
     metrics = {
-        "criterion": CRITERIA["warmup"], "layers": layers, "steps": steps, "lr": BASE_LR,
+        "criterion": CRITERIA["warmup"], "layers": layers, "steps": steps, "lr": lr,
         "excess_loss": {p: {str(w): v for w, v in runs.items()} for p, runs in ex.items()},
         "diverged": {p: {str(w): r.diverged for w, r in runs.items()} for p, runs in results.items()},
         "optimum": results["pre"][0].optimum, **extra,
     }  # fmt: skip
-    line = (f"Excess loss without / with best warmup: Post-LN {_fmt(ex['post'][0])} / "
-            f"{_fmt(min(ex['post'][50], ex['post'][400]))}, Pre-LN {_fmt(ex['pre'][0])} / "
-            f"{_fmt(min(ex['pre'][50], ex['pre'][400]))} ({steps} steps; warmup 400 > steps means the LR is still "
-            f"ramping at the end).")  # fmt: skip
+    best = {p: min(v for w, v in ex[p].items() if w > 0) for p in ex}
+    line = (f"Excess loss without / with best warmup: Post-LN {_fmt(ex['post'][0])} / {_fmt(best['post'])}, "
+            f"Pre-LN {_fmt(ex['pre'][0])} / {_fmt(best['pre'])} ({steps} steps; a warmup longer than the run means "
+            "the LR is still ramping at the end).")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=_summary(line, "warmup"))
 
 
@@ -290,16 +301,18 @@ def warmup_experiment(ctx: Context) -> Result:
     "depth-sweep",
     claim="Post-LN gets worse (or fails) as depth grows; DeepNorm trains stably at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers",
-    config={"lr": BASE_LR, "depths": (list(DEPTHS), [6, 12, 24]), "steps": (60, 15)},
+    config={"lr": BASE_LR, "default": {"depths": list(DEPTHS), "steps": 60},
+            "quick": {"depths": [6, 12, 24], "steps": 15}},  # fmt: skip
 )
 def depth_sweep(ctx: Context) -> Result:
-    depths, steps = ((6, 12, 24), 15) if ctx.quick else (DEPTHS, 60)
+    s = _settings(ctx)
+    depths, steps, lr = tuple(s["depths"]), s["steps"], s["lr"]
     placements = ("post", "pre", "deepnorm")
     results = {p: {} for p in placements}
     for p in placements:
         for n in depths:
             ctx.progress(f"{p}, {n} layers")
-            results[p][n] = run_training(ctx, {"placement": p, "n_layers": n}, steps=steps, lr=BASE_LR,
+            results[p][n] = run_training(ctx, {"placement": p, "n_layers": n}, steps=steps, lr=lr,
                                          warmup=max(1, steps // 10))  # fmt: skip
     ex = {p: {n: excess(r) for n, r in runs.items()} for p, runs in results.items()}
     div = {p: {n: r.diverged for n, r in runs.items()} for p, runs in results.items()}
@@ -322,7 +335,7 @@ def depth_sweep(ctx: Context) -> Result:
         axes[1].legend(fontsize=8)
         figures = _save(plt, fig, ctx, "depth_sweep.png")
     metrics = {
-        "criterion": CRITERIA["depth-sweep"], "depths": list(depths), "steps": steps, "lr": BASE_LR,
+        "criterion": CRITERIA["depth-sweep"], "depths": list(depths), "steps": steps, "lr": lr,
         "excess_loss": {p: {str(n): v for n, v in runs.items()} for p, runs in ex.items()},
         "diverged": {p: {str(n): v for n, v in runs.items()} for p, runs in div.items()},
         "max_grad_norm": {p: {str(n): r.max_grad_norm for n, r in runs.items()} for p, runs in results.items()},
@@ -345,20 +358,23 @@ def _max_attn_logit(res) -> float | None:
     claim="Without QK-layernorm the max attention logit grows with the learning rate; QK-layernorm lowers LR "
     "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities",
-    config={"grid": list(LR_GRID), "layers": 2, "steps": (100, 25), "wd": 1e-4, "z_loss": 1e-4},
+    config={"grid": list(LR_GRID), "layers": 2, "wd": 1e-4, "z_loss": 1e-4, "default": {"steps": 100},
+            "quick": {"steps": 25}},  # fmt: skip
 )
 def lr_sensitivity_experiment(ctx: Context) -> Result:
-    steps = 25 if ctx.quick else 100
+    s = _settings(ctx)
+    steps, grid = s["steps"], tuple(s["grid"])
     variants = {"pre": {"placement": "pre"}, "post": {"placement": "post"},
                 "pre+qk": {"placement": "pre", "qk_norm": True}}  # fmt: skip
     results = {v: [] for v in variants}
     for v, kw in variants.items():
-        for lr in LR_GRID:
+        for lr in grid:
             ctx.progress(f"{v}, lr {lr:g}")
             # Wortsman et al.'s recipe: AdamW (0.9, 0.95), clip 1, warmup + cosine, independent wd 1e-4, z-loss 1e-4
             results[v].append(run_training(
-                ctx, {**kw, "n_layers": 2, "record_logits": True}, steps=steps, lr=lr, warmup=max(1, steps // 10),
-                weight_decay=1e-4, independent_wd=True, z_loss=1e-4, monitor=True, monitor_every=5,
+                ctx, {**kw, "n_layers": s["layers"], "record_logits": True}, steps=steps, lr=lr,
+                warmup=max(1, steps // 10), weight_decay=s["wd"], independent_wd=True, z_loss=s["z_loss"], monitor=True,
+                monitor_every=5,
             ))  # fmt: skip
     sens = {v: lr_sensitivity([r.final_loss for r in rs], [r.initial_loss for r in rs]) for v, rs in results.items()}
     logits = {v: [_max_attn_logit(r) for r in rs] for v, rs in results.items()}
@@ -369,9 +385,9 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
         for v, rs in results.items():
             opt = rs[0].optimum
-            axes[0].plot(LR_GRID, [min(r.final_loss, r.initial_loss) if _finite(r.final_loss) else r.initial_loss
+            axes[0].plot(grid, [min(r.final_loss, r.initial_loss) if _finite(r.final_loss) else r.initial_loss
                                    for r in rs], "o-", label=f"{v} (sens {sens[v]:.2f})")  # fmt: skip
-            axes[1].plot(LR_GRID, [x if x is not None else float("nan") for x in logits[v]], "o-", label=v)
+            axes[1].plot(grid, [x if x is not None else float("nan") for x in logits[v]], "o-", label=v)
         axes[0].axhline(opt, color="k", ls="--", lw=1, label="optimum")
         axes[0].set_ylabel("final loss (capped at loss_0)")
         axes[1].set_ylabel("max attention logit")
@@ -382,14 +398,14 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
             ax.legend(fontsize=8)
         figures = _save(plt, fig, ctx, "lr_sensitivity.png")
     metrics = {
-        "criterion": CRITERIA["lr-sensitivity"], "grid": list(LR_GRID), "steps": steps, "sensitivity": sens,
+        "criterion": CRITERIA["lr-sensitivity"], "grid": list(grid), "steps": steps, "sensitivity": sens,
         "final_loss": {v: [r.final_loss if _finite(r.final_loss) else None for r in rs] for v, rs in results.items()},
         "diverged": {v: [r.diverged for r in rs] for v, rs in results.items()}, "max_attn_logit": logits,
         "optimum": results["pre"][0].optimum, **extra,
     }  # fmt: skip
     top = [x for x in logits["pre"][-3:] if x is not None]
     line = ("LR sensitivity " + ", ".join(f"{v} {sens[v]:.3f}" for v in variants) + "; Pre-LN max attention logit "
-            f"{_fmt(logits['pre'][0])} at lr {LR_GRID[0]:g} -> {_fmt(max(top) if top else None)} at the top three "
+            f"{_fmt(logits['pre'][0])} at lr {grid[0]:g} -> {_fmt(max(top) if top else None)} at the top three "
             "LRs.")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
                   summary=_summary(line, "lr-sensitivity"))  # fmt: skip
@@ -400,22 +416,23 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
     claim="At a high learning rate without weight decay the output log-partition log Z drifts far from 0; z-loss "
     "1e-4 * (log Z)^2 keeps it near 0.",
     source="Wortsman et al. 2023, section 3.2 (output logit divergence)",
-    config={"lr": 3e-2, "layers": 2, "steps": (300, 100)},
+    config={"lr": 3e-2, "z_loss": 1e-4, "layers": 2, "default": {"steps": 300}, "quick": {"steps": 100}},
 )
 def z_loss_experiment(ctx: Context) -> Result:
-    steps = 100 if ctx.quick else 300
+    s = _settings(ctx)
+    steps, lr, z = s["steps"], s["lr"], s["z_loss"]
     runs = {}
-    for coef in (0.0, 1e-4):
+    for coef in (0.0, z):
         ctx.progress(f"z-loss {coef:g}")
-        runs[coef] = run_training(ctx, {"placement": "pre", "n_layers": 2}, steps=steps, lr=3e-2, warmup=steps // 10,
-                                  weight_decay=0.0, z_loss=coef)  # fmt: skip
+        runs[coef] = run_training(ctx, {"placement": "pre", "n_layers": s["layers"]}, steps=steps, lr=lr,
+                                  warmup=steps // 10, weight_decay=0.0, z_loss=coef)  # fmt: skip
     tail = max(1, steps // 10)
 
     def late(res):
         vals = [v for v in res.logz[-tail:] if _finite(v)]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    without, with_ = late(runs[0.0]), late(runs[1e-4])
+    without, with_ = late(runs[0.0]), late(runs[z])
     passed, extra = z_loss_verdict(without, with_, runs[0.0].diverged)
     figures = []
     plt = _pyplot()
@@ -434,12 +451,12 @@ def z_loss_experiment(ctx: Context) -> Result:
             ax.legend(fontsize=8)
         figures = _save(plt, fig, ctx, "z_loss.png")
     metrics = {
-        "criterion": CRITERIA["z-loss"], "lr": 3e-2, "steps": steps, "late_logz_without": without,
-        "late_logz_with": with_, "excess_loss_without": excess(runs[0.0]), "excess_loss_with": excess(runs[1e-4]),
-        "diverged_without": runs[0.0].diverged, "diverged_with": runs[1e-4].diverged, **extra,
+        "criterion": CRITERIA["z-loss"], "lr": lr, "z_loss": z, "steps": steps, "late_logz_without": without,
+        "late_logz_with": with_, "excess_loss_without": excess(runs[0.0]), "excess_loss_with": excess(runs[z]),
+        "diverged_without": runs[0.0].diverged, "diverged_with": runs[z].diverged, **extra,
     }  # fmt: skip
-    line = (f"Late mean log Z without z-loss {_fmt(without)}, with z-loss 1e-4 {_fmt(with_)}; excess loss "
-            f"{_fmt(excess(runs[0.0]))} vs {_fmt(excess(runs[1e-4]))}.")  # fmt: skip
+    line = (f"Late mean log Z without z-loss {_fmt(without)}, with z-loss {z:g} {_fmt(with_)}; excess loss "
+            f"{_fmt(excess(runs[0.0]))} vs {_fmt(excess(runs[z]))}.")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=_summary(line, "z-loss"))
 
 
@@ -459,15 +476,17 @@ def _ratio(profile: Sequence[float | None]) -> float | None:
     claim="Norm placement shapes the residual stream and the gradients: Pre-LN's stream grows with depth, "
     "Sandwich/Peri-LN keeps it bounded, Post-LN's gradients rise towards the last layers.",
     source="Xiong et al. 2020 (Lemma 2, Fig. 3); Peri-LN/Sandwich-LN; Mix-LN; DyT (2025); DeepNet 2022",
-    config={"placements": list(PLACEMENTS), "layers": (24, 12), "steps": (40, 20), "lr": BASE_LR},
+    config={"placements": list(PLACEMENTS), "lr": BASE_LR, "default": {"layers": 24, "steps": 40},
+            "quick": {"layers": 12, "steps": 20}},  # fmt: skip
 )
 def placement_comparison(ctx: Context) -> Result:
-    layers, steps = (12, 20) if ctx.quick else (24, 40)
+    s = _settings(ctx)
+    layers, steps, placements = s["layers"], s["steps"], tuple(s["placements"])
     results = {}
-    for p in PLACEMENTS:
+    for p in placements:
         ctx.progress(f"{p}, {layers} layers")
         # records at step 0 (init) and the last step
-        results[p] = run_training(ctx, {"placement": p, "n_layers": layers}, steps=steps, lr=BASE_LR,
+        results[p] = run_training(ctx, {"placement": p, "n_layers": layers}, steps=steps, lr=s["lr"],
                                   warmup=max(1, steps // 10), monitor=True, monitor_every=steps - 1)  # fmt: skip
     init = {p: r.records[0] for p, r in results.items() if r.records}
     last = {p: r.records[-1] for p, r in results.items() if len(r.records) > 1}
@@ -480,7 +499,7 @@ def placement_comparison(ctx: Context) -> Result:
     plt = _pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for p in PLACEMENTS:
+        for p in placements:
             if p in init:
                 axes[0].plot([v if v is not None else float("nan") for v in res_profile[p]], label=p)
                 axes[1].plot([v if v is not None else float("nan") for v in grad_profile[p]], label=p)
@@ -504,8 +523,8 @@ def placement_comparison(ctx: Context) -> Result:
         "grad_norm_final": {p: _layer_profile(rec, "grad_norm") for p, rec in last.items()},
         "residual_ratio_last_first": res_ratio, "grad_ratio_last_first": grad_ratio, "checks": checks,
     }  # fmt: skip
-    line = ("Residual RMS last/first at init: " + ", ".join(f"{p} {_fmt(res_ratio.get(p))}" for p in PLACEMENTS)
-            + "; gradient last/first: " + ", ".join(f"{p} {_fmt(grad_ratio.get(p))}" for p in PLACEMENTS)
+    line = ("Residual RMS last/first at init: " + ", ".join(f"{p} {_fmt(res_ratio.get(p))}" for p in placements)
+            + "; gradient last/first: " + ", ".join(f"{p} {_fmt(grad_ratio.get(p))}" for p in placements)
             + "; excess loss after training: " + ", ".join(f"{p} {_fmt(excess(r))}" for p, r in results.items())
             + ".")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
@@ -543,20 +562,21 @@ def _time_steps(ctx: Context, norm: str, layers: int, steps: int) -> float:
     "ln-vs-rms-training",
     claim="RMSNorm trains to the same loss as LayerNorm and is no slower per step.",
     source="Zhang & Sennrich 2019, Root Mean Square Layer Normalization",
-    config={"layers": 4, "steps": (150, 60), "lr": 3e-3},
+    config={"layers": 4, "lr": 3e-3, "default": {"steps": 150, "repeats": 7}, "quick": {"steps": 60, "repeats": 3}},
 )
 def ln_vs_rms(ctx: Context) -> Result:
-    steps, repeats = (60, 3) if ctx.quick else (150, 7)
+    s = _settings(ctx)
+    steps, repeats, layers = s["steps"], s["repeats"], s["layers"]
     runs = {}
     for norm in ("layernorm", "rmsnorm"):
         ctx.progress(f"{norm}")
-        runs[norm] = run_training(ctx, {"placement": "pre", "norm": norm, "n_layers": 4}, steps=steps, lr=3e-3,
-                                  warmup=steps // 10)  # fmt: skip
+        runs[norm] = run_training(ctx, {"placement": "pre", "norm": norm, "n_layers": layers}, steps=steps,
+                                  lr=s["lr"], warmup=steps // 10)  # fmt: skip
     times = {"layernorm": [], "rmsnorm": []}
     with _one_thread():
         for _ in range(repeats):  # interleaved, so both see the same machine load
             for norm in times:
-                times[norm].append(_time_steps(ctx, norm, 4, 5))
+                times[norm].append(_time_steps(ctx, norm, layers, 5))
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     ex = {k: excess(r) for k, r in runs.items()}
     passed, extra = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], med["layernorm"], med["rmsnorm"])
