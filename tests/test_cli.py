@@ -30,3 +30,25 @@ def test_module_entry_point_and_help():
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().out
+
+
+def test_version_flag(capsys):
+    import addnorm
+
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert capsys.readouterr().out.strip() == f"addnorm {addnorm.__version__}"
+
+
+def test_info_help_documents_every_json_key(capsys):
+    """`addnorm info --help` names each key that --json prints (scripts read them)."""
+    import pytest
+
+    assert main(["info", "--json"]) == 0
+    keys = json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["info", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(k in text for k in keys), [k for k in keys if k not in text]

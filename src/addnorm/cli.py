@@ -74,13 +74,30 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # the installed distribution's version, without importing torch just to answer --version
+        return version("addnorm")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="addnorm",
         description="addnorm: residual connections and normalization for Transformers, done right and fast.",
     )
+    parser.add_argument("--version", action="version", version=f"addnorm {_package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", help="versions, devices and which backends run here (and why not the others)")
+    p = sub.add_parser(
+        "info", help="versions, devices and which backends run here (and why not the others)",
+        description="Print the versions of addnorm and its dependencies, the CPU and CUDA devices, and for each "
+                    "device which kernel backends can run here (and why not the others) and what backend='auto' "
+                    "picks. --json prints the same as one JSON object (keys: addnorm, python, platform, torch, "
+                    "triton, numba, numpy, transformers, matplotlib, cpu_count, torch_threads, cuda, cuda_device, "
+                    "backend_env, backends, auto).",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_info)
     for mod in COMMAND_MODULES:
