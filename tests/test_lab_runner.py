@@ -354,6 +354,9 @@ def test_cli_only_and_errors(tmp_path, fake_cli, capsys):
     assert main(["lab", "--shard", "3/2", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "shard" in capsys.readouterr().err
     assert main(["lab", "merge", str(tmp_path / "none"), "--out", str(tmp_path / "m")]) == 2
+    for seed in ("-5", str(2**64)):  # numpy refuses negative seeds, torch overflows: fail before running anything
+        assert main(["lab", "--seed", seed, "--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 2
+        assert "--seed" in capsys.readouterr().err
     assert main(["lab", "--device", "bogus", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "device" in capsys.readouterr().err
     if not torch.cuda.is_available():

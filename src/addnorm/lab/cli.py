@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "minutes on 2 CPU cores); cached apart from the default-size results")
     p.add_argument("--out", default="addnorm-report", metavar="DIR",
                    help="output directory for the report, figures and cache (default: addnorm-report/)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="random seed every experiment starts from (default: 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed every experiment starts from, 0 <= SEED < 2**32 (default: 0)")  # fmt: skip
     p.add_argument("--device", default="auto",
                    help="torch device to run on: auto (cuda if present, else cpu), cpu, cuda, cuda:N")  # fmt: skip
     p.add_argument("--fresh", action="store_true", help="ignore cached results and recompute everything selected")

@@ -34,6 +34,8 @@ import torch
 from addnorm.lab.core import EXPERIMENTS, Context, Experiment, Result
 
 RECORD_FILE = "result.json"
+# Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
+SEED_LIMIT = 2**32
 RESULTS_FILE = "results.json"
 
 
@@ -223,6 +225,8 @@ class RunOptions:
         self.out = Path(self.out)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not 0 <= self.seed < SEED_LIMIT:  # numpy's generators refuse negative seeds; torch's overflow at 2**64
+            raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be an int >= 1 (or None to keep torch's setting), got {self.threads!r}")
 
