@@ -323,6 +323,7 @@ def test_resume_onto_other_settings_or_another_model_is_a_clear_error(tmp_path):
     (["--set", "independent_wd=maybe"], "independent_wd"),
     (["--device", "nonsense"], "TrainConfig.device"),
     (["--data-seed", "-1"], "--data-seed"),
+    (["--seed", str(2**64)], "TrainConfig.seed"),
 ])  # fmt: skip
 def test_cli_bad_values_name_the_argument(capsys, argv, needle):
     from addnorm.cli import main

@@ -85,6 +85,8 @@ class TrainConfig:
                 raise TypeError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        if not 0 <= self.seed < 2**32:  # torch.manual_seed overflows beyond 64 bits; one range for lab and train
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**32), got {self.seed}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
