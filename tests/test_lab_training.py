@@ -154,3 +154,31 @@ def test_quick_run_uses_the_sizes_in_its_config(tmp_path, monkeypatch):
     res = EXPERIMENTS["warmup"].run(Context(quick=True, figure_dir=tmp_path, config=config))
     assert seen == [(3, 7, 0.5)] * 4  # (post, pre) x warmups (0, 2)
     assert res.metrics["layers"] == 3 and res.metrics["steps"] == 7 and res.metrics["lr"] == 0.5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_experiment_runs_on_stand_in_training_with_its_config_sizes(name, tmp_path, monkeypatch):
+    """The plumbing of each experiment (settings, verdict, metrics, figure) on instant stand-in runs."""
+    from addnorm.train.loop import TrainResult
+
+    seen = []
+    layers = [{"residual_rms": 1.0, "grad_norm": 1.0, "max_attn_logit": 2.0},
+              {"residual_rms": 3.0, "grad_norm": 2.0, "max_attn_logit": 5.0}]  # fmt: skip
+
+    def fake_training(ctx, model_kw, **train_kw):
+        seen.append((model_kw["n_layers"], train_kw["steps"]))
+        return TrainResult(optimum=1.0, initial_loss=3.0, final_loss=2.0, losses=[3.0, 2.5, 2.0], logz=[0.5] * 3,
+                           records=[{"step": 0, "layers": layers}, {"step": 2, "layers": layers}])  # fmt: skip
+
+    monkeypatch.setattr(T, "run_training", fake_training)
+    monkeypatch.setattr(T, "_time_steps", lambda ctx, norm, n_layers, steps: 0.01)
+    config = EXPERIMENTS[name].config
+    res = EXPERIMENTS[name].run(Context(quick=True, figure_dir=tmp_path, config=config))
+    quick = T._settings(Context(quick=True, config=config))
+    assert seen and {steps for _, steps in seen} == {quick["steps"]}
+    expected_layers = set(quick["depths"]) if "depths" in quick else {quick.get("layers", 2)}
+    assert {n for n, _ in seen} == expected_layers
+    assert res.metrics["criterion"] == T.CRITERIA[name] and res.metrics["steps"] == quick["steps"]
+    json.dumps(res.metrics)
+    if T._pyplot() is not None:
+        assert res.figures and all((tmp_path / f).stat().st_size > 0 for f in res.figures)
