@@ -474,7 +474,7 @@ def _ratio(profile: Sequence[float | None]) -> float | None:
 @_register(
     "placement-comparison",
     claim="Norm placement shapes the residual stream and the gradients: Pre-LN's stream grows with depth, "
-    "Sandwich/Peri-LN keeps it bounded, Post-LN's gradients rise towards the last layers.",
+    "Sandwich/Peri-LN's grows more slowly than Pre-LN's, Post-LN's gradients rise towards the last layers.",
     source="Xiong et al. 2020 (Lemma 2, Fig. 3); Peri-LN/Sandwich-LN; Mix-LN; DyT (2025); DeepNet 2022",
     config={"placements": list(PLACEMENTS), "lr": BASE_LR, "default": {"layers": 24, "steps": 40},
             "quick": {"layers": 12, "steps": 20}},  # fmt: skip
