@@ -344,3 +344,17 @@ def test_cli_cuda_without_cuda_and_out_that_is_a_file(tmp_path, capsys):
     assert main(["train", *CLI_SMALL, "--out", str(a_file)]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "not a directory" in err
+
+
+def test_text_data_too_short_or_empty_fails_before_the_first_step(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        TextData(empty)
+    f = tmp_path / "short.txt"
+    f.write_bytes(b"x" * 300)  # train split 270 bytes: enough for seq_len 64; validation split 30: not enough
+    steps = []
+    with pytest.raises(ValueError, match="val split"):
+        train(tiny_model(vocab_size=256, max_seq_len=64), TextData(f), tiny_cfg(steps=3, seq_len=64),
+              callback=steps.append)
+    assert steps == []  # refused up front, not after training

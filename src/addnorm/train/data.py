@@ -175,7 +175,10 @@ class TextData:
             raise ValueError(f"data file {str(path)!r} does not exist or is not a file")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).to(torch.int64)
+        raw = path.read_bytes()
+        if not raw:
+            raise ValueError(f"data file {str(path)!r} is empty")
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
         n_val = max(1, int(len(data) * val_fraction))
         self.path = path
         self.train_data, self.val_data = data[:-n_val], data[-n_val:]

@@ -283,6 +283,8 @@ def train(
     steps while keeping the schedule of ``cfg.steps`` (a simulated interruption; resume continues it).
     """
     info = D.init_from_env(cfg.device)
+    for split in ("train", "val"):  # a split too short for seq_len fails now, not at the final evaluation
+        data.batch(0, 1, cfg.seq_len, seed=cfg.seed, split=split)
     device = torch.device(cfg.device)
     model.to(device)
     raw = model
