@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -442,3 +443,27 @@ def test_cli_ctrl_c_exits_130_with_a_resume_hint_and_the_rerun_resumes(tmp_path,
     assert "interrupted" in err and "again to resume" in err and str(tmp_path / "runs") in err
     assert main(argv) == 0
     assert calls == {"fake-0": 1, "stopped": 1, "fake-1": 1, "fake-2": 1}  # fake-0 came from the cache
+
+
+def test_results_are_strict_json_with_non_finite_values_kept_as_strings(tmp_path, capsys, monkeypatch):
+    """An fp16 overflow (inf) is a result: stored as "inf", because Infinity/NaN literals are not JSON (jq rejects
+    them) and `addnorm lab --json` output must parse anywhere."""
+    from addnorm.cli import main
+
+    def overflow(ctx: Context) -> Result:
+        return Result(verdict="reproduced", summary="inf",
+                      metrics={"var": float("inf"), "pair": [float("nan"), 1.5], "t": torch.tensor([-math.inf])})
+
+    reg = {"overflow": Experiment(name="overflow", claim="c", source="s", run=overflow)}
+    monkeypatch.setattr(runner, "load_experiments", lambda: reg)
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON literal {name}")
+
+    for attempt in range(2):  # computed, then from the cache
+        assert main(["lab", "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+        json.loads((tmp_path / "results.json").read_text(), parse_constant=no_constants)
+        assert doc["experiments"][0]["metrics"] == {"var": "inf", "pair": ["nan", 1.5], "t": ["-inf"]}
+        assert doc["experiments"][0]["cached"] is bool(attempt)
+    assert "<td class=\"v\">inf</td>" in (tmp_path / "index.html").read_text()

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,7 +59,23 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+    """Strict JSON (what jq and browsers accept): non-finite floats are stored as the strings "inf", "-inf" and
+    "nan" (an fp16 overflow is a result worth keeping, and JSON has no literal for it)."""
+    text = json.dumps(strict_json(data), indent=2, sort_keys=False, allow_nan=False)
+    atomic_write_text(path, text + "\n")
+
+
+def strict_json(obj: Any) -> Any:
+    """``obj`` with tensors/numpy values as lists and numbers, and non-finite floats as "inf"/"-inf"/"nan"."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else ("nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return strict_json(_json_default(obj))
 
 
 def _json_default(obj: Any) -> Any:
