@@ -314,6 +314,19 @@ def test_cli_hf_config_tiny_llama(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_cli_hf_config_encoder_decoder_runs_its_forward(tmp_path, capsys):
+    """T5-like models need decoder inputs; without them the doctor reported its own batch as the model's error."""
+    pytest.importorskip("transformers")
+    config = {"model_type": "t5", "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
+              "num_heads": 4}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code = cli_main(["doctor", "--hf-config", str(path), "--json"])
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert not [f for f in findings if f["code"] == "forward-failed"], findings
+    assert code == (1 if any(f["severity"] == "error" for f in findings) else 0)
+
+
 def test_monitor_on_hf_llama():
     transformers = pytest.importorskip("transformers")
     from addnorm.diagnostics import Monitor

@@ -662,7 +662,10 @@ def build_hf_model(config_path: str, *, batch_size: int = 2, seq_len: int = 11) 
     if vocab <= 0:
         raise TargetError("--hf-config: the config has no vocab_size; use FILE.py:FACTORY for this model")
     g = torch.Generator().manual_seed(0)
-    return model, {"input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=g)}
+    batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=g)}
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART, ...: the decoder needs its own inputs
+        batch["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    return model, batch
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------------
