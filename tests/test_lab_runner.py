@@ -467,3 +467,11 @@ def test_results_are_strict_json_with_non_finite_values_kept_as_strings(tmp_path
         assert doc["experiments"][0]["metrics"] == {"var": "inf", "pair": ["nan", 1.5], "t": ["-inf"]}
         assert doc["experiments"][0]["cached"] is bool(attempt)
     assert "<td class=\"v\">inf</td>" in (tmp_path / "index.html").read_text()
+
+
+def test_a_cuda_index_beyond_the_devices_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runner.resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match="cuda:3.*1 CUDA device"):
+        runner.resolve_device("cuda:3")

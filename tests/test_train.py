@@ -358,3 +358,11 @@ def test_text_data_too_short_or_empty_fails_before_the_first_step(tmp_path):
         train(tiny_model(vocab_size=256, max_seq_len=64), TextData(f), tiny_cfg(steps=3, seq_len=64),
               callback=steps.append)
     assert steps == []  # refused up front, not after training
+
+
+def test_train_config_rejects_a_cuda_index_beyond_the_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert TrainConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="cuda:2.*2 CUDA device"):
+        TrainConfig(device="cuda:2")

@@ -122,6 +122,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         # fail before running anything, not once per experiment
         raise ValueError(f"device {device!r} was asked for but torch.cuda.is_available() is False")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 

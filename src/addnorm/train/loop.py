@@ -94,6 +94,9 @@ class TrainConfig:
                              f"{self.device!r}") from None  # fmt: skip
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TrainConfig.device is {self.device!r} but torch.cuda.is_available() is False")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"TrainConfig.device is {self.device!r} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
         positive = ("steps", "batch_size", "seq_len", "eval_batches", "monitor_every")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
