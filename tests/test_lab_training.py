@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from addnorm.lab.core import EXPERIMENTS, Context
 from addnorm.lab.experiments import training as T
@@ -182,3 +183,18 @@ def test_every_experiment_runs_on_stand_in_training_with_its_config_sizes(name, 
     json.dumps(res.metrics)
     if T._pyplot() is not None:
         assert res.figures and all((tmp_path / f).stat().st_size > 0 for f in res.figures)
+
+
+def test_training_runs_use_the_threads_the_runner_set(monkeypatch):
+    """`addnorm lab --threads N` applies to the training experiments too (they used to force one thread)."""
+    import addnorm.train.loop as loop
+
+    seen = []
+    monkeypatch.setattr(loop, "train", lambda model, data, cfg: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        T.run_training(Context(quick=True), {"n_layers": 1}, steps=1)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2]

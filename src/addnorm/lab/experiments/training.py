@@ -8,15 +8,15 @@ run counts at its initial loss (Wortsman et al. 2023's min(loss, loss_0)).
 Each verdict comes from a pure ``*_verdict`` function below, fixed before any run and tested on synthetic
 numbers; its rule is stated in ``CRITERIA`` and copied into the metrics and the summary.
 
-Cost: runs are tiny and use one thread (at these sizes a second thread only adds synchronisation); the six
-experiments together take about 155 s of CPU time in default mode and 40 s with ``--quick``.
+Cost: runs are tiny; they use the torch threads the runner sets (``addnorm lab --threads``, default 1: at these
+sizes a second thread mostly adds synchronisation). The six experiments together take about 155 s of CPU time
+in default mode and 40 s with ``--quick``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -163,17 +163,6 @@ def ln_rms_verdict(excess_ln: float, excess_rms: float, time_ln: float, time_rms
 
 
 # ------------------------------------------------------------------------------------------------ running
-@contextmanager
-def _one_thread():
-    """Tiny tensors: one thread is as fast as two and does not fight other processes for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 _LANGS: dict[int, object] = {}
 
 
@@ -206,8 +195,7 @@ def run_training(ctx: Context, model_kw: dict, **train_kw):
                          "eval_batches": 2, **train_kw})  # fmt: skip
     torch.manual_seed(ctx.seed)
     model = TransformerLM(model_config(**model_kw))
-    with _one_thread():
-        return train(model, language(ctx.seed), cfg)
+    return train(model, language(ctx.seed), cfg)
 
 
 def excess(res) -> float:
@@ -573,10 +561,9 @@ def ln_vs_rms(ctx: Context) -> Result:
         runs[norm] = run_training(ctx, {"placement": "pre", "norm": norm, "n_layers": layers}, steps=steps,
                                   lr=s["lr"], warmup=steps // 10)  # fmt: skip
     times = {"layernorm": [], "rmsnorm": []}
-    with _one_thread():
-        for _ in range(repeats):  # interleaved, so both see the same machine load
-            for norm in times:
-                times[norm].append(_time_steps(ctx, norm, layers, 5))
+    for _ in range(repeats):  # interleaved, so both see the same machine load
+        for norm in times:
+            times[norm].append(_time_steps(ctx, norm, layers, 5))
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     ex = {k: excess(r) for k, r in runs.items()}
     passed, extra = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], med["layernorm"], med["rmsnorm"])
