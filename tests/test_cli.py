@@ -52,3 +52,13 @@ def test_info_help_documents_every_json_key(capsys):
         main(["info", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(k in text for k in keys), [k for k in keys if k not in text]
+
+
+def test_info_reports_a_bad_backend_setting_instead_of_failing(capsys, monkeypatch):
+    monkeypatch.setenv("ADDNORM_BACKEND", "nonsense")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "ADDNORM_BACKEND=nonsense" in out and "auto -> error: ADDNORM_BACKEND must be one of" in out
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["backend_env"] == "nonsense" and info["auto"]["cpu"].startswith("error: ")

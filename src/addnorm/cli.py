@@ -51,7 +51,12 @@ def collect_info() -> dict:
     }
     from addnorm.ops.backends import resolve_backend
 
-    info["auto"] = {d: resolve_backend("auto", torch.device(d)) for d in devices}
+    info["auto"] = {}
+    for d in devices:
+        try:
+            info["auto"][d] = resolve_backend("auto", torch.device(d))
+        except Exception as err:  # noqa: BLE001 - a bad ADDNORM_BACKEND is what `info` must show, not die on
+            info["auto"][d] = f"error: {err}"
     return info
 
 
