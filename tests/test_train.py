@@ -366,3 +366,16 @@ def test_train_config_rejects_a_cuda_index_beyond_the_devices(monkeypatch):
     assert TrainConfig(device="cuda:1").device == "cuda:1"
     with pytest.raises(ValueError, match="cuda:2.*2 CUDA device"):
         TrainConfig(device="cuda:2")
+
+
+def test_cli_unavailable_backend_is_an_error_not_a_traceback(capsys, monkeypatch):
+    import addnorm.train.loop as loop
+    from addnorm.cli import main
+    from addnorm.ops.backends import BackendUnavailableError
+
+    def unavailable(*args, **kwargs):  # what ADDNORM_BACKEND=triton raises at the first forward on a CPU machine
+        raise BackendUnavailableError("backend 'triton' is not available on cpu: no GPU")
+
+    monkeypatch.setattr(loop, "train", unavailable)
+    assert main(["train", *CLI_SMALL]) == 2
+    assert "addnorm train: error: backend 'triton' is not available" in capsys.readouterr().err

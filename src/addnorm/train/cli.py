@@ -216,9 +216,11 @@ def run_training(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", gnorm=f"{entry['grad_norm']:.2f}")
 
+    from addnorm.ops.backends import BackendUnavailableError
+
     try:
         result = train(model, data, cfg, callback=on_step)
-    except ValueError as e:  # e.g. --resume onto a checkpoint of another model
+    except (ValueError, BackendUnavailableError) as e:  # --resume onto another model; ADDNORM_BACKEND=triton on CPU
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
