@@ -28,8 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--list", action="store_true", help="list the experiments (name, claim, source) and exit")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments (see --list)")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, for a first look: about 4x faster (about 40 s instead of about 3 "
-                   "minutes on 2 CPU cores); cached apart from the default-size results")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes, for a first look: about 4x faster (about 40 s instead of about 3 minutes on 2 "
+                        "CPU cores); cached apart from the default-size results")  # fmt: skip
     p.add_argument("--out", default="addnorm-report", metavar="DIR",
                    help="output directory for the report, figures and cache (default: addnorm-report/)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0,

@@ -463,8 +463,10 @@ def _read_results(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable results file: {err}") from None
     records = data.get("experiments") if isinstance(data, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and "name" in r and "verdict" in r for r in records):
-        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a name and a verdict)")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
+                                                for r in records):  # fmt: skip
+        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
+                         "name and a verdict)")  # fmt: skip
     if not isinstance(data.get("meta", {}), dict):
         raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
     return data
