@@ -91,6 +91,9 @@ def test_a_change_anywhere_in_the_library_invalidates_cached_results(tmp_path, m
     monkeypatch.setattr(runner, "package_digest", lambda: "edited-lib")  # what editing e.g. nn/norms.py does
     run(opts(tmp_path / "a"), reg)
     assert calls["fake-0"] == 2
+    monkeypatch.setattr(torch, "__version__", "0.0.1")  # another torch: the header would misattribute old results
+    run(opts(tmp_path / "a"), reg)
+    assert calls["fake-0"] == 3
     run(opts(tmp_path / "b"), reg)  # a shard made with the edited library does not merge with one made before it
     monkeypatch.setattr(runner, "package_digest", lambda: digest)
     run(opts(tmp_path / "c"), reg)

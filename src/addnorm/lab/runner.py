@@ -7,11 +7,10 @@ Layout of an output directory::
     OUT/results.json, report.md, index.html   the report over the selected experiments (see report.py)
 
 ``key`` hashes everything that can change a result: the experiment's name and config, quick, seed, device, the
-addnorm version, the library's sources and the source of the experiment's module. A result is reused only when its
-key matches and its
-figures are still there. An experiment that raises is recorded as "inconclusive" with the error, and is not
-cached (so the next run retries it); KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what
-finished.
+addnorm version, the library's sources, the source of the experiment's module and torch's version. A result is
+reused only when its key matches and its figures are still there. An experiment that raises is recorded as
+"inconclusive" with the error, and is not cached (so the next run retries it); KeyboardInterrupt and SystemExit
+are not caught: the run stops, keeping what finished.
 """
 
 from __future__ import annotations
@@ -202,6 +201,8 @@ def cache_key(exp: Experiment, *, quick: bool, seed: int, device: torch.device) 
         "seed": int(seed),
         "device": str(device),
         "code": code_version(exp),
+        # the report's header names this torch: results computed under another one must not be shown under it
+        "torch": torch.__version__,
     }
     blob = json.dumps(payload, sort_keys=True, default=_json_default)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
