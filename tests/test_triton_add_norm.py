@@ -335,70 +335,27 @@ def test_unavailable_reason(monkeypatch):
 
 
 # Compiled mode differs from the interpreter (scalar types, loop-carried types, specialization): compile every
-# kernel the launchers pick, for sm_90, without a GPU (Triton ships ptxas). Runs in a subprocess because this
-# process imported the kernels in interpreter mode.
-_COMPILE_SCRIPT = r"""
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from addnorm.ops import triton_add_norm as T
-
-launches = []
-class Recorder:
-    def __init__(self, kernel):
-        self.kernel = kernel
-    def __getitem__(self, grid):
-        return lambda *args, **kw: launches.append((self.kernel, args, kw))
-for name in ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel"):
-    setattr(T, name, Recorder(getattr(T, name)))
-T._programs = lambda device: 264
-
-shapes = [(torch.bfloat16, False, 64, 300), (torch.bfloat16, True, 2, 70000), (torch.float64, False, 2, 20000)]
-for dt, is_rms, m, n in shapes:
-    x, r, w = torch.empty(m, n, dtype=dt), torch.empty(m, n, dtype=dt), torch.empty(n, dtype=dt)
-    rd = torch.float32 if dt == torch.bfloat16 else dt
-    b = None if is_rms else torch.empty(n, dtype=dt)
-    out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, is_rms=is_rms, dropout_p=0.1, seed=7, residual_dtype=rd,
-                                     zero_centered_weight=True, store_residual_out=True,
-                                     cast_before_weight=dt == torch.bfloat16)
-    T.backward(torch.empty(m, n, dtype=dt), torch.empty(m, n, dtype=rd), res, w, mean, rstd, is_rms=is_rms,
-               dropout_p=0.1, seed=7, zero_centered_weight=True, x_dtype=dt, residual_dtype=dt,
-               bias_dtype=None if is_rms else dt, cast_before_weight=dt == torch.bfloat16)
-
-names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
-for kernel, args, kw in launches:
-    values = dict(zip(kernel.arg_names, args), **{k: v for k, v in kw.items() if k in kernel.arg_names})
-    sig, const = {}, {}
-    for param, name in zip(kernel.params, kernel.arg_names):
-        v = values[name]
-        if param.is_constexpr:
-            sig[name], const[name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = "*" + names[v.dtype]
-        else:
-            sig[name] = "i32" if isinstance(v, int) else "fp32"
-    options = {k: v for k, v in kw.items() if k not in kernel.arg_names}
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                   options=options)
-    print("compiled", kernel.fn.__name__)
-"""
-
-
+# kernel the launchers pick, for sm_90, without a GPU (Triton ships ptxas), with benchmarks/sm90_static.py. Runs in
+# a subprocess because this process imported the kernels in interpreter mode.
 @pytest.mark.slow
-def test_kernels_compile_for_sm90(tmp_path):
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 - the NVIDIA backend must be present
 
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sm90_static.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile from scratch, leave no cache behind
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), "--shapes", "test", "--json"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("compiled")}
-    assert compiled == {"_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_row_sums_kernel",
-                        "_bwd_tiles_kernel"}  # fmt: skip
+    rows = json.loads(done.stdout)
+    assert {r["name"] for r in rows} == {"_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel",
+                                         "_bwd_row_sums_kernel", "_bwd_tiles_kernel"}  # fmt: skip
+    # a spill to local memory costs bandwidth on every element: none in the bf16 kernels, and every kernel fits on an SM
+    assert all(r["spill_stores"] == r["spill_loads"] == 0 for r in rows if r["dtype"] == "bf16"), rows
+    assert all(r["programs_per_sm"] >= 1 for r in rows), rows

@@ -1,0 +1,237 @@
+"""Static check of the Triton kernels for Hopper (sm_90), without a GPU: compile every kernel the launchers pick for
+the benchmark's shapes, then read registers, spills and shared memory from ptxas and derive the occupancy.
+
+    python benchmarks/sm90_static.py                    # bf16 add + RMSNorm and LayerNorm, N = 512 ... 262144
+    python benchmarks/sm90_static.py --shapes test      # the small set the test suite compiles (every kernel once)
+
+Why: a kernel that spills registers to local memory, or that fits only one program per SM, cannot stream at memory
+bandwidth, and both are visible before any GPU run. What this cannot tell: achieved bandwidth, cache behaviour,
+scheduling. It is a prediction to check against `gpu_check.sh`'s measured table, never a substitute for it.
+
+Triton's kernels are compiled as the launchers would launch them on an H100/H200 (132 SMs: a persistent grid of 264
+programs): the launchers run with their kernels replaced by recorders, on meta tensors, so no memory is touched.
+Must run without TRITON_INTERPRET=1 (the interpreter does not compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("sm90_static.py compiles kernels: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from addnorm.ops import triton_add_norm as T  # noqa: E402
+
+KERNELS = ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel")
+SM_COUNT = 132  # H100 SXM / H200
+# Hopper per-SM limits: 64K 32-bit registers, 2048 threads, 32 resident blocks, 227 KB shared memory per block
+REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM, SMEM_PER_SM = 65536, 2048, 32, 228 * 1024
+TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+DTYPES = {v: k for k, v in TYPE_NAMES.items()}
+BENCH_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
+
+@dataclass(kw_only=True)
+class Shape:
+    dtype: torch.dtype
+    is_rms: bool
+    m: int
+    n: int
+    residual_dtype: torch.dtype | None = None  # None: x's dtype
+    options: str = ""  # "cast", "zc", "dropout": the kernel variants the shape also exercises
+
+
+@dataclass(kw_only=True)
+class Launch:
+    kernel: object
+    args: tuple
+    kw: dict
+    shape: Shape
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@dataclass(kw_only=True)
+class Report:
+    name: str
+    n: int
+    dtype: str
+    norm: str
+    constexprs: str
+    num_warps: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+    @property
+    def programs_per_sm(self) -> int:
+        threads = 32 * self.num_warps
+        regs = ((self.registers + 7) // 8) * 8 * threads  # registers are allocated in units of 8 per thread
+        by_smem = SMEM_PER_SM // self.shared_bytes if self.shared_bytes else BLOCKS_PER_SM
+        return max(0, min(REGS_PER_SM // regs, THREADS_PER_SM // threads, BLOCKS_PER_SM, by_smem))
+
+
+def shapes_for(which: str) -> list[Shape]:
+    if which == "test":  # every kernel at least once, small enough to compile in seconds
+        return [
+            Shape(dtype=torch.bfloat16, is_rms=False, m=64, n=300, residual_dtype=torch.float32,
+                  options="cast,zc,dropout"),
+            Shape(dtype=torch.bfloat16, is_rms=True, m=2, n=70000, residual_dtype=torch.float32,
+                  options="cast,zc,dropout"),
+            Shape(dtype=torch.float64, is_rms=False, m=2, n=20000, options="zc,dropout"),
+        ]  # fmt: skip
+    # the benchmark's shapes: M * N = 2^26 elements, bf16, a residual of x's dtype, weight (and bias for LayerNorm)
+    return [Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n)
+            for is_rms in (True, False) for n in BENCH_SIZES]  # fmt: skip
+
+
+def record_launches(shapes: list[Shape]) -> list[Launch]:
+    """Run the launchers with recorders in place of the kernels, on meta tensors (nothing is allocated)."""
+    launches: list[Launch] = []
+    current: dict[str, Shape] = {}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(Launch(kernel=self.kernel, args=args, kw=kw,
+                                                              shape=current["shape"]))  # fmt: skip
+
+    saved = {name: getattr(T, name) for name in KERNELS}
+    saved_programs = T._programs
+    try:
+        for name in KERNELS:
+            setattr(T, name, Recorder(saved[name]))
+        T._programs = lambda device: 2 * SM_COUNT
+        for s in shapes:
+            current["shape"] = s
+            meta = dict(device="meta")
+            rd = s.residual_dtype or s.dtype
+            x, r, w = torch.empty(s.m, s.n, dtype=s.dtype, **meta), torch.empty(s.m, s.n, dtype=rd, **meta), None
+            w = torch.empty(s.n, dtype=s.dtype, **meta)
+            b = None if s.is_rms else torch.empty(s.n, dtype=s.dtype, **meta)
+            opts = set(s.options.split(",")) - {""}
+            p = 0.1 if "dropout" in opts else 0.0
+            common = dict(is_rms=s.is_rms, dropout_p=p, seed=7, zero_centered_weight="zc" in opts,
+                          cast_before_weight="cast" in opts)  # fmt: skip
+            out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True,
+                                             **common)  # fmt: skip
+            T.backward(torch.empty_like(out), torch.empty_like(res), res, w, mean, rstd, x_dtype=s.dtype,
+                       residual_dtype=rd, bias_dtype=None if s.is_rms else s.dtype, **common)  # fmt: skip
+    finally:
+        for name, kernel in saved.items():
+            setattr(T, name, kernel)
+        T._programs = saved_programs
+    return launches
+
+
+def compile_sm90(launch: Launch):
+    """triton.compile for sm_90 with the launch's argument types, constexprs and options; returns the kernel."""
+    kernel = launch.kernel
+    values = dict(zip(kernel.arg_names, launch.args), **{k: v for k, v in launch.kw.items() if k in kernel.arg_names})
+    sig, const = {}, {}
+    for param, name in zip(kernel.params, kernel.arg_names):
+        v = values[name]
+        if param.is_constexpr:
+            sig[name], const[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPE_NAMES[v.dtype]
+        else:
+            sig[name] = "i32" if isinstance(v, int) else "fp32"
+    options = {k: v for k, v in launch.kw.items() if k not in kernel.arg_names}
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                          options=options)  # fmt: skip
+
+
+_PTXAS_LINE = re.compile(r"Used (\d+) registers")
+_SPILL_LINE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_info(ptx: str) -> tuple[int, int, int]:
+    """(registers per thread, spill store bytes, spill load bytes) from ``ptxas -v`` on the kernel's PTX."""
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+        done = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    text = done.stdout + done.stderr
+    regs = int(_PTXAS_LINE.search(text).group(1))
+    spill = _SPILL_LINE.search(text)
+    return regs, int(spill.group(1)), int(spill.group(2))
+
+
+def analyse(launches: list[Launch]) -> list[Report]:
+    reports, seen = [], {}
+    for launch in launches:
+        const = {k: v for k, v in launch.kw.items() if k in launch.kernel.arg_names and isinstance(v, (bool, int))}
+        dtypes = tuple(TYPE_NAMES[a.dtype] for a in launch.args if isinstance(a, torch.Tensor))
+        key = (launch.name, tuple(sorted(const.items())), launch.kw.get("num_warps"), dtypes)
+        if key not in seen:
+            compiled = compile_sm90(launch)
+            seen[key] = (*ptxas_info(compiled.asm["ptx"]), int(compiled.metadata.shared))
+        regs, st, ld, shared = seen[key]
+        blocks = {k: v for k, v in const.items() if k.startswith("BLOCK_")}
+        reports.append(Report(name=launch.name, n=launch.shape.n, dtype=TYPE_NAMES[launch.shape.dtype],
+                              norm="rms" if launch.shape.is_rms else "layer",
+                              constexprs=" ".join(f"{k}={v}" for k, v in blocks.items()),
+                              num_warps=int(launch.kw.get("num_warps", 4)), registers=regs, spill_stores=st,
+                              spill_loads=ld, shared_bytes=shared))  # fmt: skip
+    return reports
+
+
+def table(reports: list[Report]) -> str:
+    lines = ["| norm | N | kernel | blocks | warps | regs/thread | spill st/ld bytes | shared bytes | programs/SM |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in reports:
+        lines.append(f"| {r.norm} | {r.n} | `{r.name}` | {r.constexprs} | {r.num_warps} | {r.registers} | "
+                     f"{r.spill_stores}/{r.spill_loads} | {r.shared_bytes} | {r.programs_per_sm} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", choices=("bench", "test"), default="bench",
+                   help="bench: the GPU benchmark's bf16 shapes; test: a small set covering every kernel variant")
+    p.add_argument("--out", default=None, help="write the table as Markdown to this file")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON (one object per launch) instead")
+    a = p.parse_args(argv)
+    reports = analyse(record_launches(shapes_for(a.shapes)))
+    text = table(reports)
+    if a.json:
+        print(json.dumps([dict(asdict(r), programs_per_sm=r.programs_per_sm) for r in reports], indent=1))
+    else:
+        print(text)
+    if a.out:
+        ptxas = get_ptxas(90)
+        head = (f"# Static sm_90 check of the Triton kernels (no GPU)\n\n"
+                f"`python benchmarks/sm90_static.py --out {a.out}`: {datetime.date.today()}, triton "
+                f"{triton.__version__}, ptxas {ptxas.version}. Registers and spills from `ptxas -v` on the PTX "
+                f"Triton generates for sm_90; programs/SM from Hopper's limits (64K registers, 2048 threads, "
+                f"228 KB shared memory per SM). A prediction, not a measurement: see the module docstring.\n\n")  # fmt: skip
+        Path(a.out).write_text(head + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
