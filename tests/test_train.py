@@ -379,3 +379,27 @@ def test_cli_unavailable_backend_is_an_error_not_a_traceback(capsys, monkeypatch
     monkeypatch.setattr(loop, "train", unavailable)
     assert main(["train", *CLI_SMALL]) == 2
     assert "addnorm train: error: backend 'triton' is not available" in capsys.readouterr().err
+
+
+def test_reference_loss_is_the_chains_own_loss_and_averages_to_the_optimum():
+    lang = MarkovLanguage(vocab_size=6, order=2, branching=3, smoothing=0.05, seed=1)
+    # short sequences, so the first prediction (one token of context) weighs in: its partial-context term matters
+    vals = [lang.reference_loss(*lang.batch(i, 2000, 3)) for i in range(12)]  # standard error ~0.0025
+    assert sum(vals) / len(vals) == pytest.approx(lang.optimum(3), abs=0.01)
+    one = MarkovLanguage(vocab_size=8, order=1, branching=2, seed=4)
+    x, y = one.batch(0, 4, 16)
+    assert one.reference_loss(x, y) == pytest.approx(float(-one.log_prob(torch.cat([x[:, :1], y], 1)).mean()))
+
+
+def test_excess_loss_is_paired_with_the_validation_tokens():
+    """Near convergence the final loss can sit below the expected optimum by sampling noise alone; the excess is
+    measured against the best possible loss on the same validation tokens instead."""
+    from addnorm.train.loop import reference_eval_loss
+
+    cfg = tiny_cfg(steps=3)
+    res = train(tiny_model(), LANG, cfg)
+    assert res.eval_optimum == pytest.approx(reference_eval_loss(LANG, cfg))
+    assert res.eval_optimum != pytest.approx(res.optimum, abs=1e-9)  # 32 tokens: the noise is visible
+    assert res.excess_loss == pytest.approx(res.final_loss - res.eval_optimum)
+    assert res.summary()["eval_optimum"] == pytest.approx(res.eval_optimum)
+    assert reference_eval_loss(TextData.__new__(TextData), cfg) is None  # text: no known optimum

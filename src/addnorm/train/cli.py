@@ -259,7 +259,8 @@ def _print_summary(preset: str, s: dict, report: dict) -> None:
     print(f"addnorm train: {preset}, {s['steps']} steps, {report['world_size']} process(es)")
     print(f"  final loss     {f(s['final_loss'])}   (best {f(s['best_loss'])}, initial {f(s['initial_loss'])})")
     if s["optimum"] is not None:
-        print(f"  optimum        {f(s['optimum'])}   excess loss {f(s['excess_loss'])}")
+        on_eval = f" ({f(s['eval_optimum'])} on the validation tokens)" if s.get("eval_optimum") is not None else ""
+        print(f"  optimum        {f(s['optimum'])}{on_eval}   excess loss {f(s['excess_loss'])}")
     print(f"  spikes         {s['spikes']}" + (f" at steps {s['spike_steps'][:10]}" if s["spikes"] else ""))
     print(f"  max grad norm  {f(s['max_grad_norm'])}")
     print(f"  diverged       {'YES' if s['diverged'] else 'no'}")

@@ -151,6 +151,25 @@ class MarkovLanguage:
             ctx = ctx * v + tokens[:, i : tokens.shape[1] - k + i]
         return torch.from_numpy(np.log(self.table))[ctx, tokens[:, k:]]
 
+    def reference_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean -log P(target | its whole prefix) under the chain itself, on (inputs, targets) from :meth:`batch`:
+        the loss of the best possible model on exactly these tokens. Its expectation is ``optimum(T)``; a finite
+        validation set differs from it by sampling noise that a model's loss on the same tokens shares, so
+        ``model loss - reference_loss`` is the excess with that noise paired away."""
+        x = torch.cat([inputs[:, :1], targets], dim=1)  # (B, T + 1): x_0..x_T
+        v, k = self.vocab_size, self.order
+        if x.shape[1] - 1 < k:
+            raise ValueError(f"seq_len must be >= order={k}, got {x.shape[1] - 1}")
+        total = -float(self.log_prob(x).sum())  # x_k..x_T: a full context each
+        # x_1..x_{k-1} see only x_0..x_{j-1}: P(x_j | x_0..x_{j-1}) = m_j(x_0..x_j) / m_{j-1}(x_0..x_{j-1}), with m_j
+        # the stationary probability of a window's first j + 1 tokens (pi's axes are the context, oldest first).
+        pi = self.stationary.reshape((v,) * k)
+        log_m = [np.log(pi.sum(axis=tuple(range(j + 1, k)))) for j in range(k)]
+        cols = [x[:, i].numpy() for i in range(k)]
+        for j in range(1, k):
+            total -= float((log_m[j][tuple(cols[: j + 1])] - log_m[j - 1][tuple(cols[:j])]).sum())
+        return total / targets.numel()
+
     def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0, split: str = "train"):
         """The (inputs, targets) of ``step``: (batch_size, seq_len) each, targets shifted by one."""
         gen = batch_generator(seed, _TRAIN_STREAM if split == "train" else _VAL_STREAM, step)
