@@ -478,3 +478,21 @@ def test_a_cuda_index_beyond_the_devices_is_an_error(monkeypatch):
     assert runner.resolve_device("cuda:0") == torch.device("cuda:0")
     with pytest.raises(ValueError, match="cuda:3.*1 CUDA device"):
         runner.resolve_device("cuda:3")
+
+
+def test_cli_disk_full_is_an_error_message(tmp_path, fake_cli, capsys, monkeypatch):
+    import errno
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(runner, "atomic_write_text", full)
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the results" in err and "No space left" in err and "Traceback" not in err
+
+
+def main_lab(argv):
+    from addnorm.cli import main
+
+    return main(["lab", *argv])

@@ -403,3 +403,18 @@ def test_excess_loss_is_paired_with_the_validation_tokens():
     assert res.excess_loss == pytest.approx(res.final_loss - res.eval_optimum)
     assert res.summary()["eval_optimum"] == pytest.approx(res.eval_optimum)
     assert reference_eval_loss(TextData.__new__(TextData), cfg) is None  # text: no known optimum
+
+
+def test_cli_disk_full_while_checkpointing_is_an_error_message(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import addnorm.train.loop as loop
+    from addnorm.cli import main
+
+    def full(path, state):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(loop, "save_checkpoint", full)
+    assert main(["train", *CLI_SMALL, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write into --out" in err and "No space left" in err

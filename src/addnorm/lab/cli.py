@@ -101,6 +101,9 @@ def _lab(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # disk full, permissions, ...: finished experiments stay cached
+        print(f"addnorm lab: error: cannot write the results into {args.out}: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # Finished experiments are already on disk (each written atomically), so this is a pause, not a loss.
         print(f"\naddnorm lab: interrupted; finished experiments are kept in {Path(args.out) / 'runs'}; run the same "

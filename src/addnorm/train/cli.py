@@ -223,6 +223,9 @@ def run_training(args: argparse.Namespace) -> int:
     except (ValueError, BackendUnavailableError) as e:  # --resume onto another model; ADDNORM_BACKEND=triton on CPU
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # writing the log or a checkpoint: disk full, permissions, ...
+        print(f"addnorm train: error: cannot write into --out {args.out}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         where = (f"the last checkpoint in {args.out} (--set checkpoint_every=N writes one every N steps)"
                  if args.out else "nothing (no --out, nothing saved)")  # fmt: skip
