@@ -4,7 +4,8 @@
 #   2. run the Triton tests on CUDA,
 #   3. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144).
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
-# Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table)
+# Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
+#                                              ADDNORM_TUNE=1 also sweeps the Triton block sizes, ~3 more minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-benchmarks/results}"
@@ -44,6 +45,14 @@ if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
     timeout 60 python benchmarks/bench_add_norm.py --norm layer --dtype bf16 --modes fwd,fwd+bwd \
         --providers addnorm,eager,flash_attn,apex,liger --sizes 4096,65536 --reps 20 --out "$RESULTS" 2>&1 \
         | tee "$RESULTS/bench_layer.txt"
+fi
+
+if [ "${ADDNORM_TUNE:-0}" = "1" ]; then
+    # the block-size sweep (benchmarks/tune_triton.py): about 100 settings, ~1 s of JIT each; the summary is in the
+    # log's last lines, every timing in tune_rms_bf16.csv / .json (with ADDNORM_BENCH_LAYER=1 too: 10 files, over
+    # the device tool's 8, so run the two options in separate calls)
+    echo "== tuning sweep: add + RMSNorm, bf16"
+    timeout 240 python benchmarks/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS" 2>&1 | tee "$RESULTS/tune.txt"
 fi
 
 echo "done in $(( $(date +%s) - start )) s: tests rc=$tests_rc, benchmark rc=$bench_rc; results in $RESULTS"

@@ -227,3 +227,31 @@ def test_liger_without_the_fused_add_is_not_available(monkeypatch):
     _install(monkeypatch, "liger_kernel.transformers.functional", liger_layer_norm=lambda X, W, B, eps: X)
     row = _bench("liger", "fwd")
     assert row.note.startswith("not available:") and "liger_fused_add_rms_norm" in row.note
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Triton tuning sweep (interpreted on CPU: the wiring, not the numbers)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
+    pytest.importorskip("triton")
+    from addnorm.ops import triton_add_norm as T
+
+    if T.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(T.unavailable_reason(torch.device("cpu")))
+    import tune_triton
+
+    cfg = bench_add_norm.BenchConfig(device="cpu", dtype="fp32", norm="rms", sizes=(300,), modes=("fwd", "bwd"),
+                                     providers=("addnorm",), elements=600, warmup=0, reps=1)  # fmt: skip
+    knobs = {"elems_per_thread": (4, 8), "max_fwd_block_n": (128, 16384)}
+    rows = tune_triton.sweep(cfg, knobs, progress=lambda line: None)
+    timed = {(r["knob"], r["value"], r["mode"]) for r in rows}
+    # 16384 is the default (nothing new); max_fwd_block_n only changes the forward's kernels, so bwd is not retimed
+    assert timed == {("default", 0, "fwd"), ("default", 0, "bwd"), ("elems_per_thread", 4, "fwd"),
+                     ("elems_per_thread", 4, "bwd"), ("max_fwd_block_n", 128, "fwd")}  # fmt: skip
+    assert all(r["gbps"] > 0 and not r["note"] for r in rows), rows
+    assert T.TUNING == T.Tuning()
+    best = tune_triton.best_per_size(rows)
+    assert {(b["n"], b["mode"]) for b in best} == {(300, "fwd"), (300, "bwd")}
+    assert all(b["gain"] >= 1 and b["best_gbps"] >= b["default_gbps"] for b in best)

@@ -56,13 +56,15 @@ __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "backward"]
 
 @dataclass(kw_only=True)
 class Tuning:
-    """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N."""
+    """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
+    ``benchmarks/tune_triton.py`` sweeps them on a GPU."""
 
     max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
     max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
     loop_block_n: int = 4096  # column tile of the looped path
     rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
+    elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
 
 
 TUNING = Tuning()
@@ -499,7 +501,7 @@ def _warps(elems: int) -> int:
     # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
     # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
     # count (hence occupancy) roughly halves with each halving of elements per thread.
-    return min(32, max(4, _pow2(elems) // 256))
+    return min(32, max(4, _pow2(elems) // (32 * TUNING.elems_per_thread)))
 
 
 @functools.cache
