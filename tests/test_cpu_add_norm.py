@@ -375,3 +375,26 @@ def test_cast_before_weight_is_the_reference_bit_for_bit_and_gradients_match_the
     for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
         if t is not None:
             assert_close(t.grad, exp[name], name, grad=True, reduced_rows=37 if name in ("dweight", "dbias") else 1)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_out_dtype_matches_the_reference_and_gradients_match_the_oracle(is_rms):
+    x, r = (torch.randn(37, 130).requires_grad_() for _ in range(2))  # an fp32 stream, a bf16 output
+    w = (1 + 0.5 * torch.randn(130)).requires_grad_()
+    b = None if is_rms else torch.randn(130).requires_grad_()
+    fn = add_rms_norm if is_rms else add_layer_norm
+    args = (x, r, w, 1e-5) if is_rms else (x, r, w, b, 1e-5)
+    out, res = fn(*args, out_dtype=torch.bfloat16, backend="cpu")
+    with torch.no_grad():
+        want, _ = fn(*args, out_dtype=torch.bfloat16, backend="reference")
+    assert out.dtype == torch.bfloat16 and res.dtype == torch.float32
+    # fp32 statistics summed in another order can move a bf16 rounding by one ulp, rarely
+    assert (out != want).float().mean() < 0.01
+    torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=2**-7)
+    dout, dres = torch.randn_like(out), torch.randn_like(res)
+    torch.autograd.backward((out, res), (dout, dres))
+    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, out_dtype=torch.bfloat16, dout=dout, dresidual_out=dres)
+    for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
+        if t is not None:
+            assert_close(t.grad, exp[name], name, grad=True, dtype=torch.bfloat16,
+                         reduced_rows=37 if name in ("dweight", "dbias") else 1)  # fmt: skip

@@ -212,6 +212,7 @@ def test_reference_backend_dropout_mask_is_the_seeded_hash():
         (dict(x=torch.randn(2, 8), dropout_p=1.0), ValueError, ["dropout_p"]),
         (dict(x=torch.randn(2, 0)), ValueError, ["last dimension"]),
         (dict(x=torch.randn(2, 8), residual_dtype=torch.int8), TypeError, ["residual_dtype"]),
+        (dict(x=torch.randn(2, 8), out_dtype=torch.int32), TypeError, ["out_dtype", "int32"]),
         (dict(x=[1.0, 2.0]), TypeError, ["x", "list"]),
         (dict(x=torch.randn(2, 8), backend="cuda-magic"), ValueError, ["backend", "cuda-magic"]),
     ],
@@ -386,3 +387,63 @@ def test_cast_before_weight_dweight_uses_the_rounded_value(backend, is_rms):
     dout = torch.randn(1, 77).bfloat16()
     out.backward(dout)
     assert torch.equal(w.grad, (dout.float() * xq.float())[0])
+
+
+# ---- out_dtype ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.float64, torch.float16)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_out_dtype_forward_and_every_gradient_vs_oracle(backend, x_dtype, out_dtype, is_rms):
+    """e.g. an fp32 residual stream whose normalized output feeds a bf16 matmul: out is written in bf16 directly."""
+    x, r = (torch.randn(7, 33, dtype=x_dtype, requires_grad=True) for _ in range(2))
+    w = (1 + 0.5 * torch.randn(33)).to(x_dtype).requires_grad_()
+    b = None if is_rms else torch.randn(33, dtype=x_dtype, requires_grad=True)
+    out, res_out = _call(is_rms, x, r, w, b, 1e-5, out_dtype=out_dtype, backend=backend)
+    assert out.dtype == out_dtype and res_out.dtype == x_dtype
+    dout, dres = torch.randn_like(out), torch.randn_like(res_out)
+    torch.autograd.backward((out, res_out), (dout, dres))
+    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, out_dtype=out_dtype, dout=dout, dresidual_out=dres)
+    low = max((x_dtype, out_dtype), key=lambda d: TOLERANCES[d].rtol)  # dout arrives in out's precision
+    assert_close(out, exp["out"], "out")
+    assert_close(res_out, exp["residual_out"], "residual_out")
+    for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
+        if t is not None:
+            assert t.grad.dtype == t.dtype
+            assert_close(t.grad, exp[name], name, grad=True, dtype=low,
+                         reduced_rows=7 if name in ("dweight", "dbias") else 1)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "cpu", "triton"])
+def test_cast_before_weight_rounds_to_out_dtype_in_the_backward_too(backend):
+    """fp32 x, bf16 out: the forward rounds xhat to bf16 (out's dtype, not x's) and dweight sums dout * that value;
+    with one row and an fp32 weight the gradient is that product exactly."""
+    if backends.unavailable_reason(backend, torch.device("cpu")) is not None:
+        pytest.skip(backends.unavailable_reason(backend, torch.device("cpu")))
+    x = torch.randn(1, 77)
+    w = (1 + torch.randn(77)).requires_grad_()
+    xq = addnorm.add_rms_norm(x, None, None, 1e-5, out_dtype=torch.bfloat16, backend=backend)[0]
+    out, _ = addnorm.add_rms_norm(x, None, w, 1e-5, cast_before_weight=True, out_dtype=torch.bfloat16, backend=backend)
+    assert torch.equal(out, (xq.float() * w.detach()).bfloat16())
+    dout = torch.randn(1, 77).bfloat16()
+    out.backward(dout)
+    assert torch.equal(w.grad, (dout.float() * xq.float())[0])
+
+
+def test_out_dtype_under_compile_matches_eager():
+    x, r = (torch.randn(4, 40, requires_grad=True) for _ in range(2))
+    w = torch.randn(40, requires_grad=True)
+
+    def f(x, r, w):
+        out, res = addnorm.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.bfloat16, backend="reference")
+        return out.float().square().sum() + res.sum()
+
+    eager = f(x, r, w)
+    grads_eager = torch.autograd.grad(eager, (x, r, w))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, r, w)
+    grads_compiled = torch.autograd.grad(compiled, (x, r, w))
+    assert torch.equal(compiled, eager)
+    for a, b in zip(grads_compiled, grads_eager):
+        assert torch.equal(a, b)

@@ -62,10 +62,10 @@ def check_against_oracle(is_rms, x, r, w, b, *, eps=1e-5, dresidual_out=True, **
     ref = oracle(
         x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
         residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False),
-        cast_before_weight=kw.get("cast_before_weight", False),
+        cast_before_weight=kw.get("cast_before_weight", False), out_dtype=kw.get("out_dtype"),
     )  # fmt: skip
     m = x.shape[0]
-    assert out.dtype == x.dtype
+    assert out.dtype == kw.get("out_dtype", x.dtype)
     assert_close(out, ref["out"], "out")
     assert_close(res_out, ref["residual_out"], "residual_out")
     assert_close(x.grad, ref["dx"], "dx", grad=True)
@@ -141,6 +141,16 @@ def test_cast_before_weight(device, is_rms, path, monkeypatch):
         once, _ = fn(*args, backend="triton")
     # equal up to the rare element where an fp32 rsqrt differs in its last bit; one rounding differs far more often
     assert (out != want).float().mean() < 0.01 < (once != want).float().mean()
+
+
+@pytest.mark.parametrize("path", ["rows", "looped"])
+def test_out_dtype(device, path, monkeypatch):
+    """An fp32 residual stream whose normalized output is written in bf16 (and the reverse), with Llama's cast."""
+    if path == "looped":
+        monkeypatch.setattr(T, "TUNING", TINY)
+    check_against_oracle(RMS, *_inputs(5, 100, torch.float32, device), out_dtype=torch.bfloat16)
+    check_against_oracle(LN, *_inputs(3, 90, torch.bfloat16, device), out_dtype=torch.float32,
+                         cast_before_weight=True)  # fmt: skip
 
 
 def test_small_n_packs_rows(device):

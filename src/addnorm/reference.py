@@ -239,8 +239,10 @@ def add_norm_ref(
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
     cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """``residual_out = dropout(x) + residual`` stored in residual_dtype; ``out = norm(residual_out)`` in x's dtype.
+    """``residual_out = dropout(x) + residual`` stored in residual_dtype; ``out = norm(residual_out)`` in out_dtype
+    (default x's dtype).
 
     Returns ``(out, residual_out, mean, rstd)`` (mean is None for RMSNorm). This is the kernel contract, also
     used as the explicit oracle for the kernel backends.
@@ -254,14 +256,15 @@ def add_norm_ref(
     if residual is not None:
         h = h + residual.to(cd)
     residual_out = h.to(rd)  # the value normalized is the sum exactly as stored
-    # y is rounded once, from the compute dtype straight to x's dtype (not through the residual dtype)
+    # y is rounded once, from the compute dtype straight to out_dtype (not through the residual dtype)
+    od = out_dtype or x.dtype
     if is_rms:
-        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=x.dtype,
+        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=od,
                                cast_before_weight=cast_before_weight)  # fmt: skip
         mean = None
     else:
         y, mean, rstd = layer_norm_ref(residual_out, weight, bias, eps, zero_centered_weight, compute_dtype=cd,
-                                       out_dtype=x.dtype, cast_before_weight=cast_before_weight)  # fmt: skip
+                                       out_dtype=od, cast_before_weight=cast_before_weight)  # fmt: skip
     return y, residual_out, mean, rstd
 
 
@@ -288,8 +291,9 @@ def add_norm_bwd_ref(
     there is no bias).
     """
     cd = mean.dtype if mean is not None else rstd.dtype
+    # dout arrives in out's dtype: the dtype the forward rounded xhat to with cast_before_weight
     dh, dw, db = _norm_bwd(dout, residual_out, weight, mean, rstd, zero_centered_weight, cd,
-                           x_dtype if cast_before_weight else None)  # fmt: skip
+                           dout.dtype if cast_before_weight else None)  # fmt: skip
     if dresidual_out is not None:
         dh = dh + dresidual_out.to(cd)
     dres = dh.to(residual_dtype) if residual_dtype is not None else None

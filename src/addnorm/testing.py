@@ -75,6 +75,7 @@ def oracle(
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
     cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
     keep: Tensor | None = None,
     dropout_p: float = 0.0,
     dout: Tensor | None = None,
@@ -84,7 +85,8 @@ def oracle(
 
     ``residual_out`` is rounded to ``residual_dtype`` exactly as the contract stores it, then normalized in fp64.
     ``keep`` is the dropout keep mask (boolean, x's shape) when ``dropout_p`` > 0. With ``cast_before_weight`` the
-    normalized value is rounded to x's dtype before the weight and bias, its gradient passing straight through.
+    normalized value is rounded to out's dtype (``out_dtype``, default x's) before the weight and bias, its gradient
+    passing straight through.
     """
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     leaves = {k: v.detach().double().requires_grad_(True) for k, v in
@@ -106,7 +108,7 @@ def oracle(
     else:
         xhat = torch.nn.functional.layer_norm(res_out, n, None, None, eps)
     if cast_before_weight and (w is not None or b is not None):
-        xhat = _straight_through_round(xhat, x.dtype)
+        xhat = _straight_through_round(xhat, out_dtype or x.dtype)
     out = xhat
     if w is not None:
         out = out * w

@@ -3,21 +3,23 @@
 The contract (every backend implements exactly this):
 
     residual_out = dropout(x) + residual          # just dropout(x) without a residual; stored in residual_dtype
-    out          = norm(residual_out)             # the value normalized is residual_out *as stored*, in x's dtype
+    out          = norm(residual_out)             # the value normalized is residual_out *as stored*; in out_dtype
 
 with statistics in fp32 (fp64 when x or the residual stream is fp64), ``norm`` LayerNorm or RMSNorm over the last
 dimension, weight applied as ``1 + weight`` when ``zero_centered_weight`` (Gemma). residual_dtype defaults to the
-residual's dtype, else x's. ``out`` is rounded once to x's dtype, except with ``cast_before_weight`` (the order of
-Hugging Face's Llama, Mistral and Qwen: ``weight * xhat.to(x.dtype)``): then the normalized value is rounded to
-x's dtype first, the weight and bias applied in the statistics dtype, and the result rounded again. Its backward
-passes the first rounding straight through; dweight sums ``dout * round(xhat)``.
+residual's dtype, else x's; out_dtype defaults to x's dtype. ``out`` is rounded once to out_dtype, except with
+``cast_before_weight`` (the order of Hugging Face's Llama, Mistral and Qwen: ``weight * xhat.to(x.dtype)``): then the
+normalized value is rounded to out_dtype first, the weight and bias applied in the statistics dtype, and the result
+rounded again. Its backward passes the first rounding straight through; dweight sums ``dout * round(xhat)`` (dout
+arrives in out_dtype, which is how the backward knows it).
 
 Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 
     forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False) -> (out, residual_out | None, mean | None, rstd)
+            store_residual_out, cast_before_weight=False, out_dtype=None)
+            -> (out, residual_out | None, mean | None, rstd)
         x, residual: (M, N), last dim contiguous, rows may be strided; residual may be None.
-        out: (M, N) in x's dtype. residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
+        out: (M, N) in out_dtype (None: x's dtype). residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
         residual_out is x itself and the kernel normalizes x). mean (LayerNorm only) and rstd: (M,) in the
         statistics dtype. Dropout keeps element (i, j) by a deterministic function of (seed, i, j), scaled 1/(1-p).
 
@@ -108,7 +110,7 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                    cast_before_weight):  # fmt: skip
+                    cast_before_weight, out_dtype):  # fmt: skip
     cd = stats_dtype(x.dtype, residual_dtype)
     h = _as(x, cd)
     if dropout_p > 0.0:
@@ -123,7 +125,7 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
     if cast_before_weight:
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
         xhat = F.rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
-        out = xhat.to(x.dtype).to(cd)
+        out = xhat.to(out_dtype).to(cd)
         if w is not None:
             out = out * w
         if b is not None:
@@ -132,7 +134,7 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
         out = F.rms_norm(h, n, w, eps)
     else:
         out = F.layer_norm(h, n, w, b, eps)
-    return _as(out, x.dtype), residual_out
+    return _as(out, out_dtype), residual_out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -173,6 +175,7 @@ def _fwd_impl(
     store_residual_out: bool,
     backend: str,
     cast_before_weight: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, residual_out or empty, mean or empty, rstd, seed). The seed is drawn here, from torch's
     default generator, so the op stays traceable and the backward can regenerate the dropout mask."""
@@ -180,7 +183,7 @@ def _fwd_impl(
     out, res_out, mean, rstd = kernel_module(backend).forward(
         x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight,
+        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
     )  # fmt: skip
     outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
     return (*_unaliased(outputs, (x, residual, weight, bias)), torch.tensor(seed, dtype=torch.int64))
@@ -191,11 +194,11 @@ _add_norm_fwd = torch.library.custom_op("addnorm::add_norm_fwd", _fwd_impl, muta
 
 @_add_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store_residual_out,
-      backend, cast_before_weight=False):  # fmt: skip
+      backend, cast_before_weight=False, out_dtype=None):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     return (
-        x.new_empty((m, n)),
+        x.new_empty((m, n), dtype=out_dtype or x.dtype),
         x.new_empty((m, n), dtype=residual_dtype) if store_residual_out else x.new_empty(0),
         x.new_empty(0 if is_rms else m, dtype=sd),
         x.new_empty(m, dtype=sd),
@@ -246,13 +249,14 @@ def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_
 
 
 def _setup_context(ctx, inputs, output, *, eager: bool = False):
-    x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *cbw = inputs
-    cbw = bool(cbw and cbw[0])  # the op's last argument has a default: called positionally, it may be absent
+    x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *rest = inputs
+    cbw = bool(rest and rest[0])  # the op's last arguments have defaults: called positionally, they may be absent
     out, res_out, mean, rstd, seed = output
     ctx.save_for_backward(res_out if store else x, weight, mean, rstd, seed)
     ctx.opts = (is_rms, dropout_p, zc, cbw, x.dtype, residual.dtype if residual is not None else None,
                 bias.dtype if bias is not None else None, backend)  # fmt: skip
     ctx.has_residual_out = store
+    ctx.out_dtype = out.dtype
     ctx.eager = eager
     if not eager:
         ctx.mark_non_differentiable(mean, rstd, seed)
@@ -262,7 +266,7 @@ def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
     h, weight, mean, rstd, seed = ctx.saved_tensors
     is_rms, dropout_p, zc, cbw, x_dtype, residual_dtype, bias_dtype, backend = ctx.opts
     if dout is None:
-        dout = torch.zeros(h.shape, dtype=x_dtype, device=h.device)
+        dout = torch.zeros(h.shape, dtype=ctx.out_dtype, device=h.device)
     if not ctx.has_residual_out or (dres_out is not None and dres_out.numel() == 0):
         dres_out = None
     bwd = _bwd_impl if ctx.eager else torch.ops.addnorm.add_norm_bwd
@@ -275,7 +279,7 @@ def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
         dres if residual_dtype is not None else None,
         dw if weight is not None else None,
         db if bias_dtype is not None else None,
-        None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -299,7 +303,7 @@ class _EagerAddNorm(torch.autograd.Function):
 
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, backend):  # fmt: skip
+                     cast_before_weight, out_dtype, backend):  # fmt: skip
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -314,7 +318,7 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
     # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
     store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
-            backend, cast_before_weight)  # fmt: skip
+            backend, cast_before_weight, out_dtype)  # fmt: skip
     if torch.compiler.is_compiling():
         out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
     else:
@@ -328,21 +332,24 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
 
 
 def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-              cast_before_weight, backend):  # fmt: skip
+              cast_before_weight, out_dtype, backend):  # fmt: skip
     if is_rms and eps is None and isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES:
         eps = torch.finfo(x.dtype).eps
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
+    if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be a floating dtype or None, got {out_dtype!r}")
     if residual_dtype is None:
         residual_dtype = residual.dtype if residual is not None else x.dtype
+    out_dtype = out_dtype or x.dtype
     if torch.compiler.is_compiling():
         name = resolve_backend_for_trace(backend, x.device.type)
     else:
         name = resolve_backend(backend, x.device, x.numel())
     # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
     cast_before_weight = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
-    cast_before_weight = cast_before_weight and x.dtype != stats_dtype(x.dtype, residual_dtype)
+    cast_before_weight = cast_before_weight and out_dtype != stats_dtype(x.dtype, residual_dtype)
     args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-            cast_before_weight)
+            cast_before_weight, out_dtype)
     if name == "torch":
         return _torch_add_norm(*args)
     return _kernel_add_norm(*args, name)
@@ -359,17 +366,19 @@ def add_layer_norm(
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
     cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = LayerNorm(residual_out)``. Returns ``(out, residual_out)``.
 
-    residual_out is stored in ``residual_dtype`` (default: residual's dtype, else x's); out is in x's dtype.
+    residual_out is stored in ``residual_dtype`` (default: residual's dtype, else x's); out in ``out_dtype`` (default
+    x's dtype: e.g. bf16 for the next matmul from an fp32 stream).
     ``dropout_p`` applies whenever it is > 0 (pass 0 in eval). Gradients flow to x, residual, weight and bias.
     ``zero_centered_weight`` scales by ``1 + weight`` (Gemma); ``cast_before_weight`` rounds the normalized value to
     x's dtype before the weight and bias (Hugging Face Llama's order; see the module docstring).
     """
     return _add_norm(x, residual, weight, bias, eps, False, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, backend)  # fmt: skip
+                     cast_before_weight, out_dtype, backend)  # fmt: skip
 
 
 def add_rms_norm(
@@ -382,6 +391,7 @@ def add_rms_norm(
     residual_dtype: torch.dtype | None = None,
     zero_centered_weight: bool = False,
     cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = RMSNorm(residual_out)``. Returns ``(out, residual_out)``.
@@ -390,7 +400,7 @@ def add_rms_norm(
     those of :func:`add_layer_norm`.
     """
     return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, backend)  # fmt: skip
+                     cast_before_weight, out_dtype, backend)  # fmt: skip
 
 
 def layer_norm(
@@ -400,16 +410,19 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """LayerNorm over the last dimension, statistics in fp32 (fp64 for fp64 input)."""
-    return add_layer_norm(x, None, weight, bias, eps, cast_before_weight=cast_before_weight, backend=backend)[0]
+    return add_layer_norm(x, None, weight, bias, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+                          backend=backend)[0]  # fmt: skip
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None, *, cast_before_weight: bool = False,
-             backend: str = "auto") -> Tensor:  # fmt: skip
+             out_dtype: torch.dtype | None = None, backend: str = "auto") -> Tensor:  # fmt: skip
     """RMSNorm over the last dimension; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
-    return add_rms_norm(x, None, weight, eps, cast_before_weight=cast_before_weight, backend=backend)[0]
+    return add_rms_norm(x, None, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+                        backend=backend)[0]  # fmt: skip
 
 
 # Re-exported for kernel backends that want the same statistics dtype rule.

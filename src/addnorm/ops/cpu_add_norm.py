@@ -369,14 +369,14 @@ def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro
 
 
 @njit(**_JIT)
-def _bwd_dw_row(dy, h, dx, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero):
+def _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero):
     """This row's share of dweight (dy * xhat) and dbias (dy), added to its chunk's partial sums."""
     for j in range(n):
         d = _cast(_load(dy, j), zero)
         if has_w:
             xhat = (_cast(_load(h, j), zero) - mean) * rstd
-            if cast:  # the forward rounded xhat to x's dtype (dx's storage type) before the weight
-                xhat = _round_as(dx, xhat)
+            if cast:  # the forward rounded xhat to out's dtype (dout's storage type) before the weight
+                xhat = _round_as(dy, xhat)
             dwp[j] += d * xhat
         if has_db:
             dbp[j] += d
@@ -403,7 +403,7 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres, dropout,
                     seed_mix, threshold, keep_div, zero)  # fmt: skip
         if has_w or has_db:
-            _bwd_dw_row(dy, h, dx, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
+            _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
 
 
 @njit(**_JIT)
@@ -568,11 +568,11 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
     """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None, rstd)."""
     m, n = x.shape
     sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
-    out = _empty((m, n), x.dtype)
+    out = _empty((m, n), out_dtype or x.dtype)
     res_out = _empty((m, n), residual_dtype) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd)
     rstd = torch.empty(m, dtype=sd)

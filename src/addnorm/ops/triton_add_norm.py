@@ -9,6 +9,7 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               RMSNorm:   mean = 0,           var = sum(h^2) / N
               rstd = 1 / sqrt(var + eps);  xhat = (h - mean) * rstd;  out = xhat * w + b   (w -> 1 + w: Gemma)
               (CAST_BEFORE_WEIGHT, Llama's order: xhat is rounded to out's dtype before the weight and bias)
+              out is written in its own dtype (x's by default)
 
     backward  g  = dout * w
               dh = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (RMSNorm: without the mean_j(g) term)
@@ -328,7 +329,7 @@ def _bwd_rows_kernel(
         if HAS_WEIGHT:
             g = dy * w[None, :]
             if CAST_BEFORE_WEIGHT:
-                dw_acc += dy * _round(xhat, DX.dtype.element_ty).to(acc_t)
+                dw_acc += dy * _round(xhat, DOut.dtype.element_ty).to(acc_t)  # dout is in out's dtype
             else:
                 dw_acc += dy * xhat
         else:
@@ -457,7 +458,7 @@ def _bwd_tiles_kernel(
         if HAS_WEIGHT:
             g = dy * w
             if CAST_BEFORE_WEIGHT:
-                dw_acc += dy * _round(xhat, DX.dtype.element_ty).to(acc_t)
+                dw_acc += dy * _round(xhat, DOut.dtype.element_ty).to(acc_t)  # dout is in out's dtype
             else:
                 dw_acc += dy * xhat
         else:
@@ -643,10 +644,10 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
