@@ -62,12 +62,36 @@ def test_lr_sensitivity_formula():
 
 
 def test_lr_verdict():
-    grows = [2.0, 2.5, 3.0, 5.0, 9.0, 30.0, None]
-    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, grows)[0] is True
-    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, grows)[1]["max_logit_growth_pre"] == pytest.approx(15.0)
-    assert T.lr_verdict({"pre": 0.3, "pre+qk": 0.8}, grows)[0] is False
-    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, [2.0] * 7)[0] is False
-    assert T.lr_verdict({"pre": 0.8, "pre+qk": 0.3}, [None] * 7)[0] is None
+    grows = [2.0, 3.0, 5.0, 8.0, 13.0, 30.0, 20.0]
+    passed, extra = T.lr_verdict({"pre": [0.8, 0.7, 0.9], "pre+qk": [0.3, 0.4, 0.5]}, grows)
+    assert passed is True and extra["max_logit_growth_pre"] == pytest.approx(15.0)
+    assert extra["qk_lower_at_seeds"] == "3/3"
+    # QK-norm better on average but not at every seed: one seed's noise could order them either way
+    passed, extra = T.lr_verdict({"pre": [0.8, 0.3, 0.9], "pre+qk": [0.3, 0.4, 0.5]}, grows)
+    assert passed is False and extra["qk_lower_at_seeds"] == "2/3"
+    assert T.lr_verdict({"pre": [0.3], "pre+qk": [0.8]}, grows)[0] is False
+    assert T.lr_verdict({"pre": [0.8], "pre+qk": [0.3]}, [2.0] * 7)[0] is False  # the logits did not grow
+    assert T.lr_verdict({"pre": [0.8], "pre+qk": [0.3]}, [None] * 7)[0] is None
+    assert T.lr_verdict({"pre": [0.8, 0.7], "pre+qk": [0.3]}, grows)[0] is None  # seeds not paired
+
+
+def test_lr_sensitivity_runs_pre_and_qk_at_every_seed_on_the_same_language(monkeypatch, tmp_path):
+    from addnorm.train.loop import TrainResult
+
+    seen = []
+
+    def fake_training(ctx, model_kw, **train_kw):
+        seen.append((model_kw.get("placement"), bool(model_kw.get("qk_norm")), train_kw["seed"]))
+        return TrainResult(optimum=1.0, initial_loss=3.0, final_loss=2.0, losses=[3.0, 2.0])
+
+    monkeypatch.setattr(T, "run_training", fake_training)
+    config = dict(EXPERIMENTS["lr-sensitivity"].config, quick={"steps": 3, "seeds": 2})
+    res = EXPERIMENTS["lr-sensitivity"].run(Context(quick=True, seed=5, figure_dir=tmp_path, config=config))
+    grid = len(config["grid"])
+    assert sorted(set(seen)) == [("post", False, 5), ("pre", False, 5), ("pre", False, 6), ("pre", True, 5),
+                                 ("pre", True, 6)]  # fmt: skip
+    assert len(seen) == 5 * grid and res.metrics["seeds"] == [5, 6]
+    assert len(res.metrics["sensitivity_by_seed"]["pre+qk"]) == 2
 
 
 # ---- z-loss, placements, LN vs RMS ----------------------------------------------------------------------------

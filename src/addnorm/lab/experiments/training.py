@@ -43,8 +43,9 @@ CRITERIA = {
     ),
     "lr-sensitivity": (
         "sensitivity = mean over the 7-point LR grid of [min(loss(lr), loss_0) - loss*], loss* the best final loss "
-        "over the grid. Reproduced iff sensitivity(Pre-LN + QK-norm) < sensitivity(Pre-LN) and Pre-LN's max "
-        "attention logit at the three highest LRs exceeds 2x its value at the lowest LR."
+        "over the grid, computed per seed (model init and batches; the same language). Reproduced iff "
+        "sensitivity(Pre-LN + QK-norm) < sensitivity(Pre-LN) at every seed (paired by seed) and Pre-LN's max "
+        "attention logit at the three highest LRs exceeds 2x its value at the lowest LR (first seed)."
     ),
     "z-loss": (
         "|log Z| = |mean output log Z over the last 10% of steps|. Reproduced iff |log Z| without z-loss > 2 nats "
@@ -119,16 +120,18 @@ def lr_sensitivity(final: Sequence[float], initial: Sequence[float]) -> float:
     return sum(c - best for c in capped) / len(capped)
 
 
-def lr_verdict(sens: dict[str, float], max_logit_pre: Sequence[float | None]) -> tuple[bool | None, dict]:
-    """``sens`` per variant ("pre", "pre+qk", ...); ``max_logit_pre``: Pre-LN's max attention logit per grid LR,
-    lowest LR first (None where the run recorded none)."""
+def lr_verdict(sens: dict[str, Sequence[float]], max_logit_pre: Sequence[float | None]) -> tuple[bool | None, dict]:
+    """``sens`` per variant ("pre", "pre+qk", ...): the sensitivity at each seed, in the same seed order for every
+    variant; ``max_logit_pre``: Pre-LN's max attention logit per grid LR, lowest LR first (None where the run
+    recorded none). One seed's noise can order two close variants either way, so QK-norm must win at every seed."""
     low = max_logit_pre[0]
     high = [v for v in max_logit_pre[-3:] if _finite(v)]
-    if not _finite(low) or low <= 0 or not high:
+    if not _finite(low) or low <= 0 or not high or len(sens["pre"]) != len(sens["pre+qk"]) or not sens["pre"]:
         return None, {}
     growth = max(high) / low
-    passed = sens["pre+qk"] < sens["pre"] and growth > 2.0
-    return passed, {"max_logit_growth_pre": growth}
+    wins = sum(q < p for p, q in zip(sens["pre"], sens["pre+qk"]))
+    passed = wins == len(sens["pre"]) and growth > 2.0
+    return passed, {"max_logit_growth_pre": growth, "qk_lower_at_seeds": f"{wins}/{len(sens['pre'])}"}
 
 
 def z_loss_verdict(logz_without: float, logz_with: float, diverged_without: bool) -> tuple[bool | None, dict]:
@@ -187,13 +190,14 @@ def model_config(**overrides):
 
 
 def run_training(ctx: Context, model_kw: dict, **train_kw):
-    """Train one tiny LM; returns the TrainResult."""
+    """Train one tiny LM; returns the TrainResult. ``seed`` in train_kw (default ctx.seed) sets the model's init and
+    the batches; the language itself is always ctx.seed's, so runs at several seeds learn the same task."""
     from addnorm.nn import TransformerLM
     from addnorm.train.loop import TrainConfig, train
 
     cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "seed": ctx.seed, "device": str(ctx.device),
                          "eval_batches": 2, **train_kw})  # fmt: skip
-    torch.manual_seed(ctx.seed)
+    torch.manual_seed(cfg.seed)
     model = TransformerLM(model_config(**model_kw))
     return train(model, language(ctx.seed), cfg)
 
@@ -346,55 +350,67 @@ def _max_attn_logit(res) -> float | None:
     claim="Without QK-layernorm the max attention logit grows with the learning rate; QK-layernorm lowers LR "
     "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities",
-    config={"grid": list(LR_GRID), "layers": 2, "wd": 1e-4, "z_loss": 1e-4, "default": {"steps": 100},
-            "quick": {"steps": 25}},  # fmt: skip
+    config={"grid": list(LR_GRID), "layers": 2, "wd": 1e-4, "z_loss": 1e-4, "default": {"steps": 100, "seeds": 3},
+            "quick": {"steps": 25, "seeds": 2}},  # fmt: skip
 )
 def lr_sensitivity_experiment(ctx: Context) -> Result:
     s = _settings(ctx)
     steps, grid = s["steps"], tuple(s["grid"])
+    seeds = [ctx.seed + k for k in range(s["seeds"])]
     variants = {"pre": {"placement": "pre"}, "post": {"placement": "post"},
                 "pre+qk": {"placement": "pre", "qk_norm": True}}  # fmt: skip
-    results = {v: [] for v in variants}
+    # per variant, per seed, the runs over the grid; Post-LN (shown, not in the verdict) at the first seed only
+    results = {v: [[] for _ in (seeds if v != "post" else seeds[:1])] for v in variants}
     for v, kw in variants.items():
-        for lr in grid:
-            ctx.progress(f"{v}, lr {lr:g}")
-            # Wortsman et al.'s recipe: AdamW (0.9, 0.95), clip 1, warmup + cosine, independent wd 1e-4, z-loss 1e-4
-            results[v].append(run_training(
-                ctx, {**kw, "n_layers": s["layers"], "record_logits": True}, steps=steps, lr=lr,
-                warmup=max(1, steps // 10), weight_decay=s["wd"], independent_wd=True, z_loss=s["z_loss"], monitor=True,
-                monitor_every=5,
-            ))  # fmt: skip
-    sens = {v: lr_sensitivity([r.final_loss for r in rs], [r.initial_loss for r in rs]) for v, rs in results.items()}
-    logits = {v: [_max_attn_logit(r) for r in rs] for v, rs in results.items()}
-    passed, extra = lr_verdict(sens, logits["pre"])
+        for k, seed in enumerate(seeds if v != "post" else seeds[:1]):
+            for lr in grid:
+                ctx.progress(f"{v}, seed {seed}, lr {lr:g}")
+                # Wortsman et al.'s recipe: AdamW (0.9, 0.95), clip 1, warmup + cosine, independent wd 1e-4,
+                # z-loss 1e-4
+                results[v][k].append(run_training(
+                    ctx, {**kw, "n_layers": s["layers"], "record_logits": True}, steps=steps, lr=lr, seed=seed,
+                    warmup=max(1, steps // 10), weight_decay=s["wd"], independent_wd=True, z_loss=s["z_loss"],
+                    monitor=True, monitor_every=5,
+                ))  # fmt: skip
+    sens_by_seed = {v: [lr_sensitivity([r.final_loss for r in rs], [r.initial_loss for r in rs]) for rs in per_seed]
+                    for v, per_seed in results.items()}  # fmt: skip
+    sens = {v: sum(vals) / len(vals) for v, vals in sens_by_seed.items()}  # the mean, for the figure and summary
+    first = {v: per_seed[0] for v, per_seed in results.items()}  # the first seed's runs: figure and logits
+    logits = {v: [_max_attn_logit(r) for r in rs] for v, rs in first.items()}
+    passed, extra = lr_verdict(sens_by_seed, logits["pre"])
     figures = []
     plt = _pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        for v, rs in results.items():
+        for v, rs in first.items():
             opt = rs[0].optimum
             axes[0].plot(grid, [min(r.final_loss, r.initial_loss) if _finite(r.final_loss) else r.initial_loss
-                                   for r in rs], "o-", label=f"{v} (sens {sens[v]:.2f})")  # fmt: skip
+                                   for r in rs], "o-", label=f"{v} (mean sens {sens[v]:.2f})")  # fmt: skip
             axes[1].plot(grid, [x if x is not None else float("nan") for x in logits[v]], "o-", label=v)
         axes[0].axhline(opt, color="k", ls="--", lw=1, label="optimum")
-        axes[0].set_ylabel("final loss (capped at loss_0)")
+        axes[0].set_ylabel("final loss, first seed (capped at loss_0)")
         axes[1].set_ylabel("max attention logit")
-        axes[1].set_yscale("log")
+        if any(_finite(x) and x > 0 for xs in logits.values() for x in xs):  # log scale needs a positive value
+            axes[1].set_yscale("log")
         for ax in axes:
             ax.set_xscale("log")
             ax.set_xlabel("learning rate")
             ax.legend(fontsize=8)
         figures = _save(plt, fig, ctx, "lr_sensitivity.png")
     metrics = {
-        "criterion": CRITERIA["lr-sensitivity"], "grid": list(grid), "steps": steps, "sensitivity": sens,
-        "final_loss": {v: [r.final_loss if _finite(r.final_loss) else None for r in rs] for v, rs in results.items()},
-        "diverged": {v: [r.diverged for r in rs] for v, rs in results.items()}, "max_attn_logit": logits,
-        "optimum": results["pre"][0].optimum, **extra,
+        "criterion": CRITERIA["lr-sensitivity"], "grid": list(grid), "steps": steps, "seeds": seeds,
+        "sensitivity_mean": sens, "sensitivity_by_seed": sens_by_seed,
+        "final_loss_first_seed": {v: [r.final_loss if _finite(r.final_loss) else None for r in rs]
+                                  for v, rs in first.items()},
+        "diverged_first_seed": {v: [r.diverged for r in rs] for v, rs in first.items()}, "max_attn_logit": logits,
+        "optimum": first["pre"][0].optimum, **extra,
     }  # fmt: skip
     top = [x for x in logits["pre"][-3:] if x is not None]
-    line = ("LR sensitivity " + ", ".join(f"{v} {sens[v]:.3f}" for v in variants) + "; Pre-LN max attention logit "
-            f"{_fmt(logits['pre'][0])} at lr {grid[0]:g} -> {_fmt(max(top) if top else None)} at the top three "
-            "LRs.")  # fmt: skip
+    by_seed = lambda v: "/".join(f"{x:.3f}" for x in sens_by_seed[v])  # noqa: E731
+    line = (f"LR sensitivity by seed ({len(seeds)}): pre {by_seed('pre')}, pre+qk {by_seed('pre+qk')} "
+            f"(QK-norm lower at {extra.get('qk_lower_at_seeds', '?')}); post {by_seed('post')} (first seed); "
+            f"Pre-LN max attention logit {_fmt(logits['pre'][0])} at lr {grid[0]:g} -> "
+            f"{_fmt(max(top) if top else None)} at the top three LRs.")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
                   summary=_summary(line, "lr-sensitivity"))  # fmt: skip
 
