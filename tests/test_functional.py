@@ -447,3 +447,27 @@ def test_out_dtype_under_compile_matches_eager():
     assert torch.equal(compiled, eager)
     for a, b in zip(grads_compiled, grads_eager):
         assert torch.equal(a, b)
+
+
+# ---- as users call it, on every backend that runs here ----------------------------------------------------------
+
+ALL_BACKENDS = ["torch", "reference", "cpu", "triton"]
+
+
+def _skip_unavailable(backend):
+    reason = backends.unavailable_reason(backend, torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_zero_variance_row_with_eps_0_is_nan_like_torch_not_an_exception(backend, is_rms):
+    """rstd = 1/sqrt(0) = inf: IEEE arithmetic gives NaN in out and in every gradient, as torch does. (The numba
+    kernels raised ZeroDivisionError, Python's rule for float division, in the middle of a training step.)"""
+    _skip_unavailable(backend)
+    x = torch.full((2, 8), 0.0 if is_rms else 3.0, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    out, _ = _call(is_rms, x, None, w, None, 0.0, backend=backend)
+    out.sum().backward()
+    assert out.isnan().all() and x.grad.isnan().all() and w.grad.isnan().all()

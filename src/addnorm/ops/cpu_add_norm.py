@@ -70,7 +70,9 @@ __all__ = ["unavailable_reason", "forward", "backward", "forward_into"]
 # no less accurate than one sequential sum). Elementwise code stays IEEE-exact so residual_out is bit-identical to
 # the reference. No nnan/ninf: NaN and inf must propagate.
 _FAST = {"reassoc", "contract"}
-_JIT = dict(cache=True, nogil=True)
+# error_model="numpy": a float division by zero is IEEE (inf/nan), as in torch. numba's default ("python") raises
+# ZeroDivisionError, which a constant row with eps=0 (rstd = 1/sqrt(0)) hit in the middle of a kernel.
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 # --------------------------------------------------------------------------------------------------------------
 # Register-level dtype conversions
