@@ -471,3 +471,38 @@ def test_zero_variance_row_with_eps_0_is_nan_like_torch_not_an_exception(backend
     out, _ = _call(is_rms, x, None, w, None, 0.0, backend=backend)
     out.sum().backward()
     assert out.isnan().all() and x.grad.isnan().all() and w.grad.isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_second_derivative_through_a_kernel_backend_is_a_clear_error_not_a_wrong_number(backend):
+    """The kernel backwards are first order. Differentiating their gradients again used to give a wrong number
+    (reference: its torch code built a partial graph) or 'element 0 of tensors does not require grad'."""
+    _skip_unavailable(backend)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    out, _ = addnorm.add_layer_norm(x, torch.randn(3, 8, dtype=torch.float64), w, backend=backend)
+    gx, gw = torch.autograd.grad(out.square().sum(), (x, w), create_graph=True)
+    with pytest.raises(RuntimeError, match=f"'{backend}' backend has no second derivative.*backend='torch'"):
+        (gx.sum() + gw.sum()).backward()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_create_graph_for_first_order_use_gives_the_same_gradients(backend):
+    """create_graph=True (e.g. a gradient penalty elsewhere in the model) must not change first-order gradients."""
+    _skip_unavailable(backend)
+    x, r = (torch.randn(3, 8, requires_grad=True) for _ in range(2))
+    w = torch.randn(8, requires_grad=True)
+
+    def grads(create_graph):
+        out, res = addnorm.add_rms_norm(x, r, w, 1e-6, backend=backend)
+        return torch.autograd.grad(out.square().sum() + res.sum(), (x, r, w), create_graph=create_graph)
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a.detach(), b)
+
+
+def test_torch_backend_has_second_derivatives():
+    x, r = (torch.randn(3, 9, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(9, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradgradcheck(lambda *a: addnorm.add_layer_norm(*a, backend="torch"), (x, r, w, b))
+    assert torch.autograd.gradgradcheck(lambda x, w: addnorm.add_rms_norm(x, None, w, backend="torch"), (x, w))

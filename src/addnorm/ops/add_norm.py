@@ -286,6 +286,29 @@ def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
 torch.library.register_autograd("addnorm::add_norm_fwd", _backward, setup_context=_setup_context)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes the kernel backward's gradients through and raises if anything differentiates them again.
+
+    The kernel backwards are first-order only. With ``create_graph=True`` their results would otherwise come back
+    either with no graph ("does not require grad") or, for the reference backend's torch code, with a partial graph
+    that silently gives a wrong second derivative. This makes the failure an error that says what to do."""
+
+    @staticmethod
+    def forward(ctx, backend, grads, *depends_on):
+        # depends_on: the tensors with a graph that the gradients are a function of; taking them as inputs is what
+        # links this node into the graph (the gradients themselves were computed without one)
+        ctx.backend = backend
+        return tuple(None if g is None else g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            f"addnorm's {ctx.backend!r} backend has no second derivative (double backward, create_graph=True: "
+            "gradient penalties, Hessian-vector products); pass backend='torch' (plain PyTorch, differentiable "
+            "to any order) to the op or module"
+        )
+
+
 class _EagerAddNorm(torch.autograd.Function):
     """The same forward/backward as the custom ops, for eager mode. The custom-op dispatch costs ~150 us a call
     on CPU (several times a small kernel), so eager code calls the implementations through this plain
@@ -299,7 +322,13 @@ class _EagerAddNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dres_out):
-        return _backward(ctx, dout, dres_out)
+        # grad mode is on here only under create_graph=True; the kernels never build a graph of their own
+        with torch.no_grad():
+            grads = _backward(ctx, dout, dres_out)
+        depends_on = [t for t in (dout, dres_out, *ctx.saved_tensors[:2]) if t is not None and t.requires_grad]
+        if torch.is_grad_enabled() and depends_on:
+            grads = _NoSecondDerivative.apply(ctx.opts[-1], grads, *depends_on)
+        return grads
 
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
