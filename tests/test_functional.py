@@ -506,3 +506,26 @@ def test_torch_backend_has_second_derivatives():
     w, b = (torch.randn(9, dtype=torch.float64, requires_grad=True) for _ in range(2))
     assert torch.autograd.gradgradcheck(lambda *a: addnorm.add_layer_norm(*a, backend="torch"), (x, r, w, b))
     assert torch.autograd.gradgradcheck(lambda x, w: addnorm.add_rms_norm(x, None, w, backend="torch"), (x, w))
+
+
+@pytest.mark.parametrize("n", [8, 1 << 13], ids=["tiny", "cpu-sized"])  # 5 x 8192: auto picks cpu outside vmap
+def test_auto_under_torch_func_transforms_uses_the_torch_backend(n):
+    xs = torch.randn(5, n)
+    w, b = torch.randn(n), torch.randn(n)
+    out = torch.func.vmap(lambda x: addnorm.add_layer_norm(x, None, w, b)[0])(xs)
+    torch.testing.assert_close(out, F.layer_norm(xs, (n,), w, b))
+    gw = torch.func.grad(lambda w: addnorm.add_rms_norm(xs, xs, w, 1e-6)[0].square().sum())(w)
+    w_ = w.clone().requires_grad_()
+    addnorm.add_rms_norm(xs, xs, w_, 1e-6, backend="torch")[0].square().sum().backward()
+    torch.testing.assert_close(gw, w_.grad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_kernel_backend_asked_for_under_vmap_says_so(backend, monkeypatch):
+    _skip_unavailable(backend)
+    w = torch.randn(8)
+    with pytest.raises(RuntimeError, match=f"'{backend}' backend \\(backend='{backend}'\\) does not support torch.func"):
+        torch.func.vmap(lambda x: addnorm.rms_norm(x, w, backend=backend))(torch.randn(2, 3, 8))
+    monkeypatch.setenv(backends.ENV_VAR, backend)
+    with pytest.raises(RuntimeError, match="ADDNORM_BACKEND"):
+        torch.func.grad(lambda x: addnorm.rms_norm(x, w).sum())(torch.randn(3, 8))

@@ -38,13 +38,14 @@ graph break. The ``torch`` backend is plain PyTorch: the readable reference, the
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from addnorm.ops.backends import kernel_module, resolve_backend, resolve_backend_for_trace
+from addnorm.ops.backends import ENV_VAR, kernel_module, resolve_backend, resolve_backend_for_trace
 from addnorm.reference import acc_dtype
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
@@ -374,6 +375,8 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
         name = resolve_backend_for_trace(backend, x.device.type)
     else:
         name = resolve_backend(backend, x.device, x.numel())
+        if name != "torch" and torch._C._are_functorch_transforms_active():
+            name = _backend_under_functorch(backend, name)
     # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
     cast_before_weight = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
     cast_before_weight = cast_before_weight and out_dtype != stats_dtype(x.dtype, residual_dtype)
@@ -382,6 +385,19 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     if name == "torch":
         return _torch_add_norm(*args)
     return _kernel_add_norm(*args, name)
+
+
+def _backend_under_functorch(backend: str, name: str) -> str:
+    """torch.func transforms (vmap, grad, jacrev, functional_call + grad, ...) compose with plain PyTorch only: the
+    kernel backends' autograd has no vmap rule and cannot see through functorch's wrapped tensors. auto falls back
+    to the torch backend (same contract); a kernel backend asked for by name (or by ADDNORM_BACKEND) is an error."""
+    if backend == "auto" and os.environ.get(ENV_VAR, "").strip() in ("", "auto"):
+        return "torch"
+    asked = f"backend={backend!r}" if backend != "auto" else f"{ENV_VAR}={os.environ[ENV_VAR].strip()!r}"
+    raise RuntimeError(
+        f"addnorm's {name!r} backend ({asked}) does not support torch.func transforms (vmap, grad, jacrev, ...); "
+        f"use backend='torch', or 'auto' with {ENV_VAR} unset (auto uses the torch backend inside a transform)"
+    )
 
 
 def add_layer_norm(
