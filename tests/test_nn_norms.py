@@ -97,3 +97,26 @@ def test_cast_before_weight_option_reaches_the_op(cls):
     got = norm(x, r)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(norm(x), fn(x, None, *params, 1e-5, cast_before_weight=True, backend="reference")[0])
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_repr_shows_addnorm_options_that_differ_from_the_default(cls):
+    assert repr(cls(8)) == repr(getattr(torch.nn, cls.__name__)(8))  # plain: exactly torch.nn's
+    text = repr(cls(8, zero_centered_weight=True, residual_dtype=torch.float32, backend="torch"))
+    assert "zero_centered_weight=True" in text and "residual_dtype=torch.float32" in text and "backend='torch'" in text
+    assert "cast_before_weight=True" in repr(cls(8, cast_before_weight=True))
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_pickle_and_deepcopy_keep_the_options(cls):
+    import copy
+    import pickle
+
+    norm = cls(8, zero_centered_weight=True, residual_dtype=torch.float32, backend="reference")
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, r = torch.randn(3, 8).bfloat16(), torch.randn(3, 8).bfloat16()
+    for clone in (copy.deepcopy(norm), pickle.loads(pickle.dumps(norm))):
+        assert (clone.zero_centered_weight, clone.residual_dtype, clone.backend) == (True, torch.float32, "reference")
+        got, want = clone(x, r), norm(x, r)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].dtype == torch.float32

@@ -43,6 +43,17 @@ class _AddNormMixin:
         if getattr(self, "zero_centered_weight", False) and self.weight is not None:
             nn.init.zeros_(self.weight)
 
+    def extra_repr(self) -> str:
+        # torch.nn's fields, then addnorm's options where they differ from the default: a Gemma norm (1 + weight) or
+        # an fp32 residual stream must be visible when printing a model
+        extras = [f"{k}={v!r}" for k, v, default in (
+            ("zero_centered_weight", self.zero_centered_weight, False),
+            ("cast_before_weight", self.cast_before_weight, False),
+            ("residual_dtype", self.residual_dtype, None),
+            ("backend", self.backend, "auto"),
+        ) if v != default]  # fmt: skip
+        return ", ".join([super().extra_repr(), *extras])
+
     def _norm_params(self):
         w = self.weight.reshape(-1) if self.weight is not None else None
         b = getattr(self, "bias", None)
