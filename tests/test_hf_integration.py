@@ -270,6 +270,7 @@ def test_from_pretrained_round_trip(tmp_path):
         loaded.save_pretrained(tmp_path / f"{family}-patched")
         again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-patched").eval()
         assert torch.equal(_logits(again, ids), ref)
+        assert not hf.is_applied(again)  # the patch is not saved: apply again after loading (apply's docstring)
 
 
 def test_patched_model_deepcopies_and_pickles():
@@ -378,7 +379,10 @@ def test_bad_input():
         hf.revert(model)
     hf.apply(model)
     with pytest.raises(ValueError, match="already applied"):
-        hf.apply(model)
+        hf.apply(model, fuse_residual=False)  # not a silent no-op: the second call asks for something else
+    hf.revert(model)
+    with pytest.raises(ValueError, match="not patched"):
+        hf.revert(model)  # reverting twice
     with pytest.raises(ValueError, match="family must be one of"):
         hf.tiny_config("t5")
 

@@ -391,6 +391,11 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
 
     Supported: GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 (text). A layer whose forward in the
     installed transformers differs from the one this module rewrites is left unfused, with a warning.
+
+    Applying to a model that is already patched raises ``ValueError`` rather than doing nothing: a second call may
+    ask for another ``fuse_residual``, which a silent no-op would ignore. Check with :func:`is_applied`, or
+    :func:`revert` first. The patch is not saved: ``save_pretrained`` writes the usual keys and
+    ``from_pretrained`` returns an unpatched model (apply again after loading).
     """
     _require_transformers()
     if not isinstance(model, nn.Module):
@@ -452,7 +457,12 @@ def _norms_swapped(layer: nn.Module) -> bool:
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: the original norm modules (given back the current Parameters) and layer classes."""
+    """Undo :func:`apply`: the original norm modules (given back the current Parameters) and layer classes.
+
+    Reverting a model that is not patched (never applied, or already reverted) raises ``ValueError``: it usually
+    means the wrong model object (a copy made before ``apply``, or one reloaded with ``from_pretrained``). Guard
+    with :func:`is_applied` where a model may be either.
+    """
     if not is_applied(model):
         raise ValueError("model: not patched by addnorm.integrations.hf.apply (nothing to revert)")
     patch: _Patch = getattr(model, _PATCH_ATTR)
