@@ -529,3 +529,30 @@ def test_kernel_backend_asked_for_under_vmap_says_so(backend, monkeypatch):
     monkeypatch.setenv(backends.ENV_VAR, backend)
     with pytest.raises(RuntimeError, match="ADDNORM_BACKEND"):
         torch.func.grad(lambda x: addnorm.rms_norm(x, w).sum())(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_activation_checkpointing_recomputes_the_same_dropout_and_gradients(backend, reentrant):
+    """torch.utils.checkpoint replays the forward with the RNG state restored: the same seed, so the same dropout
+    mask. The non-reentrant mode also allows the backward only one read of ctx.saved_tensors."""
+    from torch.utils.checkpoint import checkpoint
+
+    _skip_unavailable(backend)
+    w = torch.randn(16, requires_grad=True)
+    x, r = (torch.randn(4, 16, requires_grad=True) for _ in range(2))
+
+    def f(x, r):
+        return addnorm.add_layer_norm(x, r, w, None, dropout_p=0.3, backend=backend)[0].square().sum()
+
+    def grads(run):
+        for t in (x, r, w):
+            t.grad = None
+        torch.manual_seed(5)
+        run().backward()
+        return [t.grad for t in (x, r, w)]
+
+    plain = grads(lambda: f(x, r))
+    ckpt = grads(lambda: checkpoint(f, x, r, use_reentrant=reentrant))
+    for a, b in zip(ckpt, plain):
+        assert torch.equal(a, b)

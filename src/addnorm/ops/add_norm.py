@@ -264,7 +264,12 @@ def _setup_context(ctx, inputs, output, *, eager: bool = False):
 
 
 def _backward(ctx, dout, dres_out, _dmean=None, _drstd=None, _dseed=None):
-    h, weight, mean, rstd, seed = ctx.saved_tensors
+    return _backward_saved(ctx, ctx.saved_tensors, dout, dres_out)
+
+
+def _backward_saved(ctx, saved, dout, dres_out):
+    # saved: ctx.saved_tensors, read once by the caller (non-reentrant activation checkpointing allows one read)
+    h, weight, mean, rstd, seed = saved
     is_rms, dropout_p, zc, cbw, x_dtype, residual_dtype, bias_dtype, backend = ctx.opts
     if dout is None:
         dout = torch.zeros(h.shape, dtype=ctx.out_dtype, device=h.device)
@@ -324,9 +329,10 @@ class _EagerAddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dres_out):
         # grad mode is on here only under create_graph=True; the kernels never build a graph of their own
+        saved = ctx.saved_tensors  # once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack
         with torch.no_grad():
-            grads = _backward(ctx, dout, dres_out)
-        depends_on = [t for t in (dout, dres_out, *ctx.saved_tensors[:2]) if t is not None and t.requires_grad]
+            grads = _backward_saved(ctx, saved, dout, dres_out)
+        depends_on = [t for t in (dout, dres_out, *saved[:2]) if t is not None and t.requires_grad]
         if torch.is_grad_enabled() and depends_on:
             grads = _NoSecondDerivative.apply(ctx.opts[-1], grads, *depends_on)
         return grads
