@@ -556,3 +556,16 @@ def test_activation_checkpointing_recomputes_the_same_dropout_and_gradients(back
     ckpt = grads(lambda: checkpoint(f, x, r, use_reentrant=reentrant))
     for a, b in zip(ckpt, plain):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_numpy_scalar_eps_and_dropout_p_are_accepted_like_torch(backend):
+    """np.float32 is no subclass of float (np.float64 is): configs read through numpy hand such scalars over, and
+    torch.nn.functional takes them. They were rejected as 'eps must be a finite number'."""
+    np = pytest.importorskip("numpy")
+    _skip_unavailable(backend)
+    x = torch.randn(3, 8)
+    got = addnorm.add_layer_norm(x, x, None, None, np.float32(1e-3), dropout_p=np.float32(0.0), backend=backend)[0]
+    torch.testing.assert_close(got, F.layer_norm(2 * x, (8,), eps=1e-3))
+    torch.testing.assert_close(addnorm.rms_norm(x, None, np.float32(0.5), backend=backend),
+                               F.rms_norm(x, (8,), eps=0.5))  # fmt: skip

@@ -38,6 +38,7 @@ graph break. The ``torch`` backend is plain PyTorch: the readable reference, the
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -91,9 +92,10 @@ def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None
             raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them
+    if not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
@@ -372,6 +374,7 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     if is_rms and eps is None and isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES:
         eps = torch.finfo(x.dtype).eps
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
+    eps, dropout_p = float(eps), float(dropout_p)
     if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be a floating dtype or None, got {out_dtype!r}")
     if residual_dtype is None:
