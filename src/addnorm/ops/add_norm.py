@@ -33,6 +33,13 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd``, with
 fake implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces through them without a
 graph break. The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
+
+What composes with what: every backend works under autocast (the op takes each tensor's dtype as given),
+``no_grad``/``inference_mode``, activation checkpointing (the dropout seed comes from torch's generator, which
+checkpointing restores) and ``torch.compile``/``torch.export``. The kernel backends' gradients are first order:
+differentiating them again raises an error naming ``backend='torch'``, which is differentiable to any order.
+``torch.func`` transforms (vmap, grad, jacrev: per-sample gradients) see through plain PyTorch only, so ``auto``
+uses the torch backend inside one and a kernel backend asked for by name raises.
 """
 
 from __future__ import annotations
