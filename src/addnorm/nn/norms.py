@@ -46,12 +46,11 @@ class _AddNormMixin:
     def extra_repr(self) -> str:
         # torch.nn's fields, then addnorm's options where they differ from the default: a Gemma norm (1 + weight) or
         # an fp32 residual stream must be visible when printing a model
-        extras = [f"{k}={v!r}" for k, v, default in (
-            ("zero_centered_weight", self.zero_centered_weight, False),
-            ("cast_before_weight", self.cast_before_weight, False),
-            ("residual_dtype", self.residual_dtype, None),
-            ("backend", self.backend, "auto"),
-        ) if v != default]  # fmt: skip
+        # (getattr: a module pickled by an older addnorm may lack an option, as _forward allows for)
+        extras = [f"{k}={v!r}" for k, default in (
+            ("zero_centered_weight", False), ("cast_before_weight", False), ("residual_dtype", None),
+            ("backend", "auto"),
+        ) if (v := getattr(self, k, default)) != default]  # fmt: skip
         return ", ".join([super().extra_repr(), *extras])
 
     def _norm_params(self):
