@@ -239,10 +239,6 @@ def _fmt(x) -> str:
     return "n/a" if not _finite(x) else f"{x:.3f}"
 
 
-def _summary(verdict_line: str, name: str) -> str:
-    return f"{verdict_line} Criterion: {CRITERIA[name]}"
-
-
 # ------------------------------------------------------------------------------------------------ experiments
 @_register(
     "warmup",
@@ -286,7 +282,7 @@ def warmup_experiment(ctx: Context) -> Result:
     line = (f"Excess loss without / with best warmup: Post-LN {_fmt(ex['post'][0])} / {_fmt(best['post'])}, "
             f"Pre-LN {_fmt(ex['pre'][0])} / {_fmt(best['pre'])} ({steps} steps; a warmup longer than the run means "
             "the LR is still ramping at the end).")  # fmt: skip
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=_summary(line, "warmup"))
+    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line)
 
 
 @_register(
@@ -336,7 +332,7 @@ def depth_sweep(ctx: Context) -> Result:
     line = "Excess loss by depth " + "; ".join(
         f"{p}: " + ", ".join(f"L={n} {_fmt(ex[p][n])}" for n in depths) for p in placements) + "."  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
-                  summary=_summary(line, "depth-sweep"))  # fmt: skip
+                  summary=line)  # fmt: skip
 
 
 def _max_attn_logit(res) -> float | None:
@@ -412,7 +408,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
             f"Pre-LN max attention logit {_fmt(logits['pre'][0])} at lr {grid[0]:g} -> "
             f"{_fmt(max(top) if top else None)} at the top three LRs.")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
-                  summary=_summary(line, "lr-sensitivity"))  # fmt: skip
+                  summary=line)  # fmt: skip
 
 
 @_register(
@@ -461,7 +457,7 @@ def z_loss_experiment(ctx: Context) -> Result:
     }  # fmt: skip
     line = (f"Late mean log Z without z-loss {_fmt(without)}, with z-loss {z:g} {_fmt(with_)}; excess loss "
             f"{_fmt(excess(runs[0.0]))} vs {_fmt(excess(runs[z]))}.")  # fmt: skip
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=_summary(line, "z-loss"))
+    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line)
 
 
 def _layer_profile(record: dict, key: str) -> list[float | None]:
@@ -532,7 +528,7 @@ def placement_comparison(ctx: Context) -> Result:
             + "; excess loss after training: " + ", ".join(f"{p} {_fmt(excess(r))}" for p, r in results.items())
             + ".")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
-                  summary=_summary(line, "placement-comparison"))  # fmt: skip
+                  summary=line)  # fmt: skip
 
 
 def _time_steps(ctx: Context, norm: str, layers: int, steps: int) -> float:
@@ -602,4 +598,4 @@ def ln_vs_rms(ctx: Context) -> Result:
             f"{med['layernorm'] * 1e3:.1f} vs {med['rmsnorm'] * 1e3:.1f} ms (tiny model: the norm is a small "
             "share of the step).")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures,
-                  summary=_summary(line, "ln-vs-rms-training"))  # fmt: skip
+                  summary=line)  # fmt: skip
