@@ -142,7 +142,8 @@ h1{margin-bottom:.2em}h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bot
 table{border-collapse:collapse;margin:.8em 0}td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;
 vertical-align:top}th{background:#f6f8fa}td.v{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:13px;
 word-break:break-word;max-width:720px}
-.badge{display:inline-block;padding:.1em .6em;border-radius:1em;font-weight:600;font-size:13px;color:#fff}
+.badge{display:inline-block;padding:.1em .6em;border-radius:1em;font-weight:600;font-size:13px;color:#fff;
+white-space:nowrap}td.t{white-space:nowrap;text-align:right}
 .reproduced{background:#1a7f37}.not-reproduced{background:#cf222e}.inconclusive{background:#9a6700}
 .meta{color:#57606a;font-size:13px}.claim{font-size:16px}.crit{background:#f6f8fa;padding:.5em .8em;
 border-left:3px solid #8c959f}pre{background:#f6f8fa;padding:.6em;overflow:auto}
@@ -190,7 +191,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
         t += " (cached)" if r.get("cached") else ""
         parts.append(
             f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(r["verdict"])}</td>'
-            f"<td>{e(r.get('summary') or '')}</td><td>{e(t)}</td></tr>"
+            f"<td>{e(r.get('summary') or '')}</td><td class=\"t\">{e(t)}</td></tr>"
         )
     parts.append("</table>")
     for r in doc["experiments"]:
