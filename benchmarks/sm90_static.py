@@ -3,6 +3,7 @@ the benchmark's shapes, then read registers, spills and shared memory from ptxas
 
     python benchmarks/sm90_static.py                    # bf16 add + RMSNorm and LayerNorm, N = 512 ... 262144
     python benchmarks/sm90_static.py --shapes test      # the small set the test suite compiles (every kernel once)
+    python benchmarks/sm90_static.py --tuning max_bwd_block_n=16384   # what a Tuning change does to the kernels
 
 Why: a kernel that spills registers to local memory, or that fits only one program per SM, cannot stream at memory
 bandwidth, and both are visible before any GPU run. What this cannot tell: achieved bandwidth, cache behaviour,
@@ -16,6 +17,7 @@ Must run without TRITON_INTERPRET=1 (the interpreter does not compile).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -215,7 +217,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="bench: the GPU benchmark's bf16 shapes; test: a small set covering every kernel variant")
     p.add_argument("--out", default=None, help="write the table as Markdown to this file")
     p.add_argument("--json", action="store_true", help="print the rows as JSON (one object per launch) instead")
+    p.add_argument("--tuning", nargs="*", default=[], metavar="KNOB=VALUE",
+                   help="override fields of the launchers' Tuning, e.g. max_bwd_block_n=16384 elems_per_thread=4")
     a = p.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(T.Tuning)}
+    overrides = {}
+    for item in a.tuning:
+        knob, _, value = item.partition("=")
+        if knob not in fields or not value.isdigit():
+            p.error(f"--tuning: expected KNOB=INTEGER with KNOB one of {', '.join(sorted(fields))}; got {item!r}")
+        overrides[knob] = int(value)
+    T.TUNING = dataclasses.replace(T.TUNING, **overrides)
     reports = analyse(record_launches(shapes_for(a.shapes)))
     text = table(reports)
     if a.json:

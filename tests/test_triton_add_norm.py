@@ -153,6 +153,16 @@ def test_out_dtype(device, path, monkeypatch):
                          cast_before_weight=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch):
+    """The wide-row variant of the backward's rows kernel (weight reloaded per row block, not held in registers)."""
+    monkeypatch.setattr(T, "TUNING", T.Tuning(reload_weight_above=0))
+    x, r, w, b = _inputs(9, 100, torch.bfloat16, device)
+    with torch.no_grad():
+        w.mul_(0.1)
+    check_against_oracle(is_rms, x, r, w, b, zero_centered_weight=True, cast_before_weight=True)
+
+
 def test_small_n_packs_rows(device):
     """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
     m, n = 37, 128

@@ -66,6 +66,10 @@ class Tuning:
     rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
+    # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
+    # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
+    # sm_90 from 76 to 12 bytes a thread (benchmarks/sm90_static.py), letting max_bwd_block_n = 16384 be tried
+    reload_weight_above: int = 8192
 
 
 TUNING = Tuning()
@@ -299,6 +303,7 @@ def _bwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    RELOAD_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -306,7 +311,7 @@ def _bwd_rows_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and not RELOAD_W:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
         if ZERO_CENTERED:
             w += 1.0
@@ -327,6 +332,10 @@ def _bwd_rows_kernel(
             mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         if HAS_WEIGHT:
+            if RELOAD_W:  # fewer live registers in wide rows (see Tuning.reload_weight_above)
+                w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
+                if ZERO_CENTERED:
+                    w += 1.0
             g = dy * w[None, :]
             if CAST_BEFORE_WEIGHT:
                 dw_acc += dy * _round(xhat, DOut.dtype.element_ty).to(acc_t)  # dout is in out's dtype
@@ -587,7 +596,8 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         _bwd_rows_kernel[(programs,)](
             dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
-            **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n),
+            **flags, RELOAD_W=block_m * block_n > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=_warps(block_m * block_n),
         )  # fmt: skip
     else:
         block_n = _loop_block(TUNING.max_bwd_block_n)
