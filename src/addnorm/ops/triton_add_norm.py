@@ -102,6 +102,31 @@ def _rsqrt(v):
 
 
 @_jit
+def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """The effective weight of columns ``cols``: w, or 1 + w (Gemma); 0 outside the row, where dout is 0 too."""
+    w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
+    if ZERO_CENTERED:
+        w += 1.0
+    return w
+
+
+@_jit
+def _dropout(v, seed, idx, p, scale_hi, scale_lo):
+    """v scaled by 1/(1-p) where element ``idx`` is kept, else 0: the same mask in the forward and the backward."""
+    keep = tl.rand(seed, idx) >= p
+    return tl.where(keep, v * (tl.cast(scale_hi, v.dtype) + tl.cast(scale_lo, v.dtype)), 0.0)
+
+
+@_jit
+def _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexpr):
+    """dout * (the value the weight multiplied): xhat, or xhat rounded to out's dtype (cast_before_weight)."""
+    if CAST_BEFORE_WEIGHT:
+        return dy * _round(xhat, out_t).to(dy.dtype)
+    else:
+        return dy * xhat
+
+
+@_jit
 def _fwd_rows_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL)
@@ -140,8 +165,7 @@ def _fwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
     h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, rows64 * N + cols[None, :]) >= dropout_p
-        h = tl.where(keep, h * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+        h = _dropout(h, seed, rows64 * N + cols[None, :], dropout_p, scale_hi, scale_lo)
     if HAS_RESIDUAL:
         h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if STORE_RESIDUAL_OUT:
@@ -163,10 +187,7 @@ def _fwd_rows_kernel(
     if CAST_BEFORE_WEIGHT:
         y = _round(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(acc_t)
-        if ZERO_CENTERED:
-            w += 1.0
-        y = y * w[None, :]
+        y = y * _weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
     tl.store(Out + rows64 * N + cols[None, :], _round(y, Out.dtype.element_ty), mask=mask)
@@ -217,8 +238,7 @@ def _fwd_looped_kernel(
         ok = cols < N
         h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
         if HAS_DROPOUT:
-            keep = tl.rand(seed, row * N + cols) >= dropout_p
-            h = tl.where(keep, h * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+            h = _dropout(h, seed, row * N + cols, dropout_p, scale_hi, scale_lo)
         if HAS_RESIDUAL:
             h += tl.load(r_row + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_RESIDUAL_OUT:
@@ -260,10 +280,7 @@ def _fwd_looped_kernel(
         if CAST_BEFORE_WEIGHT:
             y = _round(y, Out.dtype.element_ty).to(acc_t)
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
-            if ZERO_CENTERED:
-                w += 1.0
-            y = y * w
+            y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
         if HAS_BIAS:
             y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
         tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
@@ -312,9 +329,7 @@ def _bwd_rows_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if HAS_WEIGHT and not RELOAD_W:
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
-        if ZERO_CENTERED:
-            w += 1.0
+        w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
     # persistent: this program takes row blocks pid, pid + programs, ... in a fixed order (deterministic)
@@ -333,14 +348,9 @@ def _bwd_rows_kernel(
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         if HAS_WEIGHT:
             if RELOAD_W:  # fewer live registers in wide rows (see Tuning.reload_weight_above)
-                w = tl.load(W + cols, mask=col_ok, other=0.0).to(acc_t)
-                if ZERO_CENTERED:
-                    w += 1.0
+                w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
             g = dy * w[None, :]
-            if CAST_BEFORE_WEIGHT:
-                dw_acc += dy * _round(xhat, DOut.dtype.element_ty).to(acc_t)  # dout is in out's dtype
-            else:
-                dw_acc += dy * xhat
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)  # dout is in out's dtype
         else:
             g = dy
         if HAS_DB:
@@ -351,13 +361,14 @@ def _bwd_rows_kernel(
         else:
             c2 = tl.sum(g, axis=1)[:, None] / N
             dh = (g - c2 - xhat * c1) * rstd
+        # this tail repeats in _bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
+        # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
         if STORE_DRES:
             tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            keep = tl.rand(seed, rows64 * N + cols[None, :]) >= dropout_p
-            dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+            dh = _dropout(dh, seed, rows64 * N + cols[None, :], dropout_p, scale_hi, scale_lo)
         tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
@@ -395,10 +406,7 @@ def _bwd_row_sums_kernel(
         h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
         g = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
-            if ZERO_CENTERED:
-                w = tl.where(ok, w + 1.0, 0.0)
-            g = g * w
+            g = g * _weight(W, cols, ok, acc_t, ZERO_CENTERED)  # 1 + 0 outside the row, but g is 0 there
         if IS_RMS:
             xhat = h * rstd
         else:
@@ -449,9 +457,7 @@ def _bwd_tiles_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
-        if ZERO_CENTERED:
-            w += 1.0
+        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([BLOCK_N], dtype=acc_t)
     db_acc = tl.zeros([BLOCK_N], dtype=acc_t)
     for r in range(group, M, tl.num_programs(1)):
@@ -466,10 +472,7 @@ def _bwd_tiles_kernel(
             xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
         if HAS_WEIGHT:
             g = dy * w
-            if CAST_BEFORE_WEIGHT:
-                dw_acc += dy * _round(xhat, DOut.dtype.element_ty).to(acc_t)  # dout is in out's dtype
-            else:
-                dw_acc += dy * xhat
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         else:
             g = dy
         if HAS_DB:
@@ -483,8 +486,7 @@ def _bwd_tiles_kernel(
         if STORE_DRES:
             tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
         if HAS_DROPOUT:
-            keep = tl.rand(seed, row * N + cols) >= dropout_p
-            dh = tl.where(keep, dh * (tl.cast(scale_hi, acc_t) + tl.cast(scale_lo, acc_t)), 0.0)
+            dh = _dropout(dh, seed, row * N + cols, dropout_p, scale_hi, scale_lo)
         tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
     if HAS_WEIGHT:
         tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
