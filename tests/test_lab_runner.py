@@ -209,7 +209,9 @@ def test_atomic_write_leaves_the_old_file_when_replace_fails(tmp_path, monkeypat
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(runner.os, "replace", boom)
+    import addnorm.io
+
+    monkeypatch.setattr(addnorm.io.os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_text(target, "new")
     assert target.read_text() == "old"
@@ -486,7 +488,10 @@ def test_cli_disk_full_is_an_error_message(tmp_path, fake_cli, capsys, monkeypat
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(runner, "atomic_write_text", full)
+    import addnorm.io
+
+    monkeypatch.setattr(addnorm.io, "atomic_write_text", full)
+    monkeypatch.setattr(addnorm.io, "atomic_write", lambda path, write, binary: full(path, ""))
     assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "cannot write the results" in err and "No space left" in err and "Traceback" not in err

@@ -7,17 +7,37 @@ from a criterion fixed in its code before the run.
         return Result(verdict=verdict_from(passed), metrics={...}, figures=[...], summary="...")
 
 Experiments register on import; :data:`EXPERIMENTS` keeps them in registration order.
+
+Kinds. ``kind="empirical"`` (the default) tests what a paper says happens; only these count in the report's
+headline. ``kind="sanity"`` is a deterministic numerics check or identity that must hold if the code is right
+(an LN output has RMS 1, fp16 overflows above 65504): shown, labelled, never counted as evidence.
+``kind="demonstration"`` illustrates an article's exercise with figures (its verdict says whether the
+demonstration showed what it should).
+
+Controls. An empirical experiment states its ``precondition`` (the positive/negative control that shows the
+claim could be seen at all). When it fails, the verdict is ``inconclusive`` and ``Result.reason`` says why.
+
+Tasks. An experiment that runs many small independent computations (trainings at several seeds, LRs, depths)
+hands them to ``ctx.map(fn, tasks)``: ``fn`` is a module-level function (picklable), each task a dict of keyword
+arguments, and the results come back in task order. A task must be deterministic from its arguments (it seeds
+its own generators, and runs with one torch thread), and must return JSON-serializable data (dicts, lists,
+numbers, strings, None; non-finite floats allowed), so the lab's executor can run tasks on worker processes or
+torchrun ranks, cache them for resuming, and give results bitwise identical to running them here in order.
+
+Timings. Wall-clock measurements go into ``Result.timings``, not ``metrics``: metrics are what the code and the
+seed determine (merge compares them across machines); timings differ on every run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+KINDS = ("empirical", "sanity", "demonstration")
 
 
 @dataclass(kw_only=True)
@@ -29,10 +49,19 @@ class Result:
     metrics: dict[str, Any]
     figures: list[str] = field(default_factory=list)
     summary: str = ""
+    # Wall-clock measurements (seconds, ratios of times): shown, but not compared by merge (module docstring).
+    timings: dict[str, Any] = field(default_factory=dict)
+    # Why the verdict is "inconclusive" (a failed precondition/control, a run that could not decide); "" otherwise.
+    reason: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+def serial_map(fn: Callable[..., Any], tasks: Sequence[dict[str, Any]]) -> list[Any]:
+    """The default task mapper: run each task here, in order."""
+    return [fn(**task) for task in tasks]
 
 
 @dataclass(kw_only=True)
@@ -46,6 +75,15 @@ class Context:
     figure_dir: Path = Path(".")
     progress: Callable[[str], None] = lambda message: None
     config: dict[str, Any] = field(default_factory=dict)
+    # How ctx.map runs tasks: serially here by default; the lab's executor puts in a process-pool or torchrun one.
+    mapper: Callable[[Callable[..., Any], Sequence[dict[str, Any]]], list[Any]] = serial_map
+
+    def map(self, fn: Callable[..., Any], tasks: Sequence[dict[str, Any]]) -> list[Any]:
+        """``[fn(**t) for t in tasks]``, possibly in parallel; results in task order (see the module docstring)."""
+        tasks = list(tasks)
+        if not all(isinstance(t, dict) for t in tasks):
+            raise TypeError("ctx.map tasks must be dicts of keyword arguments")
+        return list(self.mapper(fn, tasks))
 
     def figure_path(self, name: str) -> Path:
         self.figure_dir.mkdir(parents=True, exist_ok=True)
@@ -62,21 +100,32 @@ class Experiment:
     config: dict[str, Any] = field(default_factory=dict)
     # The verdict's rule in words, fixed before the run; the report shows it next to the verdict.
     criterion: str = ""
+    # "empirical" | "sanity" | "demonstration" (module docstring); only empirical verdicts are counted as evidence.
+    kind: str = "empirical"
+    # The control that must hold for the experiment to test its claim at all; failing it -> "inconclusive".
+    precondition: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def experiment(
-    name: str, *, claim: str, source: str, config: dict[str, Any] | None = None, criterion: str = ""
+    name: str, *, claim: str, source: str, config: dict[str, Any] | None = None, criterion: str = "",
+    kind: str = "empirical", precondition: str = "",
 ):
-    """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule."""
+    """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule,
+    ``precondition`` the control, ``kind`` whether it is evidence (see the module docstring)."""
 
     def register(fn: Callable[[Context], Result]) -> Callable[[Context], Result]:
         if name in EXPERIMENTS:
             raise ValueError(f"experiment {name!r} is registered twice")
         EXPERIMENTS[name] = Experiment(
-            name=name, claim=claim, source=source, run=fn, config=dict(config or {}), criterion=criterion
+            name=name, claim=claim, source=source, run=fn, config=dict(config or {}), criterion=criterion,
+            kind=kind, precondition=precondition,
         )
         return fn
 

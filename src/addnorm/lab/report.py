@@ -42,13 +42,13 @@ def results_document(records: list[dict], meta: dict[str, Any]) -> dict[str, Any
 
 def write_report(out: Path, records: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
     """Write results.json, report.md and index.html into ``out``; returns the results document."""
-    from addnorm.lab.runner import atomic_write_json, atomic_write_text
+    from addnorm import io
 
     out = Path(out)
     doc = results_document(records, meta)
-    atomic_write_json(out / RESULTS_FILE, doc)
-    atomic_write_text(out / MARKDOWN_FILE, render_markdown(doc))
-    atomic_write_text(out / HTML_FILE, render_html(doc, out))
+    io.atomic_write_json(out / RESULTS_FILE, doc)
+    io.atomic_write_text(out / MARKDOWN_FILE, render_markdown(doc))
+    io.atomic_write_text(out / HTML_FILE, render_html(doc, out))
     return doc
 
 

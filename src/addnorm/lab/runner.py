@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,6 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+# The writers live in addnorm.io (train's checkpoints use them too); re-exported here for existing callers.
+from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
+from addnorm.io import json_default as _json_default
 from addnorm.lab.core import EXPERIMENTS, Context, Experiment, Result
 
 RECORD_FILE = "result.json"
@@ -40,52 +42,6 @@ RESULTS_FILE = "results.json"
 
 
 # ----------------------------------------------------------------------------------------------- small utilities
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader (or a crash) never sees half a file: temp file in the same
-    directory, fsync, then ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Strict JSON (what jq and browsers accept): non-finite floats are stored as the strings "inf", "-inf" and
-    "nan" (an fp16 overflow is a result worth keeping, and JSON has no literal for it)."""
-    text = json.dumps(strict_json(data), indent=2, sort_keys=False, allow_nan=False)
-    atomic_write_text(path, text + "\n")
-
-
-def strict_json(obj: Any) -> Any:
-    """``obj`` with tensors/numpy values as lists and numbers, and non-finite floats as "inf"/"-inf"/"nan"."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else ("nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return strict_json(_json_default(obj))
-
-
-def _json_default(obj: Any) -> Any:
-    # numpy scalars and tensors slip into metrics easily; store them as plain numbers/lists
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"metrics must be JSON-serializable, got {type(obj).__name__}")
-
-
 def parse_shard(text: str) -> tuple[int, int]:
     """``"K/N"`` -> (K, N) with 1 <= K <= N."""
     try:
