@@ -28,6 +28,7 @@ every operation, so fp16 overflow and catastrophic cancellation can be shown rat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ __all__ = [
     "add_norm_ref",
     "add_norm_bwd_ref",
     "dropout_keep_mask",
+    "dropout_scale",
+    "dropout_threshold",
+    "mix32",
     "Stats",
     "stats_naive",
     "stats_two_pass",
@@ -185,40 +189,68 @@ def rms_norm_bwd_ref(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Dropout mask: a counter-based hash of (seed, element index), so any backend can regenerate it in the backward
-# instead of storing it. The CPU backend implements the same hash; results agree bit for bit.
+# Dropout: one keep-function of (seed, row, column) and one scaling for every backend (torch, reference, cpu,
+# triton), so a seed gives bitwise the same residual_out whatever the backend or the batch size. The hash uses only
+# 32-bit multiplies, shifts and xors: cheap in Triton (uint32), numba (uint64 masked) and torch (int64 masked).
+#
+#   mix(z)   = lowbias32 (C. Wellons' integer hash, a bijection of uint32): z ^= z >> 16; z *= 0x7FEB352D;
+#              z ^= z >> 15; z *= 0x846CA68B; z ^= z >> 16   (products mod 2^32)
+#   idx      = i * N + j (int64)
+#   z        = mix(lo32(idx) ^ mix(hi32(idx) ^ mix(seed + 0x9E3779B9)))
+#   keep     = (z >> 8) >= ceil(p * 2^24)          (the top 24 bits as u = k / 2^24: keep iff u >= p, exactly)
+#   kept     = v * scale,  scale = 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
+#
+# Below 2^32 elements every element gets a distinct z (mix is a bijection), so no two share a draw.
 # --------------------------------------------------------------------------------------------------------------
 
-_MASK64 = (1 << 64) - 1
+DROPOUT_SEED_OFFSET = 0x9E3779B9
+MIX_M1 = 0x7FEB352D
+MIX_M2 = 0x846CA68B
+_M32 = 0xFFFFFFFF
 
 
-def _to_signed64(v: int) -> int:
-    v &= _MASK64
-    return v - (1 << 64) if v >= (1 << 63) else v
+def mix32(z: int) -> int:
+    """lowbias32 on a Python int in [0, 2^32): the scalar form, for tests and host code."""
+    z ^= z >> 16
+    z = (z * MIX_M1) & _M32
+    z ^= z >> 15
+    z = (z * MIX_M2) & _M32
+    return z ^ (z >> 16)
 
 
-_SPLITMIX_GAMMA = _to_signed64(0x9E3779B97F4A7C15)
-_SPLITMIX_M1 = _to_signed64(0xBF58476D1CE4E5B9)
-_SPLITMIX_M2 = _to_signed64(0x94D049BB133111EB)
+def _mix32_t(z: Tensor) -> Tensor:
+    """lowbias32 on int64 tensors holding values in [0, 2^32). The second multiplier is used as its negative
+    two's-complement twin so that no int64 product overflows; the low 32 bits are the same."""
+    z = z ^ (z >> 16)
+    z = (z * MIX_M1) & _M32
+    z = z ^ (z >> 15)
+    z = (z * (MIX_M2 - (1 << 32))) & _M32
+    return z ^ (z >> 16)
 
 
-def _srl(v: Tensor, s: int) -> Tensor:
-    """Logical right shift of int64 tensors (torch's >> is arithmetic)."""
-    return (v >> s) & ((1 << (64 - s)) - 1)
+def dropout_threshold(p: float) -> int:
+    """The keep threshold on the hash's top 24 bits: u = k / 2^24 >= p iff k >= ceil(p * 2^24) (both exact)."""
+    return math.ceil(p * (1 << 24))
 
 
-def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device: torch.device | str = "cpu") -> Tensor:
-    """Boolean keep mask of shape (rows, cols): element (i, j) is kept iff hash(seed, i * cols + j) >= p.
+def dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """The factor kept elements are multiplied by: 1 / (1 - p) in fp64, rounded to ``dtype`` (the statistics
+    dtype), returned as a Python float holding exactly that value."""
+    s = 1.0 / (1.0 - p)
+    return s if dtype == torch.float64 else float(torch.tensor(s, dtype=torch.float32))
 
-    The hash is splitmix64 (wrapping int64 arithmetic); its top 24 bits give a uniform u in [0, 1).
-    """
+
+def dropout_keep_mask(seed: int | Tensor, rows: int, cols: int, p: float, device: torch.device | str = "cpu") -> Tensor:
+    """Boolean keep mask of shape (rows, cols): element (i, j) is kept iff its hash of (seed, i * cols + j) has
+    top 24 bits >= p * 2^24 (see the section comment). ``seed`` may be an int or a 0-dim integer tensor (read
+    without leaving its device)."""
+    if isinstance(seed, Tensor):
+        s = _mix32_t((seed.to(torch.int64) + DROPOUT_SEED_OFFSET) & _M32).to(device)
+    else:
+        s = mix32((int(seed) + DROPOUT_SEED_OFFSET) & _M32)
     idx = torch.arange(rows * cols, dtype=torch.int64, device=device).reshape(rows, cols)
-    z = idx * _SPLITMIX_GAMMA + _to_signed64(seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019)
-    z = (z ^ _srl(z, 30)) * _SPLITMIX_M1
-    z = (z ^ _srl(z, 27)) * _SPLITMIX_M2
-    z = z ^ _srl(z, 31)
-    u = _srl(z, 40).to(torch.float64) * (1.0 / (1 << 24))
-    return u >= p
+    z = _mix32_t((idx & _M32) ^ _mix32_t((idx >> 32) ^ s))
+    return (z >> 8) >= dropout_threshold(p)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,7 +284,7 @@ def add_norm_ref(
     h = x.to(cd)
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, x.shape[0], x.shape[-1], dropout_p, x.device)
-        h = torch.where(keep, h / (1.0 - dropout_p), torch.zeros((), dtype=cd, device=x.device))
+        h = torch.where(keep, h * dropout_scale(dropout_p, cd), torch.zeros((), dtype=cd, device=x.device))
     if residual is not None:
         h = h + residual.to(cd)
     residual_out = h.to(rd)  # the value normalized is the sum exactly as stored
@@ -300,7 +332,7 @@ def add_norm_bwd_ref(
     dx = dh
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, dout.shape[0], dout.shape[-1], dropout_p, dout.device)
-        dx = torch.where(keep, dh / (1.0 - dropout_p), torch.zeros((), dtype=cd, device=dh.device))
+        dx = torch.where(keep, dh * dropout_scale(dropout_p, cd), torch.zeros((), dtype=cd, device=dh.device))
     dweight = dw.to(weight.dtype) if weight is not None else None
     dbias = db.to(bias_dtype) if bias_dtype is not None else None
     return dx.to(x_dtype), dres, dweight, dbias

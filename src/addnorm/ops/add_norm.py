@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.backends import ENV_VAR, kernel_module, resolve_backend, resolve_backend_for_trace
-from addnorm.reference import acc_dtype
+from addnorm.reference import acc_dtype, dropout_keep_mask, dropout_scale
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
@@ -99,13 +99,14 @@ def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None
             raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+    # before eps: eps=None is derived from residual_dtype
+    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
     # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them
     if not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -119,12 +120,22 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def draw_seed(device: torch.device) -> Tensor:
+    """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
+    never leaves the device (CUDA graphs replay the draw; activation checkpointing restores the generator). Every
+    backend draws it this way, which is what makes a seed give the same mask on all of them."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
+
+
 def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
                     cast_before_weight, out_dtype):  # fmt: skip
     cd = stats_dtype(x.dtype, residual_dtype)
     h = _as(x, cd)
     if dropout_p > 0.0:
-        h = F.dropout(h, dropout_p)
+        # the contract's mask and scaling (addnorm.reference), not F.dropout: the same bits as the kernel backends
+        n = x.shape[-1]
+        keep = dropout_keep_mask(draw_seed(x.device), x.numel() // n, n, dropout_p, x.device).reshape(x.shape)
+        h = torch.where(keep, h * dropout_scale(dropout_p, cd), torch.zeros((), dtype=cd, device=x.device))
     if residual is not None:
         h = h + _as(residual, cd)
     residual_out = _as(h, residual_dtype)  # rounded once; the norm below sees exactly this
@@ -135,7 +146,10 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
     if cast_before_weight:
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
         xhat = F.rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
-        out = xhat.to(out_dtype).to(cd)
+        # the rounding's gradient is the identity, as in the kernels: autograd through .to(out_dtype) would round
+        # dout * w to out's dtype before the norm's backward (up to one bf16 ulp more error in dx). xhat + (r -
+        # xhat) is r exactly: r is xhat's nearest out_dtype value, so the difference is exact (Sterbenz)
+        out = xhat + (xhat.to(out_dtype).to(cd) - xhat).detach()
         if w is not None:
             out = out * w
         if b is not None:
@@ -187,16 +201,18 @@ def _fwd_impl(
     cast_before_weight: bool = False,
     out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (out, residual_out or empty, mean or empty, rstd, seed). The seed is drawn here, from torch's
-    default generator, so the op stays traceable and the backward can regenerate the dropout mask."""
-    seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+    """Returns (out, residual_out or empty, mean or empty, rstd, seed or empty). The seed is drawn here, on x's
+    device from its generator (:func:`draw_seed`), so the op stays traceable, CUDA inputs keep every tensor on the
+    GPU (graph-safe), and the backward can regenerate the dropout mask."""
+    seed = draw_seed(x.device) if dropout_p > 0 else None
     out, res_out, mean, rstd = kernel_module(backend).forward(
         x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
         store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
     )  # fmt: skip
     outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
-    return (*_unaliased(outputs, (x, residual, weight, bias)), torch.tensor(seed, dtype=torch.int64))
+    seed_out = seed if seed is not None else x.new_empty(0, dtype=torch.int64)
+    return (*_unaliased(outputs, (x, residual, weight, bias)), seed_out)
 
 
 _add_norm_fwd = torch.library.custom_op("addnorm::add_norm_fwd", _fwd_impl, mutates_args=())
@@ -212,7 +228,7 @@ def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_ce
         x.new_empty((m, n), dtype=residual_dtype) if store_residual_out else x.new_empty(0),
         x.new_empty(0 if is_rms else m, dtype=sd),
         x.new_empty(m, dtype=sd),
-        torch.empty((), dtype=torch.int64),
+        x.new_empty(() if dropout_p > 0 else (0,), dtype=torch.int64),
     )
 
 
@@ -236,7 +252,7 @@ def _bwd_impl(
     """Returns (dx, dresidual, dweight, dbias), an empty tensor standing for each absent gradient."""
     dx, dres, dw, db = kernel_module(backend).backward(
         dout, dresidual_out, h, weight, None if is_rms else mean, rstd, is_rms=is_rms, dropout_p=dropout_p,
-        seed=int(seed.item()) if dropout_p > 0 else 0, zero_centered_weight=zero_centered_weight,
+        seed=seed if dropout_p > 0 else None, zero_centered_weight=zero_centered_weight,
         x_dtype=x_dtype, residual_dtype=residual_dtype, bias_dtype=bias_dtype,
         cast_before_weight=cast_before_weight,
     )  # fmt: skip
@@ -284,14 +300,18 @@ def _backward_saved(ctx, saved, dout, dres_out):
         dout = torch.zeros(h.shape, dtype=ctx.out_dtype, device=h.device)
     if not ctx.has_residual_out or (dres_out is not None and dres_out.numel() == 0):
         dres_out = None
+    # Without dropout and with residual_dtype == x's dtype, dresidual and dx are the same rounding of the same
+    # value: the kernel writes it once (as dx) and autograd gets that tensor for both (25% fewer backward bytes).
+    # The custom op cannot return one tensor twice, so the sharing happens here, at the autograd level.
+    shared = residual_dtype == x_dtype and dropout_p == 0
     bwd = _bwd_impl if ctx.eager else torch.ops.addnorm.add_norm_bwd
     dx, dres, dw, db = bwd(
-        dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype, residual_dtype, bias_dtype,
-        backend, cbw,
+        dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype,
+        None if shared else residual_dtype, bias_dtype, backend, cbw,
     )  # fmt: skip
     return (
         dx,
-        dres if residual_dtype is not None else None,
+        dx if shared else dres if residual_dtype is not None else None,
         dw if weight is not None else None,
         db if bias_dtype is not None else None,
         None, None, None, None, None, None, None, None, None,
@@ -378,8 +398,8 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
 
 def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
               cast_before_weight, out_dtype, backend):  # fmt: skip
-    if is_rms and eps is None and isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES:
-        eps = torch.finfo(x.dtype).eps
+    if is_rms and eps is None:
+        eps = _default_rms_eps(x, residual, residual_dtype)
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
     eps, dropout_p = float(eps), float(dropout_p)
     if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
@@ -401,6 +421,16 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     if name == "torch":
         return _torch_add_norm(*args)
     return _kernel_add_norm(*args, name)
+
+
+def _default_rms_eps(x, residual, residual_dtype):
+    """eps=None: machine epsilon of the dtype being normalized, residual_out's (residual_dtype, else the residual's
+    dtype, else x's), as F.rms_norm takes its input's. x's dtype would be wrong for an fp32 residual stream with
+    bf16 activations: 2^-7 instead of 1.2e-7. Unusable input is left for _validate to name (None stays None)."""
+    for dt in (residual_dtype, getattr(residual, "dtype", None), getattr(x, "dtype", None)):
+        if dt is not None:
+            return torch.finfo(dt).eps if dt in _FLOAT_DTYPES else None
+    return None
 
 
 def _backend_under_functorch(backend: str, name: str) -> str:
@@ -457,8 +487,9 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = RMSNorm(residual_out)``. Returns ``(out, residual_out)``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``. The other options are
-    those of :func:`add_layer_norm`.
+    ``eps=None`` means the machine epsilon of the dtype normalized, residual_out's (``residual_dtype``, else the
+    residual's dtype, else x's), as ``torch.nn.functional.rms_norm`` takes its input's. The other options are those
+    of :func:`add_layer_norm`.
     """
     return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight,
                      cast_before_weight, out_dtype, backend)  # fmt: skip

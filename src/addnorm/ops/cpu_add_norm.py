@@ -26,21 +26,22 @@ dweight and dbias are reduced in a fixed number of row chunks that depends only 
 count): each chunk sums its rows in order, then the chunk partials are summed in order. The result is bitwise
 identical whatever the number of threads, and run to run.
 
-Dropout keeps element (i, j) iff splitmix64(seed, i * N + j) >= p, exactly the hash of
-:func:`addnorm.reference.dropout_keep_mask`, so the backward regenerates the mask and the two backends agree bit
-for bit.
+Dropout keeps element (i, j) by the contract's keep-function of (seed, i * N + j) and scales kept elements by
+the contract's scale (:func:`addnorm.reference.dropout_keep_mask`, :func:`~addnorm.reference.dropout_scale`), so
+the backward regenerates the mask and every backend agrees bit for bit.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import sys
 import threading
 
 import numpy as np
 import torch
+
+from addnorm import reference as _ref
 
 try:
     import numba
@@ -214,30 +215,35 @@ def _zero_of_impl(a):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Dropout: splitmix64 of (seed, element index), identical to addnorm.reference.dropout_keep_mask
+# Dropout: the contract's keep-function (addnorm.reference), in uint64 arithmetic masked to 32 bits
 # --------------------------------------------------------------------------------------------------------------
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_MASK64 = (1 << 64) - 1
+_M32 = np.uint64(0xFFFFFFFF)
+_MIX_M1 = np.uint64(_ref.MIX_M1)
+_MIX_M2 = np.uint64(_ref.MIX_M2)
 
 
 @njit(inline="always", **_JIT)
-def _keep(idx, seed_mix, threshold):
-    """True iff element ``idx`` survives: the hash's top 24 bits, read as k / 2^24, are >= p (k >= threshold)."""
-    z = np.uint64(idx) * _GAMMA + seed_mix  # uint64 arithmetic wraps like the reference's int64
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(40)) >= threshold
+def _mix32(z):
+    z = z ^ (z >> np.uint64(16))
+    z = (z * _MIX_M1) & _M32
+    z = z ^ (z >> np.uint64(15))
+    z = (z * _MIX_M2) & _M32
+    return z ^ (z >> np.uint64(16))
 
 
-def _dropout_args(seed: int, p: float) -> tuple[int, int]:
-    """(seed's splitmix64 offset as a signed int64, keep threshold): plain ints, reinterpreted as uint64 inside."""
-    seed_mix = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
-    # u = k / 2^24 is exact, so u >= p  <=>  k >= ceil(p * 2^24) (p * 2^24 is exact too)
-    return seed_mix - (1 << 64) if seed_mix >= 1 << 63 else seed_mix, math.ceil(p * (1 << 24))
+@njit(inline="always", **_JIT)
+def _keep(idx, seed_key, threshold):
+    """True iff element ``idx`` (= i * N + j) survives: the hash's top 24 bits are >= threshold."""
+    k = np.uint64(idx)
+    z = _mix32((k & _M32) ^ _mix32((k >> np.uint64(32)) ^ seed_key))
+    return (z >> np.uint64(8)) >= threshold
+
+
+def _dropout_args(seed, p: float, sd: torch.dtype) -> tuple[int, int, float]:
+    """(the seed's key mix32(seed + offset), keep threshold, scale) as plain Python numbers."""
+    seed_key = _ref.mix32((int(seed) + _ref.DROPOUT_SEED_OFFSET) & 0xFFFFFFFF)
+    return seed_key, _ref.dropout_threshold(p), _ref.dropout_scale(p, sd)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -264,12 +270,12 @@ def _sum_sq_dev(h, n, mean, zero):
 
 
 @njit(**_JIT)
-def _residual_row(x, r, h, i, n, has_res, dropout, seed_mix, threshold, keep_div, zero):
+def _residual_row(x, r, h, i, n, has_res, dropout, seed_key, threshold, scale, zero):
     """h = dropout(x) + r for row i, rounded to h's storage type."""
     for j in range(n):
         v = _cast(_load(x, j), zero)
         if dropout:
-            v = v / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
+            v = v * scale if _keep(i * n + j, seed_key, threshold) else zero
         if has_res:
             v = v + _cast(_load(r, j), zero)
         _store(h, j, v)
@@ -290,13 +296,13 @@ def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
 
 @njit(**_JIT)
 def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-             seed_mix, threshold, keep_div, eps, cast, zero):  # fmt: skip
+             seed_key, threshold, scale, eps, cast, zero):  # fmt: skip
     # X: x rows; R: residual rows (stride sr); W, B: weight, bias in the statistics dtype; Out: (M, N) output;
     # H: residual_out rows (stride sh; H is X itself when nothing is stored); Mean, Rstd: (M,) statistics
     h = H[i * sh : i * sh + n]
     if store:  # rounded once; everything below normalizes the stored value
-        _residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_mix,
-                      threshold, keep_div, zero)  # fmt: skip
+        _residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_key,
+                      threshold, scale, zero)  # fmt: skip
     nf = _cast(n, zero)
     if is_rms:
         mean = zero
@@ -315,24 +321,24 @@ def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, h
 # entries by function, not by the parallel flag.
 @njit(parallel=True, **_JIT)
 def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                  seed_mix, threshold, keep_div, eps, cast):  # fmt: skip
+                  seed_key, threshold, scale, eps, cast):  # fmt: skip
     zero = _zero_of(Rstd)
-    seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
-    keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
+    seed_key, threshold = np.uint64(seed_key), np.uint64(threshold)
+    scale, eps = _cast(scale, zero), _cast(eps, zero)
     for i in prange(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_mix, threshold, keep_div, eps, cast, zero)  # fmt: skip
+                 seed_key, threshold, scale, eps, cast, zero)  # fmt: skip
 
 
 @njit(**_JIT)
 def _fwd_serial(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                seed_mix, threshold, keep_div, eps, cast):  # fmt: skip
+                seed_key, threshold, scale, eps, cast):  # fmt: skip
     zero = _zero_of(Rstd)  # the scalars arrive as python floats and ints (cheap to pass), typed here
-    seed_mix, threshold = np.uint64(seed_mix), np.uint64(threshold)
-    keep_div, eps = _cast(keep_div, zero), _cast(eps, zero)
+    seed_key, threshold = np.uint64(seed_key), np.uint64(threshold)
+    scale, eps = _cast(scale, zero), _cast(eps, zero)
     for i in range(m):
         _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_mix, threshold, keep_div, eps, cast, zero)  # fmt: skip
+                 seed_key, threshold, scale, eps, cast, zero)  # fmt: skip
 
 
 @njit(fastmath=_FAST, **_JIT)
@@ -354,7 +360,7 @@ def _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero):
 # full of flags stayed scalar (several times slower).
 @njit(**_JIT)
 def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro, has_w, has_dres, dropout,
-                seed_mix, threshold, keep_div, zero):  # fmt: skip
+                seed_key, threshold, scale, zero):  # fmt: skip
     for j in range(n):
         xhat = (_cast(_load(h, j), zero) - mean) * rstd
         g = _cast(_load(dy, j), zero)
@@ -366,7 +372,7 @@ def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro
         if has_dres:
             _store(dres, j, dh)
         if dropout:
-            dh = dh / keep_div if _keep(i * n + j, seed_mix, threshold) else zero
+            dh = dh * scale if _keep(i * n + j, seed_key, threshold) else zero
         _store(dx, j, dh)
 
 
@@ -386,7 +392,7 @@ def _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero):
 
 @njit(**_JIT)
 def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-               has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero):  # fmt: skip
+               has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero):  # fmt: skip
     # DY: dout rows; DRO: dresidual_out rows; H: the normalized input as stored; W: effective weight (stats
     # dtype); DX, DRes: (M, N) outputs; DWp, DBp: (chunks, N) partial sums of this chunk's rows
     nf = _cast(n, zero)
@@ -403,7 +409,7 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
         _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres, dropout,
-                    seed_mix, threshold, keep_div, zero)  # fmt: skip
+                    seed_key, threshold, scale, zero)  # fmt: skip
         if has_w or has_db:
             _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
 
@@ -420,12 +426,12 @@ def _sum_chunks(P, chunks, n, Out):
 
 @njit(parallel=True, **_JIT)
 def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                  has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast):  # fmt: skip
+                  has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
     zero = _zero_of(Rstd)
-    seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
+    seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), _cast(scale, zero)
     for c in prange(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero)  # fmt: skip
+                   has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero)  # fmt: skip
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -434,12 +440,12 @@ def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
 
 @njit(**_JIT)
 def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                has_w, has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast):  # fmt: skip
+                has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
     zero = _zero_of(Rstd)
-    seed_mix, threshold, keep_div = np.uint64(seed_mix), np.uint64(threshold), _cast(keep_div, zero)
+    seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), _cast(scale, zero)
     for c in range(chunks):
         _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_mix, threshold, keep_div, cast, zero)  # fmt: skip
+                   has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero)  # fmt: skip
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -608,10 +614,10 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
     W = _vector(weight, sd, zero_centered_weight, Rstd)
     B = _vector(bias, sd, False, Rstd)
     dropout = dropout_p > 0.0
-    seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
+    seed_key, threshold, scale = _dropout_args(seed, dropout_p, sd) if dropout else (0, 0, 1.0)
     args = (X, sx, R, sr, W, B, _np(out).reshape(-1), H, sh, Mean, Rstd, m, n, residual is not None,
             weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
-            seed_mix, threshold, 1.0 - dropout_p, float(eps), bool(cast_before_weight))  # fmt: skip
+            seed_key, threshold, scale, float(eps), bool(cast_before_weight))  # fmt: skip
     if _use_parallel(m * n):
         with _parallel_lock:
             _fwd_parallel(*args)
@@ -647,10 +653,10 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         DWp, DW = (Rstd, Rstd) if dw is None else (dwp.numpy().reshape(-1), dw.numpy())
         DBp, DB = (Rstd, Rstd) if db is None else (dbp.numpy().reshape(-1), db.numpy())
         dropout = dropout_p > 0.0
-        seed_mix, threshold = _dropout_args(seed, dropout_p) if dropout else (0, 0)
+        seed_key, threshold, scale = _dropout_args(seed, dropout_p, sd) if dropout else (0, 0, 1.0)
         args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
                 dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
-                seed_mix, threshold, 1.0 - dropout_p, bool(cast_before_weight))  # fmt: skip
+                seed_key, threshold, scale, bool(cast_before_weight))  # fmt: skip
         if chunks > 1 and _use_parallel(m * n):
             with _parallel_lock:
                 _bwd_parallel(*args)

@@ -2,7 +2,8 @@
 
 The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
 
-    forward   r    = keep * x / (1 - p) + residual        # keep: philox(seed, i * N + j) >= p, never stored
+    forward   r    = keep * x * scale + residual          # keep(seed, i * N + j), scale ~ 1/(1-p): the contract's
+                                                          # keep-function and scale (addnorm.reference), not stored
               h    = round(r, residual_dtype)             # stored as residual_out; normalized exactly as stored
               LayerNorm: mean = sum(h) / N,  var = sum((h - mean)^2) / N   (two passes over registers, or
                          Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
@@ -38,6 +39,8 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.add_norm import stats_dtype
+from addnorm.reference import DROPOUT_SEED_OFFSET as _SEED_OFFSET
+from addnorm.reference import dropout_threshold
 
 try:
     import triton
@@ -51,6 +54,7 @@ except ImportError:  # the module still imports, so unavailable_reason() can say
 
 # Whether the kernels below run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported).
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1") if triton is not None else False
+DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEED_OFFSET
 
 __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "backward"]
 
@@ -111,10 +115,27 @@ def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
 
 
 @_jit
-def _dropout(v, seed, idx, p, scale_hi, scale_lo):
-    """v scaled by 1/(1-p) where element ``idx`` is kept, else 0: the same mask in the forward and the backward."""
-    keep = tl.rand(seed, idx) >= p
-    return tl.where(keep, v * (tl.cast(scale_hi, v.dtype) + tl.cast(scale_lo, v.dtype)), 0.0)
+def _mix32(z):
+    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.reference)."""
+    z ^= z >> 16
+    z *= 0x7FEB352D
+    z ^= z >> 15
+    z *= 0x846CA68B
+    return z ^ (z >> 16)
+
+
+@_jit
+def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo):
+    """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
+    of addnorm.reference, so the forward, the backward and every backend draw the same mask."""
+    key = _mix32((tl.load(Seed) + DROPOUT_SEED_OFFSET).to(tl.uint32))
+    z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
+    keep = (z >> 8).to(tl.int32) >= keep_threshold
+    if v.dtype == tl.float64:
+        scale = tl.cast(scale_hi, tl.float64) + tl.cast(scale_mid, tl.float64) + tl.cast(scale_lo, tl.float64)
+    else:
+        scale = tl.cast(scale_hi, tl.float32)  # the scale rounded to fp32
+    return tl.where(keep, v * scale, 0.0)
 
 
 @_jit
@@ -142,10 +163,11 @@ def _fwd_rows_kernel(
     N,
     eps_hi,  # eps and 1/(1-p) arrive as fp32 pairs (hi + lo) so fp64 statistics keep full precision
     eps_lo,
-    dropout_p,
-    scale_hi,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
     scale_lo,
-    seed,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -165,7 +187,7 @@ def _fwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
     h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if HAS_DROPOUT:
-        h = _dropout(h, seed, rows64 * N + cols[None, :], dropout_p, scale_hi, scale_lo)
+        h = _dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
     if HAS_RESIDUAL:
         h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if STORE_RESIDUAL_OUT:
@@ -209,10 +231,11 @@ def _fwd_looped_kernel(
     N,
     eps_hi,
     eps_lo,
-    dropout_p,
-    scale_hi,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
     scale_lo,
-    seed,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -238,7 +261,7 @@ def _fwd_looped_kernel(
         ok = cols < N
         h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
         if HAS_DROPOUT:
-            h = _dropout(h, seed, row * N + cols, dropout_p, scale_hi, scale_lo)
+            h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
         if HAS_RESIDUAL:
             h += tl.load(r_row + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_RESIDUAL_OUT:
@@ -308,10 +331,11 @@ def _bwd_rows_kernel(
     stride_h,
     M,
     N,
-    dropout_p,
-    scale_hi,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
     scale_lo,
-    seed,
     HAS_DRES_OUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DB: tl.constexpr,
@@ -368,7 +392,7 @@ def _bwd_rows_kernel(
         if STORE_DRES:
             tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            dh = _dropout(dh, seed, rows64 * N + cols[None, :], dropout_p, scale_hi, scale_lo)
+            dh = _dropout(dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
         tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
@@ -437,10 +461,11 @@ def _bwd_tiles_kernel(
     stride_h,
     M,
     N,
-    dropout_p,
-    scale_hi,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
     scale_lo,
-    seed,
     HAS_DRES_OUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DB: tl.constexpr,
@@ -486,7 +511,7 @@ def _bwd_tiles_kernel(
         if STORE_DRES:
             tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
         if HAS_DROPOUT:
-            dh = _dropout(dh, seed, row * N + cols, dropout_p, scale_hi, scale_lo)
+            dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
         tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
     if HAS_WEIGHT:
         tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
@@ -507,6 +532,17 @@ def _split(v: float) -> tuple[float, float]:
     """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
     hi = float(torch.tensor(v, dtype=torch.float32))
     return hi, float(torch.tensor(v - hi, dtype=torch.float32))
+
+
+def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
+    """(Seed, keep threshold, scale in three fp32 parts) for the kernels; the seed stays a device tensor."""
+    if not p > 0:
+        return dummy, 0, 1.0, 0.0, 0.0
+    s = 1.0 / (1.0 - p)  # the fp64 scale; fp32 statistics use its rounding (hi), fp64 the exact sum of the parts
+    hi = float(torch.tensor(s, dtype=torch.float32))
+    mid = float(torch.tensor(s - hi, dtype=torch.float32))
+    lo = float(torch.tensor(s - hi - mid, dtype=torch.float32))
+    return seed, dropout_threshold(p), hi, mid, lo
 
 
 def _warps(elems: int) -> int:
@@ -552,13 +588,12 @@ def _vec(t: Tensor | None) -> Tensor | None:
 def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast):
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
-    scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
     dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
     args = (
         x, residual if residual is not None else dummy, weight if weight is not None else dummy,
         bias if bias is not None else dummy, out, res_out if res_out is not None else dummy,
         mean if mean is not None else dummy, rstd, x.stride(0), _row_stride(residual), m, n,
-        eps_hi, eps_lo, float(dropout_p), scale_hi, scale_lo, int(seed),
+        eps_hi, eps_lo, *_dropout_args(dropout_p, seed, dummy),
     )  # fmt: skip
     flags = dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -578,13 +613,12 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
 def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast):
     m, n = h.shape
     acc = rstd.dtype
-    scale_hi, scale_lo = _split(1.0 / (1.0 - dropout_p))
     dummy = rstd
     dres_out_ = dres_out if dres_out is not None else dummy
     weight_ = weight if weight is not None else dummy
     mean_ = mean if mean is not None else dummy
     dres_ = dres if dres is not None else dummy
-    drop = (float(dropout_p), scale_hi, scale_lo, int(seed))
+    drop = _dropout_args(dropout_p, seed, dummy)
     flags = dict(
         HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
         ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None, CAST_BEFORE_WEIGHT=cast,
