@@ -30,6 +30,7 @@ No atomics anywhere, so gradients are bitwise reproducible. Inputs may have stri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ except ImportError:  # the module still imports, so unavailable_reason() can say
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1") if triton is not None else False
 DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEED_OFFSET
 
-__all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "backward"]
+__all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "forward_into", "backward"]
 
 
 @dataclass(kw_only=True)
@@ -661,6 +662,14 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _device_guard(device: torch.device):
+    """Launch on the tensors' GPU: Triton launches on the current device, which for a model spread over GPUs
+    (device_map) is not always the tensors'. A no-op when they are on the current device, or on CPU."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
+
 def _interpreted() -> bool:
     """Whether the kernels above were built for Triton's interpreter (decided when this module was imported)."""
     return type(_fwd_rows_kernel).__name__ == "InterpretedFunction"
@@ -697,10 +706,20 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
-    if m > 0:
-        _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
-                    zero_centered_weight, cast_before_weight)  # fmt: skip
+    forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
+                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight)  # fmt: skip
     return out, res_out, mean, rstd
+
+
+def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
+                 cast_before_weight=False):  # fmt: skip
+    """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None:
+    RMSNorm). out may be x and res_out the residual (the in-place ops): each element is read before it is written,
+    by the thread that writes it, and out is written only after the row's statistics (after all of x was read)."""
+    if x.shape[0] > 0:
+        with _device_guard(x.device):
+            _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed,
+                        mean is None, zero_centered_weight, cast_before_weight)  # fmt: skip
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
@@ -718,8 +737,9 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         dw = torch.zeros(n, dtype=weight.dtype, device=h.device) if weight is not None else None
         db = torch.zeros(n, dtype=bias_dtype, device=h.device) if has_db else None
         return dx, dres, dw, db
-    dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db, dropout_p,
-                                   seed, is_rms, zero_centered_weight, cast_before_weight)  # fmt: skip
+    with _device_guard(h.device):
+        dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db,
+                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight)  # fmt: skip
     # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
     dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(dim=0).to(bias_dtype) if has_db else None

@@ -1,0 +1,147 @@
+"""In-place residual add + norm for serving, the convention of inference engines (vLLM's ``fused_add_rms_norm``):
+
+    residual <- x + residual            # in residual's dtype (the residual stream)
+    x        <- norm(residual)          # in x's dtype; the value normalized is residual as stored
+
+Nothing of (M, N) size is allocated on the kernel backends (``cpu``, ``triton``): the kernels write into x and
+residual (only the (M,) statistics are scratch). The ``torch`` and ``reference`` backends compute out of place and
+copy back. Inference only: no dropout, no autograd (a tensor that requires grad is an error). Under
+``torch.compile`` the kernel backends run as the custom op ``addnorm::add_norm_``, which declares that it mutates
+x and residual, so ``fullgraph=True`` traces through it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from addnorm.ops.add_norm import (
+    _default_rms_eps,
+    _torch_add_norm,
+    _validate,
+    stats_dtype,
+)
+from addnorm.ops.backends import kernel_module, resolve_backend, resolve_backend_for_trace
+
+__all__ = ["add_layer_norm_", "add_rms_norm_"]
+
+
+def _check_inplace(x, residual, weight, bias) -> None:
+    if residual is None:
+        raise ValueError("residual must be a tensor: the in-place op writes x + residual into it")
+    for name, t in (("x", x), ("residual", residual)):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{name} requires grad: add_rms_norm_/add_layer_norm_ overwrite x and residual and record no "
+                "gradient (inference only); use add_rms_norm/add_layer_norm to train"
+            )
+    if torch.is_grad_enabled():
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"{name} requires grad and grad mode is on: the in-place ops record no gradient; call them "
+                    "under torch.no_grad() or torch.inference_mode() (or use add_rms_norm/add_layer_norm to train)"
+                )
+    # (eager only: dynamo cannot read storage pointers; a compiled graph sees aliasing among its inputs itself)
+    if not torch.compiler.is_compiling() and x.numel() and (
+        x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr()
+    ):
+        raise ValueError("x and residual must not share memory: both are written")
+
+
+def _rows(t: Tensor) -> Tensor | None:
+    """t as (M, N) rows written in place, or None when the kernels cannot write it directly (not contiguous)."""
+    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
+
+
+def _inplace_impl(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                  is_rms: bool, zero_centered_weight: bool, cast_before_weight: bool, backend: str) -> None:  # fmt: skip
+    x2, r2 = _rows(x), _rows(residual)
+    if backend in ("torch", "reference") or x2 is None or r2 is None:
+        # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write
+        if backend == "torch":
+            out, res = _torch_add_norm(x, residual, weight, bias, eps, is_rms, 0.0, residual.dtype,
+                                       zero_centered_weight, cast_before_weight, x.dtype)  # fmt: skip
+        else:
+            n = x.shape[-1]
+            out, res, _, _ = kernel_module(backend).forward(
+                x.reshape(-1, n), residual.reshape(-1, n), weight, bias, eps=eps, is_rms=is_rms, dropout_p=0.0,
+                seed=None, residual_dtype=residual.dtype, zero_centered_weight=zero_centered_weight,
+                store_residual_out=True, cast_before_weight=cast_before_weight, out_dtype=x.dtype,
+            )  # fmt: skip
+        residual.copy_(res.view(residual.shape))
+        x.copy_(out.view(x.shape))
+        return
+    m = x2.shape[0]
+    sd = stats_dtype(x.dtype, residual.dtype)
+    rstd = torch.empty(m, dtype=sd, device=x.device)
+    mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
+    kernel_module(backend).forward_into(
+        x2, r2, mean, rstd, x2, r2, weight, bias, eps=eps, dropout_p=0.0, seed=None,
+        zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
+    )  # fmt: skip
+
+
+_add_norm_inplace = torch.library.custom_op("addnorm::add_norm_", _inplace_impl, mutates_args=("x", "residual"))
+
+
+@_add_norm_inplace.register_fake
+def _(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
+    return None
+
+
+def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
+    if is_rms and eps is None:
+        eps = _default_rms_eps(x, residual, None)
+    _validate(x, residual, weight, bias, eps, 0.0, None)
+    _check_inplace(x, residual, weight, bias)
+    if bias is not None and is_rms:
+        bias = None
+    # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
+    cast = bool(cast_before_weight) and (weight is not None or bias is not None)
+    cast = cast and x.dtype != stats_dtype(x.dtype, residual.dtype)
+    args = (x, residual, weight, bias, float(eps), is_rms, bool(zero_centered_weight), cast)
+    if torch.compiler.is_compiling():
+        name = resolve_backend_for_trace(backend, x.device.type)
+        if name == "torch":
+            _inplace_impl(*args, name)  # plain PyTorch: traced as it is
+        else:
+            torch.ops.addnorm.add_norm_(*args, name)
+    else:
+        # eager calls skip the custom op's dispatch (~100 us on CPU, more than a small kernel takes)
+        _inplace_impl(*args, resolve_backend(backend, x.device, x.numel()))
+    return x, residual
+
+
+def add_rms_norm_(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """In place: ``residual += x`` (in residual's dtype), then ``x = RMSNorm(residual)`` (in x's dtype). Returns
+    ``(x, residual)``. ``eps=None`` means the machine epsilon of residual's dtype (the dtype normalized). Inference
+    only; see :mod:`addnorm.ops.add_norm_inplace`."""
+    return _add_norm_(x, residual, weight, None, eps, True, zero_centered_weight, cast_before_weight, backend)
+
+
+def add_layer_norm_(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    zero_centered_weight: bool = False,
+    cast_before_weight: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """In place: ``residual += x`` (in residual's dtype), then ``x = LayerNorm(residual)`` (in x's dtype). Returns
+    ``(x, residual)``. Inference only; see :mod:`addnorm.ops.add_norm_inplace`."""
+    return _add_norm_(x, residual, weight, bias, eps, False, zero_centered_weight, cast_before_weight, backend)
