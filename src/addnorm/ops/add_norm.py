@@ -10,8 +10,10 @@ dimension, weight applied as ``1 + weight`` when ``zero_centered_weight`` (Gemma
 residual's dtype, else x's; out_dtype defaults to x's dtype. ``out`` is rounded once to out_dtype, except with
 ``cast_before_weight`` (the order of Hugging Face's Llama, Mistral and Qwen: ``weight * xhat.to(x.dtype)``): then the
 normalized value is rounded to out_dtype first, the weight and bias applied in the statistics dtype, and the result
-rounded again. Its backward passes the first rounding straight through; dweight sums ``dout * round(xhat)`` (dout
-arrives in out_dtype, which is how the backward knows it).
+rounded again. Its backward passes the first rounding straight through (on every backend, torch included: the
+gradient ``dout * w`` is not rounded to out_dtype before the norm's backward); dweight sums ``dout * round(xhat)``
+(dout arrives in out_dtype, which is how the backward knows it). ``eps=None`` (RMSNorm) is the machine epsilon of
+the dtype normalized, residual_dtype.
 
 Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 
@@ -21,14 +23,23 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
         x, residual: (M, N), last dim contiguous, rows may be strided; residual may be None.
         out: (M, N) in out_dtype (None: x's dtype). residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
         residual_out is x itself and the kernel normalizes x). mean (LayerNorm only) and rstd: (M,) in the
-        statistics dtype. Dropout keeps element (i, j) by a deterministic function of (seed, i, j), scaled 1/(1-p).
+        statistics dtype. seed: a 0-dim int64 tensor on x's device (None without dropout).
+
+    Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
+    the backend or the batch size (auto's size switch): the seed is drawn on x's device by :func:`draw_seed`;
+    element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of (seed, i * N + j) are >= ceil(p * 2^24)
+    (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements are multiplied by 1 / (1 - p) computed
+    in fp64 and rounded to the statistics dtype (:func:`addnorm.reference.dropout_scale`), dropped ones are 0.
 
     backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight,
              x_dtype, residual_dtype, bias_dtype, cast_before_weight=False)
              -> (dx, dresidual | None, dweight | None, dbias | None)
         h: the normalized input as stored (residual_out, or x). dresidual_out may be None. residual_dtype None
-        means there was no residual input; bias_dtype None means no bias. The dropout mask is regenerated from
-        the seed, never stored.
+        means no dresidual is wanted (no residual input, or it equals dx: see below); bias_dtype None means no
+        bias. The dropout mask is regenerated from the seed, never stored.
+
+Without dropout and with residual_dtype equal to x's dtype, dresidual and dx are the same value rounded the same
+way: the backward computes it once and autograd receives the same tensor as both gradients.
 
 The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd``, with
 fake implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces through them without a
