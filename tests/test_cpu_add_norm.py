@@ -398,3 +398,39 @@ def test_out_dtype_matches_the_reference_and_gradients_match_the_oracle(is_rms):
         if t is not None:
             assert_close(t.grad, exp[name], name, grad=True, dtype=torch.bfloat16,
                          reduced_rows=37 if name in ("dweight", "dbias") else 1)  # fmt: skip
+
+
+# two cases, not the full product: each new type signature compiles the parallel kernel anew (~20 s)
+@pytest.mark.parametrize("is_rms, dtype, dropout", [(False, torch.float32, True), (True, torch.bfloat16, False)],
+                         ids=["layer-fp32-drop", "rms-bf16"])  # fmt: skip
+def test_few_rows_backward_splits_columns_bitwise_like_serial(monkeypatch, is_rms, dtype, dropout):
+    """M < 64 (one dweight chunk): the backward runs parallel over column blocks, with the serial kernel's results
+    bit for bit (each column still sums its rows in order), dropout mask included."""
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "COLS_BLOCK_MIN", 16)  # several column blocks at this small N, one ragged
+    m, n = 5, 200
+    g = torch.Generator().manual_seed(4)
+    x, r = torch.randn(m, n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
+    w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    dout, dres_out = torch.randn(m, n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
+    calls = []
+    real = cpu._bwd_cols_parallel
+    monkeypatch.setattr(cpu, "_bwd_cols_parallel", lambda *a: calls.append(1) or real(*a))
+    p = 0.3 if dropout else 0.0
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            leaves = [t.clone().requires_grad_(True) for t in (x, r, w, b)]
+            torch.manual_seed(9)
+            fn = add_rms_norm if is_rms else add_layer_norm
+            args = (leaves[0], leaves[1], leaves[2]) if is_rms else tuple(leaves)
+            out, res = fn(*args, eps=1e-5, dropout_p=p, residual_dtype=torch.float32, backend="cpu")
+            torch.autograd.backward([out, res], [dout, dres_out.float()])
+            results.append([t.grad for t in (leaves if not is_rms else leaves[:3])])
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1]  # the 2-thread run took the column split, the 1-thread run the serial kernel
+    for a, b_ in zip(results[0], results[1]):
+        assert torch.equal(a, b_)

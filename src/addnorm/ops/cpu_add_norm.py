@@ -359,8 +359,9 @@ def _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero):
 # The per-row loops live in small functions of their own: LLVM vectorizes each simple loop, where one long loop body
 # full of flags stayed scalar (several times slower).
 @njit(**_JIT)
-def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro, has_w, has_dres, dropout,
+def _bwd_dx_row(base, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro, has_w, has_dres, dropout,
                 seed_key, threshold, scale, zero):  # fmt: skip
+    # base: the element index (i * N + first column) of dy[0], for the dropout mask
     for j in range(n):
         xhat = (_cast(_load(h, j), zero) - mean) * rstd
         g = _cast(_load(dy, j), zero)
@@ -372,7 +373,7 @@ def _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro
         if has_dres:
             _store(dres, j, dh)
         if dropout:
-            dh = dh * scale if _keep(i * n + j, seed_key, threshold) else zero
+            dh = dh * scale if _keep(base + j, seed_key, threshold) else zero
         _store(dx, j, dh)
 
 
@@ -408,8 +409,8 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         mean = zero if is_rms else Mean[i]
         sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
-        _bwd_dx_row(i, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres, dropout,
-                    seed_key, threshold, scale, zero)  # fmt: skip
+        _bwd_dx_row(i * n, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres,
+                    dropout, seed_key, threshold, scale, zero)  # fmt: skip
         if has_w or has_db:
             _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
 
@@ -452,6 +453,38 @@ def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, D
         _sum_chunks(DBp, chunks, n, DB)
 
 
+@njit(parallel=True, **_JIT)
+def _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, SG, SGX, DW, DB, n, has_dro,
+                       has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
+    """Few rows (one dweight chunk): parallel over column blocks instead. The row sums come first (parallel over
+    rows); then each block of columns walks every row, rows in order, so a column's dweight/dbias is summed in the
+    same order as the serial one-chunk kernel: bitwise the same result."""
+    zero = _zero_of(Rstd)
+    seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), _cast(scale, zero)
+    nf = _cast(n, zero)
+    for i in prange(m):
+        mean = zero if is_rms else Mean[i]
+        SG[i], SGX[i] = _bwd_sums(DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n], W, has_w, mean, Rstd[i], n,
+                                  zero)  # fmt: skip
+    for c in prange((n + block - 1) // block):
+        j0 = c * block
+        k = min(n, j0 + block) - j0
+        w = W[j0 : j0 + k] if has_w else W
+        for i in range(m):
+            dy = DY[i * sdy + j0 : i * sdy + j0 + k]
+            h = H[i * sh + j0 : i * sh + j0 + k]
+            dro = DRO[i * sdro + j0 : i * sdro + j0 + k] if has_dro else DRO
+            dres = DRes[i * n + j0 : i * n + j0 + k] if has_dres else DRes
+            rstd = Rstd[i]
+            mean = zero if is_rms else Mean[i]
+            mean_g = zero if is_rms else SG[i] / nf
+            _bwd_dx_row(i * n + j0, dy, h, dro, DX[i * n + j0 : i * n + j0 + k], dres, w, k, mean, rstd, mean_g,
+                        SGX[i] / nf, has_dro, has_w, has_dres, dropout, seed_key, threshold, scale, zero)  # fmt: skip
+            if has_w or has_db:
+                _bwd_dw_row(dy, h, DW[j0 : j0 + k] if has_w else DW, DB[j0 : j0 + k] if has_db else DB, k, mean,
+                            rstd, has_w, has_db, cast, zero)  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launchers: flat numpy views, allocation, dtype handling, thread count
 # --------------------------------------------------------------------------------------------------------------
@@ -459,6 +492,8 @@ def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, D
 # Below this many elements (e.g. 64 rows of 4096) a call runs on the calling thread: waking the thread pool costs
 # ~10 us on an idle machine and whole scheduler ticks on a busy one, more than a few hundred KB of work takes.
 PARALLEL_MIN_ELEMENTS = 1 << 18
+# Column block of the backward's column split (few rows): enough work per task to pay for its scheduling.
+COLS_BLOCK_MIN = 512
 # Rows per dweight/dbias chunk (at least) and the most chunks; the chunking depends on M only (determinism).
 _CHUNK_ROWS = 32
 _MAX_CHUNKS = 64
@@ -660,6 +695,12 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         if chunks > 1 and _use_parallel(m * n):
             with _parallel_lock:
                 _bwd_parallel(*args)
+        elif _use_parallel(m * n):  # too few rows to split: split the columns
+            block = max(COLS_BLOCK_MIN, -(-n // (4 * _threads())))
+            sg, sgx = np.empty(m, Rstd.dtype), np.empty(m, Rstd.dtype)
+            with _parallel_lock:
+                _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, DW, DB,
+                                   *args[17:])  # fmt: skip
         else:
             _bwd_serial(*args)
     dweight = dw.to(weight.dtype) if dw is not None else None
