@@ -197,6 +197,20 @@ def _unaliased(outputs, inputs):
     return tuple(result)
 
 
+def _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
+             store_residual_out, backend, cast_before_weight=False, out_dtype=None):  # fmt: skip
+    """The kernel forward: (out, residual_out | None, mean | None, rstd, seed | None). The seed is drawn here, on
+    x's device from its generator (:func:`draw_seed`), so the op stays traceable, CUDA inputs keep every tensor on
+    the GPU (graph-safe), and the backward can regenerate the dropout mask."""
+    seed = draw_seed(x.device) if dropout_p > 0 else None
+    out, res_out, mean, rstd = kernel_module(backend).forward(
+        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
+        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
+        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+    )  # fmt: skip
+    return out, res_out, mean, rstd, seed
+
+
 def _fwd_impl(
     x: Tensor,
     residual: Optional[Tensor],
@@ -212,15 +226,11 @@ def _fwd_impl(
     cast_before_weight: bool = False,
     out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (out, residual_out or empty, mean or empty, rstd, seed or empty). The seed is drawn here, on x's
-    device from its generator (:func:`draw_seed`), so the op stays traceable, CUDA inputs keep every tensor on the
-    GPU (graph-safe), and the backward can regenerate the dropout mask."""
-    seed = draw_seed(x.device) if dropout_p > 0 else None
-    out, res_out, mean, rstd = kernel_module(backend).forward(
-        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
-        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
-    )  # fmt: skip
+    """Returns (out, residual_out or empty, mean or empty, rstd, seed or empty): :func:`_fwd_raw`'s results as a
+    custom op may return them."""
+    out, res_out, mean, rstd, seed = _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
+                                              zero_centered_weight, store_residual_out, backend, cast_before_weight,
+                                              out_dtype)  # fmt: skip
     outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
     seed_out = seed if seed is not None else x.new_empty(0, dtype=torch.int64)
     return (*_unaliased(outputs, (x, residual, weight, bias)), seed_out)
@@ -362,7 +372,7 @@ class _EagerAddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _fwd_impl(*inputs)
+        output = _fwd_raw(*inputs)  # None for absent outputs: an autograd.Function needs no placeholders
         _setup_context(ctx, inputs, output, eager=True)
         return output[0], output[1]
 
@@ -397,9 +407,14 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
             backend, cast_before_weight, out_dtype)  # fmt: skip
     if torch.compiler.is_compiling():
         out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
-    else:
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, r2, weight, bias)):
         out, res_out = _EagerAddNorm.apply(*args)
-    return out.reshape(shape), (res_out.reshape(shape) if store else x)
+    else:  # nothing to differentiate (inference, no_grad): no autograd node, straight to the kernel
+        out, res_out = _fwd_raw(*args)[:2]
+    if x.dim() != 2:
+        out = out.reshape(shape)
+        res_out = res_out.reshape(shape) if store else None
+    return out, (res_out if store else x)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -594,10 +594,13 @@ def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
 def _vector(t: torch.Tensor | None, dtype: torch.dtype, plus_one: bool, dummy: np.ndarray) -> np.ndarray:
     if t is None:
         return dummy
-    t = t.detach().to(dtype)
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype != dtype:  # (skipping no-op calls: each costs a dispatcher round trip, visible at decode sizes)
+        t = t.to(dtype)
     if plus_one:
         t = t + 1  # zero-centered weight: the stored parameter is w - 1
-    return t.contiguous().numpy()
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
