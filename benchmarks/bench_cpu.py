@@ -3,20 +3,33 @@
     python benchmarks/bench_cpu.py                      # default shapes, fp32 and bf16, RMSNorm
     python benchmarks/bench_cpu.py --norm layer --shapes 8192x4096 --dtypes fp32
     python benchmarks/bench_cpu.py --json               # machine-readable rows on stdout
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 python benchmarks/bench_cpu.py --out ''
+                                                        # glibc keeps freed memory: no page faults (see below)
 
 Every row is timed in this one process on this one machine. Bytes are counted by hand (napkin math, per element
 of the (M, N) input; w and b are N elements and ignored), s = bytes per element of the dtype:
 
     stream     torch.add(x, r, out=h)           reads x, r; writes h                      3 * M * N * s
     forward    out, h = add_norm(x, r, w)       reads x, r; writes out, h                 4 * M * N * s
-    fwd+bwd    forward, then autograd backward  forward + reads dout, dh, h; writes dx, dr  9 * M * N * s
+    in place   add_rms_norm_(x, r, w)           reads x, r; writes r, x                   4 * M * N * s
+    fwd+bwd    forward, then autograd backward  forward + reads dout, dh, h; writes dx    8 * M * N * s
+               (dresidual is dx's tensor: the same value, written once, in every contender's autograd graph)
 
 GB/s is those bytes over the best time; "of stream" divides by the streaming limit's GB/s measured in the same run
-for the same dtype (one read-read-write pass over memory is the fastest any fused add + norm can go). Contenders:
+for the same dtype (one read-read-write pass over memory is the fastest any fused add + norm can go).
+
+Page faults: glibc serves allocations above its mmap threshold (at most 32 MB) with fresh mmap'd pages and returns
+them on free, so every out-of-place call at 8192x4096 faults in its outputs anew (32K faults of 4 KB each for
+128 MB). MALLOC_MMAP_MAX_=0 (never mmap) with a large MALLOC_TRIM_THRESHOLD_ (never give the heap back) makes
+freed memory reused, already mapped; jemalloc/tcmalloc via LD_PRELOAD do the same. These are process-wide, so
+every contender of a run, baselines included, runs under the same settings (recorded in the env block).
+
+Contenders:
 
     addnorm cpu      the public API, backend="cpu" (allocates its outputs, as every contender but `stream` does)
     addnorm kernel   the same kernel writing into preallocated outputs (forward only): what remains without the
                      cost of faulting in fresh output pages
+    addnorm in-place add_rms_norm_/add_layer_norm_ (serving): the public in-place call, nothing allocated
     addnorm torch    the public API, backend="torch" (plain PyTorch behind the same function)
     eager            h = x + r; out = F.rms_norm(h, ...) (or F.layer_norm)
     compiled         torch.compile of `eager` (inductor, dynamic shapes, compiled once per dtype and mode)
@@ -37,6 +50,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# environment settings that change how outputs are allocated, recorded with every run
+ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                 "MALLOC_TOP_PAD_", "LD_PRELOAD")
 DEFAULT_SHAPES = "64x64,1024x1024,4096x1024,8192x4096"
 
 
@@ -88,7 +104,9 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
     from addnorm.ops import cpu_add_norm
     from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
+    from addnorm.ops.add_norm_inplace import add_layer_norm_, add_rms_norm_
 
+    loadavg_before = os.getloadavg()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     reason = cpu_add_norm.unavailable_reason("cpu")
@@ -101,6 +119,11 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         h = x + r
         out = F.rms_norm(h, (x.shape[-1],), w, eps) if is_rms else F.layer_norm(h, (x.shape[-1],), w, b, eps)
         return out, h
+
+    def inplace(x, r, w, b):
+        if is_rms:
+            return add_rms_norm_(x, r, w, eps, backend="cpu")
+        return add_layer_norm_(x, r, w, b, eps, backend="cpu")
 
     def api(backend):
         if is_rms:
@@ -146,9 +169,13 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
             def kernel():
                 cpu_add_norm.forward_into(out_pre, res_pre, mean_pre, rstd_pre, x, r, w, b, eps=eps, dropout_p=0.0,
-                                          seed=0, zero_centered_weight=False)  # fmt: skip
+                                          seed=None, zero_centered_weight=False)  # fmt: skip
 
             add("addnorm kernel", "fwd", _time(kernel, cfg.reps), fwd_bytes)
+            xi, ri = x.clone(), r.clone()  # overwritten at every call (r grows by a normalized row each time)
+            with torch.no_grad():
+                add("addnorm in-place", "fwd", _time(lambda: inplace(xi, ri, w, b), cfg.reps), fwd_bytes)
+            del xi, ri
             with torch.no_grad():
                 for name, fn in contenders.items():
                     add(name, "fwd", _time(lambda: fn(x, r, w, b), cfg.reps), fwd_bytes)
@@ -170,7 +197,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
                 return step
 
-            fb_bytes = 9 * elems * s
+            fb_bytes = 8 * elems * s
             for name, fn in contenders.items():
                 add(name, "fwd+bwd", _time(fwd_bwd(fn), cfg.reps), fb_bytes)
             if cfg.compile:
@@ -191,11 +218,12 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         torch_threads=torch.get_num_threads(),
         numba_threads=numba.config.NUMBA_NUM_THREADS,
         numba_threading_layer=_threading_layer(),
+        loadavg_before=loadavg_before,
         loadavg_after=os.getloadavg(),
         torch=torch.__version__,
         numba=numba.__version__,
         python=platform.python_version(),
-        thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        allocator={k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ},
     )
     return rows, env
 
@@ -229,12 +257,16 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
 
     cpu, stream, eager = get("fp32", "fwd", "addnorm cpu"), get("fp32", "fwd", "stream"), get("fp32", "fwd", "eager")
     kern = get("fp32", "fwd", "addnorm kernel")
+    inpl = get("fp32", "fwd", "addnorm in-place")
     if cpu and stream:
         checks.append(("fp32 forward >= 80% of the streaming limit (API call)", f"{cpu['of_stream']:.0%}",
                        cpu["of_stream"] >= 0.8))  # fmt: skip
     if kern and stream:
         checks.append(("fp32 forward >= 80% of the streaming limit (kernel, preallocated outputs)",
                        f"{kern['of_stream']:.0%}", kern["of_stream"] >= 0.8))  # fmt: skip
+    if inpl and stream:
+        checks.append(("fp32 forward in place >= 80% of the streaming limit", f"{inpl['of_stream']:.0%}",
+                       inpl["of_stream"] >= 0.8))  # fmt: skip
     if cpu and eager:
         checks.append(("fp32 forward >= 5x eager", f"{eager['ms'] / cpu['ms']:.1f}x", eager["ms"] / cpu["ms"] >= 5))
     cpu_fb, eager_fb = get("fp32", "fwd+bwd", "addnorm cpu"), get("fp32", "fwd+bwd", "eager")
@@ -249,9 +281,11 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
+    alloc = ", ".join(f"{k}={v}" for k, v in env["allocator"].items()) or "default allocator settings"
     lines = [
         f"{env['date']} - {env['cpu']}, {env['cores']} cores, torch threads {env['torch_threads']}, "
-        f"numba {env['numba']} ({env['numba_threading_layer']}), torch {env['torch']}; load average after "
+        f"numba {env['numba']} ({env['numba_threading_layer']}), torch {env['torch']}; {alloc}; load average "
+        f"before {', '.join(f'{v:.1f}' for v in env['loadavg_before'])}, after "
         f"{', '.join(f'{v:.1f}' for v in env['loadavg_after'])}",
         "",
         "| dtype | M x N | mode | contender | best ms | median ms | GB/s | of stream |",
@@ -278,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per row; best and median reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    p.add_argument("--out", type=Path, default=Config().out, help="directory for cpu.csv/cpu.json ('' to skip)")
+    p.add_argument("--out", default=str(Config().out),
+                   help="directory for cpu.csv/cpu.json (default benchmarks/results; '' writes nothing)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a markdown table")
     a = p.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -288,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps < 1:
         p.error(f"--reps must be >= 1; got {a.reps}")
     cfg = Config(shapes=a.shapes, dtypes=dtypes, norm=a.norm, reps=a.reps, compile=not a.no_compile,
-                 threads=a.threads, out=a.out if str(a.out) else None, json=a.json)  # fmt: skip
+                 threads=a.threads, out=Path(a.out) if a.out else None, json=a.json)  # fmt: skip
     rows, env = run(cfg)
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
