@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The one GPU check for the Triton backend (about 4 minutes on an H100/H200; torch preinstalled):
+# The one GPU check for the Triton backend (under 5 minutes on an H100/H200, estimated; torch preinstalled):
 #   1. make addnorm importable (source tree on PYTHONPATH if it is not installed),
 #   2. run the Triton tests on CUDA,
-#   3. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144).
+#   3. the graph-safety checks (benchmarks/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
+#      no CUDA-graph skip under reduce-overhead, a tensor on cuda:1 when present, dresidual sharing, in-place ops)
+#      and the per-call host overhead of each backend (benchmarks/bench_overhead.py), both into graph.txt,
+#   4. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144).
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
 # Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
 #                                              ADDNORM_TUNE=1 also sweeps the Triton block sizes, ~3 more minutes)
@@ -27,9 +30,15 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
 
 echo "== Triton tests on CUDA"
-timeout 170 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
+
+echo "== graph-safety checks and per-call overhead"
+# ~30 s, estimated without a GPU: a few Triton JITs, one Inductor compile, ~40 timed rows of 7 x 300 tiny calls
+timeout 60 python benchmarks/gpu_graph_check.py 2>&1 | tee "$RESULTS/graph.txt"
+graph_rc=${PIPESTATUS[0]}
+timeout 45 python benchmarks/bench_overhead.py --device cuda --out '' 2>&1 | tee -a "$RESULTS/graph.txt"
 
 echo "== benchmark: add + RMSNorm, bf16"
 # Budget, estimated without a GPU run: start-up and the copy-bandwidth run ~10 s; 6 sizes x 3 modes x the providers
@@ -55,5 +64,6 @@ if [ "${ADDNORM_TUNE:-0}" = "1" ]; then
     timeout 240 python benchmarks/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS" 2>&1 | tee "$RESULTS/tune.txt"
 fi
 
-echo "done in $(( $(date +%s) - start )) s: tests rc=$tests_rc, benchmark rc=$bench_rc; results in $RESULTS"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "done in $(( $(date +%s) - start )) s: tests rc=$tests_rc, graph checks rc=$graph_rc, benchmark rc=$bench_rc;" \
+     "results in $RESULTS"
+[ "$tests_rc" = 0 ] && [ "$graph_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -34,8 +34,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops import triton_add_norm as T  # noqa: E402
 
@@ -82,6 +83,7 @@ class Report:
     spill_stores: int
     spill_loads: int
     shared_bytes: int
+    divisible: str = ""  # arguments compiled with tt.divisibility=16 (aligned pointers, integers % 16 == 0)
 
     @property
     def programs_per_sm(self) -> int:
@@ -133,7 +135,8 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             b = None if s.is_rms else torch.empty(s.n, dtype=s.dtype, **meta)
             opts = set(s.options.split(",")) - {""}
             p = 0.1 if "dropout" in opts else 0.0
-            common = dict(is_rms=s.is_rms, dropout_p=p, seed=7, zero_centered_weight="zc" in opts,
+            seed = torch.empty((), dtype=torch.int64, **meta) if p else None  # a device tensor, as _fwd_impl draws
+            common = dict(is_rms=s.is_rms, dropout_p=p, seed=seed, zero_centered_weight="zc" in opts,
                           cast_before_weight="cast" in opts)  # fmt: skip
             out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True,
                                              **common)  # fmt: skip
@@ -146,22 +149,38 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
     return launches
 
 
-def compile_sm90(launch: Launch):
-    """triton.compile for sm_90 with the launch's argument types, constexprs and options; returns the kernel."""
+def specialization(launch: Launch) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of the launch, by Triton's own specialization rule (see compile_sm90)."""
     kernel = launch.kernel
     values = dict(zip(kernel.arg_names, launch.args), **{k: v for k, v in launch.kw.items() if k in kernel.arg_names})
-    sig, const = {}, {}
-    for param, name in zip(kernel.params, kernel.arg_names):
+    sig, const, attrs = {}, {}, {}
+    for i, (param, name) in enumerate(zip(kernel.params, kernel.arg_names)):
         v = values[name]
         if param.is_constexpr:
             sig[name], const[name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = "*" + TYPE_NAMES[v.dtype]
-        else:
-            sig[name] = "i32" if isinstance(v, int) else "fp32"
+            continue
+        kind, key = native_specialize_impl(CUDABackend, v, param.is_const, not param.do_not_specialize,
+                                           not param.do_not_specialize_on_alignment)  # fmt: skip
+        sig[name] = kind
+        if kind == "constexpr":
+            const[name] = key
+        elif isinstance(key, str):
+            attrs[(i,)] = CUDABackend.parse_attr(key)
+    return sig, const, attrs
+
+
+def compile_sm90(launch: Launch):
+    """triton.compile for sm_90 specialized as a launch specializes: Triton's own rule (native_specialize_impl, what
+    JITFunction.run calls) gives each argument its type and its key: pointers 16-byte aligned and integers divisible
+    by 16 get ``tt.divisibility = 16`` (vectorized 16-byte loads), an integer equal to 1 becomes a constant.
+
+    Meta tensors have address 0, so every pointer counts as aligned: what torch's allocator gives (512-byte
+    blocks); a row-strided view starting at an odd offset would compile to narrower loads than reported here."""
+    kernel = launch.kernel
+    sig, const, attrs = specialization(launch)
     options = {k: v for k, v in launch.kw.items() if k not in kernel.arg_names}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                          options=options)  # fmt: skip
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
 
 
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
@@ -188,17 +207,21 @@ def analyse(launches: list[Launch]) -> list[Report]:
     for launch in launches:
         const = {k: v for k, v in launch.kw.items() if k in launch.kernel.arg_names and isinstance(v, (bool, int))}
         dtypes = tuple(TYPE_NAMES[a.dtype] for a in launch.args if isinstance(a, torch.Tensor))
-        key = (launch.name, tuple(sorted(const.items())), launch.kw.get("num_warps"), dtypes)
+        sig, spec_const, attrs = specialization(launch)  # the types, constants and 16-divisibility launches see
+        key = (launch.name, tuple(sorted(const.items())), launch.kw.get("num_warps"), dtypes,
+               tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in spec_const.items())),
+               tuple(sorted(attrs)))
         if key not in seen:
             compiled = compile_sm90(launch)
             seen[key] = (*ptxas_info(compiled.asm["ptx"]), int(compiled.metadata.shared))
+        divisible = ",".join(launch.kernel.arg_names[i] for (i,) in sorted(attrs) if attrs[(i,)])
         regs, st, ld, shared = seen[key]
         blocks = {k: v for k, v in const.items() if k.startswith("BLOCK_")}
         reports.append(Report(name=launch.name, n=launch.shape.n, dtype=TYPE_NAMES[launch.shape.dtype],
                               norm="rms" if launch.shape.is_rms else "layer",
                               constexprs=" ".join(f"{k}={v}" for k, v in blocks.items()),
                               num_warps=int(launch.kw.get("num_warps", 4)), registers=regs, spill_stores=st,
-                              spill_loads=ld, shared_bytes=shared))  # fmt: skip
+                              spill_loads=ld, shared_bytes=shared, divisible=divisible))  # fmt: skip
     return reports
 
 

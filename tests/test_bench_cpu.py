@@ -1,0 +1,68 @@
+"""The CPU benchmark scripts as users run them: bench_cpu.py (in-place rows, --out ''), bench_overhead.py, and
+gpu_graph_check.py's refusal without a GPU. Tiny shapes, one repetition."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_cpu  # noqa: E402
+import bench_overhead  # noqa: E402
+
+
+def test_bench_cpu_has_in_place_rows_and_out_empty_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bench_cpu.main(["--shapes", "4x64", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--out", ""]) == 0
+    assert list(tmp_path.iterdir()) == []  # '' means: write nothing (it used to write into the current folder)
+    table = capsys.readouterr().out
+    assert "| fp32 | 4x64 | fwd | addnorm in-place |" in table
+    assert "load average before" in table
+
+
+def test_bench_cpu_writes_csv_and_json_with_the_allocator_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert bench_cpu.main(["--shapes", "4x64", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--out",
+                           str(tmp_path)]) == 0  # fmt: skip
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    assert data["env"]["allocator"] == {"MALLOC_MMAP_MAX_": "0"}
+    modes = {(r["mode"], r["contender"]) for r in data["rows"]}
+    assert ("fwd", "addnorm in-place") in modes and ("fwd+bwd", "addnorm cpu") in modes
+    fb = next(r for r in data["rows"] if r["mode"] == "fwd+bwd" and r["contender"] == "eager")
+    assert fb["gbps"] == pytest.approx(8 * 4 * 64 * 4 / (fb["ms"] / 1e3) / 1e9, rel=1e-6)  # 8 passes of M x N
+    assert (tmp_path / "cpu.csv").read_text().startswith("dtype,m,n,norm,mode,contender")
+
+
+def test_bench_overhead_rows_and_files(tmp_path, capsys):
+    assert bench_overhead.main(["--shapes", "2x32", "--reps", "1", "--inner", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "overhead.json").read_text())
+    names = {(r["mode"], r["contender"]) for r in data["rows"]}
+    for expected in [("inference", "eager"), ("inference", "addnorm cpu"), ("inference", "in-place cpu"),
+                     ("inference", "kernel cpu"), ("train", "addnorm torch"), ("train", "addnorm cpu")]:  # fmt: skip
+        assert expected in names
+    assert all(r["x_eager"] > 0 for r in data["rows"])
+    assert next(r for r in data["rows"] if r["contender"] == "eager")["x_eager"] == 1.0
+    text = (tmp_path / "overhead.md").read_text()
+    assert "load average before" in text and "target: kernel route <= 3x eager" in text
+    assert "addnorm triton" not in text  # the interpreter's cost is not addnorm's overhead: no triton rows on CPU
+
+
+def test_bench_overhead_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--shapes", "8x0"])
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--reps", "0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gpu_graph_check_says_it_needs_a_gpu():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_graph_check.py")], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
