@@ -44,7 +44,8 @@ KERNELS = ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_r
 SM_COUNT = 132  # H100 SXM / H200
 # Hopper per-SM limits: 64K 32-bit registers, 2048 threads, 32 resident blocks, 227 KB shared memory per block
 REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM, SMEM_PER_SM = 65536, 2048, 32, 228 * 1024
-TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+              torch.int64: "i64"}  # i64: the dropout seed
 DTYPES = {v: k for k, v in TYPE_NAMES.items()}
 BENCH_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 

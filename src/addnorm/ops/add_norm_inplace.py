@@ -56,8 +56,17 @@ def _rows(t: Tensor) -> Tensor | None:
     return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
 
 
-def _inplace_impl(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                  is_rms: bool, zero_centered_weight: bool, cast_before_weight: bool, backend: str) -> None:  # fmt: skip
+def _inplace_impl(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    zero_centered_weight: bool,
+    cast_before_weight: bool,
+    backend: str,
+) -> None:
     x2, r2 = _rows(x), _rows(residual)
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write

@@ -260,14 +260,19 @@ def _fwd_looped_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
-        h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
+        # what pass 2 reads again (residual_out, or x when nothing is stored) is marked to stay in L2; what it does
+        # not need is not: a row of up to N * 4 bytes x 2 is then re-read from L2, not DRAM
+        if STORE_RESIDUAL_OUT:
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        else:
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(acc_t)
         if HAS_DROPOUT:
             h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
         if HAS_RESIDUAL:
-            h += tl.load(r_row + cols, mask=ok, other=0.0).to(acc_t)
+            h += tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         if STORE_RESIDUAL_OUT:
             stored = _round(h, ResOut.dtype.element_ty)
-            tl.store(res_row + cols, stored, mask=ok)
+            tl.store(res_row + cols, stored, mask=ok, eviction_policy="evict_last")
             h = stored.to(acc_t)
         if IS_RMS:
             sumsq += h * h
@@ -297,9 +302,9 @@ def _fwd_looped_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         if STORE_RESIDUAL_OUT:
-            h = tl.load(res_row + cols, mask=ok, other=0.0).to(acc_t)
+            h = tl.load(res_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         else:
-            h = tl.load(x_row + cols, mask=ok, other=0.0).to(acc_t)
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         y = (h - mean_s) * rstd
         if CAST_BEFORE_WEIGHT:
             y = _round(y, Out.dtype.element_ty).to(acc_t)
