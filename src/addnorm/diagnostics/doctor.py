@@ -464,6 +464,30 @@ def _classify_blocks(blocks, tr: _Trace, findings, cfg: DoctorConfig) -> list[st
     return kinds
 
 
+def _direction(block: nn.Module, call: tuple | None) -> str | None:
+    """"causal" when changing the block's input at the last position leaves its output at every earlier position
+    unchanged, "bidirectional" when it does not, None when that cannot be tried (no (B, T, d) input, T < 2, the
+    block fails on the changed input)."""
+    if call is None:
+        return None
+    args, kwargs = call
+    x = first_tensor(args) if first_tensor(args) is not None else first_tensor(kwargs)
+    if x is None or not x.is_floating_point() or x.dim() != 3 or x.shape[1] < 2:
+        return None
+    bumped = x.clone()
+    bumped[:, -1] += 3.0 * max(_rms(x), 1e-3)
+    try:
+        with torch.no_grad():
+            before = first_tensor(block(*args, **kwargs))
+            b_args, b_kwargs = _replace_first_tensor(args, kwargs, bumped)
+            after = first_tensor(block(*b_args, **b_kwargs))
+    except Exception:  # noqa: BLE001 - a block that needs more than its recorded call: say nothing about it
+        return None
+    if before is None or after is None or before.shape != after.shape or before.shape[:2] != x.shape[:2]:
+        return None
+    return "causal" if _rel(after[:, :-1], before[:, :-1]) < 1e-6 else "bidirectional"
+
+
 def _replace_first_tensor(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
     for j, a in enumerate(args):
         if isinstance(a, Tensor):
@@ -565,10 +589,17 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
         placement = label[next(iter(counts))]
     else:
         placement = "mixed (" + ", ".join(f"{n} {label[k]}" for k, n in counts.items()) + ")"
+    direction = _direction(found[0][1], tr.block_calls.get(0))
+    name = type(found[0][1]).__name__
+    # a class name that contradicts what the block does (addnorm's EncoderLayer with causal=True is a decoder-only
+    # block) is left out rather than repeated
+    misleading = ("encoder" in name.lower() and direction == "causal") or (
+        "decoder" in name.lower() and direction == "bidirectional")
+    what = f"{L} blocks" if misleading else f"{L} blocks of {name}"
+    attention = {"causal": ", causal (decoder-only)", "bidirectional": ", bidirectional (encoder)"}.get(direction, "")
     findings.append(Finding(
         code="summary", severity="info", module=container,
-        message=f"{L} blocks of {type(found[0][1]).__name__} at '{container}', placement {placement}, "
-        f"d_model {d_model}",
+        message=f"{what} at '{container}'{attention}, placement {placement}, d_model {d_model}",
         fix="none needed",
     ))  # fmt: skip
     return _sorted(findings)
