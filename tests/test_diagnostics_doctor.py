@@ -494,3 +494,33 @@ def test_summary_names_what_the_blocks_do_not_a_misleading_class():
     (enc,) = [f.message for f in diagnose(TransformerEncoder(TransformerConfig.preset("bert", **kw)), ids)
               if f.code == "summary"]  # fmt: skip
     assert "bidirectional (encoder)" in enc
+
+
+def test_cli_real_ctrl_c_exits_130(tmp_path):
+    """A real SIGINT while the target runs (not a KeyboardInterrupt raised by the target itself)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "started"
+    target = tmp_path / "slow.py"
+    target.write_text(f"import pathlib, time\ndef make():\n    pathlib.Path({str(marker)!r}).touch()\n"
+                      "    time.sleep(120)\n")  # fmt: skip
+    src = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "addnorm", "doctor", f"{target}:make"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert out == ""
