@@ -367,6 +367,28 @@ HOSTILE_SRC = textwrap.dedent('''
             return super().forward(idx)
 
 
+    class FdChattyLM(ToyLM):
+        def forward(self, idx):
+            import os
+
+            os.write(1, b"written straight to file descriptor 1\\n")  # what a C extension's printf does
+            return super().forward(idx)
+
+
+    class BrokenLM(ToyLM):
+        def forward(self, idx):
+            idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is 7)
+            return super().forward(idx)
+
+
+    def fd_chatty():
+        return FdChattyLM(), batch()
+
+
+    def broken_forward():
+        return BrokenLM(), batch()
+
+
     def exits0():
         sys.exit(0)
 
@@ -524,3 +546,19 @@ def test_cli_real_ctrl_c_exits_130(tmp_path):
             proc.kill()
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert out == ""
+
+
+def test_cli_json_stays_json_when_the_target_writes_to_fd_1(hostile_file, capfd):
+    code = cli_main(["doctor", f"{hostile_file}:fd_chatty", "--json"])
+    out, err = capfd.readouterr()
+    assert code == 0
+    json.loads(out)
+    assert "written straight to file descriptor 1" in err and "written straight" not in out
+
+
+def test_forward_failure_names_the_line_in_the_users_code(hostile_file, capsys):
+    assert cli_main(["doctor", f"{hostile_file}:broken_forward", "--json"]) == 1
+    (failed,) = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"] == "forward-failed"]
+    line = HOSTILE_SRC.splitlines().index("        idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is "
+                                          "7)") + 1  # fmt: skip
+    assert f"(at {hostile_file}:{line} in forward)" in failed["message"], failed["message"]

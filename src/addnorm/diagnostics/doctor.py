@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +91,19 @@ def _detach(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     return value
+
+
+_LIBRARY_DIRS = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, sys.modules["addnorm"]))
+
+
+def _where(err: BaseException) -> str:
+    """' (at FILE:LINE in FUNC)' for the innermost frame of ``err``'s traceback in the user's code (outside torch
+    and addnorm), or '' when there is none: where to look, without a traceback."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else frame.filename
+        if not path.startswith(_LIBRARY_DIRS):
+            return f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 def _rms(t: Tensor) -> float:
@@ -256,7 +272,8 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         except Exception as e:  # noqa: BLE001 - any failure of the user's forward is a finding
             findings.append(Finding(
                 code="forward-failed", severity="error", module="<root>",
-                message=f"the example forward raised {type(e).__name__}: {e}; runtime checks were skipped",
+                message=f"the example forward raised {type(e).__name__}: {e}{_where(e)}; runtime checks were "
+                "skipped",
                 fix="make FACTORY's example batch run through the model (see the norm-dimension finding, if any)",
             ))  # fmt: skip
             tr.failed = True
@@ -282,7 +299,7 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         except Exception as e:  # noqa: BLE001
             findings.append(Finding(
                 code="backward-failed", severity="error", module="<root>",
-                message=f"backward of mean(output^2) raised {type(e).__name__}: {e}",
+                message=f"backward of mean(output^2) raised {type(e).__name__}: {e}{_where(e)}",
                 fix="look for in-place updates of tensors autograd saved, or detached parts of the residual stream",
             ))  # fmt: skip
             return tr

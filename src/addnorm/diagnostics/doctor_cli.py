@@ -182,11 +182,40 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send what the target writes to stdout to stderr: Python's ``print`` (sys.stdout) and, where file descriptor 1
+    can be duplicated, writes to the descriptor itself (``os.write(1, ...)``, C extensions)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 (a closed stdout): Python-level redirection only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()  # what C code buffered goes where it was written: stderr
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to ask (not POSIX): nothing buffered there
+        pass
+
+
 def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
-    """(findings, title); runs the user's code with its prints sent to stderr."""
+    """(findings, title); runs the user's code with its output sent to stderr."""
     from addnorm.diagnostics.doctor import diagnose
 
-    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the report
+    with _stdout_to_stderr():  # stdout carries only the report
         if args.hf_config and args.target:
             raise TargetError("give either TARGET or --hf-config, not both")
         if args.hf_config:
