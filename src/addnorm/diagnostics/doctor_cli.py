@@ -315,9 +315,9 @@ def register(subparsers) -> None:
         "doctor",
         help="check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)",
         description="Static checks plus one forward/backward on FACTORY()'s (model, example_batch). What the "
-        "target prints goes to stderr (stdout carries only the report). Exit status: 1 if an error was found, 2 if "
-        "the target could not be loaded or checked (it raised, called sys.exit, or ran past --timeout), 130 on "
-        "Ctrl-C, else 0.",
+        "target prints goes to stderr (stdout carries only the report). Exit status: 1 if an error was found (a "
+        "forward or backward that raises is one), 2 if the target could not be loaded or checked (importing it or "
+        "FACTORY() raised, it called sys.exit, or it ran past --timeout), 130 on Ctrl-C, else 0.",
     )  # fmt: skip
     p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_batch)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...]} as JSON')
