@@ -346,3 +346,219 @@ def test_monitor_on_hf_llama():
     assert all(e["norm_input_rms"] > 0 for e in rec["layers"])
     expected = float(torch.logsumexp(out.logits.detach().double(), -1).mean())
     assert rec["output_logz"] == pytest.approx(expected, rel=1e-5)
+
+
+# ---- hostile targets: the doctor runs user code, which may exit, print, hang or be interrupted --------------------
+HOSTILE_SRC = textwrap.dedent('''
+    import sys
+    import time
+
+    from toy_model import ToyLM, batch
+
+
+    class ExitingLM(ToyLM):
+        def forward(self, idx):
+            sys.exit(0)
+
+
+    class ChattyLM(ToyLM):
+        def forward(self, idx):
+            print("forward says hello")
+            return super().forward(idx)
+
+
+    class FdChattyLM(ToyLM):
+        def forward(self, idx):
+            import os
+
+            os.write(1, b"written straight to file descriptor 1\\n")  # what a C extension's printf does
+            return super().forward(idx)
+
+
+    class BrokenLM(ToyLM):
+        def forward(self, idx):
+            idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is 7)
+            return super().forward(idx)
+
+
+    def fd_chatty():
+        return FdChattyLM(), batch()
+
+
+    def broken_forward():
+        return BrokenLM(), batch()
+
+
+    def exits0():
+        sys.exit(0)
+
+
+    def exits3():
+        sys.exit(3)
+
+
+    def forward_exits():
+        return ExitingLM(), batch()
+
+
+    def chatty():
+        for i in range(2000):
+            print("loading shard", i)
+        return ChattyLM(), batch()
+
+
+    def sleeper():
+        time.sleep(60)
+
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+
+    def helper_that_fails():
+        return {}["missing key"]
+
+
+    def deep_failure():
+        return helper_that_fails()
+''')
+
+
+@pytest.fixture
+def hostile_file(toy_file):
+    path = toy_file.parent / "hostile.py"
+    path.write_text(HOSTILE_SRC)
+    return path
+
+
+@pytest.mark.parametrize("factory, exit_text", [("exits0", "sys.exit(0)"), ("exits3", "sys.exit(3)"),
+                                                ("forward_exits", "sys.exit(0)")])  # fmt: skip
+def test_cli_target_that_exits_is_a_load_failure(hostile_file, capsys, factory, exit_text):
+    """sys.exit(0) in a factory used to end the doctor silently with status 0, the same as a clean pass."""
+    code = cli_main(["doctor", f"{hostile_file}:{factory}", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == "" and exit_text in err and "cannot be checked" in err and "Traceback" not in err
+
+
+def test_cli_target_that_exits_on_import(tmp_path, capsys):
+    path = tmp_path / "exits_on_import.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    assert cli_main(["doctor", f"{path}:make"]) == 2
+    assert "importing" in capsys.readouterr().err
+
+
+def test_cli_json_stays_json_when_the_target_prints(hostile_file, capsys):
+    code = cli_main(["doctor", f"{hostile_file}:chatty", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "summary" in {f["code"] for f in json.loads(out)["findings"]}  # stdout holds only the report
+    assert "loading shard 1999" in err and "forward says hello" in err  # the target's output is kept, on stderr
+
+
+def test_cli_timeout(hostile_file, capsys):
+    import time
+
+    t0 = time.monotonic()
+    code = cli_main(["doctor", f"{hostile_file}:sleeper", "--timeout", "0.5"])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 2 and elapsed < 30
+    assert "did not finish" in err and "--timeout 0.5 s" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_cli_timeout_rejects_bad_values(toy_file, capsys, value):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["doctor", f"{toy_file}:clean", "--timeout", value])
+    assert e.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+def test_cli_ctrl_c_exits_130_with_a_message(hostile_file, capsys):
+    code = cli_main(["doctor", f"{hostile_file}:interrupted"])
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_cli_traceback_shows_where_the_factory_failed(hostile_file, capsys):
+    assert cli_main(["doctor", f"{hostile_file}:deep_failure"]) == 2
+    err = capsys.readouterr().err
+    assert "KeyError" in err and "Traceback" not in err and "--traceback shows where" in err
+    assert cli_main(["doctor", f"{hostile_file}:deep_failure", "--traceback"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and str(hostile_file) in err and "in helper_that_fails" in err
+    assert "--traceback shows where" not in err
+
+
+def test_cli_hf_config_unknown_model_type_names_close_matches(tmp_path, capsys):
+    """transformers' own error lists every model type it knows (about 10 KB)."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "lama", "vocab_size": 64}))
+    assert cli_main(["doctor", "--hf-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'lama'" in err and "did you mean 'llama'" in err and len(err) < 600
+    path.write_text(json.dumps({"model_type": "zzqqxx", "vocab_size": 64}))
+    assert cli_main(["doctor", "--hf-config", str(tmp_path)]) == 2  # the folder form too
+    err = capsys.readouterr().err
+    assert "'zzqqxx'" in err and "no model type of transformers" in err and len(err) < 600
+
+
+def test_summary_names_what_the_blocks_do_not_a_misleading_class():
+    """addnorm's decoder-only stacks are built from EncoderLayer(causal=True): the summary said "EncoderLayer"."""
+    from addnorm.nn import TransformerConfig, TransformerEncoder, TransformerLM
+
+    kw = {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64}
+    ids = torch.randint(0, 64, (2, 7))
+    (lm,) = [f.message for f in diagnose(TransformerLM(TransformerConfig.preset("llama", **kw)), ids)
+             if f.code == "summary"]  # fmt: skip
+    assert "causal (decoder-only)" in lm and "Encoder" not in lm
+    (enc,) = [f.message for f in diagnose(TransformerEncoder(TransformerConfig.preset("bert", **kw)), ids)
+              if f.code == "summary"]  # fmt: skip
+    assert "bidirectional (encoder)" in enc
+
+
+def test_cli_real_ctrl_c_exits_130(tmp_path):
+    """A real SIGINT while the target runs (not a KeyboardInterrupt raised by the target itself)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "started"
+    target = tmp_path / "slow.py"
+    target.write_text(f"import pathlib, time\ndef make():\n    pathlib.Path({str(marker)!r}).touch()\n"
+                      "    time.sleep(120)\n")  # fmt: skip
+    src = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "addnorm", "doctor", f"{target}:make"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert out == ""
+
+
+def test_cli_json_stays_json_when_the_target_writes_to_fd_1(hostile_file, capfd):
+    code = cli_main(["doctor", f"{hostile_file}:fd_chatty", "--json"])
+    out, err = capfd.readouterr()
+    assert code == 0
+    json.loads(out)
+    assert "written straight to file descriptor 1" in err and "written straight" not in out
+
+
+def test_forward_failure_names_the_line_in_the_users_code(hostile_file, capsys):
+    assert cli_main(["doctor", f"{hostile_file}:broken_forward", "--json"]) == 1
+    (failed,) = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"] == "forward-failed"]
+    line = HOSTILE_SRC.splitlines().index("        idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is "
+                                          "7)") + 1  # fmt: skip
+    assert f"(at {hostile_file}:{line} in forward)" in failed["message"], failed["message"]

@@ -382,3 +382,26 @@ def test_attention_logit_helpers():
     assert all(math.isfinite(v) for v in logits.values())
     record_attention_logits(lm, False)
     assert max_attention_logits(lm) == {}
+
+
+@pytest.mark.parametrize("model_cls", ["TransformerLM", "TransformerEncoder"])
+def test_token_ids_outside_the_vocabulary_are_a_clear_error(model_cls):
+    """torch's own error was a bare `IndexError: index out of range in self`."""
+    import addnorm.nn as addnorm_nn
+
+    model = getattr(addnorm_nn, model_cls)(TransformerConfig.preset("gpt2", n_layers=1, d_model=16, n_heads=2,
+                                                                    vocab_size=50))  # fmt: skip
+    with pytest.raises(ValueError, match=r"vocab_size=50\): the largest is 57 \(ids range over \[0, 57\]\)"):
+        model(torch.tensor([[0, 57, 3], [1, 2, 49]]))
+    with pytest.raises(ValueError, match=r"vocab_size=50\): the smallest is -1"):
+        model(torch.tensor([[0, -1, 3]]))
+    assert model(torch.tensor([[0, 49, 3]])).shape == (1, 3, 50)  # the edge of the vocabulary is fine
+
+
+def test_token_ids_outside_the_vocabulary_in_an_encoder_decoder():
+    from addnorm.nn import TransformerEncoderDecoder
+
+    model = TransformerEncoderDecoder(TransformerConfig.preset("original", n_layers=1, d_model=16, n_heads=2,
+                                                               vocab_size=20))  # fmt: skip
+    with pytest.raises(ValueError, match="the largest is 20"):
+        model(torch.tensor([[1, 2]]), torch.tensor([[3, 20]]))

@@ -418,3 +418,140 @@ def test_cli_disk_full_while_checkpointing_is_an_error_message(tmp_path, capsys,
     assert main(["train", *CLI_SMALL, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "cannot write into --out" in err and "No space left" in err
+
+
+# ---- faults: nothing to resume, corrupt checkpoints, torn logs, stale temporaries ----------------------------------
+
+
+def test_cli_resume_without_a_run_is_an_error(tmp_path, capsys):
+    """--resume on a missing or empty --out used to start a default 200-step run silently."""
+    from addnorm.cli import main
+
+    missing = tmp_path / "never_ran"
+    assert main(["train", "--out", str(missing), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "does not exist" in err and not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--out", str(empty), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "checkpoint.pt" in err and list(empty.iterdir()) == []
+    assert main(["train", "--resume", "--quiet"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+
+
+class _Runs:  # a pickled object that would run code when loaded: here, create a file
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_cli_corrupt_checkpoints_are_clear_errors(tmp_path, capsys):
+    from addnorm.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *CLI_SMALL, "--out", str(out)]) == 0
+    capsys.readouterr()
+    ckpt = out / "checkpoint.pt"
+    good = ckpt.read_bytes()
+    state = torch.load(ckpt, weights_only=True)  # what the run wrote is plain data
+    marker = tmp_path / "code_ran"
+
+    def save(obj):
+        return lambda: torch.save(obj, ckpt)
+
+    corruptions = {
+        "empty": (lambda: ckpt.write_bytes(b""), "the file is empty"),
+        "truncated": (lambda: ckpt.write_bytes(good[: len(good) // 2]), "torch.load failed"),
+        "random bytes": (lambda: ckpt.write_bytes(np.random.default_rng(0).bytes(4096)), "torch.load failed"),
+        "text": (lambda: ckpt.write_text("not a checkpoint\n"), "torch.load failed"),
+        "a list": (save([1, 2, 3]), "holds a list"),
+        "missing parts": (save({"model": state["model"]}), "missing optimizer"),
+        "wrong type": (save({**state, "optimizer": 5}), "'optimizer' is a int"),
+        "step beyond the run": (save({**state, "step": 1000}), "step 1000 is outside this run of 6 steps"),
+        "negative step": (save({**state, "step": -1}), "outside this run"),
+        "curve too short": (save({**state, "result": {**state["result"], "losses": []}}), "one value per step"),
+        "bad rng": (save({**state, "rng": {**state["rng"], "torch": torch.zeros(3)}}), "cannot restore it"),
+        "runs code": (save({**state, "model": _Runs(marker)}), "refuses: loading them could run code"),
+    }  # fmt: skip
+    for name, (corrupt, needle) in corruptions.items():
+        corrupt()
+        code = main(["train", "--out", str(out), "--resume", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2, name
+        assert err.startswith(f"addnorm train: error: {ckpt} is not a readable checkpoint ("), (name, err)
+        assert needle in err and "Traceback" not in err, (name, err)
+    assert not marker.exists()  # weights_only=True: the checkpoint's code never ran
+    ckpt.write_bytes(good)
+    assert main(["train", "--out", str(out), "--resume", "--quiet"]) == 0  # the intact one still resumes
+
+
+def test_torn_last_log_line_is_skipped_on_resume(tmp_path):
+    cfg = tiny_cfg(steps=8, out_dir=str(tmp_path), checkpoint_every=4)
+    full = train(tiny_model(), LANG, tiny_cfg(steps=8))
+    train(tiny_model(), LANG, cfg, stop_at=6)  # log has steps 0-5; a checkpoint at step 6 (the end of the call)
+    log = tmp_path / "log.jsonl"
+    with open(log, "a") as f:
+        f.write('{"step": 6, "loss": 2.7')  # what a crash mid-write leaves
+    resumed = train(tiny_model(), LANG, tiny_cfg(steps=8, out_dir=str(tmp_path), checkpoint_every=4, resume=True))
+    assert resumed.losses == full.losses
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(8))
+
+
+def test_damaged_log_line_before_the_last_is_an_error_naming_it(tmp_path):
+    cfg = tiny_cfg(steps=8, out_dir=str(tmp_path))
+    train(tiny_model(), LANG, cfg, stop_at=4)
+    log = tmp_path / "log.jsonl"
+    lines = log.read_text().splitlines()
+    lines[1] = "garbage"
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"log.jsonl line 2 is not a log record"):
+        train(tiny_model(), LANG, tiny_cfg(steps=8, out_dir=str(tmp_path), resume=True))
+
+
+def test_stale_checkpoint_temporaries_are_removed(tmp_path):
+    """A kill during a checkpoint write left `.checkpoint.pt.tmp-<pid>` behind forever."""
+    stale = [tmp_path / ".checkpoint.pt.tmp-12345", tmp_path / ".checkpoint.pt.k2j3h4.tmp",
+             tmp_path / ".log.jsonl.abcd.tmp"]  # fmt: skip
+    for p in stale:
+        p.write_bytes(b"x" * 100)
+    keep = tmp_path / "notes.tmp"
+    keep.write_text("mine")
+    train(tiny_model(), LANG, tiny_cfg(steps=2, out_dir=str(tmp_path)))
+    assert not any(p.exists() for p in stale) and keep.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "log.jsonl", "notes.tmp"]
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import addnorm.train.loop as loop
+
+    train(tiny_model(), LANG, tiny_cfg(steps=4, out_dir=str(tmp_path)), stop_at=2)
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    real_save = torch.save
+
+    def killed(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)  # some bytes are in the temporary when the interrupt comes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model(), LANG, tiny_cfg(steps=4, out_dir=str(tmp_path), resume=True))
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_checkpoints_by_default_every_50_steps(tmp_path):
+    assert TrainConfig().checkpoint_every == 50
+
+    def kill_at_55(entry):
+        if entry["step"] == 55:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model(), LANG, tiny_cfg(steps=60, out_dir=str(tmp_path)), callback=kill_at_55)
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 50

@@ -10,29 +10,39 @@ Functional API (normalizing over the last dimension; ``backend`` is "auto", "tor
     x, residual = addnorm.add_layer_norm_(x, residual, weight, bias, eps)   # x = norm(residual)
 
 Modules live in :mod:`addnorm.nn`, the float oracles in :mod:`addnorm.reference`.
+
+The public names are imported on first use (PEP 562), not with the package: ``addnorm --version`` and
+``addnorm --help`` import this package, and must answer without paying for torch (about 3 s to import).
 """
 
-from addnorm.ops import (
-    BackendUnavailableError,
-    add_layer_norm,
-    add_layer_norm_,
-    add_rms_norm,
-    add_rms_norm_,
-    available_backends,
-    layer_norm,
-    rms_norm,
-)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "add_layer_norm",
-    "add_rms_norm",
-    "add_layer_norm_",
-    "add_rms_norm_",
-    "layer_norm",
-    "rms_norm",
-    "available_backends",
-    "BackendUnavailableError",
-]
+# public name -> the module that defines it
+_LAZY = {
+    "add_layer_norm": "addnorm.ops",
+    "add_rms_norm": "addnorm.ops",
+    "add_layer_norm_": "addnorm.ops",
+    "add_rms_norm_": "addnorm.ops",
+    "layer_norm": "addnorm.ops",
+    "rms_norm": "addnorm.ops",
+    "available_backends": "addnorm.ops",
+    "BackendUnavailableError": "addnorm.ops",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'addnorm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -11,8 +11,17 @@ import json
 import platform
 import sys
 
-# Modules that add subcommands (imported at start-up, so they keep heavy imports inside their functions).
-COMMAND_MODULES: list[str] = ["addnorm.lab.cli", "addnorm.train.cli", "addnorm.diagnostics.doctor"]
+import addnorm  # cheap: the package imports torch only when a public function is first used
+
+# command -> (the module whose register(subparsers) adds it, its line in `addnorm --help`). Only the module of the
+# command being run is imported: `addnorm --version` and `addnorm --help` must answer in a fraction of a second,
+# and importing torch (which the packages behind these modules do) alone takes ~3 s.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "lab": ("addnorm.lab.cli", "run the stability lab experiments and write an HTML/Markdown/JSON report"),
+    "train": ("addnorm.train.cli", "train one model configuration and report loss curves and stability metrics"),
+    "doctor": ("addnorm.diagnostics.doctor_cli",
+               "check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)"),
+}
 
 
 def _version(module: str) -> str | None:
@@ -28,7 +37,6 @@ def collect_info() -> dict:
 
     import torch
 
-    import addnorm
     from addnorm.ops.backends import available_backends
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -79,21 +87,14 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:  # the installed distribution's version, without importing torch just to answer --version
-        return version("addnorm")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with ``command``'s own parser registered from its module (every command, for "all"); the other
+    commands are listed by name and summary only."""
     parser = argparse.ArgumentParser(
         prog="addnorm",
         description="addnorm: residual connections and normalization for Transformers, done right and fast.",
     )
-    parser.add_argument("--version", action="version", version=f"addnorm {_package_version()}")
+    parser.add_argument("--version", action="version", version=f"addnorm {addnorm.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "info", help="versions, devices and which backends run here (and why not the others)",
@@ -105,13 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_info)
-    for mod in COMMAND_MODULES:
-        importlib.import_module(mod).register(sub)
+    for name, (module, summary) in COMMANDS.items():
+        if command in (name, "all"):
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the top-level options take no value, so the first word that is not an option names the command
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

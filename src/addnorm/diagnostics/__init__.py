@@ -7,20 +7,37 @@
 - :func:`diagnose` (``addnorm doctor FILE.py:FACTORY``): norm over the wrong axis, a non-identity skip path,
   deep Post-Norm, half-precision statistics, a missing final norm, fast residual growth.
 - :mod:`addnorm.diagnostics.plots`: steps x layers heatmaps and per-layer curves (matplotlib).
+
+Names are imported on first use (PEP 562): the ``addnorm doctor`` command is registered from
+:mod:`addnorm.diagnostics.doctor_cli`, and ``addnorm --help`` must not import torch through this package.
 """
 
-from addnorm.diagnostics.anomaly import Jump, NonFiniteSentinel, SpikeDetector, localize_jump
-from addnorm.diagnostics.doctor import Finding, diagnose
-from addnorm.diagnostics.monitor import Monitor, find_blocks, layer_series
+from __future__ import annotations
 
-__all__ = [
-    "Monitor",
-    "find_blocks",
-    "layer_series",
-    "SpikeDetector",
-    "NonFiniteSentinel",
-    "Jump",
-    "localize_jump",
-    "Finding",
-    "diagnose",
-]
+import importlib
+
+_LAZY = {
+    "Monitor": "addnorm.diagnostics.monitor",
+    "find_blocks": "addnorm.diagnostics.monitor",
+    "layer_series": "addnorm.diagnostics.monitor",
+    "SpikeDetector": "addnorm.diagnostics.anomaly",
+    "NonFiniteSentinel": "addnorm.diagnostics.anomaly",
+    "Jump": "addnorm.diagnostics.anomaly",
+    "localize_jump": "addnorm.diagnostics.anomaly",
+    "Finding": "addnorm.diagnostics.doctor",
+    "diagnose": "addnorm.diagnostics.doctor",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'addnorm.diagnostics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

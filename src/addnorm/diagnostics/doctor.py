@@ -25,19 +25,14 @@ code                        severity  what is checked
 ``forward-failed`` etc.     error     the example forward or backward raised, or produced NaN/Inf
 ==========================  ========  =====================================================================
 
-CLI: ``addnorm doctor FILE.py:FACTORY [--json]`` where ``FACTORY()`` returns ``(model, example_batch)``, or
-``addnorm doctor --hf-config config.json`` (a randomly initialised Hugging Face model, nothing downloaded).
-Exit status: 1 if any finding is an error, 2 if the target could not be loaded, else 0.
+The command ``addnorm doctor`` (loading a user's file or a Hugging Face config) is in
+:mod:`addnorm.diagnostics.doctor_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import importlib.util
-import json
 import math
-import os
 import sys
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -50,7 +45,10 @@ from torch import Tensor, nn
 from addnorm.diagnostics.anomaly import NonFiniteSentinel
 from addnorm.diagnostics.monitor import call_model, find_blocks, first_tensor, is_norm_module, output_logits
 
-__all__ = ["Finding", "DoctorConfig", "diagnose", "load_target", "build_hf_model", "TargetError", "register", "main"]
+# Loading targets lived here before the command moved to doctor_cli; the names stay importable from here.
+from addnorm.diagnostics.doctor_cli import TargetError, build_hf_model, load_target  # noqa: E402, F401
+
+__all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES", "TargetError", "build_hf_model", "load_target"]
 
 SEVERITIES = ("error", "warning", "info")
 _HALF = (torch.float16, torch.bfloat16)
@@ -82,10 +80,6 @@ class DoctorConfig:
     coupling_rtol: float = 1e-4  # output change at untouched positions, relative to the output's scale
 
 
-class TargetError(Exception):
-    """The doctor's target could not be loaded (bad path, factory, return value); the CLI exits with 2."""
-
-
 # ---- helpers ------------------------------------------------------------------------------------------------------
 def _detach(value: Any) -> Any:
     if isinstance(value, Tensor):
@@ -97,6 +91,19 @@ def _detach(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     return value
+
+
+_LIBRARY_DIRS = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, sys.modules["addnorm"]))
+
+
+def _where(err: BaseException) -> str:
+    """' (at FILE:LINE in FUNC)' for the innermost frame of ``err``'s traceback in the user's code (outside torch
+    and addnorm), or '' when there is none: where to look, without a traceback."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else frame.filename
+        if not path.startswith(_LIBRARY_DIRS):
+            return f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 def _rms(t: Tensor) -> float:
@@ -265,7 +272,8 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         except Exception as e:  # noqa: BLE001 - any failure of the user's forward is a finding
             findings.append(Finding(
                 code="forward-failed", severity="error", module="<root>",
-                message=f"the example forward raised {type(e).__name__}: {e}; runtime checks were skipped",
+                message=f"the example forward raised {type(e).__name__}: {e}{_where(e)}; runtime checks were "
+                "skipped",
                 fix="make FACTORY's example batch run through the model (see the norm-dimension finding, if any)",
             ))  # fmt: skip
             tr.failed = True
@@ -291,7 +299,7 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         except Exception as e:  # noqa: BLE001
             findings.append(Finding(
                 code="backward-failed", severity="error", module="<root>",
-                message=f"backward of mean(output^2) raised {type(e).__name__}: {e}",
+                message=f"backward of mean(output^2) raised {type(e).__name__}: {e}{_where(e)}",
                 fix="look for in-place updates of tensors autograd saved, or detached parts of the residual stream",
             ))  # fmt: skip
             return tr
@@ -476,6 +484,30 @@ def _classify_blocks(blocks, tr: _Trace, findings, cfg: DoctorConfig) -> list[st
     return kinds
 
 
+def _direction(block: nn.Module, call: tuple | None) -> str | None:
+    """"causal" when changing the block's input at the last position leaves its output at every earlier position
+    unchanged, "bidirectional" when it does not, None when that cannot be tried (no (B, T, d) input, T < 2, the
+    block fails on the changed input)."""
+    if call is None:
+        return None
+    args, kwargs = call
+    x = first_tensor(args) if first_tensor(args) is not None else first_tensor(kwargs)
+    if x is None or not x.is_floating_point() or x.dim() != 3 or x.shape[1] < 2:
+        return None
+    bumped = x.clone()
+    bumped[:, -1] += 3.0 * max(_rms(x), 1e-3)
+    try:
+        with torch.no_grad():
+            before = first_tensor(block(*args, **kwargs))
+            b_args, b_kwargs = _replace_first_tensor(args, kwargs, bumped)
+            after = first_tensor(block(*b_args, **b_kwargs))
+    except Exception:  # noqa: BLE001 - a block that needs more than its recorded call: say nothing about it
+        return None
+    if before is None or after is None or before.shape != after.shape or before.shape[:2] != x.shape[:2]:
+        return None
+    return "causal" if _rel(after[:, :-1], before[:, :-1]) < 1e-6 else "bidirectional"
+
+
 def _replace_first_tensor(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
     for j, a in enumerate(args):
         if isinstance(a, Tensor):
@@ -577,10 +609,17 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
         placement = label[next(iter(counts))]
     else:
         placement = "mixed (" + ", ".join(f"{n} {label[k]}" for k, n in counts.items()) + ")"
+    direction = _direction(found[0][1], tr.block_calls.get(0))
+    name = type(found[0][1]).__name__
+    # a class name that contradicts what the block does (addnorm's EncoderLayer with causal=True is a decoder-only
+    # block) is left out rather than repeated
+    misleading = ("encoder" in name.lower() and direction == "causal") or (
+        "decoder" in name.lower() and direction == "bidirectional")
+    what = f"{L} blocks" if misleading else f"{L} blocks of {name}"
+    attention = {"causal": ", causal (decoder-only)", "bidirectional": ", bidirectional (encoder)"}.get(direction, "")
     findings.append(Finding(
         code="summary", severity="info", module=container,
-        message=f"{L} blocks of {type(found[0][1]).__name__} at '{container}', placement {placement}, "
-        f"d_model {d_model}",
+        message=f"{what} at '{container}'{attention}, placement {placement}, d_model {d_model}",
         fix="none needed",
     ))  # fmt: skip
     return _sorted(findings)
@@ -588,158 +627,3 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
 
 def _sorted(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
-
-
-# ---- loading targets ----------------------------------------------------------------------------------------------
-def load_target(target: str) -> tuple[nn.Module, Any]:
-    """Import FILE.py and call FACTORY() from ``"FILE.py:FACTORY"``; raises TargetError with a readable reason."""
-    path_str, sep, factory_name = target.rpartition(":")
-    if not sep or not path_str or not factory_name:
-        raise TargetError(f"TARGET must look like FILE.py:FACTORY, got {target!r}")
-    path = Path(path_str)
-    if not path.is_file():
-        raise TargetError(f"TARGET file not found: {path_str}")
-    mod_name = f"_addnorm_doctor_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise TargetError(f"cannot import {path_str} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"importing {path_str} failed: {type(e).__name__}: {e}") from e
-    finally:
-        sys.path.remove(str(path.resolve().parent))
-    factory = getattr(module, factory_name, None)
-    if factory is None:
-        raise TargetError(f"{path_str} has no attribute {factory_name!r}")
-    if not callable(factory):
-        raise TargetError(f"{path_str}:{factory_name} is not callable (got {type(factory).__name__})")
-    try:
-        result = factory()
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"{factory_name}() raised {type(e).__name__}: {e}") from e
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-        got = type(result).__name__ if not isinstance(result, tuple) else f"a tuple of {len(result)}"
-        raise TargetError(f"{factory_name}() must return (model, example_batch) with model an nn.Module; got {got}")
-    return result
-
-
-def build_hf_model(config_path: str, *, batch_size: int = 2, seq_len: int = 11) -> tuple[nn.Module, dict]:
-    """A randomly initialised Hugging Face model from a local config.json (or its folder), and a random batch."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config must never trigger a download
-    try:
-        import transformers
-    except ImportError as e:
-        raise TargetError("--hf-config needs transformers: pip install 'addnorm[hf]'") from e
-    path = Path(config_path)
-    if not path.exists():
-        raise TargetError(f"--hf-config: {config_path} not found")
-    try:
-        if path.is_file():
-            data = json.loads(path.read_text())
-            model_type = data.pop("model_type", None)
-            if not model_type:
-                raise TargetError(f"--hf-config: {config_path} has no 'model_type'")
-            config = transformers.AutoConfig.for_model(model_type, **data)
-        else:
-            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except TargetError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"--hf-config: cannot read {config_path}: {type(e).__name__}: {e}") from e
-    if hasattr(config, "use_cache"):
-        config.use_cache = False  # no KV cache objects in the block calls the doctor replays
-    try:
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = transformers.AutoModel.from_config(config)
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"--hf-config: cannot build a model for {type(config).__name__}: {e}") from e
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab <= 0:
-        raise TargetError("--hf-config: the config has no vocab_size; use FILE.py:FACTORY for this model")
-    g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=g)}
-    if getattr(config, "is_encoder_decoder", False):  # T5, BART, ...: the decoder needs its own inputs
-        batch["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    return model, batch
-
-
-# ---- CLI ------------------------------------------------------------------------------------------------------------
-def _print_human(findings: list[Finding], title: str) -> None:
-    """Findings grouped by severity; the same finding in several modules (every layer, usually) printed once."""
-    print(f"addnorm doctor: {title}")
-    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    for sev in SEVERITIES:
-        groups: dict[tuple, list[str]] = {}
-        for f in findings:
-            if f.severity == sev:
-                groups.setdefault((f.code, f.message, f.fix), []).append(f.module)
-        if not groups:
-            continue
-        print(f"\n{sev.upper()}S ({counts[sev]})" if counts[sev] > 1 else f"\n{sev.upper()} (1)")
-        for (code, message, fix), modules in groups.items():
-            where = modules[0] if len(modules) == 1 else f"{', '.join(modules[:4])}" + (
-                f" and {len(modules) - 4} more" if len(modules) > 4 else "")
-            print(f"  [{code}] {where}")
-            print(f"      {message}")
-            if fix and fix != "none needed":
-                print(f"      fix: {fix}")
-    print(f"\n{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)")
-
-
-def _doctor(args: argparse.Namespace) -> int:
-    try:
-        if args.hf_config and args.target:
-            raise TargetError("give either TARGET or --hf-config, not both")
-        if args.hf_config:
-            model, batch = build_hf_model(args.hf_config)
-            title = f"{type(model).__name__} from {args.hf_config} (random init)"
-        elif args.target:
-            model, batch = load_target(args.target)
-            title = f"{type(model).__name__} from {args.target}"
-        else:
-            raise TargetError("give TARGET (FILE.py:FACTORY) or --hf-config CONFIG.json")
-    except TargetError as e:
-        print(f"addnorm doctor: {e}", file=sys.stderr)
-        return 2
-    try:
-        findings = diagnose(model, batch)
-    except Exception as e:  # noqa: BLE001 - a bug in the doctor itself should still say what happened
-        traceback.print_exc()
-        print(f"addnorm doctor: the checks themselves failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"findings": [f.to_dict() for f in findings]}, indent=2))
-    else:
-        _print_human(findings, title)
-    return 1 if any(f.severity == "error" for f in findings) else 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "doctor",
-        help="check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)",
-        description="Static checks plus one forward/backward on FACTORY()'s (model, example_batch). "
-        "Exit status: 1 if an error was found, 2 if the target could not be loaded, else 0.",
-    )
-    p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_batch)")
-    p.add_argument("--json", action="store_true", help='print {"findings": [...]} as JSON')
-    p.add_argument("--hf-config", metavar="CONFIG.json",
-                   help="build a random-init Hugging Face model from a local config.json (or its folder)")
-    p.set_defaults(func=_doctor)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m addnorm.diagnostics.doctor ...``: the doctor without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="addnorm")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,8 +12,9 @@ and state_dict keys are untouched) and reproduces each family's own numerics:
 
 All three are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
 value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma. So
-the fused kernels reproduce each family's rounding, bit for bit when weight and input share a dtype (the usual
-case). When they differ, HF's ``weight * x`` promotes the output's dtype, which a kernel writing x's dtype cannot;
+the fused kernels reproduce each family's rounding, bit for bit for the RMSNorm families when weight and input
+share a dtype (the usual case). LayerNorm's fp32 mean and variance are summed in another order than in torch's
+kernel, so a GPT-2/BERT output can land on the neighbouring bf16 number (one ulp). When the dtypes differ, HF's ``weight * x`` promotes the output's dtype, which a kernel writing x's dtype cannot;
 :class:`CastBeforeWeightRMSNorm` then normalizes without the weight and multiplies as HF does. One difference
 remains, on purpose: for fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the two).
 

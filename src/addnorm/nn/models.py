@@ -64,7 +64,16 @@ class Embeddings(nn.Module):
         t = ids.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
-        x = self.tok(ids)  # (B, T, d)
+        if ids.device.type != "cpu" and not torch.compiler.is_compiling():
+            # an out-of-range id on a GPU is a device-side assert that kills the CUDA context: check first
+            if (problem := self._bad_ids(ids)) is not None:
+                raise ValueError(problem)
+        try:
+            x = self.tok(ids)  # (B, T, d)
+        except IndexError:  # CPU: torch's bare "index out of range in self"; checked only then, so free otherwise
+            if (problem := self._bad_ids(ids)) is None:
+                raise
+            raise ValueError(problem) from None
         if self.scale != 1.0:
             x = x * self.scale
         if self.pos is not None:
@@ -74,6 +83,19 @@ class Embeddings(nn.Module):
         if self.norm is not None:
             x = call_norm(self.norm, x, padding_mask=padding_mask)
         return self.dropout(x)
+
+
+    def _bad_ids(self, ids: Tensor) -> str | None:
+        """What is wrong with ``ids`` for this vocabulary, or None."""
+        if ids.numel() == 0:
+            return None
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        vocab = self.tok.num_embeddings
+        if 0 <= lo and hi < vocab:
+            return None
+        bad = f"the largest is {hi}" if hi >= vocab else f"the smallest is {lo}"
+        return (f"token ids must be in [0, vocab_size={vocab}): {bad} (ids range over [{lo}, {hi}]); give a "
+                "vocab_size that covers the tokenizer's ids")
 
 
 def _rotary(config: TransformerConfig) -> RotaryEmbedding | None:

@@ -8,7 +8,8 @@
 ``--set key=value`` sets a TransformerConfig field (overriding the preset) or a TrainConfig field (``z_loss``,
 ``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) or kept as
 strings. The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
-the JSONL log, a checkpoint, ``args.json`` (the flags, for ``--resume``), ``summary.json`` and ``loss.png``.
+the JSONL log, a checkpoint (every 50 steps and at the end; ``--set checkpoint_every=N``), ``args.json`` (the
+flags, for ``--resume``), ``summary.json`` and ``loss.png``. ``--resume`` on a directory without a run is an error.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def _plot(result, path: Path, title: str) -> str | None:
 
 
 ARGS_FILE = "args.json"  # in --out: the flags of the run, so `--out DIR --resume` alone continues it
+CHECKPOINT = "checkpoint.pt"  # = addnorm.train.loop.CHECKPOINT (not imported from there: that imports torch)
 # The flags that define a run; on --resume each one not given again is taken from ARGS_FILE.
 _RUN_FLAGS = ("preset", "set", "steps", "lr", "warmup", "batch_size", "seq_len", "seed", "data", "data_seed")
 _DEFAULTS = {"preset": "gpt2", "data_seed": 0}  # argparse leaves these None so --resume can tell "not given"
@@ -129,9 +131,25 @@ def _saved_args(out: Path) -> dict | None:
     return saved
 
 
+def _check_something_to_resume(out: str | None) -> None:
+    """--resume continues a run: an --out that is missing or holds no run is an error, not a fresh default run."""
+    if not out:
+        raise ValueError("--resume needs --out DIR, the directory of the run to continue")
+    path = Path(out)
+    if not path.exists():
+        raise ValueError(f"--resume: nothing to resume: {out} does not exist (start the run without --resume)")
+    if not path.is_dir():
+        raise ValueError(f"--resume: nothing to resume: {out} is a file, not a run directory")
+    if not (path / ARGS_FILE).is_file() and not (path / CHECKPOINT).is_file():
+        raise ValueError(f"--resume: nothing to resume in {out}: it holds neither {CHECKPOINT} nor {ARGS_FILE} "
+                         "of an `addnorm train` run (start the run without --resume)")  # fmt: skip
+
+
 def resolve_run_args(args: argparse.Namespace) -> None:
     """Fill in defaults; with --resume, take every run flag not given again from OUT/args.json, and reject one
     given with another value (it would continue a different run from the checkpoint)."""
+    if args.resume:
+        _check_something_to_resume(args.out)
     saved = _saved_args(Path(args.out)) if args.resume and args.out else None
     if saved is not None:
         conflicts = []
@@ -162,13 +180,11 @@ def _prepare_out(out: str) -> Path:
 
 
 def _save_args(out: Path, args: argparse.Namespace) -> None:
-    import os
+    from addnorm.io import atomic_write_json
 
     data = {key: getattr(args, key) for key in _RUN_FLAGS}
     data["monitor"] = bool(args.monitor)
-    tmp = out / f".{ARGS_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / ARGS_FILE)  # atomic: a crash never leaves half a file for --resume to read
+    atomic_write_json(out / ARGS_FILE, data)  # a crash never leaves half a file for --resume to read
 
 
 def run_training(args: argparse.Namespace) -> int:
@@ -200,7 +216,7 @@ def run_training(args: argparse.Namespace) -> int:
         return 2
     info = D.init_from_env(cfg.device)
     if args.out and info.is_main:
-        if args.resume and not (Path(args.out) / "checkpoint.pt").exists():
+        if args.resume and not (Path(args.out) / CHECKPOINT).exists():
             print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
         _save_args(Path(args.out), args)
     bar = None
@@ -219,7 +235,11 @@ def run_training(args: argparse.Namespace) -> int:
     from addnorm.ops.backends import BackendUnavailableError
 
     try:
-        result = train(model, data, cfg, callback=on_step)
+        try:
+            result = train(model, data, cfg, callback=on_step)
+        finally:
+            if bar is not None:  # before any message: a message printed over a live bar shares its line
+                bar.close()
     except (ValueError, BackendUnavailableError) as e:  # --resume onto another model; ADDNORM_BACKEND=triton on CPU
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
@@ -227,13 +247,11 @@ def run_training(args: argparse.Namespace) -> int:
         print(f"addnorm train: error: cannot write into --out {args.out}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = (f"the last checkpoint in {args.out} (--set checkpoint_every=N writes one every N steps)"
+        every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
+        where = (f"the last checkpoint in {args.out} (written {every}; --set checkpoint_every=N to change)"
                  if args.out else "nothing (no --out, nothing saved)")  # fmt: skip
         print(f"\naddnorm train: interrupted; --resume would continue from {where}", file=sys.stderr)
         return 130
-    finally:
-        if bar is not None:
-            bar.close()
     if not info.is_main:
         return 0
     summary = result.summary()
@@ -247,7 +265,9 @@ def run_training(args: argparse.Namespace) -> int:
         png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
         if png:
             report["figures"].append(png)
-        (out / "summary.json").write_text(json.dumps(report, indent=2))
+        from addnorm.io import atomic_write_json
+
+        atomic_write_json(out / "summary.json", report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
