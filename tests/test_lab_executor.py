@@ -1,0 +1,345 @@
+"""The lab's executor: ctx.map on worker processes gives what it gives in this process (bitwise), in task order;
+the task cache resumes a killed experiment; drivers overlap while they wait; Ctrl-C stops the pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from addnorm.lab import runner
+from addnorm.lab.core import Context, Experiment, Result, verdict_from
+from addnorm.lab.executor import Cancelled, Executor, TaskCache, run_task
+from addnorm.lab.runner import RunOptions, run
+
+
+# --------------------------------------------------------------------- task functions (module level: picklable)
+def train_tiny(seed: int, steps: int = 5) -> dict:
+    """A tiny deterministic training: what lab tasks do, small."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 8, generator=g, requires_grad=True)
+    x = torch.randn(16, 8, generator=g)
+    losses = []
+    for _ in range(steps):
+        loss = (torch.tanh(x @ w) ** 2).mean()
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+            w.grad = None
+        losses.append(loss.item())
+    return {"seed": seed, "losses": losses, "pair": (seed, 0.1 * seed), "inf": float("inf")}
+
+
+def unseeded(i: int) -> list:
+    """Forgets to seed: the executor's seeding makes it deterministic anyway (and equal in a worker and here)."""
+    return [torch.rand(3).tolist(), float(np.random.rand()), random.random(), torch.get_num_threads(), i]
+
+
+def touch(directory: str, name: str, value: int) -> int:
+    """Leaves a marker (how many times a task ran), returns ``value``."""
+    path = Path(directory) / name
+    path.write_text(path.read_text() + "x" if path.exists() else "x")
+    return value * 2
+
+
+def wait_for(path: str, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def create(path: str) -> bool:
+    Path(path).write_text("here")
+    return True
+
+
+def sleep_then(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def boom(i: int) -> int:
+    if i == 2:
+        raise ValueError(f"task {i} failed on purpose")
+    return i
+
+
+def not_json(i: int) -> object:
+    return {"x": object()}
+
+
+# -------------------------------------------------------------------------------------------------- mapper
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_map_results_in_task_order_equal_the_plain_calls(jobs):
+    tasks = [{"seed": s, "steps": 3 + s % 2} for s in range(5)]
+    with Executor(jobs) as ex:
+        got = ex.map(train_tiny, tasks)
+    expected = [json.loads(json.dumps(train_tiny(**t))) for t in tasks]  # tuples come back as lists (JSON)
+    assert got == expected
+    assert got[0]["inf"] == float("inf") and got[3]["pair"] == [3, 0.30000000000000004]
+    assert ex.tasks_done == ex.tasks_total == 5
+
+
+def test_workers_and_this_process_agree_bitwise_even_for_a_task_that_does_not_seed():
+    tasks = [{"i": i} for i in range(4)]
+    torch.set_num_threads(2)  # the caller's setting; tasks still get one thread
+    try:
+        with Executor(1) as one:
+            here = one.map(unseeded, tasks)
+        with Executor(2) as two:
+            there = two.map(unseeded, tasks)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert here == there and all(r[3] == 1 for r in here)
+    assert here[0][:3] == here[1][:3]  # every task starts from the same seeded state
+
+
+def test_running_tasks_here_does_not_change_what_the_driver_draws_next():
+    torch.manual_seed(5)
+    np.random.seed(5)
+    expected = (torch.rand(2).tolist(), np.random.rand(), torch.rand(2).tolist(), np.random.rand())
+    torch.manual_seed(5)
+    np.random.seed(5)
+    with Executor(1) as ex:
+        a, b = torch.rand(2).tolist(), np.random.rand()
+        ex.map(unseeded, [{"i": 0}])
+        got = (a, b, torch.rand(2).tolist(), np.random.rand())
+    assert got == expected
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_failing_task_raises_its_error_in_the_driver(jobs):
+    with Executor(jobs) as ex, pytest.raises(ValueError, match="task 2 failed on purpose"):
+        ex.map(boom, [{"i": i} for i in range(4)])
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_lambda_or_a_non_json_result_is_a_clear_error_with_any_jobs(jobs):
+    with Executor(jobs) as ex:
+        with pytest.raises(TypeError, match="module-level function"):
+            ex.map(lambda i: i, [{"i": 1}])
+        with pytest.raises(TypeError, match="not JSON-serializable"):
+            ex.map(not_json, [{"i": 1}])
+    with pytest.raises(ValueError, match="jobs"):
+        Executor(0)
+
+
+def test_task_cache_reuses_finished_tasks_and_a_bad_record_is_a_miss(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    tasks = [{"directory": str(marks), "name": f"t{i}", "value": i} for i in range(3)]
+    with Executor(1, cache_dir=tmp_path / "cache") as ex:
+        assert ex.map(touch, tasks, salt="a") == [0, 2, 4]
+        files = [ex.cache.path(ex.cache.key("a", touch, t)) for t in tasks]
+    assert sorted(files) == sorted((tmp_path / "cache").iterdir())
+    files[0].write_text("{")  # torn
+    files[1].write_text('{"key": "another", "result": 2}')  # not this task's
+    with Executor(2, cache_dir=tmp_path / "cache") as ex:
+        assert ex.map(touch, tasks, salt="a") == [0, 2, 4]
+    assert {p.name: p.read_text() for p in marks.iterdir()} == {"t0": "xx", "t1": "xx", "t2": "x"}
+    with Executor(1, cache_dir=tmp_path / "cache") as ex:  # another salt (another experiment key): computed
+        ex.map(touch, tasks[:1], salt="b")
+        assert (marks / "t0").read_text() == "xxx"
+        ex.forget("b")
+    assert len(list((tmp_path / "cache").iterdir())) == 3
+    with Executor(1, cache_dir=tmp_path / "cache", read_cache=False) as ex:  # --fresh: computed again
+        ex.map(touch, tasks[2:], salt="a")
+    assert (marks / "t2").read_text() == "xx"
+
+
+def test_the_task_cache_key_depends_on_function_arguments_and_salt():
+    c = TaskCache(None)
+    k = c.key("s", touch, {"directory": "d", "name": "n", "value": 1})
+    assert k == c.key("s", touch, {"value": 1, "name": "n", "directory": "d"})  # argument order does not matter
+    assert k != c.key("t", touch, {"directory": "d", "name": "n", "value": 1})
+    assert k != c.key("s", touch, {"directory": "d", "name": "n", "value": 2})
+    assert k != c.key("s", create, {"directory": "d", "name": "n", "value": 1})
+    with pytest.raises(TypeError, match="JSON-like"):
+        c.key("s", touch, {"value": object()})
+
+
+def test_run_task_gives_json_text_with_non_finite_floats():
+    text = run_task(train_tiny, {"seed": 1, "steps": 1})
+    assert json.loads(text)["inf"] == float("inf")
+
+
+# ------------------------------------------------------------------------------------------ concurrent drivers
+def test_drivers_overlap_while_they_wait_for_tasks(tmp_path):
+    """A's task waits for a file that only B's task creates: it finishes only if B starts while A waits."""
+    flag = str(tmp_path / "flag")
+    with Executor(2) as ex:
+        calls = [lambda: ex.map(wait_for, [{"path": flag, "timeout": 60.0}]),
+                 lambda: ex.map(create, [{"path": flag}])]  # fmt: skip
+        start = time.monotonic()
+        assert ex.run_concurrently(calls) == [[True], [True]]
+    assert time.monotonic() - start < 50
+
+
+def _driver(ex: Executor, seed: int) -> list:
+    torch.manual_seed(seed)
+    before = torch.rand(2).tolist()
+    mapped = ex.map(train_tiny, [{"seed": seed + k, "steps": 2} for k in range(3)])
+    after = torch.rand(2).tolist()  # the driver's own RNG stream, whatever ran in between
+    return [before, [m["losses"] for m in mapped], after]
+
+
+def test_overlapping_drivers_give_what_serial_drivers_give():
+    with Executor(1) as ex:
+        serial = ex.run_concurrently([lambda s=s: _driver(ex, s) for s in range(4)])
+    with Executor(2) as ex:
+        overlapped = ex.run_concurrently([lambda s=s: _driver(ex, s) for s in range(4)])
+    assert overlapped == serial
+
+
+def test_an_interrupt_in_one_driver_stops_the_pool_and_the_others():
+    with Executor(2) as ex:
+        def interrupted():
+            raise KeyboardInterrupt
+
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            ex.run_concurrently([lambda: ex.map(sleep_then, [{"seconds": 60.0}]), interrupted])
+        assert time.monotonic() - start < 30  # the 60 s task was killed, not waited for
+        with pytest.raises(Cancelled):
+            ex.map(touch, [{"directory": ".", "name": "never", "value": 1}])
+    assert not [t for t in threading.enumerate() if t.name.startswith("addnorm-lab-driver")]
+
+
+# ------------------------------------------------------------------------------------------- through the runner
+PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+    "0000000d49444154789c6360f8cfc0f01f0005000201a5f6a1d50000000049454e44ae426082"
+)
+
+
+def _mapping_experiment(name: str, n: int):
+    def fn(ctx: Context) -> Result:
+        drawn = torch.rand(1).item()  # the driver's own RNG (seeded by the runner)
+        runs = ctx.map(train_tiny, [{"seed": ctx.seed * 100 + k, "steps": 2 + k % 3} for k in range(n)])
+        final = [r["losses"][-1] for r in runs]
+        ctx.figure_path("fig.png").write_bytes(PNG + json.dumps(final).encode())  # bytes depend on the results
+        per_seed = {"final loss": final}
+        return Result(verdict=verdict_from(sum(final) > 0.5), figures=["fig.png"], summary=f"{name} {sum(final)}",
+                      metrics={"per_seed": per_seed, "seeds": list(range(n)), "drawn": drawn},
+                      timings={"wall": time.perf_counter()})  # fmt: skip
+
+    return Experiment(name=name, claim=f"claim {name}", source="test", run=fn)
+
+
+def mapping_registry() -> dict[str, Experiment]:
+    return {e.name: e for e in (_mapping_experiment("few", 1), _mapping_experiment("many", 5),
+                                _mapping_experiment("some", 3))}  # fmt: skip
+
+
+_TIMING_FIELDS = ("seconds", "timings", "cached")
+
+
+def comparable(out: Path) -> dict:
+    doc = json.loads((out / "results.json").read_text())
+    doc["experiments"] = [{k: v for k, v in e.items() if k not in _TIMING_FIELDS} for e in doc["experiments"]]
+    figures = {f: (out / f).read_bytes() for e in doc["experiments"] for f in e["figures"]}
+    return {"experiments": doc["experiments"], "counts": doc["counts"], "figures": figures}
+
+
+def test_jobs_1_and_jobs_2_give_identical_results_json_and_figures(tmp_path):
+    reg = mapping_registry()
+    one = run(RunOptions(out=tmp_path / "one", progress=False, device="cpu", jobs=1), reg)
+    two = run(RunOptions(out=tmp_path / "two", progress=False, device="cpu", jobs=2), reg)
+    assert one.meta["jobs"] == 1 and two.meta["jobs"] == 2
+    assert comparable(tmp_path / "one") == comparable(tmp_path / "two")
+    assert not list((tmp_path / "two" / "runs" / "tasks").glob("*.json"))  # finished experiments keep no tasks
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from addnorm.lab.core import Experiment, Result
+
+    MARKS = Path(os.environ["LAB_MARKS"])
+
+    def task(k):
+        (MARKS / f"t{k}").write_text((MARKS / f"t{k}").read_text() + "x" if (MARKS / f"t{k}").exists() else "x")
+        if k == 3 and os.environ.get("LAB_DIE") == "1":
+            os._exit(3)  # killed in the middle of the experiment: no cleanup
+        return {"k": k, "sq": k * k}
+
+    def long_experiment(ctx):
+        out = ctx.map(task, [{"k": k} for k in range(5)])
+        return Result(verdict="reproduced", metrics={"sq": [r["sq"] for r in out]})
+
+    REGISTRY = {"long": Experiment(name="long", claim="c", source="s", run=long_experiment)}
+
+    if __name__ == "__main__":
+        from addnorm.lab.runner import RunOptions, run
+        run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu", jobs=1), REGISTRY)
+    """
+)
+
+
+def test_a_run_killed_in_the_middle_of_an_experiment_resumes_with_its_finished_tasks(tmp_path):
+    script, out, marks = tmp_path / "resume_tasks.py", tmp_path / "out", tmp_path / "marks"
+    script.write_text(RESUME_SCRIPT)
+    marks.mkdir()
+    env = dict(os.environ, LAB_MARKS=str(marks), LAB_DIE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert len(list((out / "runs" / "tasks").glob("*.json"))) == 3  # tasks 0, 1, 2 finished before the kill
+    env["LAB_DIE"] = "0"
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name: p.read_text() for p in marks.iterdir()} == {"t0": "x", "t1": "x", "t2": "x", "t3": "xx",
+                                                                 "t4": "x"}  # fmt: skip
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["experiments"][0]["metrics"] == {"sq": [0, 1, 4, 9, 16]}
+    assert not list((out / "runs" / "tasks").glob("*.json"))
+
+
+def test_a_failing_task_makes_its_experiment_inconclusive_and_keeps_the_finished_tasks(tmp_path):
+    def fails(ctx: Context) -> Result:
+        ctx.map(boom, [{"i": i} for i in range(4)])
+        return Result(verdict="reproduced", metrics={})
+
+    reg = {"fails": Experiment(name="fails", claim="c", source="s", run=fails), **mapping_registry()}
+    s = run(RunOptions(out=tmp_path, progress=False, device="cpu", jobs=2), reg)
+    rec = {r["name"]: r for r in s.records}
+    assert rec["fails"]["verdict"] == "inconclusive" and "task 2 failed on purpose" in rec["fails"]["error"]
+    assert s.failed == ["fails"] and sorted(s.ran) == ["few", "many", "some"]
+    assert len(list((tmp_path / "runs" / "tasks").glob("*.json"))) >= 2  # tasks 0 and 1 (3 maybe) kept
+
+
+def test_progress_bar_never_shows_a_verdict(tmp_path, capsys):
+    reg = mapping_registry()
+    run(RunOptions(out=tmp_path, device="cpu", jobs=2, progress=True), reg)
+    err = capsys.readouterr().err
+    assert "tasks" in err and "many" in err
+    assert "reproduced" not in err and "inconclusive" not in err
+
+
+def test_progress_postfix_names_running_experiments_and_task_counts():
+    p = runner._Progress(False, total=3)
+    p.start("a")
+    p.message("a", "seed 1")
+    p.start("b")
+    p.count_tasks(2, 7)
+    assert p.postfix() == "a: seed 1; b | tasks 2/7"
+    p.finish("a")
+    p.message("a", "late message from a finished experiment")
+    assert p.postfix() == "b | tasks 2/7"
