@@ -343,3 +343,75 @@ def test_progress_postfix_names_running_experiments_and_task_counts():
     p.finish("a")
     p.message("a", "late message from a finished experiment")
     assert p.postfix() == "b | tasks 2/7"
+
+
+# ------------------------------------------------------------------------------------------------- torchrun
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    import torch
+    from addnorm.lab.core import Experiment, Result, verdict_from
+
+    MARKS = Path(os.environ["LAB_MARKS"])
+
+    def task(seed):
+        with open(MARKS / f"seed{seed}-rank{os.environ.get('RANK', 'none')}", "a") as f:
+            f.write("x")
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(6, 6, generator=g)
+        return {"norm": float(torch.linalg.matrix_norm(w @ w)), "seed": seed}
+
+    def make(name, n):
+        def fn(ctx):
+            drawn = torch.rand(1).item()
+            out = ctx.map(task, [{"seed": ctx.seed * 10 + k} for k in range(n)])
+            ctx.figure_path("f.png").write_bytes(b"png " + repr([r["norm"] for r in out]).encode())
+            value = sum(r["norm"] for r in out) / n
+            return Result(verdict=verdict_from(value > 8), figures=["f.png"], summary=name,
+                          metrics={"per_seed": {"norm": [r["norm"] for r in out]}, "drawn": drawn})
+        return fn
+
+    REGISTRY = {n: Experiment(name=n, claim="c", source="s", run=make(n, k)) for n, k in (("a", 5), ("b", 1))}
+
+    if __name__ == "__main__":
+        from addnorm.lab.runner import RunOptions, run
+        s = run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu", jobs=1), REGISTRY)
+        print("world", s.meta["world_size"], "rank", os.environ.get("RANK"))
+    """
+)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(tmp_path, monkeypatch):
+    script, marks = tmp_path / "lab_torchrun.py", tmp_path / "marks"
+    script.write_text(TORCHRUN_SCRIPT)
+    marks.mkdir()
+    src = str(Path(runner.__file__).parents[2])
+    env = dict(os.environ, LAB_MARKS=str(marks), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    import importlib
+
+    monkeypatch.setenv("LAB_MARKS", str(marks))
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable by name: ctx.map's functions must be
+    monkeypatch.delitem(sys.modules, "lab_torchrun", raising=False)
+    module = importlib.import_module("lab_torchrun")
+    run(RunOptions(out=tmp_path / "one", progress=False, device="cpu", jobs=1), module.REGISTRY)
+    for p in marks.iterdir():
+        p.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(tmp_path / "two")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2 rank 0" in proc.stdout and "world 2 rank 1" in proc.stdout
+    # every task ran once, and both ranks ran some (rank r takes tasks r, r + 2, ...)
+    ran = {p.name: p.read_text() for p in marks.iterdir()}  # "b" has one task: seed 0 again, on rank 0
+    assert ran == {"seed0-rank0": "xx", "seed1-rank1": "x", "seed2-rank0": "x", "seed3-rank1": "x", "seed4-rank0": "x"}
+    assert comparable(tmp_path / "one") == comparable(tmp_path / "two")
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["meta"]["world_size"] == 2
+    # rank 1 wrote nothing into OUT: only rank 0's report, records and figures are there
+    files = sorted(str(p.relative_to(tmp_path / "two")) for p in (tmp_path / "two").rglob("*") if p.is_file())
+    assert files == sorted([".lock", "index.html", "report.md", "results.json"]
+                           + [f"runs/{e['name']}-{e['key']}/{f}" for e in two["experiments"]
+                              for f in ("f.png", "result.json")])  # fmt: skip
