@@ -409,3 +409,43 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
 
 def load_results(out: Path) -> dict[str, Any]:
     return json.loads((Path(out) / RESULTS_FILE).read_text(encoding="utf-8"))
+
+
+def read_results(path: Path) -> dict:
+    """A run's results.json, checked enough that merge and doc fail with the file's name, not a traceback."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable results file: {err}") from None
+    records = data.get("experiments") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
+                                                for r in records):  # fmt: skip
+        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
+                         "name and a verdict)")  # fmt: skip
+    if not isinstance(data.get("meta", {}), dict):
+        raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
+    for r in records:
+        problem = _record_problem(r)
+        if problem:
+            raise ValueError(f"{path} is not a valid `addnorm lab` results file: experiment {r.get('name')!r} "
+                             f"{problem}")  # fmt: skip
+    return data
+
+
+def _record_problem(r: dict) -> str:
+    """What is wrong with one record of a results file ("" if nothing): merge copies its figures and the report
+    embeds them, so a figure must be a relative path inside runs/."""
+    if not isinstance(r["name"], str) or not r["name"]:
+        return "has no name"
+    if r["verdict"] not in VERDICTS:
+        return f"has the verdict {r['verdict']!r} (not one of {', '.join(VERDICTS)})"
+    if not isinstance(r.get("metrics", {}), dict):
+        return "has metrics that are not an object"
+    figures = r.get("figures", [])
+    if not isinstance(figures, list) or not all(isinstance(f, str) for f in figures):
+        return "has figures that are not a list of file names"
+    for f in figures:
+        parts = Path(f).parts
+        if Path(f).is_absolute() or ".." in parts or not parts or parts[0] != "runs" or "\\" in f:
+            return f"has the figure {f!r} outside its runs/ folder"
+    return ""

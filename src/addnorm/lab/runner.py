@@ -46,6 +46,7 @@ from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa
 from addnorm.io import json_default as _json_default
 from addnorm.lab.core import EXPERIMENTS, KINDS, VERDICTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, Group, default_jobs, init_group
+from addnorm.lab.report import read_results
 
 RECORD_FILE = "result.json"
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
@@ -541,15 +542,18 @@ class MergeConflictError(ValueError):
 
 
 _META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code")
-_RESULT_FIELDS = ("verdict", "metrics", "figures", "key")
+# What determines a result: the same key (code, config, sizes, seed, device, torch) must give the same verdict,
+# reason and metrics. Not timings or seconds: wall-clock values differ on every run (core.py's Result.timings).
+_RESULT_FIELDS = ("verdict", "reason", "metrics", "key")
 
 
 def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     """Combine shard output directories into one report in ``out``.
 
     Records are matched by experiment name; the same name in two directories must carry the same key, verdict,
-    metrics and figures, else :class:`MergeConflictError`. Runs made with different quick/seed/device/version
-    settings do not merge either. Figures are copied into ``out``.
+    reason and metrics (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with different
+    quick/seed/device/version settings do not merge either. Figures are copied into ``out``, which is locked
+    (:func:`out_lock`) while merge writes.
     """
     from addnorm.lab.report import write_report
 
@@ -563,7 +567,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
         path = d / RESULTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{d} has no {RESULTS_FILE}: is it an `addnorm lab` output directory?")
-        data = _read_results(path)
+        data = read_results(path)
         m = data.get("meta", {})
         if meta is None:
             meta = dict(m)
@@ -586,6 +590,14 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
             by_name[name] = rec
             origin[name] = d
     prepare_out_dir(out)
+    with out_lock(out):
+        return _write_merged(out, dirs, by_name, origin, meta)
+
+
+def _write_merged(out: Path, dirs: Sequence[Path], by_name: dict[str, dict], origin: dict[str, Path],
+                  meta: dict[str, Any] | None) -> RunSummary:  # fmt: skip
+    from addnorm.lab.report import write_report
+
     for name, rec in by_name.items():
         for fig in rec.get("figures", []):
             src, dst = origin[name] / fig, out / fig
@@ -602,22 +614,8 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
                 dst_rec.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src_rec, dst_rec)
     records = sorted(by_name.values(), key=lambda r: (r.get("index", 1 << 30), r["name"]))
-    meta = dict(meta or {}, shard=None, seconds=None, merged_from=[str(d) for d in dirs])
+    meta = dict(meta or {}, shard=None, seconds=None, merged_from=[str(d) for d in dirs], cached=None,
+                computed_seconds=round(sum(r.get("seconds") or 0.0 for r in records
+                                           if isinstance(r.get("seconds"), (int, float))), 1))  # fmt: skip
     write_report(out, records, meta)
     return RunSummary(records=records, meta=meta)
-
-
-def _read_results(path: Path) -> dict:
-    """A shard's results.json, checked enough that merge fails with the file's name, not a traceback."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable results file: {err}") from None
-    records = data.get("experiments") if isinstance(data, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
-                                                for r in records):  # fmt: skip
-        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
-                         "name and a verdict)")  # fmt: skip
-    if not isinstance(data.get("meta", {}), dict):
-        raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
-    return data
