@@ -37,7 +37,8 @@ def _wall(meta: dict[str, Any], total: int) -> str:
                f"{fmt_seconds(computed)}"  # fmt: skip
     if cached and cached >= total:
         return (f"every result came from the cache of an earlier run (computing them took {fmt_seconds(computed)} "
-                f"of experiment time; the wall time of that run is not recorded here), {how}")  # fmt: skip
+                "of experiment time; that run's wall time and --jobs are not recorded here: regenerate from a fresh "
+                "run for them)")  # fmt: skip
     text = f"wall time {fmt_seconds(seconds)} with {how}"
     if cached:
         text += f" ({cached} of {total} results from the cache of an earlier run)"
