@@ -392,11 +392,14 @@ def test_cli_help_explains_every_flag(capsys):
         main(["lab", "--help"])
     text = capsys.readouterr().out
     for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard",
-                 "--threads"):
+                 "--threads", "--jobs", "torchrun", "addnorm-report-quick", "doc"):
         assert flag in text
     with pytest.raises(SystemExit):
         main(["lab", "merge", "--help"])
     assert "--out" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["lab", "doc", "--help"])
+    assert "--output" in capsys.readouterr().out
 
 
 def test_cli_out_that_is_a_file_is_an_error_naming_out(tmp_path, fake_cli, capsys):
