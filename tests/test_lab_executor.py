@@ -43,7 +43,8 @@ def train_tiny(seed: int, steps: int = 5) -> dict:
 
 def unseeded(i: int) -> list:
     """Forgets to seed: the executor's seeding makes it deterministic anyway (and equal in a worker and here)."""
-    return [torch.rand(3).tolist(), float(np.random.rand()), random.random(), torch.get_num_threads(), i]
+    return [torch.rand(3).tolist(), float(np.random.rand()), random.random(), torch.get_num_threads(), i,
+            str(torch.get_default_dtype()), torch.is_grad_enabled()]
 
 
 def touch(directory: str, name: str, value: int) -> int:
@@ -111,15 +112,17 @@ def test_map_results_in_task_order_equal_the_plain_calls(executor):
 
 def test_workers_and_this_process_agree_bitwise_even_for_a_task_that_does_not_seed(pool2):
     tasks = [{"i": i} for i in range(4)]
-    torch.set_num_threads(2)  # the caller's setting; tasks still get one thread
+    torch.set_num_threads(2)  # the caller's settings; tasks get what a fresh worker has
+    torch.set_default_dtype(torch.float64)
     try:
-        with Executor(1) as one:
+        with Executor(1) as one, torch.no_grad():
             here = one.map(unseeded, tasks)
         there = pool2.map(unseeded, tasks)
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2 and torch.get_default_dtype() == torch.float64
     finally:
         torch.set_num_threads(1)
-    assert here == there and all(r[3] == 1 for r in here)
+        torch.set_default_dtype(torch.float32)
+    assert here == there and all(r[3] == 1 and r[5] == "torch.float32" and r[6] for r in here)
     assert here[0][:3] == here[1][:3]  # every task starts from the same seeded state
 
 

@@ -84,10 +84,11 @@ _SEED = 0
 
 @contextlib.contextmanager
 def _isolated_globals():
-    """One torch thread and global RNGs seeded to 0 for a task; the caller's threads and RNG states afterwards.
+    """What a fresh worker process has, for a task run here too: one torch thread, global RNGs seeded to 0, the
+    float32 default dtype, gradients on; the caller's threads, RNG states and dtype afterwards.
 
     A task should seed its own generators; this makes one that forgets deterministic anyway, and the same in a
-    worker as here (where it must not change what the driver draws next)."""
+    worker as here (where it must not change what the driver draws next, nor see the driver's no_grad)."""
     np = sys.modules.get("numpy")
     saved = _save_globals()
     threads = torch.get_num_threads()
@@ -98,7 +99,9 @@ def _isolated_globals():
         random.seed(_SEED)
         if np is not None:
             np.random.seed(_SEED)
-        yield
+        torch.set_default_dtype(torch.float32)
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

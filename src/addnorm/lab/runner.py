@@ -132,7 +132,7 @@ def select(only: Sequence[str] | None = None, shard: tuple[int, int] | None = No
 
 # ----------------------------------------------------------------------------------------------------- cache
 # Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
-_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py"})
+_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/docs.py"})
 
 
 @functools.lru_cache(maxsize=1)
