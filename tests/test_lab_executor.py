@@ -430,3 +430,15 @@ def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(
     assert files == sorted([".lock", "index.html", "report.md", "results.json"]
                            + [f"runs/{e['name']}-{e['key']}/{f}" for e in two["experiments"]
                               for f in ("f.png", "result.json")])  # fmt: skip
+
+
+def test_warm_up_starts_the_workers_before_the_first_task():
+    with Executor(2) as ex:
+        ex.warm_up()
+        deadline = time.monotonic() + 120
+        while len(getattr(ex._pool, "_processes", None) or {}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ex._pool._processes) == 2
+    with Executor(1) as ex:
+        ex.warm_up()
+        assert ex._pool is None

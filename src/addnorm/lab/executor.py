@@ -134,13 +134,28 @@ def run_task(fn: Callable[..., Any], task: dict[str, Any]) -> str:
                         "must return dicts, lists, numbers, strings or None") from None  # fmt: skip
 
 
-def _init_worker() -> None:
+def _init_worker(lifeline: Any) -> None:
     # Ctrl-C reaches the whole process group: the parent decides (it stops the pool); a worker must not print a
     # KeyboardInterrupt traceback for every task it was running.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # already set (a reused process): harmless
         torch.set_num_interop_threads(1)
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True, name="addnorm-lab-lifeline").start()
+
+
+def _exit_with_parent(lifeline: Any) -> None:
+    """End this worker when the lab's process is gone (SIGKILL, os._exit, out of memory): its end of the pipe
+    closes with it. An orphaned worker would wait for tasks forever, holding the terminal's pipes open (and a
+    pid check is fooled by the parent's zombie until someone reaps it)."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            lifeline.recv()
+    os._exit(1)
+
+
+def _noop() -> None:
+    """What :meth:`Executor.warm_up` submits: starting a worker is the point."""
 
 
 def _check_picklable(fn: Callable[..., Any], task: dict[str, Any]) -> None:
@@ -279,6 +294,8 @@ class Executor:
         self._holder: object | None = None  # the driver that holds the baton (None: free, or no concurrency)
         self._waiting_for_baton = 0
         self._pending = 0  # tasks submitted to the pool and not finished
+        self._used = False  # a task was submitted (not only warm_up's no-ops)
+        self._lifeline: Any = None  # the write end of the pipe the workers watch
         self.tasks_done = 0
         self.tasks_total = 0
         self.cache_files: dict[str, list[Path]] = {}  # salt -> the cache files its tasks used
@@ -292,13 +309,23 @@ class Executor:
         self.close(cancel=exc_type is not None)
 
     def close(self, cancel: bool = False) -> None:
-        """Stop the pool; ``cancel`` kills running tasks (Ctrl-C) and makes waiting drivers raise Cancelled."""
+        """Stop the pool; ``cancel`` kills running tasks (Ctrl-C) and makes waiting drivers raise Cancelled. A pool
+        that was only warmed up is stopped without waiting for its start-up."""
         with self._cond:
             self._closed = True
             pool, self._pool = self._pool, None
             self._cond.notify_all()
+        lifeline, self._lifeline = self._lifeline, None
         if pool is None:
             return
+        try:
+            self._stop(pool, cancel=cancel or not self._used)
+        finally:
+            if lifeline is not None:
+                lifeline.close()
+
+    @staticmethod
+    def _stop(pool: cf.ProcessPoolExecutor, cancel: bool) -> None:
         if cancel:
             processes = list((getattr(pool, "_processes", None) or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
@@ -320,9 +347,19 @@ class Executor:
                 ctx = multiprocessing.get_context(method)
                 if method == "forkserver":  # import torch once in the server, not once per worker
                     ctx.set_forkserver_preload(["torch", "addnorm.lab.executor"])
-                self._pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx,
-                                                    initializer=_init_worker)  # fmt: skip
+                # Only this process holds the write end: the workers see EOF when it dies (_exit_with_parent).
+                lifeline, self._lifeline = ctx.Pipe(duplex=False)
+                self._pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_init_worker,
+                                                    initargs=(lifeline,))  # fmt: skip
             return self._pool
+
+    def warm_up(self) -> None:
+        """Start the worker processes now, in the background (importing torch in them takes seconds), so they are
+        ready when the first experiment hands out tasks. Nothing to do with one job or an executor in use."""
+        if self.jobs > 1 and self._pool is None and not self._closed:
+            pool = self._get_pool()
+            for _ in range(self.jobs):
+                pool.submit(_noop)
 
     def forget(self, salt: str) -> None:
         """Delete the cached tasks of ``salt`` (its experiment's record now holds what they were for)."""
@@ -406,6 +443,7 @@ class Executor:
 
         with self._cond:
             self._pending += len(indices)
+            self._used = True
         try:
             for i in indices:
                 future = pool.submit(run_task, fn, tasks[i])

@@ -521,6 +521,8 @@ def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], dev
 
             calls = [functools.partial(_drive, exp, index, progress, executor, keys[exp.name], **run_kw)
                      for index, exp in todo]  # fmt: skip
+            if todo:
+                executor.warm_up()
             executor.run_concurrently(calls, finished)
     finally:
         progress.close()
