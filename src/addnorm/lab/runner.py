@@ -557,8 +557,6 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     quick/seed/device/version settings do not merge either. Figures are copied into ``out``, which is locked
     (:func:`out_lock`) while merge writes.
     """
-    from addnorm.lab.report import write_report
-
     if not dirs:
         raise ValueError("merge needs at least one directory")
     out = Path(out)
