@@ -11,12 +11,18 @@ This module knows nothing of experiments. It gives the runner three things:
   process, so that one experiment with few tasks does not leave the pool idle. Only one driver runs Python at a
   time (it holds the *baton*); a driver hands the baton on while it waits for its tasks, and the global RNG
   states and default dtype are saved and restored around that wait, so each driver sees the same state as if it
-  had run alone. The results therefore do not depend on how the drivers interleave.
+  had run alone. The results therefore do not depend on how the drivers interleave, provided a driver keeps no
+  other process-wide state across a ``ctx.map`` call (module globals it mutates, pyplot's *current* figure: use
+  the ``fig`` that ``plt.subplots`` returns).
 * torchrun: with ``WORLD_SIZE > 1`` (:func:`init_group`), every rank runs the same drivers in the same order;
   each ``ctx.map`` gives rank ``r`` the tasks ``r, r + W, ...`` of what is not cached, and ``all_gather_object``
   hands every rank all the results. Rank 0 alone reads and writes the task cache (other ranks may be on other
   machines, without the output folder). A task that raises on one rank raises on all of them, with its message,
   so the ranks' collectives stay in step.
+
+Worker processes are started with forkserver or spawn, which import the main module again: a script that calls
+the runner with ``jobs > 1`` needs the usual ``if __name__ == "__main__":`` guard (``addnorm lab`` and
+``python -m addnorm`` have it). Workers end when the lab's process dies, however it dies.
 
 Task cache: ``DIR/<hash>.json`` per finished task (written atomically, as soon as it finishes), keyed by the task
 function's module and qualname, its keyword arguments and a *salt* the caller gives (the runner passes the
