@@ -442,3 +442,15 @@ def test_warm_up_starts_the_workers_before_the_first_task():
     with Executor(1) as ex:
         ex.warm_up()
         assert ex._pool is None
+
+
+def test_default_jobs_shares_the_cpus_among_the_ranks_on_one_machine(monkeypatch):
+    from addnorm.lab import executor as E
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = E.default_jobs()
+    assert alone >= 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert E.default_jobs() == max(1, alone // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(alone * 4))
+    assert E.default_jobs() == 1
