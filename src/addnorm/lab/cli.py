@@ -135,9 +135,9 @@ def _lab(args: argparse.Namespace) -> int:
         print(f"addnorm lab: error: cannot write the results into {args.out}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Finished experiments are already on disk (each written atomically), so this is a pause, not a loss.
-        print(f"\naddnorm lab: interrupted; finished experiments are kept in {Path(args.out) / 'runs'}; run the same "
-              "command again to resume", file=sys.stderr)  # fmt: skip
+        # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
+        print(f"\naddnorm lab: interrupted; finished experiments and tasks are kept in {Path(args.out) / 'runs'}; "
+              "run the same command again to resume", file=sys.stderr)  # fmt: skip
         return 130
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
         return 1 if summary.failed else 0
