@@ -88,8 +88,8 @@ def test_per_seed_table_and_its_fallbacks():
 
 
 def test_cached_rerun_says_cached_and_how_long_the_computation_took():
-    assert timing_text({"seconds": 0.0, "computed_seconds": 171.4, "cached": 6, "jobs": 2}, 6) == \
-        "all 6 results were cached (their computation took 2 min 51 s; this run 0.0 s)"  # fmt: skip
+    assert timing_text({"seconds": 0.0, "computed_seconds": 171.4, "cached": 6, "jobs": 2}, 6) == (
+        "all 6 results were cached (computing them took 2 min 51 s, summed over the experiments; this run 0.0 s)")
     assert timing_text({"seconds": 95.0, "computed_seconds": 171.4, "cached": 2, "jobs": 2}, 6).startswith(
         "run took 1 min 35 s (2 of 6 results from the cache")  # fmt: skip
     assert timing_text({"seconds": 12.0, "cached": 0, "jobs": 4, "world_size": 2}, 6) == \

@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments (see --list)")
     p.add_argument("--quick", action="store_true",
                    help="smaller sizes: a smoke run that checks the installation, not evidence (its verdicts can "
-                        "differ from the default sizes'); written to addnorm-report-quick/ unless --out is given")  # fmt: skip
+                        "differ from the default sizes'); written to addnorm-report-quick/ unless --out is "
+                        "given")  # fmt: skip
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory for the report, figures and cache (default: addnorm-report/, or "
                         "addnorm-report-quick/ with --quick); one run at a time per directory")  # fmt: skip

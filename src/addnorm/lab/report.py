@@ -130,15 +130,15 @@ def timing_text(meta: dict[str, Any], total: int | None = None) -> str:
     the cache and how long computing them took (the records' stored seconds), not "run took 0.0 s"."""
     seconds, computed, cached = meta.get("seconds"), meta.get("computed_seconds"), meta.get("cached") or 0
     if seconds is None:  # merged: no single run
-        return f"computing the results took {fmt_seconds(computed)}" if computed is not None else ""
+        return f"computing the results took {fmt_seconds(computed)}, summed over the experiments" \
+            if computed is not None else ""  # fmt: skip
+    summed = f"{fmt_seconds(computed)}, summed over the experiments"
     if total and cached >= total:
-        return (f"all {total} results were cached (their computation took {fmt_seconds(computed)}; this run "
-                f"{fmt_seconds(seconds)})")  # fmt: skip
+        return f"all {total} results were cached (computing them took {summed}; this run {fmt_seconds(seconds)})"
     text = f"run took {fmt_seconds(seconds)}"
     if cached:
-        text += f" ({cached} of {total} results from the cache"
-        text += f", computed earlier; all results together took {fmt_seconds(computed)} to compute)" if computed \
-            is not None else ")"  # fmt: skip
+        text += f" ({cached} of {total} results from the cache, computed earlier" + (
+            f"; computing all of them took {summed})" if computed is not None else ")")
     jobs, world = meta.get("jobs"), meta.get("world_size") or 1
     if jobs:
         text += f" with --jobs {jobs}" + (f" on each of {world} torchrun ranks" if world > 1 else "")
