@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -391,11 +392,14 @@ def test_cli_help_explains_every_flag(capsys):
         main(["lab", "--help"])
     text = capsys.readouterr().out
     for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard",
-                 "--threads"):
+                 "--threads", "--jobs", "torchrun", "addnorm-report-quick", "doc"):
         assert flag in text
     with pytest.raises(SystemExit):
         main(["lab", "merge", "--help"])
     assert "--out" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["lab", "doc", "--help"])
+    assert "--output" in capsys.readouterr().out
 
 
 def test_cli_out_that_is_a_file_is_an_error_naming_out(tmp_path, fake_cli, capsys):
@@ -501,3 +505,197 @@ def main_lab(argv):
     from addnorm.cli import main
 
     return main(["lab", *argv])
+
+
+# ------------------------------------------------------------------------------ cache records of the wrong shape
+def _record_edits():
+    def drop(field):
+        return lambda r: {k: v for k, v in r.items() if k != field}
+
+    def put(field, value):
+        return lambda r: dict(r, **{field: value})
+
+    return {
+        "list": lambda r: [], "null": lambda r: None, "number": lambda r: 42, "string": lambda r: "record",
+        "figures=5": put("figures", 5), "figures=[null]": put("figures", [None]),
+        "figures outside": put("figures", ["runs/../../../etc/passwd"]), "figures absolute": put("figures", ["/x"]),
+        "verdict=42": put("verdict", 42), "verdict=totally": put("verdict", "totally"),
+        "metrics=oops": put("metrics", "oops"), "metrics=null": put("metrics", None), "no verdict": drop("verdict"),
+        "no metrics": drop("metrics"), "no figures": drop("figures"), "no key": drop("key"),
+        "another name": put("name", "fake-9"), "seconds=x": put("seconds", "x"), "seconds=-1": put("seconds", -1),
+        "timings=[]": put("timings", []), "summary=7": put("summary", 7), "reason=[]": put("reason", []),
+        "kind=bogus": put("kind", "bogus"), "an error": put("error", "RuntimeError: x"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("edit", list(_record_edits()))
+def test_a_cache_record_of_the_wrong_shape_is_recomputed_not_a_traceback(tmp_path, edit):
+    calls: dict[str, int] = {}
+    reg = make_registry(calls, n=1)
+    first = run(opts(tmp_path, jobs=1), reg)
+    rec_file = next((tmp_path / "runs").glob("fake-0-*/result.json"))
+    record = json.loads(rec_file.read_text())
+    rec_file.write_text(json.dumps(_record_edits()[edit](record)))
+    second = run(opts(tmp_path, jobs=1), reg)
+    assert calls["fake-0"] == 2 and second.ran == ["fake-0"]
+    assert second.records[0]["verdict"] == first.records[0]["verdict"]
+    assert json.loads(rec_file.read_text())["figures"] == record["figures"]  # rewritten whole
+
+
+def test_the_unedited_record_is_a_cache_hit_so_the_shape_checks_accept_real_records(tmp_path):
+    reg = make_registry({}, n=1)
+    run(opts(tmp_path, jobs=1), reg)
+    rec_file = next((tmp_path / "runs").glob("fake-0-*/result.json"))
+    record = json.loads(rec_file.read_text())
+    assert runner.valid_record(record, name="fake-0", key=record["key"])
+    assert not runner.valid_record(record, name="fake-0", key="other")
+
+
+# ------------------------------------------------------------------------------------------ one run per --out
+def test_a_second_run_on_a_locked_out_is_refused_with_a_message(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    with runner.out_lock(tmp_path):  # what a run in progress holds
+        assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "in use by another `addnorm lab` run" in err and f"pid {os.getpid()}" in err
+        assert "Traceback" not in err
+        assert main(["lab", "merge", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert fake_cli == {}
+    # a lock file left by a killed run does not block: flock locks die with their process
+    assert (tmp_path / ".lock").exists()
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
+
+
+SLOW_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from addnorm.lab.core import Experiment, Result
+
+    def slow(ctx):
+        Path(sys.argv[2]).write_text("started")
+        time.sleep(float(sys.argv[3]))
+        ctx.figure_path("f.png").write_bytes(b"png")
+        return Result(verdict="reproduced", metrics={"v": 1}, figures=["f.png"])
+
+    if __name__ == "__main__":
+        from addnorm.lab.runner import RunOptions, run
+        reg = {"slow": Experiment(name="slow", claim="c", source="s", run=slow)}
+        run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu", jobs=1), reg)
+    """
+)
+
+
+def test_two_concurrent_runs_on_one_out_the_second_is_refused_and_the_first_completes(tmp_path, fake_cli, capsys):
+    script, started, out = tmp_path / "slow_lab.py", tmp_path / "started", tmp_path / "out"
+    script.write_text(SLOW_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    first = subprocess.Popen([sys.executable, str(script), str(out), str(started), "4"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        assert main_lab(["--out", str(out), "--no-progress", "--device", "cpu"]) == 2
+        assert "in use by another `addnorm lab` run" in capsys.readouterr().err
+    finally:
+        _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert [e["name"] for e in doc["experiments"]] == ["slow"]
+    assert all((out / f).is_file() for e in doc["experiments"] for f in e["figures"])
+    assert fake_cli == {}
+
+
+# ------------------------------------------------------------------------------------------------- merge
+def test_merge_ignores_timings_and_seconds_but_not_metrics_or_reason(tmp_path):
+    def timed(ctx: Context) -> Result:
+        return Result(verdict="inconclusive", metrics={"v": 1}, reason="control failed",
+                      timings={"step_ms": time.perf_counter()})  # fmt: skip
+
+    reg = {"timed": Experiment(name="timed", claim="c", source="s", run=timed)}
+    run(opts(tmp_path / "a", jobs=1), reg)
+    run(opts(tmp_path / "b", jobs=1), reg)
+    a = json.loads((tmp_path / "a" / "results.json").read_text())["experiments"][0]
+    b = json.loads((tmp_path / "b" / "results.json").read_text())["experiments"][0]
+    assert a["timings"] != b["timings"]
+    merged = merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    assert merged.records[0]["reason"] == "control failed" and merged.meta["computed_seconds"] is not None
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    doc["experiments"][0]["reason"] = "another reason"
+    (tmp_path / "b" / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(MergeConflictError, match="timed.*reason"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m2")
+
+
+@pytest.mark.parametrize("figures, needle", [(["../../secret.png"], "outside"), ([3], "list of file names"),
+                                             (["/etc/passwd"], "outside")])  # fmt: skip
+def test_merge_refuses_figures_outside_the_runs_folder(tmp_path, figures, needle):
+    run(opts(tmp_path / "a", jobs=1), make_registry({}, n=1))
+    doc = json.loads((tmp_path / "a" / "results.json").read_text())
+    doc["experiments"][0]["figures"] = figures
+    (tmp_path / "a" / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=needle):
+        merge([tmp_path / "a"], tmp_path / "m")
+    doc["experiments"][0].update(figures=[], verdict="totally")
+    (tmp_path / "a" / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="totally"):
+        merge([tmp_path / "a"], tmp_path / "m")
+
+
+# ---------------------------------------------------------------------------------------- --jobs, --quick, doc
+def test_cli_jobs_flag_is_validated_and_recorded(tmp_path, fake_cli, capsys):
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu", "--jobs", "0"]) == 2
+    assert "--jobs" in capsys.readouterr().err and fake_cli == {}
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu", "--jobs", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta"]["jobs"] == 1
+    with pytest.raises(ValueError, match="jobs"):
+        RunOptions(jobs=0)
+
+
+def test_cli_quick_writes_to_its_own_folder_and_says_it_is_a_smoke_run(tmp_path, fake_cli, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main_lab(["--quick", "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "addnorm-report-quick" / "results.json").is_file()
+    assert not (tmp_path / "addnorm-report").exists()
+    assert "smoke run" in out and "not evidence" in out
+    for name in ("index.html", "report.md"):
+        assert "smoke run for checking the installation, not evidence" in (
+            tmp_path / "addnorm-report-quick" / name).read_text()  # fmt: skip
+    assert main_lab(["--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    assert (tmp_path / "addnorm-report" / "results.json").is_file()
+    assert "smoke run" not in capsys.readouterr().out
+    assert "smoke run" not in (tmp_path / "addnorm-report" / "report.md").read_text()
+    assert main_lab(["--quick", "--out", "mine", "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    assert (tmp_path / "mine" / "results.json").is_file()
+
+
+def test_cli_doc_renders_a_run_and_names_what_is_missing(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    assert main_lab(["--out", str(tmp_path / "r"), "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    capsys.readouterr()
+    assert main(["lab", "doc", str(tmp_path / "r")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# Stability lab results") and "fake-2" in text and "--jobs 1" in text
+    target = tmp_path / "docs" / "lab-results.md"
+    assert main(["lab", "doc", str(tmp_path / "r"), "--output", str(target)]) == 0
+    assert target.read_text() == text and oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert main(["lab", "doc", str(tmp_path / "none")]) == 2
+    assert "has no results.json" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.json").write_text("[]")
+    assert main(["lab", "doc", str(tmp_path / "bad")]) == 2
+    assert "not an `addnorm lab` results file" in capsys.readouterr().err
+    assert main(["lab", "doc", str(tmp_path / "r"), "--output", str(tmp_path)]) == 2
+    assert "--output" in capsys.readouterr().err
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

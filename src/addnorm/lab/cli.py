@@ -1,24 +1,33 @@
-"""``addnorm lab``: run the stability lab and write its report; ``addnorm lab merge``: combine shard outputs."""
+"""``addnorm lab``: run the stability lab and write its report; ``addnorm lab merge``: combine shard outputs;
+``addnorm lab doc``: render a run's results as the Markdown of docs/lab-results.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 _DESCRIPTION = """\
 Run the stability lab: small experiments that test published claims about residual connections, norm placement
 and normalization numerics on this machine, each with a verdict (reproduced / not reproduced / inconclusive) from
 a criterion fixed in its code before it runs. Writes OUT/index.html (one self-contained page), OUT/report.md,
-OUT/results.json and the figures. Finished experiments are cached in OUT/runs/, so running again is fast and a
-killed run resumes where it stopped.
+OUT/results.json and the figures. Finished experiments, and the finished tasks of unfinished ones, are cached in
+OUT/runs/, so running again is fast and a killed run resumes where it stopped. The experiments' tasks run on
+--jobs worker processes; the results are the same for any --jobs.
 
-  addnorm lab                        the default suite
-  addnorm lab --quick                smaller sizes, for a first look
+  addnorm lab                        the default suite, into addnorm-report/
+  addnorm lab --quick                smaller sizes: a smoke run of the installation, into addnorm-report-quick/
   addnorm lab --only ln-vs-rms       one experiment
+  addnorm lab --jobs 4               four worker processes (default: one per CPU core)
   addnorm lab --shard 1/2 --out a    half of the suite (run 2/2 elsewhere into b), then:
   addnorm lab merge a b --out all    one report from both halves
+  addnorm lab doc --output docs/lab-results.md   the results as the repository's Markdown page
+  torchrun --nproc_per_node 2 -m addnorm lab     the ranks split the tasks; rank 0 writes the report
 """
+
+DEFAULT_OUT = "addnorm-report"
+QUICK_OUT = "addnorm-report-quick"  # a smoke run must not overwrite the default-size report
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,10 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--list", action="store_true", help="list the experiments (name, claim, source) and exit")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments (see --list)")
     p.add_argument("--quick", action="store_true",
-                   help="smaller sizes, for a first look: about 4x faster (about 40 s instead of about 3 minutes on 2 "
-                        "CPU cores); cached apart from the default-size results")  # fmt: skip
-    p.add_argument("--out", default="addnorm-report", metavar="DIR",
-                   help="output directory for the report, figures and cache (default: addnorm-report/)")  # fmt: skip
+                   help="smaller sizes: a smoke run that checks the installation, not evidence (its verdicts can "
+                        "differ from the default sizes'); written to addnorm-report-quick/ unless --out is "
+                        "given")  # fmt: skip
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory for the report, figures and cache (default: addnorm-report/, or "
+                        "addnorm-report-quick/ with --quick); one run at a time per directory")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="worker processes for the experiments' tasks, one torch thread each (default: the number of "
+                        "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process); the "
+                        "results are the same for any N")  # fmt: skip
     p.add_argument("--seed", type=int, default=0,
                    help="random seed every experiment starts from, 0 <= SEED < 2**32 (default: 0)")  # fmt: skip
     p.add_argument("--device", default="auto",
@@ -50,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_lab)
 
-    sub = p.add_subparsers(dest="lab_command", metavar="merge")
+    sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc}")
     m = sub.add_parser(
         "merge", help="combine the output directories of `addnorm lab --shard K/N` runs into one report",
         description="Combine shard output directories into one report. Fails if two directories disagree on an "
@@ -60,6 +75,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--out", required=True, metavar="DIR", help="directory for the merged report")
     m.add_argument("--json", action="store_true", help="print the merged results.json to stdout")
     m.set_defaults(func=_merge)
+
+    d = sub.add_parser(
+        "doc", help="render a run's results.json as the Markdown of docs/lab-results.md",
+        description="Render the results of a lab run (OUT/results.json) as Markdown: the machine (CPU, cores), torch "
+                    "version, date, wall time and --jobs, the empirical verdicts with each experiment's summary and "
+                    "per-seed numbers, and the sanity checks and demonstrations apart. Prints it, or writes it to "
+                    "--output.",
+    )  # fmt: skip
+    d.add_argument("dir", nargs="?", default=DEFAULT_OUT, metavar="OUT",
+                   help=f"the output directory of an `addnorm lab` run (default: {DEFAULT_OUT}/)")  # fmt: skip
+    d.add_argument("--output", metavar="FILE", help="write the Markdown here (e.g. docs/lab-results.md), not to stdout")
+    d.set_defaults(func=_doc)
 
 
 def _list() -> int:
@@ -92,11 +119,15 @@ def _lab(args: argparse.Namespace) -> int:
     from addnorm.lab.report import load_results
     from addnorm.lab.runner import RunOptions, parse_shard, run
 
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     try:
         shard = parse_shard(args.shard) if args.shard else None
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         options = RunOptions(out=args.out, only=args.only, quick=args.quick, seed=args.seed, device=args.device,
                              fresh=args.fresh, shard=shard, progress=not args.no_progress,
-                             threads=args.threads or None)  # fmt: skip
+                             threads=args.threads or None, jobs=args.jobs)  # fmt: skip
         summary = run(options)
     except ValueError as err:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
@@ -105,10 +136,12 @@ def _lab(args: argparse.Namespace) -> int:
         print(f"addnorm lab: error: cannot write the results into {args.out}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Finished experiments are already on disk (each written atomically), so this is a pause, not a loss.
-        print(f"\naddnorm lab: interrupted; finished experiments are kept in {Path(args.out) / 'runs'}; run the same "
-              "command again to resume", file=sys.stderr)  # fmt: skip
+        # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
+        print(f"\naddnorm lab: interrupted; finished experiments and tasks are kept in {Path(args.out) / 'runs'}; "
+              "run the same command again to resume", file=sys.stderr)  # fmt: skip
         return 130
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
+        return 1 if summary.failed else 0
     _finish(load_results(options.out), args.json)
     if not args.json:
         print(f"report: {options.out / 'index.html'}")
@@ -129,4 +162,33 @@ def _merge(args: argparse.Namespace) -> int:
     _finish(load_results(args.out), args.json)
     if not args.json:
         print(f"report: {Path(args.out) / 'index.html'}")
+    return 0
+
+
+def _doc(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from addnorm import io
+    from addnorm.lab.docs import render_results_doc
+    from addnorm.lab.report import read_results
+
+    path = Path(args.dir) / "results.json"
+    try:
+        if not path.is_file():
+            raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
+        text = render_results_doc(read_results(path))
+        if args.output:
+            if Path(args.output).is_dir():
+                raise ValueError(f"--output {args.output!r} is a directory: give a file path")
+            io.atomic_write_text(Path(args.output), text)
+        else:
+            sys.stdout.write(text)
+    except ValueError as err:
+        print(f"addnorm lab doc: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"addnorm lab doc: error: cannot write {args.output}: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -3,10 +3,17 @@ figures embedded as base64 PNG, no network), and the verdict table printed in th
 
 results.json::
 
-    {"experiments": [{"name", "claim", "source", "criterion", "verdict", "metrics", "figures", "summary",
-                      "seconds", "cached", "key", "config", "index", ["error"]}, ...],
-     "meta": {"addnorm", "torch", "date", "quick", "seed", "device", ...},
-     "counts": {"reproduced": n, "not reproduced": n, "inconclusive": n}}
+    {"experiments": [{"name", "claim", "source", "criterion", "kind", "precondition", "verdict", "reason",
+                      "metrics", "timings", "figures", "summary", "seconds", "cached", "key", "config", "index",
+                      ["error"]}, ...],
+     "meta": {"addnorm", "torch", "date", "quick", "seed", "device", "jobs", "world_size", "seconds",
+              "computed_seconds", "cached", ...},
+     "counts": {"reproduced": n, "not reproduced": n, "inconclusive": n},      empirical claims only
+     "counts_by_kind": {"empirical": {...}, "sanity": {...}, "demonstration": {...}}}
+
+Only empirical claims are evidence: the headline and ``counts`` cover them alone; sanity checks and demonstrations
+are shown in sections of their own, labelled, and not counted (see core.py). A record without ``kind`` (written
+before kinds existed) is empirical.
 """
 
 from __future__ import annotations
@@ -18,14 +25,30 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from addnorm.lab.core import VERDICTS
+from addnorm.lab.core import KINDS, VERDICTS
 
 RESULTS_FILE = "results.json"
 MARKDOWN_FILE = "report.md"
 HTML_FILE = "index.html"
 
-_PUBLIC_FIELDS = ("name", "claim", "source", "criterion", "verdict", "metrics", "figures", "summary", "seconds",
-                  "cached", "key", "config", "index", "error")  # fmt: skip
+_PUBLIC_FIELDS = ("name", "claim", "source", "criterion", "kind", "precondition", "verdict", "reason", "metrics",
+                  "timings", "figures", "summary", "seconds", "cached", "key", "config", "index", "error")  # fmt: skip
+
+# How each kind is headed, and what it is (shown under the heading).
+KIND_TITLES = {
+    "empirical": ("Empirical claims", "what a paper says happens, tested here; these are the counted verdicts"),
+    "sanity": ("Sanity checks", "numerics and identities that must hold if the code is right; not evidence, "
+                                "not counted"),
+    "demonstration": ("Demonstrations", "an article's exercise illustrated with figures; the verdict says whether "
+                                        "it showed what it should; not counted"),
+}  # fmt: skip
+QUICK_NOTE = ("Quick sizes (--quick): a smoke run for checking the installation, not evidence; verdicts at quick "
+              "sizes can differ from the default sizes'.")  # fmt: skip
+
+
+def kind_of(record: dict) -> str:
+    kind = record.get("kind") or "empirical"
+    return kind if kind in KINDS else "empirical"
 
 
 def counts(records: Iterable[dict]) -> dict[str, int]:
@@ -35,9 +58,19 @@ def counts(records: Iterable[dict]) -> dict[str, int]:
     return c
 
 
+def by_kind(records: Iterable[dict]) -> dict[str, list[dict]]:
+    """The records grouped by kind, in :data:`KINDS` order (empirical first), each group in run order."""
+    groups: dict[str, list[dict]] = {k: [] for k in KINDS}
+    for r in records:
+        groups[kind_of(r)].append(r)
+    return groups
+
+
 def results_document(records: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
     experiments = [{k: r[k] for k in _PUBLIC_FIELDS if k in r} for r in records]
-    return {"experiments": experiments, "meta": meta, "counts": counts(records)}
+    groups = by_kind(experiments)
+    return {"experiments": experiments, "meta": meta, "counts": counts(groups["empirical"]),
+            "counts_by_kind": {k: counts(g) for k, g in groups.items()}}  # fmt: skip
 
 
 def write_report(out: Path, records: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
@@ -83,18 +116,100 @@ def flatten_metrics(metrics: dict[str, Any], prefix: str = "") -> list[tuple[str
     return rows
 
 
+def fmt_seconds(seconds: Any) -> str:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {rest} s"
+
+
+def timing_text(meta: dict[str, Any], total: int | None = None) -> str:
+    """How long the run took. After a fully cached rerun the run itself took ~0 s: say that the results came from
+    the cache and how long computing them took (the records' stored seconds), not "run took 0.0 s"."""
+    seconds, computed, cached = meta.get("seconds"), meta.get("computed_seconds"), meta.get("cached") or 0
+    if seconds is None:  # merged: no single run
+        return f"computing the results took {fmt_seconds(computed)}, summed over the experiments" \
+            if computed is not None else ""  # fmt: skip
+    summed = f"{fmt_seconds(computed)}, summed over the experiments"
+    if total and cached >= total:
+        return f"all {total} results were cached (computing them took {summed}; this run {fmt_seconds(seconds)})"
+    text = f"run took {fmt_seconds(seconds)}"
+    if cached:
+        text += f" ({cached} of {total} results from the cache, computed earlier" + (
+            f"; computing all of them took {summed})" if computed is not None else ")")
+    jobs, world = meta.get("jobs"), meta.get("world_size") or 1
+    if jobs:
+        text += f" with --jobs {jobs}" + (f" on each of {world} torchrun ranks" if world > 1 else "")
+    return text
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The counted verdicts (empirical claims), and what else was shown without being counted."""
+    c = doc.get("counts") or {}
+    groups = by_kind(doc["experiments"])
+    text = (f"Empirical claims: {c.get('reproduced', 0)} reproduced, {c.get('not reproduced', 0)} not reproduced, "
+            f"{c.get('inconclusive', 0)} inconclusive.")  # fmt: skip
+    nouns = {"sanity": ("sanity check", "sanity checks"), "demonstration": ("demonstration", "demonstrations")}
+    extra = [f"{len(groups[k])} {nouns[k][len(groups[k]) != 1]}" for k in nouns if groups[k]]
+    if extra:
+        text += f" Also {' and '.join(extra)}, shown apart and not counted."
+    return text
+
+
+def per_seed_table(metrics: Any) -> tuple[list[str], list[list[str]]] | None:
+    """``metrics["per_seed"]`` ({label: [value at each seed]}) as a header and rows, seeds from
+    ``metrics["seeds"]`` (else 0, 1, ...); None when there is none or it has another shape."""
+    if not isinstance(metrics, dict):
+        return None
+    per_seed = metrics.get("per_seed")
+    if not isinstance(per_seed, dict) or not per_seed or not all(isinstance(v, list) for v in per_seed.values()):
+        return None
+    width = max(len(v) for v in per_seed.values())
+    seeds = metrics.get("seeds")
+    if not isinstance(seeds, list) or len(seeds) != width:
+        seeds = list(range(width))
+    header = ["", *[f"seed {fmt_value(s)}" for s in seeds]]
+    rows = [[str(label), *[fmt_value(x) for x in values], *[""] * (width - len(values))]
+            for label, values in per_seed.items()]  # fmt: skip
+    return header, rows
+
+
+def other_metrics(metrics: Any) -> list[tuple[str, Any]]:
+    """The metrics table's rows: everything but what the per-seed table shows."""
+    if not isinstance(metrics, dict):
+        return []
+    if per_seed_table(metrics) is not None:
+        metrics = {k: v for k, v in metrics.items() if k not in ("per_seed", "seeds")}
+    return flatten_metrics(metrics)
+
+
 def terminal_table(doc: dict[str, Any]) -> str:
-    """The verdict table printed at the end of a run."""
-    rows = [("experiment", "verdict", "time", "")]
-    for r in doc["experiments"]:
-        how = "error" if r.get("error") else ("cached" if r.get("cached") else "ran")
-        secs = r.get("seconds")
-        rows.append((r["name"], r["verdict"], f"{secs:.1f}s" if isinstance(secs, (int, float)) else "-", how))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    c = doc["counts"]
-    lines.append(", ".join(f"{n} {v}" for v, n in c.items()))
+    """The verdict table printed at the end of a run: empirical claims first (counted), then sanity checks and
+    demonstrations, each under its own label."""
+    header = ("experiment", "verdict", "time", "ran/cached")
+    rows: list[tuple[str, ...] | str] = []
+    for kind, records in by_kind(doc["experiments"]).items():
+        if not records:
+            continue
+        rows.append(f"{KIND_TITLES[kind][0]}" + (" (counted)" if kind == "empirical" else " (not counted)"))
+        for r in records:
+            how = "error" if r.get("error") else ("cached" if r.get("cached") else "ran")
+            secs = r.get("seconds")
+            rows.append((r["name"], r["verdict"], f"{secs:.1f}s" if isinstance(secs, (int, float)) else "-", how))
+    cells = [header] + [r for r in rows if isinstance(r, tuple)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    lines = [line(header), "  ".join("-" * w for w in widths)]
+    lines += [f"[{r}]" if isinstance(r, str) else line(r) for r in rows]
+    lines.append(headline(doc))
+    meta = doc.get("meta") or {}
+    timing = timing_text(meta, len(doc["experiments"]))
+    if timing:
+        lines.append(timing[0].upper() + timing[1:] + ".")
+    if meta.get("quick"):
+        lines.append(QUICK_NOTE)
     for r in doc["experiments"]:
         if r.get("error"):
             lines.append(f"{r['name']}: {r['error']}")
@@ -102,6 +217,45 @@ def terminal_table(doc: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- markdown
+def _md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+
+
+def md_experiment_body(r: dict, *, figures: bool = True) -> list[str]:
+    """An experiment's section after its heading: verdict, claim, source, criterion, control, reason, finding,
+    per-seed numbers, metrics, timings (and figures)."""
+    lines = [f"**Verdict: {r['verdict']}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
+             "", f"Claim: {r['claim']}", "", f"Source: {r['source']}", ""]  # fmt: skip
+    if r.get("criterion"):
+        lines += [f"Criterion: {r['criterion']}", ""]
+    if r.get("precondition"):
+        lines += [f"Control (precondition): {r['precondition']}", ""]
+    if r.get("reason"):
+        lines += [f"Why {r['verdict']}: {r['reason']}", ""]
+    if r.get("summary"):
+        lines += [r["summary"], ""]
+    if r.get("error"):
+        lines += ["```", r["error"], "```", ""]
+    seeds = per_seed_table(r.get("metrics"))
+    if seeds is not None:
+        lines += ["Per seed:", "", *md_table(*seeds), ""]
+    rows = other_metrics(r.get("metrics"))
+    if rows:
+        lines += md_table(["metric", "value"], [[k, fmt_value(v)] for k, v in rows]) + [""]
+    timings = flatten_metrics(r["timings"]) if isinstance(r.get("timings"), dict) else []
+    if timings:
+        lines += md_table(["timing (wall clock, differs per run)", "value"],
+                          [[k, fmt_value(v)] for k, v in timings]) + [""]  # fmt: skip
+    if figures:
+        lines += [f"![{Path(f).stem}]({f})" for f in r.get("figures", [])]
+    return lines
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     lines = [
@@ -110,27 +264,27 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"addnorm {meta.get('addnorm')}, torch {meta.get('torch')}, {meta.get('date')}, device {meta.get('device')}, "
         f"seed {meta.get('seed')}, {'quick' if meta.get('quick') else 'default'} sizes",
         "",
-        "| experiment | verdict | summary |",
-        "|---|---|---|",
     ]
-    for r in doc["experiments"]:
-        summary = (r.get("summary") or "").replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| [{r['name']}](#{r['name']}) | {r['verdict']} | {summary} |")
-    for r in doc["experiments"]:
-        lines += ["", f"## {r['name']}", "", f"**Verdict: {r['verdict']}**", "", f"Claim: {r['claim']}", "",
-                  f"Source: {r['source']}", ""]  # fmt: skip
-        if r.get("criterion"):
-            lines += [f"Criterion: {r['criterion']}", ""]
-        if r.get("summary"):
-            lines += [r["summary"], ""]
-        if r.get("error"):
-            lines += ["```", r["error"], "```", ""]
-        rows = flatten_metrics(r.get("metrics", {}))
-        if rows:
-            lines += ["| metric | value |", "|---|---|"]
-            lines += [f"| {k} | {fmt_value(v)} |".replace("\n", " ") for k, v in rows]
-            lines.append("")
-        lines += [f"![{Path(f).stem}]({f})" for f in r.get("figures", [])]
+    timing = timing_text(meta, len(doc["experiments"]))
+    if timing:
+        lines += [timing[0].upper() + timing[1:] + ".", ""]
+    if meta.get("quick"):
+        lines += [f"> **{QUICK_NOTE}**", ""]
+    lines += [headline(doc), ""]
+    groups = by_kind(doc["experiments"])
+    for kind, records in groups.items():
+        if not records:
+            continue
+        title, what = KIND_TITLES[kind]
+        lines += [f"**{title}** ({what})", ""]
+        lines += md_table(["experiment", "verdict", "summary"],
+                          [[f"[{r['name']}](#{r['name']})", r["verdict"], r.get("summary") or ""]
+                           for r in records]) + [""]  # fmt: skip
+    for kind, records in groups.items():
+        if records:
+            lines += ["", f"# {KIND_TITLES[kind][0]}"]
+        for r in records:
+            lines += ["", f"## {r['name']}", "", *md_experiment_body(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -148,6 +302,8 @@ white-space:nowrap}td.t{white-space:nowrap;text-align:right}
 .meta{color:#57606a;font-size:13px}.claim{font-size:16px}.crit{background:#f6f8fa;padding:.5em .8em;
 border-left:3px solid #8c959f}pre{background:#f6f8fa;padding:.6em;overflow:auto}
 img{max-width:100%;border:1px solid #eee;margin:.4em 0}
+h2.kind{border-bottom:2px solid #1b1f23}.kindlabel{font-size:13px;color:#57606a;font-weight:400}
+.quick{background:#fff8c5;border:1px solid #d4a72c;padding:.5em .8em}
 """
 
 
@@ -161,10 +317,20 @@ def _embed(out: Path, figure: str) -> str:
     return f'<img alt="{alt}" src="data:image/png;base64,{data}">'
 
 
+def _html_table(header: list[str], rows: list[list[str]], value_class: str = "v") -> list[str]:
+    e = html.escape
+    parts = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for row in rows:
+        parts.append("<tr><td>" + e(row[0]) + "</td>"
+                     + "".join(f'<td class="{value_class}">{e(c)}</td>' for c in row[1:]) + "</tr>")  # fmt: skip
+    parts.append("</table>")
+    return parts
+
+
 def render_html(doc: dict[str, Any], out: Path) -> str:
     e = html.escape
     meta = doc["meta"]
-    c = doc["counts"]
+    timing = timing_text(meta, len(doc["experiments"]))
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -176,44 +342,64 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
         f"&middot; python {e(str(meta.get('python')))} &middot; {e(str(meta.get('date')))} &middot; device "
         f"{e(str(meta.get('device')))} &middot; seed {e(str(meta.get('seed')))} &middot; "
         f"{'quick sizes (--quick)' if meta.get('quick') else 'default sizes'}"
-        + (f" &middot; run took {e(str(meta['seconds']))} s" if meta.get("seconds") is not None else "")
+        + (f" &middot; {e(timing)}" if timing else "")
         + (f" &middot; shard {e(str(meta['shard']))}" if meta.get("shard") else "")
         + (f" &middot; merged from {len(meta['merged_from'])} directories" if meta.get("merged_from") else "")
         + "</p>",
-        f"<p>{c.get('reproduced', 0)} reproduced, {c.get('not reproduced', 0)} not reproduced, "
-        f"{c.get('inconclusive', 0)} inconclusive. Each verdict follows a criterion fixed in the experiment's code "
-        "before it runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>",
-        "<table><tr><th>experiment</th><th>verdict</th><th>summary</th><th>time</th></tr>",
     ]
-    for r in doc["experiments"]:
-        secs = r.get("seconds")
-        t = f"{secs:.1f} s" if isinstance(secs, (int, float)) else "-"
-        t += " (cached)" if r.get("cached") else ""
-        parts.append(
-            f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(r["verdict"])}</td>'
-            f"<td>{e(r.get('summary') or '')}</td><td class=\"t\">{e(t)}</td></tr>"
-        )
-    parts.append("</table>")
-    for r in doc["experiments"]:
-        parts += [
-            f'<section id="{e(r["name"])}">',
-            f"<h2>{e(r['name'])} {_badge(r['verdict'])}</h2>",
-            f'<p class="claim"><b>Claim.</b> {e(r["claim"])}</p>',
-            f"<p><b>Source.</b> {e(r['source'])}</p>",
-        ]
-        if r.get("criterion"):
-            parts.append(f'<p class="crit"><b>Criterion (fixed before the run).</b> {e(r["criterion"])}</p>')
-        if r.get("summary"):
-            parts.append(f"<p><b>Finding.</b> {e(r['summary'])}</p>")
-        if r.get("error"):
-            parts.append(f"<pre>{e(r['error'])}</pre>")
-        rows = flatten_metrics(r.get("metrics", {}))
-        if rows:
-            parts.append("<table><tr><th>metric</th><th>value</th></tr>")
-            parts += [f'<tr><td>{e(k)}</td><td class="v">{e(fmt_value(v))}</td></tr>' for k, v in rows]
-            parts.append("</table>")
-        parts += [_embed(out, f) for f in r.get("figures", [])]
-        parts.append("</section>")
+    if meta.get("quick"):
+        parts.append(f'<p class="quick"><b>{e(QUICK_NOTE)}</b></p>')
+    parts.append(f"<p>{e(headline(doc))} Each verdict follows a criterion fixed in the experiment's code before it "
+                 "runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>")  # fmt: skip
+    groups = by_kind(doc["experiments"])
+    for kind, records in groups.items():
+        if not records:
+            continue
+        title, what = KIND_TITLES[kind]
+        parts += [f'<h3>{e(title)}</h3><p class="meta">{e(what)}</p>',
+                  "<table><tr><th>experiment</th><th>verdict</th><th>summary</th><th>time</th></tr>"]  # fmt: skip
+        for r in records:
+            secs = r.get("seconds")
+            t = f"{secs:.1f} s" if isinstance(secs, (int, float)) else "-"
+            t += " (cached)" if r.get("cached") else ""
+            parts.append(
+                f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(r["verdict"])}</td>'
+                f"<td>{e(r.get('summary') or '')}</td><td class=\"t\">{e(t)}</td></tr>"
+            )
+        parts.append("</table>")
+    for kind, records in groups.items():
+        if records:
+            parts.append(f'<h2 class="kind">{e(KIND_TITLES[kind][0])}</h2>')
+        for r in records:
+            label = "" if kind == "empirical" else f' <span class="kindlabel">{e(kind)}, not counted</span>'
+            parts += [
+                f'<section id="{e(r["name"])}">',
+                f"<h3>{e(r['name'])} {_badge(r['verdict'])}{label}</h3>",
+                f'<p class="claim"><b>Claim.</b> {e(r["claim"])}</p>',
+                f"<p><b>Source.</b> {e(r['source'])}</p>",
+            ]
+            if r.get("criterion"):
+                parts.append(f'<p class="crit"><b>Criterion (fixed before the run).</b> {e(r["criterion"])}</p>')
+            if r.get("precondition"):
+                parts.append(f'<p class="crit"><b>Control (precondition).</b> {e(r["precondition"])}</p>')
+            if r.get("reason"):
+                parts.append(f"<p><b>Why {e(r['verdict'])}.</b> {e(r['reason'])}</p>")
+            if r.get("summary"):
+                parts.append(f"<p><b>Finding.</b> {e(r['summary'])}</p>")
+            if r.get("error"):
+                parts.append(f"<pre>{e(r['error'])}</pre>")
+            seeds = per_seed_table(r.get("metrics"))
+            if seeds is not None:
+                parts += ["<p><b>Per seed.</b></p>", *_html_table(*seeds)]
+            rows = other_metrics(r.get("metrics"))
+            if rows:
+                parts += _html_table(["metric", "value"], [[k, fmt_value(v)] for k, v in rows])
+            timings = flatten_metrics(r["timings"]) if isinstance(r.get("timings"), dict) else []
+            if timings:
+                parts += _html_table(["timing (wall clock, differs per run)", "value"],
+                                     [[k, fmt_value(v)] for k, v in timings])  # fmt: skip
+            parts += [_embed(out, f) for f in r.get("figures", [])]
+            parts.append("</section>")
     parts.append(
         '<p class="meta">Raw numbers: results.json next to this page. Re-run: <code>addnorm lab</code> '
         "(cached results are reused; <code>--fresh</code> recomputes).</p></body></html>"
@@ -223,3 +409,43 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
 
 def load_results(out: Path) -> dict[str, Any]:
     return json.loads((Path(out) / RESULTS_FILE).read_text(encoding="utf-8"))
+
+
+def read_results(path: Path) -> dict:
+    """A run's results.json, checked enough that merge and doc fail with the file's name, not a traceback."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable results file: {err}") from None
+    records = data.get("experiments") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
+                                                for r in records):  # fmt: skip
+        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
+                         "name and a verdict)")  # fmt: skip
+    if not isinstance(data.get("meta", {}), dict):
+        raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
+    for r in records:
+        problem = _record_problem(r)
+        if problem:
+            raise ValueError(f"{path} is not a valid `addnorm lab` results file: experiment {r.get('name')!r} "
+                             f"{problem}")  # fmt: skip
+    return data
+
+
+def _record_problem(r: dict) -> str:
+    """What is wrong with one record of a results file ("" if nothing): merge copies its figures and the report
+    embeds them, so a figure must be a relative path inside runs/."""
+    if not isinstance(r["name"], str) or not r["name"]:
+        return "has no name"
+    if r["verdict"] not in VERDICTS:
+        return f"has the verdict {r['verdict']!r} (not one of {', '.join(VERDICTS)})"
+    if not isinstance(r.get("metrics", {}), dict):
+        return "has metrics that are not an object"
+    figures = r.get("figures", [])
+    if not isinstance(figures, list) or not all(isinstance(f, str) for f in figures):
+        return "has figures that are not a list of file names"
+    for f in figures:
+        parts = Path(f).parts
+        if Path(f).is_absolute() or ".." in parts or not parts or parts[0] != "runs" or "\\" in f:
+            return f"has the figure {f!r} outside its runs/ folder"
+    return ""

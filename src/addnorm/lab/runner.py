@@ -4,17 +4,26 @@ Layout of an output directory::
 
     OUT/runs/<name>-<key>/result.json   one finished experiment (written atomically, last)
     OUT/runs/<name>-<key>/*.png         its figures
+    OUT/runs/tasks/<hash>.json          finished ctx.map tasks of an unfinished experiment (see executor.py)
     OUT/results.json, report.md, index.html   the report over the selected experiments (see report.py)
+    OUT/.lock                           held (flock) by the run that writes into OUT
 
 ``key`` hashes everything that can change a result: the experiment's name and config, quick, seed, device, the
 addnorm version, the library's sources, the source of the experiment's module and torch's version. A result is
-reused only when its key matches and its figures are still there. An experiment that raises is recorded as
-"inconclusive" with the error, and is not cached (so the next run retries it); KeyboardInterrupt and SystemExit
-are not caught: the run stops, keeping what finished.
+reused only when its key matches, it has the shape of a record (a verdict, metrics, figures, ...: anything else
+is a cache miss, recomputed) and its figures are still there. An experiment that raises is recorded as
+"inconclusive" with the error, and is not cached (so the next run retries it; its finished tasks are); Ctrl-C,
+KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what finished.
+
+Experiments run through the executor (``--jobs``, torchrun; see executor.py): their tasks on worker processes or
+ranks, their drivers overlapped while they wait for tasks. The records, figures and report are the same for any
+number of jobs or ranks. Under torchrun, rank 0 alone reads and writes OUT; the other ranks run the same drivers
+with their figures in a temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -22,6 +31,8 @@ import json
 import math
 import os
 import shutil
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -33,12 +44,16 @@ import torch
 # The writers live in addnorm.io (train's checkpoints use them too); re-exported here for existing callers.
 from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
 from addnorm.io import json_default as _json_default
-from addnorm.lab.core import EXPERIMENTS, Context, Experiment, Result
+from addnorm.lab.core import EXPERIMENTS, KINDS, VERDICTS, Context, Experiment, Result
+from addnorm.lab.executor import Executor, Group, default_jobs, init_group
+from addnorm.lab.report import read_results
 
 RECORD_FILE = "result.json"
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
 SEED_LIMIT = 2**32
 RESULTS_FILE = "results.json"
+LOCK_FILE = ".lock"
+TASKS_DIR = "tasks"  # under OUT/runs/
 
 
 # ----------------------------------------------------------------------------------------------- small utilities
@@ -117,7 +132,7 @@ def select(only: Sequence[str] | None = None, shard: tuple[int, int] | None = No
 
 # ----------------------------------------------------------------------------------------------------- cache
 # Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
-_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py"})
+_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/docs.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,15 +184,79 @@ def run_dir(out: Path, exp_name: str, key: str) -> Path:
 
 
 def load_cached(out: Path, exp: Experiment, key: str) -> dict | None:
-    """The stored record for ``key`` if it is complete (record + every figure present), else None."""
+    """The stored record for ``key`` if it is complete and well formed (:func:`valid_record`) and every figure is
+    present, else None (recomputed). Never raises for what is in the file."""
     d = run_dir(out, exp.name, key)
     try:
         record = json.loads((d / RECORD_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if record.get("key") != key or any(not (Path(out) / f).is_file() for f in record.get("figures", [])):
+    if not valid_record(record, name=exp.name, key=key):
+        return None
+    if any(not (Path(out) / f).is_file() for f in record["figures"]):
         return None
     return record
+
+
+_OPTIONAL_TEXT = ("claim", "source", "criterion", "summary", "reason", "precondition")
+
+
+def valid_record(record: Any, *, name: str, key: str) -> bool:
+    """Whether ``record`` has the shape run_one writes: a hand-edited or foreign file of valid JSON but the wrong
+    shape (``[]``, ``null``, ``verdict: 42``, ``figures: [null]``, ...) must be a cache miss, not a traceback or a
+    made-up verdict in the report."""
+    if not isinstance(record, dict) or record.get("key") != key or record.get("name") != name:
+        return False
+    if record.get("verdict") not in VERDICTS or "error" in record:  # failures are never cached
+        return False
+    if not isinstance(record.get("metrics"), dict) or not isinstance(record.get("timings", {}), dict):
+        return False
+    if record.get("kind", "empirical") not in KINDS:
+        return False
+    if any(not isinstance(record.get(f, ""), str) for f in _OPTIONAL_TEXT):
+        return False
+    seconds = record.get("seconds", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds < 0:  # fmt: skip
+        return False
+    figures = record.get("figures")
+    if not isinstance(figures, list):
+        return False
+    prefix = ("runs", f"{name}-{key}")
+    for f in figures:  # a figure is embedded into the page: it must be this run's own file, nothing outside
+        if not isinstance(f, str) or "\\" in f:
+            return False
+        parts = Path(f).parts
+        if len(parts) < 3 or parts[:2] != prefix or ".." in parts or Path(f).is_absolute():
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------ lock
+@contextlib.contextmanager
+def out_lock(out: Path, flag: str = "--out"):
+    """Hold ``OUT/.lock`` for the run, so two ``addnorm lab`` runs never write into one folder at once (the second
+    deleted the first's figures mid-run). The second gets a ValueError naming the holder. The lock is an flock:
+    the kernel releases it when its process dies, so a killed run leaves no stale lock behind."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (documented)
+        yield
+        return
+    path = Path(out) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise ValueError(f"{flag} {str(out)!r} is in use by another `addnorm lab` run ({holder}); wait for it "
+                             "to finish, or give another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -196,6 +275,9 @@ class RunOptions:
     # torch intra-op threads for the run (None: leave torch's setting). The experiments' tensors are tiny, so on a
     # busy machine one thread is often several times faster than threads that wait on each other.
     threads: int | None = None
+    # Worker processes for the experiments' tasks (None: this machine's cores, shared by torchrun ranks on it;
+    # 1: in this process). Results are the same for any value.
+    jobs: int | None = None
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -205,6 +287,8 @@ class RunOptions:
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be an int >= 1 (or None to keep torch's setting), got {self.threads!r}")
+        if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
+            raise ValueError(f"jobs (--jobs) must be an int >= 1, got {self.jobs!r}")
 
 
 @dataclass(kw_only=True)
@@ -222,6 +306,8 @@ def _base_record(exp: Experiment, index: int, key: str) -> dict:
         "claim": exp.claim,
         "source": exp.source,
         "criterion": exp.criterion,
+        "kind": exp.kind,
+        "precondition": exp.precondition,
         "config": exp.config,
         "index": index,
         "key": key,
@@ -229,14 +315,18 @@ def _base_record(exp: Experiment, index: int, key: str) -> dict:
 
 
 def run_one(exp: Experiment, *, index: int, out: Path, quick: bool, seed: int, device: torch.device,
-            progress: Callable[[str], None] = lambda message: None) -> dict:  # fmt: skip
-    """Run ``exp`` and store its record (atomically) unless it raised. Returns the record."""
+            progress: Callable[[str], None] = lambda message: None,
+            mapper: Callable[..., list] | None = None) -> dict:  # fmt: skip
+    """Run ``exp`` and store its record (atomically) unless it raised. Returns the record. ``mapper`` runs its
+    ``ctx.map`` tasks (the executor's; serial in this process when None)."""
     key = cache_key(exp, quick=quick, seed=seed, device=device)
     d = run_dir(out, exp.name, key)
     if d.exists():  # stale figures from a killed or failed attempt must not leak into this one
         shutil.rmtree(d)
     record = _base_record(exp, index, key)
     ctx = Context(quick=quick, seed=seed, device=device, figure_dir=d, progress=progress, config=dict(exp.config))
+    if mapper is not None:
+        ctx.mapper = mapper
     torch.manual_seed(seed)
     start = time.perf_counter()
     try:
@@ -246,7 +336,9 @@ def run_one(exp: Experiment, *, index: int, out: Path, quick: bool, seed: int, d
         missing = [f for f in result.figures if not (d / f).is_file()]
         if missing:
             raise FileNotFoundError(f"experiment {exp.name!r} listed figures it did not write: {missing}")
-        json.dumps(result.metrics, default=_json_default)  # fail here, not when writing the report
+        if not isinstance(result.metrics, dict) or not isinstance(result.timings, dict):
+            raise TypeError(f"experiment {exp.name!r}: Result.metrics and Result.timings must be dicts")
+        json.dumps([result.metrics, result.timings], default=_json_default)  # fail here, not in the report
     except Exception as err:  # noqa: BLE001 - any failure of one experiment is recorded, the run goes on
         record.update(
             verdict="inconclusive", metrics={}, figures=[], summary=f"error: {type(err).__name__}: {err}",
@@ -259,13 +351,28 @@ def run_one(exp: Experiment, *, index: int, out: Path, quick: bool, seed: int, d
         metrics=result.metrics,
         figures=[f"runs/{d.name}/{f}" for f in result.figures],
         summary=result.summary,
+        reason=result.reason,
+        timings=result.timings,
         seconds=round(time.perf_counter() - start, 3),
     )
     atomic_write_json(d / RECORD_FILE, record)  # last: its presence means "complete"
     return dict(record, cached=False)
 
 
-def run_meta(options: RunOptions, device: torch.device) -> dict[str, Any]:
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else what platform knows)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def run_meta(options: RunOptions, device: torch.device, *, jobs: int = 1, world_size: int = 1) -> dict[str, Any]:
     import datetime
     import platform
 
@@ -277,67 +384,157 @@ def run_meta(options: RunOptions, device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": options.quick,
         "seed": options.seed,
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
+        "jobs": jobs,
+        "world_size": world_size,
         "shard": f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
         "only": list(options.only) if options.only else None,
     }
 
 
 def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> RunSummary:
-    """Run (or reuse) the selected experiments, then write the report into ``options.out``."""
+    """Run (or reuse) the selected experiments, then write the report into ``options.out``.
+
+    Under torchrun every rank calls this; rank 0 returns the summary of what it wrote, the others the same
+    records (their figures were in a temporary folder, gone when this returns)."""
     device = resolve_device(options.device)
     chosen = select(options.only, options.shard, registry)
-    out = prepare_out_dir(options.out)
-    if options.threads is None:
-        return _run_selected(options, chosen, device, out)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(options.threads)
+    group = init_group()
     try:
-        return _run_selected(options, chosen, device, out)
+        with contextlib.ExitStack() as stack:
+            error, out = None, None
+            if group.is_main:
+                try:
+                    out = prepare_out_dir(options.out)
+                    stack.enter_context(out_lock(out))
+                except ValueError as err:
+                    error = str(err)
+            error = group.broadcast(error)  # every rank stops, not only rank 0
+            if error is not None:
+                raise ValueError(error)
+            if not group.is_main:
+                out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="addnorm-lab-rank")))
+            if options.threads is not None:
+                threads_before = torch.get_num_threads()
+                torch.set_num_threads(options.threads)
+                stack.callback(torch.set_num_threads, threads_before)
+            return _run_selected(options, chosen, device, out, group)
     finally:
-        torch.set_num_threads(threads_before)
+        group.close()
 
 
-def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device,
-                  out: Path) -> RunSummary:  # fmt: skip
+class _Progress:
+    """The tqdm bar: experiments done out of selected; the postfix names the running experiments with their last
+    progress message, and counts tasks. It never shows a finished experiment's verdict (next to another one's
+    name, it read as that one's): verdicts are in the table at the end."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="exp", desc="addnorm lab", dynamic_ncols=True)
+        self._lock = threading.Lock()
+        self.running: dict[str, str] = {}
+        self.tasks = (0, 0)
+
+    def postfix(self) -> str:
+        names = "; ".join(f"{n}: {m}" if m else n for n, m in self.running.items())
+        done, total = self.tasks
+        return names + (f" | tasks {done}/{total}" if total else "")
+
+    def _show(self, refresh: bool = True) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.postfix(), refresh=refresh)
+
+    def start(self, name: str) -> None:
+        with self._lock:
+            self.running[name] = ""
+            self._show()
+
+    def message(self, name: str, text: str) -> None:
+        with self._lock:
+            if name in self.running:
+                self.running[name] = str(text)
+                self._show()
+
+    def count_tasks(self, done: int, total: int) -> None:
+        with self._lock:
+            self.tasks = (done, total)
+            self._show()
+
+    def finish(self, name: str | None = None, n: int = 1) -> None:
+        with self._lock:
+            self.running.pop(name, None)
+            self._show(refresh=False)
+            if self.bar is not None:
+                self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor, key: str,
+           **run_kw: Any) -> dict:  # fmt: skip
+    progress.start(exp.name)
+    return run_one(exp, index=index, progress=functools.partial(progress.message, exp.name),
+                   mapper=executor.mapper(key), **run_kw)  # fmt: skip
+
+
+def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path,
+                  group: Group) -> RunSummary:  # fmt: skip
     from addnorm.lab.report import write_report
 
-    summary = RunSummary(records=[], meta=run_meta(options, device))
+    jobs = options.jobs or default_jobs()
+    summary = RunSummary(records=[], meta=run_meta(options, device, jobs=jobs, world_size=group.world_size))
     start = time.perf_counter()
-
-    bar = None
-    if options.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(chosen), unit="exp", desc="addnorm lab", dynamic_ncols=True)
-    try:
+    keys = {exp.name: cache_key(exp, quick=options.quick, seed=options.seed, device=device) for _, exp in chosen}
+    cached: dict[str, dict] = {}
+    if group.is_main and not options.fresh:
         for index, exp in chosen:
-            if bar is not None:
-                bar.set_description(exp.name)
-            key = cache_key(exp, quick=options.quick, seed=options.seed, device=device)
-            record = None if options.fresh else load_cached(out, exp, key)
+            record = load_cached(out, exp, keys[exp.name])
             if record is not None:
-                record = dict(record, index=index, cached=True)
-                summary.reused.append(exp.name)
-            else:
-                hook = (lambda message: bar.set_postfix_str(message, refresh=True)) if bar is not None else (
-                    lambda message: None)  # fmt: skip
-                record = run_one(exp, index=index, out=out, quick=options.quick, seed=options.seed, device=device,
-                                 progress=hook)  # fmt: skip
-                (summary.failed if "error" in record else summary.ran).append(exp.name)
-            summary.records.append(record)
-            if bar is not None:
-                bar.set_postfix_str(record["verdict"], refresh=False)
-                bar.update(1)
+                cached[exp.name] = dict(record, index=index, cached=True)
+    cached = group.broadcast(cached)  # all ranks skip the same experiments (their collectives stay in step)
+    todo = [(index, exp) for index, exp in chosen if exp.name not in cached]
+    records = {index: cached[exp.name] for index, exp in chosen if exp.name in cached}
+
+    progress = _Progress(options.progress and group.is_main, total=len(chosen))
+    progress.finish(n=len(cached))
+    run_kw = dict(out=out, quick=options.quick, seed=options.seed, device=device)
+    try:
+        with Executor(jobs, cache_dir=out / "runs" / TASKS_DIR, read_cache=not options.fresh, group=group,
+                      on_tasks=progress.count_tasks) as executor:  # fmt: skip
+            def finished(j: int, record: dict) -> None:
+                index, exp = todo[j]
+                records[index] = record
+                if "error" not in record:  # the record now holds what its tasks were for
+                    executor.forget(keys[exp.name])
+                progress.finish(exp.name)
+
+            calls = [functools.partial(_drive, exp, index, progress, executor, keys[exp.name], **run_kw)
+                     for index, exp in todo]  # fmt: skip
+            if todo:
+                executor.warm_up()
+            executor.run_concurrently(calls, finished)
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
+    summary.records = [records[index] for index, _ in chosen]
+    for r in summary.records:
+        (summary.reused if r.get("cached") else summary.failed if "error" in r else summary.ran).append(r["name"])
     summary.meta["seconds"] = round(time.perf_counter() - start, 1)  # this run's wall time, cache hits included
-    write_report(out, summary.records, summary.meta)
+    # what computing these results took, when they were computed (all cached: this run itself took ~0 s)
+    summary.meta["computed_seconds"] = round(sum(r.get("seconds") or 0.0 for r in summary.records), 1)
+    summary.meta["cached"] = len(summary.reused)
+    if group.is_main:
+        write_report(out, summary.records, summary.meta)
     return summary
 
 
@@ -347,18 +544,19 @@ class MergeConflictError(ValueError):
 
 
 _META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code")
-_RESULT_FIELDS = ("verdict", "metrics", "figures", "key")
+# What determines a result: the same key (code, config, sizes, seed, device, torch) must give the same verdict,
+# reason and metrics. Not timings or seconds: wall-clock values differ on every run (core.py's Result.timings).
+_RESULT_FIELDS = ("verdict", "reason", "metrics", "key")
 
 
 def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     """Combine shard output directories into one report in ``out``.
 
     Records are matched by experiment name; the same name in two directories must carry the same key, verdict,
-    metrics and figures, else :class:`MergeConflictError`. Runs made with different quick/seed/device/version
-    settings do not merge either. Figures are copied into ``out``.
+    reason and metrics (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with different
+    quick/seed/device/version settings do not merge either. Figures are copied into ``out``, which is locked
+    (:func:`out_lock`) while merge writes.
     """
-    from addnorm.lab.report import write_report
-
     if not dirs:
         raise ValueError("merge needs at least one directory")
     out = Path(out)
@@ -369,7 +567,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
         path = d / RESULTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{d} has no {RESULTS_FILE}: is it an `addnorm lab` output directory?")
-        data = _read_results(path)
+        data = read_results(path)
         m = data.get("meta", {})
         if meta is None:
             meta = dict(m)
@@ -392,6 +590,14 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
             by_name[name] = rec
             origin[name] = d
     prepare_out_dir(out)
+    with out_lock(out):
+        return _write_merged(out, dirs, by_name, origin, meta)
+
+
+def _write_merged(out: Path, dirs: Sequence[Path], by_name: dict[str, dict], origin: dict[str, Path],
+                  meta: dict[str, Any] | None) -> RunSummary:  # fmt: skip
+    from addnorm.lab.report import write_report
+
     for name, rec in by_name.items():
         for fig in rec.get("figures", []):
             src, dst = origin[name] / fig, out / fig
@@ -408,22 +614,8 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
                 dst_rec.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src_rec, dst_rec)
     records = sorted(by_name.values(), key=lambda r: (r.get("index", 1 << 30), r["name"]))
-    meta = dict(meta or {}, shard=None, seconds=None, merged_from=[str(d) for d in dirs])
+    meta = dict(meta or {}, shard=None, seconds=None, merged_from=[str(d) for d in dirs], cached=None,
+                computed_seconds=round(sum(r.get("seconds") or 0.0 for r in records
+                                           if isinstance(r.get("seconds"), (int, float))), 1))  # fmt: skip
     write_report(out, records, meta)
     return RunSummary(records=records, meta=meta)
-
-
-def _read_results(path: Path) -> dict:
-    """A shard's results.json, checked enough that merge fails with the file's name, not a traceback."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable results file: {err}") from None
-    records = data.get("experiments") if isinstance(data, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
-                                                for r in records):  # fmt: skip
-        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
-                         "name and a verdict)")  # fmt: skip
-    if not isinstance(data.get("meta", {}), dict):
-        raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
-    return data

@@ -1,0 +1,613 @@
+"""Run ``ctx.map(fn, tasks)`` on worker processes or torchrun ranks, with a per-task cache for resuming.
+
+This module knows nothing of experiments. It gives the runner three things:
+
+* :meth:`Executor.mapper` -- the ``Context.mapper`` of one experiment: ``fn(**task)`` for every task, results in
+  task order. ``jobs == 1`` runs them here, in order; ``jobs > 1`` on a pool of worker processes (forkserver, or
+  spawn where there is none: torch and OpenMP after a plain fork can hang). Every task runs with one torch thread,
+  with the global RNGs (torch, numpy, random) seeded to 0 and the caller's states restored afterwards, and its
+  result goes through JSON on every path, so the results are bitwise identical for any ``jobs``, cached or not.
+* :meth:`Executor.run_concurrently` -- several callables (the experiments' drivers) at once, on threads of this
+  process, so that one experiment with few tasks does not leave the pool idle. Only one driver runs Python at a
+  time (it holds the *baton*); a driver hands the baton on while it waits for its tasks, and the global RNG
+  states and default dtype are saved and restored around that wait, so each driver sees the same state as if it
+  had run alone. The results therefore do not depend on how the drivers interleave, provided a driver keeps no
+  other process-wide state across a ``ctx.map`` call (module globals it mutates, pyplot's *current* figure: use
+  the ``fig`` that ``plt.subplots`` returns).
+* torchrun: with ``WORLD_SIZE > 1`` (:func:`init_group`), every rank runs the same drivers in the same order;
+  each ``ctx.map`` gives rank ``r`` the tasks ``r, r + W, ...`` of what is not cached, and ``all_gather_object``
+  hands every rank all the results. Rank 0 alone reads and writes the task cache (other ranks may be on other
+  machines, without the output folder). A task that raises on one rank raises on all of them, with its message,
+  so the ranks' collectives stay in step.
+
+Worker processes are started with forkserver or spawn, which import the main module again: a script that calls
+the runner with ``jobs > 1`` needs the usual ``if __name__ == "__main__":`` guard (``addnorm lab`` and
+``python -m addnorm`` have it). Workers end when the lab's process dies, however it dies.
+
+Task cache: ``DIR/<hash>.json`` per finished task (written atomically, as soon as it finishes), keyed by the task
+function's module and qualname, its keyword arguments and a *salt* the caller gives (the runner passes the
+experiment's cache key, which covers the code version, sizes, seed and device). A file that is unreadable or of
+the wrong shape is a cache miss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from concurrent.futures.process import BrokenProcessPool
+
+from addnorm.io import atomic_write_text, json_default
+
+# How many tasks per worker a torchrun round hands out before the ranks gather (and rank 0 caches) the results:
+# small enough that a killed run keeps most finished tasks, large enough that ranks rarely wait on each other.
+ROUND_TASKS_PER_WORKER = 4
+
+
+def default_jobs() -> int:
+    """Worker processes per rank when ``--jobs`` is not given: the CPUs this process may use, shared by the
+    torchrun ranks on this machine."""
+    if hasattr(os, "process_cpu_count"):  # 3.13+: respects the affinity mask
+        cpus = os.process_cpu_count() or 1
+    elif hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0)) or 1
+    else:
+        cpus = os.cpu_count() or 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cpus // max(1, local_world))
+
+
+def task_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class TaskError(RuntimeError):
+    """A task raised on a torchrun rank (the message carries its error and traceback)."""
+
+
+class Cancelled(BaseException):
+    """The executor was closed (Ctrl-C, another driver's interrupt) while a driver was using it. A BaseException,
+    so an experiment's ``except Exception`` does not record it as the experiment's own failure."""
+
+
+# ------------------------------------------------------------------------------------ running one task
+_SEED = 0
+
+
+@contextlib.contextmanager
+def _isolated_globals():
+    """What a fresh worker process has, for a task run here too: one torch thread, global RNGs seeded to 0, the
+    float32 default dtype, gradients on; the caller's threads, RNG states and dtype afterwards.
+
+    A task should seed its own generators; this makes one that forgets deterministic anyway, and the same in a
+    worker as here (where it must not change what the driver draws next, nor see the driver's no_grad)."""
+    np = sys.modules.get("numpy")
+    saved = _save_globals()
+    threads = torch.get_num_threads()
+    try:
+        if threads != 1:
+            torch.set_num_threads(1)
+        torch.manual_seed(_SEED)
+        random.seed(_SEED)
+        if np is not None:
+            np.random.seed(_SEED)
+        torch.set_default_dtype(torch.float32)
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        _restore_globals(saved)
+
+
+def _save_globals() -> tuple:
+    np = sys.modules.get("numpy")
+    return (torch.random.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None,
+            torch.get_default_dtype())  # fmt: skip
+
+
+def _restore_globals(saved: tuple) -> None:
+    torch_state, py_state, np_state, dtype = saved
+    torch.random.set_rng_state(torch_state)
+    random.setstate(py_state)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
+    torch.set_default_dtype(dtype)
+
+
+def run_task(fn: Callable[..., Any], task: dict[str, Any]) -> str:
+    """``fn(**task)`` under :func:`_isolated_globals`, as JSON text (non-finite floats allowed)."""
+    with _isolated_globals():
+        result = fn(**task)
+    try:
+        return json.dumps(result, allow_nan=True, default=json_default)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"task {task_name(fn)} returned data that is not JSON-serializable ({err}); ctx.map tasks "
+                        "must return dicts, lists, numbers, strings or None") from None  # fmt: skip
+
+
+def _init_worker(lifeline: Any) -> None:
+    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool); a worker must not print a
+    # KeyboardInterrupt traceback for every task it was running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set (a reused process): harmless
+        torch.set_num_interop_threads(1)
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True, name="addnorm-lab-lifeline").start()
+
+
+def _exit_with_parent(lifeline: Any) -> None:
+    """End this worker when the lab's process is gone (SIGKILL, os._exit, out of memory): its end of the pipe
+    closes with it. An orphaned worker would wait for tasks forever, holding the terminal's pipes open (and a
+    pid check is fooled by the parent's zombie until someone reaps it)."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            lifeline.recv()
+    os._exit(1)
+
+
+def _noop() -> None:
+    """What :meth:`Executor.warm_up` submits: starting a worker is the point."""
+
+
+def _check_picklable(fn: Callable[..., Any], task: dict[str, Any]) -> None:
+    """Refuse what a worker process could not receive, with every ``--jobs`` (so jobs=1 cannot hide it)."""
+    try:
+        pickle.dumps((fn, task))
+    except Exception as err:  # noqa: BLE001 - pickle raises many types
+        raise TypeError(f"ctx.map needs a module-level function and picklable task arguments, so tasks can run in "
+                        f"worker processes; {task_name(fn)} with {sorted(task)}: {err}") from None  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- task cache
+def _key_default(obj: Any) -> Any:
+    if isinstance(obj, (torch.device, torch.dtype)):
+        return str(obj)
+    return json_default(obj)
+
+
+class TaskCache:
+    """Finished tasks' results, one JSON file each under ``directory`` (None: no cache). With ``read=False``
+    (``--fresh``) finished tasks are stored but none is reused."""
+
+    def __init__(self, directory: Path | None, *, read: bool = True) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self.read = read
+
+    def key(self, salt: str, fn: Callable[..., Any], task: dict[str, Any]) -> str:
+        try:
+            blob = json.dumps({"fn": task_name(fn), "task": task, "salt": salt}, sort_keys=True,
+                              default=_key_default)  # fmt: skip
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"ctx.map task arguments of {task_name(fn)} must be JSON-like values (numbers, strings, "
+                            f"lists, dicts) so a finished task can be found again: {err}") from None  # fmt: skip
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def path(self, key: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"{key}.json"
+
+    def load(self, key: str) -> tuple[bool, Any]:
+        """(True, result) for a readable record of ``key``; (False, None) for anything else."""
+        path = self.path(key)
+        if path is None or not self.read:
+            return False, None
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False, None
+        if not isinstance(record, dict) or record.get("key") != key or "result" not in record:
+            return False, None
+        return True, record["result"]
+
+    def store(self, key: str, fn: Callable[..., Any], text: str) -> None:
+        path = self.path(key)
+        if path is not None:
+            atomic_write_text(path, f'{{"key": "{key}", "fn": {json.dumps(task_name(fn))}, "result": {text}}}\n')
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+@dataclass(frozen=True)
+class Group:
+    """This process's place among torchrun ranks (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.initialized_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def init_group() -> Group:
+    """Join the torchrun ranks (``WORLD_SIZE > 1`` in the environment) over gloo: the lab exchanges Python objects
+    between CPU processes, whatever device its experiments use. A single process is rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return Group()
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 (torchrun) but this torch build has no torch.distributed")
+    if dist.is_initialized():
+        return Group(rank=dist.get_rank(), world_size=dist.get_world_size())
+    dist.init_process_group(backend="gloo")
+    return Group(rank=dist.get_rank(), world_size=dist.get_world_size(), initialized_here=True)
+
+
+# ----------------------------------------------------------------------------------------------- executor
+_MISSING = object()
+
+
+class Executor:
+    """Runs tasks for ``ctx.map`` (see the module docstring). Use as a context manager: it owns a process pool."""
+
+    def __init__(self, jobs: int = 1, *, cache_dir: Path | None = None, read_cache: bool = True,
+                 group: Group | None = None, on_tasks: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+        if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+            raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+        self.jobs = jobs
+        self.group = group or Group()
+        # Only rank 0 touches the cache (module docstring).
+        self.cache = TaskCache(cache_dir if self.group.is_main else None, read=read_cache)
+        self._on_tasks = on_tasks
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._holder: object | None = None  # the driver that holds the baton (None: free, or no concurrency)
+        self._waiting_for_baton = 0
+        self._pending = 0  # tasks submitted to the pool and not finished
+        self._used = False  # a task was submitted (not only warm_up's no-ops)
+        self._lifeline: Any = None  # the write end of the pipe the workers watch
+        self.tasks_done = 0
+        self.tasks_total = 0
+        self.cache_files: dict[str, list[Path]] = {}  # salt -> the cache files its tasks used
+        self._saved_state: dict[int, tuple] = {}  # a waiting driver's RNG states and default dtype
+
+    # -- lifecycle
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(cancel=exc_type is not None)
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop the pool; ``cancel`` kills running tasks (Ctrl-C) and makes waiting drivers raise Cancelled. A pool
+        that was only warmed up is stopped without waiting for its start-up."""
+        with self._cond:
+            self._closed = True
+            pool, self._pool = self._pool, None
+            self._cond.notify_all()
+        lifeline, self._lifeline = self._lifeline, None
+        if pool is None:
+            return
+        try:
+            self._stop(pool, cancel=cancel or not self._used)
+        finally:
+            if lifeline is not None:
+                lifeline.close()
+
+    @staticmethod
+    def _stop(pool: cf.ProcessPoolExecutor, cancel: bool) -> None:
+        if cancel:
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for p in processes:  # no public way to stop running tasks before Python 3.14
+                with contextlib.suppress(Exception):
+                    p.terminate()
+            for p in processes:
+                with contextlib.suppress(Exception):
+                    p.join(timeout=5)
+        else:
+            pool.shutdown(wait=True)
+
+    def _get_pool(self) -> cf.ProcessPoolExecutor:
+        with self._cond:
+            if self._closed:
+                raise Cancelled()
+            if self._pool is None:
+                method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+                ctx = multiprocessing.get_context(method)
+                if method == "forkserver":  # import torch once in the server, not once per worker
+                    ctx.set_forkserver_preload(["torch", "addnorm.lab.executor"])
+                # Only this process holds the write end: the workers see EOF when it dies (_exit_with_parent).
+                lifeline, self._lifeline = ctx.Pipe(duplex=False)
+                self._pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_init_worker,
+                                                    initargs=(lifeline,))  # fmt: skip
+            return self._pool
+
+    def warm_up(self) -> None:
+        """Start the worker processes now, in the background (importing torch in them takes seconds), so they are
+        ready when the first experiment hands out tasks. Nothing to do with one job or an executor in use."""
+        if self.jobs > 1 and self._pool is None and not self._closed:
+            pool = self._get_pool()
+            for _ in range(self.jobs):
+                pool.submit(_noop)
+
+    def forget(self, salt: str) -> None:
+        """Delete the cached tasks of ``salt`` (its experiment's record now holds what they were for)."""
+        for path in self.cache_files.pop(salt, []):
+            path.unlink(missing_ok=True)
+
+    def _count(self, done: int = 0, total: int = 0) -> None:
+        with self._cond:
+            self.tasks_done += done
+            self.tasks_total += total
+            snapshot = (self.tasks_done, self.tasks_total)
+        if self._on_tasks is not None:
+            self._on_tasks(*snapshot)
+
+    # -- the mapper
+    def mapper(self, salt: str) -> Callable[[Callable[..., Any], Sequence[dict[str, Any]]], list[Any]]:
+        """A ``Context.mapper`` whose task cache keys include ``salt``."""
+        return lambda fn, tasks: self.map(fn, tasks, salt=salt)
+
+    def map(self, fn: Callable[..., Any], tasks: Sequence[dict[str, Any]], *, salt: str = "") -> list[Any]:
+        tasks = list(tasks)
+        if self._closed:
+            raise Cancelled()
+        for task in tasks:
+            _check_picklable(fn, task)
+        keys = [self.cache.key(salt, fn, t) for t in tasks]
+        files = self.cache_files.setdefault(salt, [])
+        files += [p for p in map(self.cache.path, keys) if p is not None]
+        results: list[Any] = [_MISSING] * len(tasks)
+        if self.group.is_main:
+            for i, key in enumerate(keys):
+                hit, value = self.cache.load(key)
+                if hit:
+                    results[i] = value
+        if self.group.enabled:  # the other ranks learn what rank 0 found in its cache
+            cached = self.group.broadcast({i: r for i, r in enumerate(results) if r is not _MISSING})
+            results = [cached.get(i, _MISSING) for i in range(len(tasks))]
+        missing = [i for i, r in enumerate(results) if r is _MISSING]
+        self._count(done=len(tasks) - len(missing), total=len(tasks))
+        if not missing:
+            return results
+        if self.group.enabled:
+            self._map_ranks(fn, tasks, keys, missing, results)
+        else:
+            def store(i: int, text: str) -> None:
+                self.cache.store(keys[i], fn, text)
+                results[i] = json.loads(text)
+
+            self._compute(fn, tasks, missing, store)
+        return results
+
+    def _compute(self, fn: Callable[..., Any], tasks: list[dict[str, Any]], indices: list[int],
+                 done: Callable[[int, str], None]) -> None:  # fmt: skip
+        """Run ``tasks[i]`` for ``i`` in ``indices``; ``done(i, json_text)`` as each finishes. Raises the first
+        task error (after cancelling this call's other tasks)."""
+        if self.jobs == 1:
+            for i in indices:
+                if self._closed:
+                    raise Cancelled()
+                done(i, run_task(fn, tasks[i]))
+                self._count(done=1)
+            return
+        pool = self._get_pool()
+        futures: dict[cf.Future, int] = {}
+        failures: list[BaseException] = []  # a done() that failed (disk full while caching): raised below
+        # wait() can return before a future's callbacks have run: count the callbacks that have not finished
+        unsettled = [len(indices)]
+
+        def settle(future: cf.Future) -> None:  # on the pool's thread, as each task ends
+            try:
+                if not future.cancelled() and future.exception() is None:
+                    done(futures[future], future.result())
+                    self._count(done=1)
+            except Exception as err:  # noqa: BLE001 - raised in the driver, not lost in the pool's thread
+                failures.append(err)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    unsettled[0] -= 1
+                    self._cond.notify_all()
+
+        with self._cond:
+            self._pending += len(indices)
+            self._used = True
+        try:
+            for i in indices:
+                future = pool.submit(run_task, fn, tasks[i])
+                futures[future] = i
+        except RuntimeError:  # the pool was shut down between _get_pool and submit (Ctrl-C)
+            with self._cond:
+                self._pending -= len(indices)
+            for f in futures:
+                f.cancel()
+            raise Cancelled() from None
+        for f in futures:  # after the loop: `settle` looks the future up in `futures`
+            f.add_done_callback(settle)
+        self._release_baton()
+        try:
+            cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        finally:
+            self._take_baton()
+        if self._closed:
+            for f in futures:
+                f.cancel()
+            raise Cancelled()
+        errors = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+        if errors:
+            for f in futures:
+                f.cancel()
+            first = min(errors, key=futures.get).exception()
+            if isinstance(first, BrokenProcessPool):
+                with self._cond:  # a worker died (killed, out of memory): the next map gets a fresh pool
+                    if self._pool is pool:
+                        self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise first
+        with self._cond:
+            while unsettled[0] > 0:
+                self._cond.wait()
+        if failures:
+            raise failures[0]
+
+    def _map_ranks(self, fn: Callable[..., Any], tasks: list[dict[str, Any]], keys: list[str], missing: list[int],
+                   results: list[Any]) -> None:  # fmt: skip
+        """torchrun: in rounds, each rank computes its share of the missing tasks; everyone gets all results."""
+        world, rank = self.group.world_size, self.group.rank
+        per_round = world * self.jobs * ROUND_TASKS_PER_WORKER
+        for start in range(0, len(missing), per_round):
+            chunk = missing[start:start + per_round]
+            mine: dict[int, tuple[str, str]] = {}
+            error = None
+            try:
+                self._compute(fn, tasks, chunk[rank::world], lambda i, text: mine.__setitem__(i, ("ok", text)))
+            except Exception as err:  # noqa: BLE001 - sent to every rank, so all raise together
+                import traceback
+
+                error = f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
+            gathered = self.group.all_gather({"results": mine, "error": error})
+            errors = [g["error"] for g in gathered if g["error"]]
+            if errors:
+                raise TaskError(errors[0])
+            for part in gathered:
+                for i, (_, text) in part["results"].items():
+                    results[i] = json.loads(text)
+                    self.cache.store(keys[i], fn, text)  # rank 0 only (others have no cache)
+            self._count(done=len(chunk) - len(chunk[rank::world]))
+
+    # -- concurrent drivers
+    def _release_baton(self) -> Any:
+        """Hand the baton on while this driver waits; returns what _take_baton needs to restore."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._holder != me:
+                return
+            self._saved_state[me] = _save_globals()
+            self._holder = None
+            self._cond.notify_all()
+
+    def _take_baton(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            saved = self._saved_state.pop(me, None)
+            if saved is None:  # this driver did not hold the baton (no concurrency): nothing to take back
+                return
+            self._waiting_for_baton += 1
+            while self._holder is not None:
+                self._cond.wait()
+            self._waiting_for_baton -= 1
+            self._holder = me
+        _restore_globals(saved)
+
+    def run_concurrently(self, calls: Sequence[Callable[[], Any]],
+                         on_done: Callable[[int, Any], None] = lambda i, r: None) -> list[Any]:  # fmt: skip
+        """``[call() for call in calls]``, overlapping calls while they wait for tasks (module docstring).
+
+        A new call starts only when no driver holds the baton or waits for it, and the pool has fewer pending tasks
+        than workers, so calls start in order and only when a core would otherwise idle. ``on_done(i, result)``
+        runs on the main thread as each call finishes. An exception a call lets through (KeyboardInterrupt,
+        SystemExit, a bug) stops the others (they raise Cancelled at their next task wait) and is raised here."""
+        if self.jobs == 1 or self.group.enabled or len(calls) <= 1:
+            results = []
+            for i, call in enumerate(calls):
+                results.append(call())
+                on_done(i, results[-1])
+            return results
+        results: list[Any] = [_MISSING] * len(calls)
+        finished: list[tuple[int, Any, BaseException | None]] = []
+        threads: list[threading.Thread] = []
+
+        def drive(i: int, call: Callable[[], Any]) -> None:
+            outcome, error = None, None
+            try:
+                outcome = call()
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread
+                error = err
+            finally:
+                with self._cond:
+                    if self._holder == threading.get_ident():
+                        self._holder = None
+                    finished.append((i, outcome, error))
+                    self._cond.notify_all()
+
+        next_call, running, error = 0, 0, None
+        try:
+            while True:
+                with self._cond:
+                    while finished:
+                        i, outcome, err = finished.pop(0)
+                        running -= 1
+                        if err is not None and error is None and not isinstance(err, Cancelled):
+                            error = err
+                        if err is None:
+                            results[i] = outcome
+                            on_done(i, outcome)
+                    if error is not None:
+                        break
+                    idle = self._holder is None and self._waiting_for_baton == 0 and self._pending < self.jobs
+                    if next_call < len(calls) and idle:
+                        thread = threading.Thread(target=drive, args=(next_call, calls[next_call]), daemon=True,
+                                                  name=f"addnorm-lab-driver-{next_call}")  # fmt: skip
+                        thread.start()
+                        self._holder = thread.ident  # handed over before anyone else can take it
+                        threads.append(thread)
+                        next_call += 1
+                        running += 1
+                        continue
+                    if next_call >= len(calls) and running == 0:
+                        break
+                    self._cond.wait(timeout=0.5)
+        except BaseException:
+            self.close(cancel=True)
+            _join(threads)
+            raise
+        if error is not None:
+            self.close(cancel=True)
+            _join(threads)
+            raise error
+        return results
+
+
+def _join(threads: list[threading.Thread], timeout: float = 10.0) -> None:
+    """Wait (a bounded time) for drivers that were told to stop, so none keeps writing after the run returns."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
