@@ -146,8 +146,8 @@ def xiong_verdict(*, depths: Sequence[int], pre_last: Sequence[Sequence[float]],
     config={"default": {"depths": [6, 12, 24, 48], "inits": 6, "d": 64, "batch": 8, "seq": 16, "vocab": 64,
                         "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 8, "seq": 16,
                                    "vocab": 64}},
-            "quick": {"depths": [6, 12, 24], "inits": 6, "d": 64, "batch": 4, "seq": 16, "vocab": 64,
-                      "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 4, "seq": 16,
+            "quick": {"depths": [4, 8, 16], "inits": 6, "d": 64, "batch": 2, "seq": 8, "vocab": 64,
+                      "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 2, "seq": 8,
                                  "vocab": 64}},
             "assumptions": "Theorem 1 part: one head, W_Q = W_K = 0, d x d FFN with ReLU, Xavier normal, no biases; "
                            "Fig. 3 part: 6-6 encoder-decoder, 4 heads, ReLU FFN 2d, Xavier, sinusoidal"},  # fmt: skip
@@ -314,8 +314,8 @@ def update_size_verdict(*, depths: Sequence[int], post_peak: Sequence[Sequence[f
     "model update of Post-LN vs DeepNorm in early training, Adam with lr 5e-4 and a 4000-step warmup)",
     config={"default": {"depths": [6, 12, 24], "inits": 6, "steps": 25, "warmup": 1000, "lr": 2e-3, "every": 5,
                         "d": 64, "d_ff": 128, "heads": 2, "batch": 8, "seq": 16, "vocab": 32},
-            "quick": {"depths": [4, 8], "inits": 6, "steps": 8, "warmup": 320, "lr": 2e-3, "every": 4, "d": 64,
-                      "d_ff": 128, "heads": 2, "batch": 4, "seq": 8, "vocab": 32}},  # fmt: skip
+            "quick": {"depths": [2, 4], "inits": 6, "steps": 6, "warmup": 240, "lr": 2e-3, "every": 3, "d": 64,
+                      "d_ff": 128, "heads": 2, "batch": 2, "seq": 8, "vocab": 32}},  # fmt: skip
     criterion="F = the model's normalized output on a fixed probe batch; peak = max over the steps of "
     "RMS(F_t - F_0) / RMS(F_0). Reproduced iff Post-LN's peak at the largest depth is >= 1.5x its peak at the "
     "smallest depth, and DeepNorm's peak is <= 1/4 of Post-LN's at every depth (paired by init), each in >= 5 "
@@ -436,8 +436,8 @@ def output_change_verdict(*, depths: Sequence[int], post_change: Sequence[Sequen
     "output change under a parameter perturbation, O(N) for Post-LN vs O(log N) for Pre-LN)",
     config={"default": {"depths": [6, 12, 24, 48], "inits": 6, "draws": 4, "eps": 0.01, "d": 64, "d_ff": 128,
                         "heads": 2, "batch": 8, "seq": 16},
-            "quick": {"depths": [6, 12, 24], "inits": 6, "draws": 2, "eps": 0.01, "d": 64, "d_ff": 128,
-                      "heads": 2, "batch": 4, "seq": 8}},  # fmt: skip
+            "quick": {"depths": [4, 8, 16], "inits": 6, "draws": 2, "eps": 0.01, "d": 64, "d_ff": 128,
+                      "heads": 2, "batch": 2, "seq": 8}},  # fmt: skip
     criterion="change(N) = mean ||F(x; W + dW) - F(x; W)||^2 / mean ||F(x; W)||^2 with dW = eps * std(W) * "
     "N(0, 1) on every weight matrix (eps 0.01), averaged over draws; 6 inits. Reproduced iff the log-log slope of "
     "the init-averaged change vs N is >= 0.7 for Post-LN (about linear), <= 0.6 for Pre-LN (log N from 6 to 48 "
