@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from addnorm.train.loop import TrainConfig, TrainResult, detect_spikes, lr_at, reference_eval_loss
 
-__all__ = ["StackedLM", "train_batched", "check_batchable"]
+__all__ = ["StackedLM", "VmapLM", "ENGINES", "train_batched", "check_batchable"]
 
 _NORMS = ("layernorm", "rmsnorm", "dyt", "none")
 _PLACEMENTS = ("pre", "post", "deepnorm", "sandwich", "none")
@@ -220,6 +220,32 @@ class StackedLM:
     __call__ = forward
 
 
+class VmapLM(StackedLM):
+    """The same stacked parameters, run through the unmodified module with ``torch.func.functional_call`` under
+    ``torch.vmap`` (the generic way to batch models). Slower than :class:`StackedLM` on CPU (vmap's per-op
+    wrapping, and SDPA has no batching rule, so it falls back to a loop over members); kept as a cross-check and
+    for ``benchmarks/bench_batched_train.py``. No attention-logit recording."""
+
+    def __init__(self, models: Sequence[nn.Module]):
+        import copy
+
+        super().__init__(models)
+        if self.record_logits:
+            raise ValueError("engine='vmap' cannot record attention logits (record_logits=True): use engine='stacked'")
+        self._module = copy.deepcopy(models[0])
+        self._buffers = {n: b for n, b in self._module.named_buffers()}
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from torch.func import functional_call
+
+        def one(params, x):
+            return functional_call(self._module, (params, self._buffers), (x,))
+
+        return torch.vmap(one)(self.params, ids)
+
+    __call__ = forward
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # AdamW over stacked tensors (torch.optim.AdamW's update, with a learning rate and decay per member)
 # ------------------------------------------------------------------------------------------------------------------
@@ -296,16 +322,24 @@ def _evaluate(model: StackedLM, data, cfgs: Sequence[TrainConfig], device) -> li
     return (total / cfgs[0].eval_batches).tolist()
 
 
-def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]) -> list[TrainResult]:
+ENGINES = {"stacked": StackedLM, "vmap": VmapLM}
+
+
+def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig], *, engine: str = "stacked",
+                  callback: Callable[[dict], None] | None = None) -> list[TrainResult]:  # fmt: skip
     """Train ``models[k]`` with ``cfgs[k]`` on ``data`` for every k, as one batched computation.
 
     models: TransformerLMs of one config (each initialised by the caller, e.g. under ``torch.manual_seed``);
     cfgs: one TrainConfig per model. Per member may differ: seed, lr, warmup, schedule, min_lr_ratio,
     weight_decay, independent_wd, clip, z_loss, diverge_factor; the rest must be equal (see ``_SHARED``).
     Returns one :class:`TrainResult` per model, as ``train(models[k], data, cfgs[k])`` would (up to float
-    rounding); the trained weights are written back into the models. ``step_times`` hold each batched step's
+    rounding); the trained weights are written back into the models. ``engine``: "stacked" (hand-written batched
+    forward, the fast one) or "vmap" (:class:`VmapLM`, the generic one, slower). ``callback`` receives after each
+    step ``{"step", "members" (how many trained in it), "time_s" (its wall time), "losses" (theirs)}``. ``step_times`` hold each batched step's
     wall time divided by the members it trained (the cost per model).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     models, cfgs = list(models), list(cfgs)
     if len(models) != len(cfgs):
         raise ValueError(f"train_batched needs one TrainConfig per model, got {len(models)} models and "
@@ -319,7 +353,7 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         data.batch(0, 1, shared.seq_len, seed=shared.seed, split=split)
     for m in models:
         m.to(device)
-    stacked = StackedLM(models)
+    stacked = ENGINES[engine](models)
     if shared.monitor and not stacked.record_logits:
         raise ValueError("batched training with monitor=True records the max attention logit only: build the "
                          "models with record_logits=True (or set monitor=False)")  # fmt: skip
@@ -378,7 +412,10 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
             stacked.keep(index)
             adam.keep(index)
             active = [active[r] for r in keep]
-        dt = (time.perf_counter() - t0) / len(run)
+        wall = time.perf_counter() - t0
+        dt = wall / len(run)
+        if callback is not None:
+            callback({"step": step, "members": len(run), "time_s": wall, "losses": ce_v})
         for k in [k for k in range(len(cfgs)) if results[k].steps_done == step + 1]:
             results[k].step_times.append(dt)
         if not active:
