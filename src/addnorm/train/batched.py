@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -103,19 +102,48 @@ class StackedLM:
         self.final_norm = ref.final_norm is not None
         # each norm's eps, read from the modules themselves (kinds differ in their defaults)
         self.eps = {name: getattr(mod, "eps", None) for name, mod in ref.named_modules()}
-        self.names = [n for n, _ in ref.named_parameters()]
+        shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+        # matrices first: weight decay then touches one leading slice of the flat buffer
+        self.names = sorted(shapes, key=lambda n: len(shapes[n]) < 2)
+        self.n_decayed = sum(math.prod(shapes[n]) for n in self.names if len(shapes[n]) >= 2)
         own = [dict(m.named_parameters()) for m in models]
         with torch.no_grad():
-            self.params = {n: torch.stack([o[n].detach() for o in own]).requires_grad_(True) for n in self.names}
+            flat = torch.cat([torch.stack([o[n].detach().reshape(-1) for o in own]) for n in self.names], dim=1)
+        self._shapes = shapes
+        self._bind(flat)
         self.max_logits: Tensor | None = None  # (K, n_layers) of the last forward, when record_logits
+
+    def _bind(self, flat: Tensor) -> None:
+        """All K members' parameters live in one (K, P) buffer ``flat`` and their gradients in ``grad`` (K, P):
+        ``params[name]`` are views of it (autograd accumulates into the preset ``.grad`` views in place), so the
+        gradient norm, clipping and AdamW are a few ops on two tensors, not a few per parameter."""
+        self.flat, self.grad = flat, torch.zeros_like(flat)
+        self.params, start = {}, 0
+        for n in self.names:
+            size = math.prod(self._shapes[n])
+            p = flat[:, start:start + size].view(flat.shape[0], *self._shapes[n]).requires_grad_(True)
+            p.grad = self.grad[:, start:start + size].view_as(p)
+            self.params[n] = p
+            start += size
 
     @property
     def size(self) -> int:
-        return self.params[self.names[0]].shape[0]
+        return self.flat.shape[0]
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
 
     def keep(self, index: Tensor) -> None:
-        with torch.no_grad():
-            self.params = {n: p[index].clone().requires_grad_(True) for n, p in self.params.items()}
+        self._bind(self.flat[index])
+
+    def check_grads(self) -> None:
+        """Autograd accumulates into an existing ``.grad`` in place; should a torch version replace it instead, the
+        flat gradient buffer would silently stay zero: fail loudly."""
+        start = 0
+        for n in self.names:
+            if self.params[n].grad.data_ptr() != self.grad[:, start:].data_ptr():
+                raise RuntimeError(f"the gradient of {n} did not land in the flat gradient buffer")
+            start += math.prod(self._shapes[n])
 
     @torch.no_grad()
     def write_back(self, models: Sequence[nn.Module], rows: Sequence[int]) -> None:
@@ -249,35 +277,27 @@ class VmapLM(StackedLM):
 # ------------------------------------------------------------------------------------------------------------------
 # AdamW over stacked tensors (torch.optim.AdamW's update, with a learning rate and decay per member)
 # ------------------------------------------------------------------------------------------------------------------
-@dataclass
 class _Adam:
-    m: dict[str, Tensor]
-    v: dict[str, Tensor]
-    steps: int = 0
+    """torch.optim.AdamW's update on the flat (K, P) buffers of :class:`StackedLM`."""
 
-    @classmethod
-    def zeros(cls, params: dict[str, Tensor]) -> "_Adam":
-        return cls({n: torch.zeros_like(p) for n, p in params.items()}, {n: torch.zeros_like(p) for n, p in
-                                                                         params.items()})  # fmt: skip
+    def __init__(self, model: StackedLM):
+        self.m, self.v = torch.zeros_like(model.flat), torch.zeros_like(model.flat)
+        self.steps = 0
 
     def keep(self, index: Tensor) -> None:
-        self.m = {n: t[index] for n, t in self.m.items()}
-        self.v = {n: t[index] for n, t in self.v.items()}
+        self.m, self.v = self.m[index], self.v[index]
 
     @torch.no_grad()
-    def step(self, params: dict[str, Tensor], lr: Tensor, decay: Tensor, beta1: float, beta2: float, eps: float):
+    def step(self, model: StackedLM, lr: Tensor, decay: Tensor, beta1: float, beta2: float, eps: float) -> None:
         """lr (K,): this step's learning rate per member; decay (K,): lr * weight decay (matrices only)."""
         self.steps += 1
         bc1, bc2 = 1 - beta1**self.steps, 1 - beta2**self.steps
-        for n, p in params.items():
-            g = p.grad
-            if p.dim() >= 3:  # a matrix of one member: decoupled weight decay, as torch's AdamW
-                p.mul_(_bcast(1 - decay, p))
-            m, v = self.m[n], self.v[n]
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-            p.addcdiv_(m * _bcast(-lr / bc1, p), denom)
+        p, g = model.flat, model.grad
+        p[:, : model.n_decayed].mul_((1 - decay)[:, None])  # decoupled decay of the matrices, as torch's AdamW
+        self.m.lerp_(g, 1 - beta1)
+        self.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (self.v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(self.m * (-lr / bc1)[:, None], denom)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -357,7 +377,7 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
     if shared.monitor and not stacked.record_logits:
         raise ValueError("batched training with monitor=True records the max attention logit only: build the "
                          "models with record_logits=True (or set monitor=False)")  # fmt: skip
-    adam = _Adam.zeros(stacked.params)
+    adam = _Adam(stacked)
     optimum = data.optimum(shared.seq_len) if hasattr(data, "optimum") else None
     results = [TrainResult(optimum=optimum) for _ in cfgs]
     active = list(range(len(cfgs)))  # member indices still training, in stacked row order
@@ -371,15 +391,14 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         zl = (logz_all**2).mean(dim=(1, 2))
         zcoef = [c.z_loss for c in run]
         loss = ce + torch.tensor(zcoef, device=device) * zl if any(zcoef) else ce
-        for p in stacked.params.values():
-            p.grad = None
+        stacked.zero_grad()
         loss.sum().backward()  # member k's parameters only see loss_k
-        sq = sum(p.grad.pow(2).reshape(len(run), -1).sum(1) for p in stacked.params.values())
-        gnorm = sq.sqrt()
+        if step == 0:
+            stacked.check_grads()
+        gnorm = stacked.grad.pow(2).sum(1).sqrt()
         clip = torch.tensor([c.clip if c.clip else math.inf for c in run], device=device)
         coef = (clip / (gnorm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule, per member
-        for p in stacked.params.values():
-            p.grad.mul_(_bcast(coef, p.grad))
+        stacked.grad.mul_(coef[:, None])
         ce_v, logz_v, gn_v = ce.tolist(), logz_all.detach().mean(dim=(1, 2)).tolist(), gnorm.tolist()
         lrs = [lr_at(c, step) for c in run]
         diverged = []
@@ -405,7 +424,7 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         # decay per step: lr(t) * wd, or with independent_wd wd * m(t) = lr(t) * (wd / lr) (see loop.py)
         decay = torch.tensor([lr * (c.weight_decay / c.lr if c.independent_wd else c.weight_decay)
                               for lr, c in zip(lrs, run)], device=device)  # fmt: skip
-        adam.step(stacked.params, lr_t, decay, shared.beta1, shared.beta2, shared.adam_eps)
+        adam.step(stacked, lr_t, decay, shared.beta1, shared.beta2, shared.adam_eps)
         if diverged:  # they leave the batch (their update above is dropped with them)
             keep = [row for row in range(len(active)) if row not in diverged]
             index = torch.tensor(keep, dtype=torch.long, device=device)
