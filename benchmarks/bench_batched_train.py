@@ -35,6 +35,9 @@ def _train_cfg(steps: int, lr: float, seed: int):
     return TrainConfig(steps=steps + 1, batch_size=8, seq_len=32, lr=lr, warmup=2, seed=seed, eval_batches=1)
 
 
+MODEL_KW: dict = {}  # extra TransformerConfig fields (--record-logits)
+
+
 def _models(layers: int, seeds: list[int]):
     from addnorm.lab.experiments.training import model_config
     from addnorm.nn import TransformerLM
@@ -42,7 +45,7 @@ def _models(layers: int, seeds: list[int]):
     out = []
     for s in seeds:
         torch.manual_seed(s)
-        out.append(TransformerLM(model_config(n_layers=layers)))
+        out.append(TransformerLM(model_config(n_layers=layers, **MODEL_KW)))
     return out
 
 
@@ -86,6 +89,16 @@ def batched_step_times(layers: int, k: int, steps: int, engine: str) -> tuple[li
     return clock.steps()
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 6, 24, 48])
@@ -93,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run (after one warm-up step)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     ap.add_argument("--engines", nargs="+", default=["vmap", "stacked"], choices=["vmap", "stacked"])
+    ap.add_argument("--record-logits", action="store_true",
+                    help="explicit attention recording the max logit (lr-sensitivity's models; vmap cannot)")
     ap.add_argument("--out", help="also write the markdown table here")
     args = ap.parse_args(argv)
     for name in ("layers", "ks", "steps", "rounds"):
         vals = getattr(args, name)
         if any(v < 1 for v in (vals if isinstance(vals, list) else [vals])):
             ap.error(f"--{name} must be positive")
+    if args.record_logits:
+        if "vmap" in args.engines:
+            ap.error("--record-logits works with --engines stacked only")
+        MODEL_KW["record_logits"] = True
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*batching rule.*")  # vmap's SDPA fallback, measured here
     rows = []
@@ -133,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         for e in args.engines:
             cells += [f"{r[e + '_cpu_ms']:.1f}", f"**{r[e + '_cpu_speedup']:.2f}x**", f"{r[e + '_wall_speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
-    meta = (f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"1 torch thread; load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/"
-            f"{load_before[2]:.2f} before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after; "
+    logits = "; record_logits=True" if args.record_logits else ""
+    load = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
+    meta = (f"torch {torch.__version__}, {_cpu_name()}, {os.cpu_count()} CPUs, 1 torch thread{logits}; "
+            f"load average (1/5/15 min) {load(load_before)} before, {load(load_after)} after; "
             f"{args.steps} steps x {args.rounds} rounds per cell; {time.time() - t_start:.0f} s in all")  # fmt: skip
     table = "\n".join(lines) + "\n\n" + meta + "\n"
     print(table)

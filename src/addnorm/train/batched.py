@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -355,8 +356,8 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
     Returns one :class:`TrainResult` per model, as ``train(models[k], data, cfgs[k])`` would (up to float
     rounding); the trained weights are written back into the models. ``engine``: "stacked" (hand-written batched
     forward, the fast one) or "vmap" (:class:`VmapLM`, the generic one, slower). ``callback`` receives after each
-    step ``{"step", "members" (how many trained in it), "time_s" (its wall time), "losses" (theirs)}``. ``step_times`` hold each batched step's
-    wall time divided by the members it trained (the cost per model).
+    step ``{"step", "members" (how many trained in it), "time_s" (its wall time), "losses" (theirs)}``.
+    ``step_times`` hold each batched step's wall time divided by the members it trained (the cost per model).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -392,7 +393,11 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         zcoef = [c.z_loss for c in run]
         loss = ce + torch.tensor(zcoef, device=device) * zl if any(zcoef) else ce
         stacked.zero_grad()
-        loss.sum().backward()  # member k's parameters only see loss_k
+        with warnings.catch_warnings():
+            # the .grad views into the flat buffer are strided like their parameters, not contiguous; autograd
+            # notes that and still accumulates into them in place (check_grads verifies it)
+            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+            loss.sum().backward()  # member k's parameters only see loss_k
         if step == 0:
             stacked.check_grads()
         gnorm = stacked.grad.pow(2).sum(1).sqrt()
