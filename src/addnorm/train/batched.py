@@ -270,7 +270,9 @@ class VmapLM(StackedLM):
         def one(params, x):
             return functional_call(self._module, (params, self._buffers), (x,))
 
-        return torch.vmap(one)(self.params, ids)
+        with warnings.catch_warnings():  # the SDPA fallback named in the class docstring, once per forward
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+            return torch.vmap(one)(self.params, ids)
 
     __call__ = forward
 
