@@ -79,7 +79,7 @@ MEMBERS = [
     dict(placement="sandwich", qk_norm=True),
     dict(placement="deepnorm"),
     dict(placement="mix", n_layers=4),
-    dict(placement="dyt"),
+    dict(placement="dyt", qk_norm=True),  # QK-norm is LayerNorm in a DyT model
     dict(ffn="swiglu", tie_embeddings=False, bias=False),
 ])  # fmt: skip
 def test_each_member_matches_unbatched_train(arch):
@@ -206,3 +206,5 @@ def test_bad_arguments():
         train_batched([_model(0)], data, [{"steps": 3}])
     with pytest.raises(ValueError, match="record_logits"):
         VmapLM([_model(0, record_logits=True)])
+    with pytest.raises(ValueError, match="TransformerLM models, got a Linear"):
+        train_batched([torch.nn.Linear(2, 2)], data, [_cfg()])
