@@ -172,6 +172,36 @@ def test_forward_matches_modules():
     torch.testing.assert_close(VmapLM(models)(ids), want, rtol=RTOL, atol=ATOL)
 
 
+def test_forward_checks_its_input():
+    model = StackedLM([_model(0), _model(1)])
+    with pytest.raises(ValueError, match=r"\(K=2, B, T\)"):
+        model(torch.zeros(3, 4, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(2, 4, 16))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(2, 4, 33, dtype=torch.long))
+
+
+def test_benchmark_script_runs(tmp_path):
+    """The benchmark's own smoke run: a table row per (L, K) and the file written."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_batched_train.py"
+    spec = importlib.util.spec_from_file_location("bench_batched_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "table.md"
+    assert bench.main(["--layers", "1", "--ks", "2", "--steps", "2", "--rounds", "1", "--engines", "stacked",
+                       "--out", str(out)]) == 0  # fmt: skip
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 | 2 |")]
+    assert len(rows) == 1 and rows[0].count("x") >= 2
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--record-logits", "--engines", "vmap"])
+
+
 @pytest.mark.parametrize("field, value", [
     ("norm", "batchnorm"), ("placement", "post-noskip"), ("positional", "rope"), ("parallel", True),
     ("dropout", 0.1), ("embed_norm", True),

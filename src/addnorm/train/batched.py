@@ -240,9 +240,12 @@ class StackedLM:
         return self._norm(f"{prefix}.norm", branch(sub, x) + self.alpha * x)  # deepnorm
 
     def forward(self, ids: Tensor) -> Tensor:
+        if ids.dim() != 3 or ids.shape[0] != self.size or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be an integer tensor (K={self.size}, B, T), got {ids.dtype} "
+                             f"{tuple(ids.shape)}")  # fmt: skip
         k_, b, t = ids.shape
-        if k_ != self.size:
-            raise ValueError(f"ids must have {self.size} members in dim 0, got shape {tuple(ids.shape)}")
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         tok = self.params["embed.tok.weight"]  # (K, V, d)
         vocab = tok.shape[1]
         offsets = torch.arange(k_, device=ids.device).view(k_, 1, 1) * vocab
