@@ -107,22 +107,30 @@ def test_each_member_matches_unbatched_train(arch):
             torch.testing.assert_close(b, a, rtol=0, atol=0.01 * cfgs[k].lr * STEPS, msg=f"member {k} {name}")
 
 
-def test_max_attention_logit_recorded_like_the_monitor():
+@pytest.mark.parametrize("arch", [dict(record_logits=True), dict(placement="post", n_layers=3)])
+def test_monitor_records_match_train(arch):
+    """What the lab reads from Monitor records (max attention logit; per-layer gradient norm and residual RMS)."""
     data = language(0)
-    arch = dict(qk_norm=False, record_logits=True)
     cfgs = [_cfg(seed=s, lr=lr, monitor=True, monitor_every=2) for s, lr in ((0, 1e-3), (1, 1e-2))]
     refs = [train(_model(c.seed, **arch), data, c) for c in cfgs]
     got = train_batched([_model(c.seed, **arch) for c in cfgs], data, cfgs)
+    keys = ["grad_norm", "residual_rms"] + (["max_attn_logit"] if arch.get("record_logits") else [])
+    layers = arch.get("n_layers", 2)
     for r, g in zip(refs, got):
         assert [rec["step"] for rec in r.records] == [rec["step"] for rec in g.records] == [0, 2, 4]
-        want = [layer["max_attn_logit"] for rec in r.records for layer in rec["layers"]]
-        have = [layer["max_attn_logit"] for rec in g.records for layer in rec["layers"]]
-        assert len(want) == len(have) == 3 * 2 and _close(want, have)
+        for key in ("loss", "grad_norm", "output_logz"):
+            assert _close([rec[key] for rec in r.records], [rec[key] for rec in g.records]), key
+        for key in keys:
+            want = [layer[key] for rec in r.records for layer in rec["layers"]]
+            have = [layer[key] for rec in g.records for layer in rec["layers"]]
+            assert len(want) == len(have) == 3 * layers and _close(want, have), key
+        if not arch.get("record_logits"):
+            assert all("max_attn_logit" not in layer for rec in g.records for layer in rec["layers"])
 
 
-def test_monitor_needs_record_logits():
-    with pytest.raises(ValueError, match="record_logits"):
-        train_batched([_model(0)], language(0), [_cfg(monitor=True)])
+def test_vmap_engine_records_nothing():
+    with pytest.raises(ValueError, match="monitor=True"):
+        train_batched([_model(0)], language(0), [_cfg(monitor=True)], engine="vmap")
 
 
 def test_a_diverging_member_does_not_change_the_others():

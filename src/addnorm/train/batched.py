@@ -22,8 +22,10 @@ A member that diverges leaves the batch (its result is final, as ``train()`` sto
 What the forward covers (anything else raises ValueError naming the field): decoder-only TransformerLM,
 placements pre / post / deepnorm / sandwich / none / mix, norms layernorm / rmsnorm / dyt / none, QK-norm, FFN
 relu / gelu / swiglu / geglu, learned or no positions, tied or untied head, biases on or off, dropout 0.
-``cfg.monitor`` records only the max attention logit per layer (``records[i]["layers"][j]["max_attn_logit"]``,
-with ``record_logits=True`` in the model config), not the full :class:`addnorm.diagnostics.Monitor` record.
+``cfg.monitor`` records, every ``monitor_every`` steps, a subset of :class:`addnorm.diagnostics.Monitor`'s record:
+``step``, ``loss``, ``grad_norm``, ``output_logz`` and per layer ``grad_norm`` (the block's parameters, before
+clipping), ``residual_rms`` (of the stream after the block) and, with ``record_logits=True`` in the model config,
+``max_attn_logit``; not ``norm_input_rms`` or the update-size probe.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class StackedLM:
         self._shapes = shapes
         self._bind(flat)
         self.max_logits: Tensor | None = None  # (K, n_layers) of the last forward, when record_logits
+        self.record_stream = False  # set for a forward whose residual RMS per block should be kept
+        self.residual_rms: Tensor | None = None  # (K, n_layers) of that forward
+        self._block_names = [[n for n in self.names if n.startswith(f"blocks.{i}.")] for i in range(self.n_layers)]
 
     def _bind(self, flat: Tensor) -> None:
         """All K members' parameters live in one (K, P) buffer ``flat`` and their gradients in ``grad`` (K, P):
@@ -152,6 +157,13 @@ class StackedLM:
 
     def keep(self, index: Tensor) -> None:
         self._bind(self.flat[index])
+
+    @torch.no_grad()
+    def block_grad_norms(self) -> Tensor:
+        """(K, n_layers): the L2 norm of each block's parameter gradients, per member."""
+        k = self.size
+        return torch.stack([sum(self.params[n].grad.pow(2).reshape(k, -1).sum(1) for n in names)
+                            for names in self._block_names], dim=1).sqrt()  # fmt: skip
 
     def check_grads(self) -> None:
         """Autograd accumulates into an existing ``.grad`` in place; should a torch version replace it instead, the
@@ -255,11 +267,16 @@ class StackedLM:
         if "embed.pos.weight" in self.params:
             x = x + self.params["embed.pos.weight"][:, None, :t]
         self._logits: list[Tensor] = []
+        rms: list[Tensor] = []
         for i, placement in enumerate(self.placements):
             x = self._residual(f"blocks.{i}.attn", placement, x, lambda p, h, i=i: self._attention(p, h, i))
             x = self._residual(f"blocks.{i}.ffn", placement, x, self._ffn)
+            if self.record_stream:
+                rms.append(x.detach().pow(2).mean(dim=(1, 2, 3)).sqrt())
         if self.record_logits:
             self.max_logits = torch.stack(self._logits, dim=1)
+        if self.record_stream:
+            self.residual_rms = torch.stack(rms, dim=1)
         if self.final_norm:
             x = self._norm("final_norm", x)
         head = tok if self.tied else self.params["lm_head.proj.weight"]
@@ -272,7 +289,7 @@ class VmapLM(StackedLM):
     """The same stacked parameters, run through the unmodified module with ``torch.func.functional_call`` under
     ``torch.vmap`` (the generic way to batch models). Slower than :class:`StackedLM` on CPU (vmap's per-op
     wrapping, and SDPA has no batching rule, so it falls back to a loop over members); kept as a cross-check and
-    for ``benchmarks/bench_batched_train.py``. No attention-logit recording."""
+    for ``benchmarks/bench_batched_train.py``. Records nothing (no ``monitor``, no ``record_logits``)."""
 
     def __init__(self, models: Sequence[nn.Module]):
         import copy
@@ -396,9 +413,8 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
     for m in models:
         m.to(device)
     stacked = ENGINES[engine](models)
-    if shared.monitor and not stacked.record_logits:
-        raise ValueError("batched training with monitor=True records the max attention logit only: build the "
-                         "models with record_logits=True (or set monitor=False)")  # fmt: skip
+    if shared.monitor and engine == "vmap":
+        raise ValueError("engine='vmap' records nothing (monitor=True): use engine='stacked'")
     adam = _Adam(stacked)
     optimum = data.optimum(shared.seq_len) if hasattr(data, "optimum") else None
     results = [TrainResult(optimum=optimum) for _ in cfgs]
@@ -407,7 +423,10 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         t0 = time.perf_counter()
         run = [cfgs[k] for k in active]
         x, y = _batches(data, step, run, "train", device)
+        monitoring = shared.monitor and step % shared.monitor_every == 0
+        stacked.record_stream = monitoring
         logits = stacked(x)
+        stacked.record_stream = False
         ce = _per_member_loss(logits, y)
         logz_all = torch.logsumexp(logits.float(), dim=-1)  # (K, B, T)
         zl = (logz_all**2).mean(dim=(1, 2))
@@ -421,6 +440,9 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
             loss.sum().backward()  # member k's parameters only see loss_k
         if step == 0:
             stacked.check_grads()
+        if monitoring:  # before clipping, as the Monitor in train() sees them
+            block_norms, stream_rms = stacked.block_grad_norms().tolist(), stacked.residual_rms.tolist()
+            attn_logits = stacked.max_logits.tolist() if stacked.record_logits else None
         gnorm = stacked.grad.pow(2).sum(1).sqrt()
         clip = torch.tensor([c.clip if c.clip else math.inf for c in run], device=device)
         coef = (clip / (gnorm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule, per member
@@ -440,10 +462,14 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
             res.grad_norms.append(gn_v[row])
             res.logz.append(logz_v[row])
             res.steps_done = step + 1
-            if shared.monitor and step % shared.monitor_every == 0:
-                layer_logits = stacked.max_logits[row].tolist()
-                res.records.append({"step": step, "layers": [{"index": i, "max_attn_logit": v}
-                                                             for i, v in enumerate(layer_logits)]})  # fmt: skip
+            if monitoring:
+                layers = [{"index": i, "grad_norm": g, "residual_rms": r}
+                          for i, (g, r) in enumerate(zip(block_norms[row], stream_rms[row]))]  # fmt: skip
+                if attn_logits is not None:
+                    for layer, v in zip(layers, attn_logits[row]):
+                        layer["max_attn_logit"] = v
+                res.records.append({"step": step, "loss": ce_v[row], "grad_norm": gn_v[row],
+                                    "output_logz": logz_v[row], "layers": layers})  # fmt: skip
         if diverged:  # train() stops such a run before its optimizer step: hand back the weights it diverged with
             stacked.write_back([models[active[r]] for r in diverged], diverged)
         lr_t = torch.tensor(lrs, device=device)
