@@ -346,9 +346,10 @@ def _check_configs(cfgs: Sequence[TrainConfig]) -> None:
     for i, c in enumerate(cfgs):
         if not isinstance(c, TrainConfig):
             raise TypeError(f"cfgs[{i}] must be a TrainConfig, got {type(c).__name__}")
-        if c.out_dir or c.resume or c.checkpoint_every:
-            raise ValueError(f"cfgs[{i}]: batched training writes no logs or checkpoints (out_dir, resume, "
-                             "checkpoint_every must be unset); train this run with addnorm.train.loop.train")
+        # checkpoint_every alone does nothing without an out_dir (train() checkpoints only into out_dir)
+        if c.out_dir or c.resume:
+            raise ValueError(f"cfgs[{i}]: batched training writes no logs or checkpoints (out_dir and resume must "
+                             "be unset); train this run with addnorm.train.loop.train")
         for name in _SHARED:
             if getattr(c, name) != getattr(cfgs[0], name):
                 raise ValueError(f"cfgs[{i}].{name} = {getattr(c, name)!r} differs from cfgs[0].{name} = "
