@@ -268,3 +268,24 @@ def test_triton_launches_under_a_guard_for_tensors_on_another_gpu(monkeypatch):
     guard = T._device_guard(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     assert not isinstance(T._device_guard(torch.device("cuda", 0)), torch.cuda.device)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
+    """Rows wider than the register limit take the looped kernels (forward) and the row-sums + tiles kernels
+    (backward): the same keep-function there, so the same residual_out and the same dropped gradients."""
+    _skip_unavailable("triton")
+    from addnorm.ops import triton_add_norm as T
+
+    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
+    grads = {}
+    for backend in ("reference", "triton"):
+        xl = x.clone().requires_grad_(True)
+        torch.manual_seed(21)
+        _, res = _call(is_rms, xl, r, None, None, 1e-5, dropout_p=0.4, backend=backend)
+        res.sum().backward()
+        grads[backend] = (res.detach(), xl.grad)
+    assert torch.equal(grads["triton"][0], grads["reference"][0])
+    assert torch.equal(grads["triton"][1], grads["reference"][1])  # dx = keep * scale exactly (dresidual_out = 1)
