@@ -231,3 +231,61 @@ def test_cast_before_weight_gradient_is_not_rounded_before_the_norms_backward(ba
     expected = oracle(x, None, w, None if is_rms else b, eps=1e-5, is_rms=is_rms, cast_before_weight=True,
                       out_dtype=torch.bfloat16, dout=dout)  # fmt: skip
     assert_close(x.grad, expected["dx"], "dx", grad=True)
+
+
+# ---- 7. the GPU path, checked structurally (no GPU here) --------------------------------------------------------
+
+
+def test_op_outputs_stay_on_the_inputs_device_seed_included():
+    """The seed is drawn on x's device and returned there: for CUDA inputs no CPU tensor enters or leaves the op
+    (a CPU tensor in a graph makes Inductor skip CUDA graphs). Checked with meta tensors, whose fake implementation
+    is what torch.compile traces."""
+    x = torch.empty(4, 8, device="meta")
+    outs = torch.ops.addnorm.add_norm_fwd(x, x.clone(), None, None, 1e-5, True, 0.5, torch.float32, False, True,
+                                          "reference")  # fmt: skip
+    assert all(t.device.type == "meta" for t in outs)
+    assert outs[4].shape == () and outs[4].dtype == torch.int64
+    no_dropout = torch.ops.addnorm.add_norm_fwd(x, None, None, None, 1e-5, True, 0.0, torch.float32, False, True,
+                                                "reference")  # fmt: skip
+    assert all(t.device.type == "meta" for t in no_dropout) and no_dropout[4].numel() == 0
+
+
+def test_seed_is_drawn_from_the_devices_generator():
+    from addnorm.ops.add_norm import draw_seed
+
+    torch.manual_seed(3)
+    a = draw_seed(torch.device("cpu"))
+    torch.manual_seed(3)
+    assert a.device.type == "cpu" and a.shape == () and int(a) == int(torch.randint(0, 2**31 - 1, ()))
+
+
+def test_triton_launches_under_a_guard_for_tensors_on_another_gpu(monkeypatch):
+    pytest.importorskip("triton")
+    from addnorm.ops import triton_add_norm as T
+
+    assert isinstance(T._device_guard(torch.device("cpu")), type(__import__("contextlib").nullcontext()))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    guard = T._device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert not isinstance(T._device_guard(torch.device("cuda", 0)), torch.cuda.device)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
+    """Rows wider than the register limit take the looped kernels (forward) and the row-sums + tiles kernels
+    (backward): the same keep-function there, so the same residual_out and the same dropped gradients."""
+    _skip_unavailable("triton")
+    from addnorm.ops import triton_add_norm as T
+
+    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
+    grads = {}
+    for backend in ("reference", "triton"):
+        xl = x.clone().requires_grad_(True)
+        torch.manual_seed(21)
+        _, res = _call(is_rms, xl, r, None, None, 1e-5, dropout_p=0.4, backend=backend)
+        res.sum().backward()
+        grads[backend] = (res.detach(), xl.grad)
+    assert torch.equal(grads["triton"][0], grads["reference"][0])
+    assert torch.equal(grads["triton"][1], grads["reference"][1])  # dx = keep * scale exactly (dresidual_out = 1)

@@ -319,7 +319,7 @@ def add_norm_bwd_ref(
     """Backward of :func:`add_norm_ref`: ``(dx, dresidual, dweight, dbias)``.
 
     ``dh = dnorm + dresidual_out``; ``dresidual = dh`` in residual_dtype (None when there was no residual);
-    ``dx = dh * keep / (1 - p)`` in x_dtype; dweight in the weight's dtype, dbias in ``bias_dtype`` (None when
+    ``dx = dh * keep * dropout_scale(p)`` in x_dtype; dweight in the weight's dtype, dbias in ``bias_dtype`` (None when
     there is no bias).
     """
     cd = mean.dtype if mean is not None else rstd.dtype

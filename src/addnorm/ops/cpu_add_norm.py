@@ -11,7 +11,7 @@ The math (one row h of length N; statistics in fp32, fp64 when x or the residual
 
     backward    xhat  = (h - mean) * rstd,   g = dout * w
                 dh    = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dresidual_out   (RMSNorm: no mean(g))
-                dresidual = dh,   dx = dh * keep / (1 - p)
+                dresidual = dh,   dx = dh * keep * scale   (scale: 1/(1-p) rounded to the stats dtype)
                 dweight = sum over rows of dout * xhat (* round(xhat) with cast_before_weight),   dbias = sum of dout
 
 A row is at most a few hundred KB, so it stays in L1/L2 while it is read several times: the forward streams x

@@ -14,7 +14,7 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
 
     backward  g  = dout * w
               dh = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (RMSNorm: without the mean_j(g) term)
-              dresidual = dh + dresidual_out;   dx = dresidual * keep / (1 - p)
+              dresidual = dh + dresidual_out;   dx = dresidual * keep * scale
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
@@ -162,7 +162,7 @@ def _fwd_rows_kernel(
     stride_r,
     M,
     N,
-    eps_hi,  # eps and 1/(1-p) arrive as fp32 pairs (hi + lo) so fp64 statistics keep full precision
+    eps_hi,  # eps arrives as an fp32 pair (hi + lo) so fp64 statistics keep full precision
     eps_lo,
     Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
     keep_threshold,
