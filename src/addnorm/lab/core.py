@@ -1,7 +1,8 @@
 """The lab's building blocks: an experiment states a claim and its source, runs, and returns a verdict computed
 from a criterion fixed in its code before the run.
 
-    @experiment("ln-vs-rms", claim="...", source="seed 000, exercise 1")
+    @experiment("ln-vs-rms", claim="...",
+                source="Zhang & Sennrich 2019, Root Mean Square Layer Normalization, arXiv:1910.07467")
     def ln_vs_rms(ctx: Context) -> Result:
         ...
         return Result(verdict=verdict_from(passed), metrics={...}, figures=[...], summary="...")

@@ -1,6 +1,6 @@
 """TransformerConfig: every Add & Norm choice of a Transformer as one dataclass, plus model-family presets.
 
-Presets follow each family's published block (seed 000, section 6), at tiny CPU-friendly sizes:
+Presets follow each family's published block (its paper and reference implementation), at tiny CPU-friendly sizes:
 
     preset     norm       placement   block        ffn     final norm   notes
     original   LayerNorm  post        sequential   relu    no           sinusoidal positions, Xavier, sqrt(d) embed
