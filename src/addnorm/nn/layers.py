@@ -5,8 +5,8 @@
     ParallelBlock  x = x + Attn(Norm(x)) + FFN(Norm(x))                           PaLM, one shared norm
 
 The fusion (as Apex and Megatron-LM do on GPUs): in a pre-norm layer the residual add of one sublayer is
-immediately followed by the norm of the next, so both run as one fused add+norm call that reads x and the branch once and writes the new
-stream and its normalized copy together:
+immediately followed by the norm of the next, so both run as one fused add+norm call that reads x and the branch
+once and writes the new stream and its normalized copy together:
 
     h = norm1(x)
     a = attn(h)
