@@ -79,6 +79,12 @@ def _shrink(d: dict) -> dict:
     return out
 
 
+def config_names() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
 def config_class(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -107,11 +113,13 @@ def tiny_config(model_type: str, **overrides: Any):
 
 
 def _role(config, model_type: str) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)  # fmt: skip
 
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "is_decoder", False):
+    # BERT-likes also have a causal-LM head class; a masked-LM head says what they were trained as
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "decoder"
     return "encoder"
 
