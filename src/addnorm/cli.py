@@ -12,7 +12,8 @@ import platform
 import sys
 
 # Modules that add subcommands (imported at start-up, so they keep heavy imports inside their functions).
-COMMAND_MODULES: list[str] = ["addnorm.lab.cli", "addnorm.train.cli", "addnorm.diagnostics.doctor"]
+COMMAND_MODULES: list[str] = ["addnorm.lab.cli", "addnorm.train.cli", "addnorm.diagnostics.doctor",
+                             "addnorm.integrations.survey.cli"]
 
 
 def _version(module: str) -> str | None:
