@@ -465,6 +465,10 @@ _DECODER_SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
 
 
+# Families with hand-sized tiny configs (tests, benchmarks, docs); tiny_config builds any other model_type too.
+FAMILIES = ("gpt2", "bert", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+
+
 def _config_classes():
     import transformers as t
 
@@ -485,21 +489,21 @@ def _config_classes():
 
 def tiny_config(family: str, **overrides):
     """A tiny config of ``family``: one of :data:`FAMILIES` (2 layers, hidden 64, 4 heads, vocab 128), or any other
-    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.survey.build);
+    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.survey.tiny);
     ``overrides`` are config fields, e.g. ``num_hidden_layers=4``."""
     _require_transformers()
     classes = _config_classes()
     if family in classes:
         cls, sizes = classes[family]
         return cls(**{**sizes, **overrides})
-    from addnorm.integrations.survey import build
+    from addnorm.integrations.survey import tiny
 
-    if not isinstance(family, str) or family not in build.config_names():
+    if not isinstance(family, str) or family not in tiny.config_names():
         raise ValueError(f"family must be a model_type of the installed transformers (e.g. {', '.join(classes)}), "
                          f"got {family!r}")  # fmt: skip
     try:
-        return build.tiny_config(family, **overrides)
-    except build.SkipModel as e:
+        return tiny.tiny_config(family, **overrides)
+    except tiny.SkipModel as e:
         raise ValueError(f"family {family!r}: {e}") from e
 
 

@@ -121,8 +121,8 @@ def _formula(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | Non
 
 def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     """The addnorm module that reproduces ``m`` (per ``info.addnorm``), holding ``m``'s very Parameters."""
-    from addnorm.integrations.hf import CastBeforeWeightRMSNorm
-    from addnorm.nn.norms import LayerNorm, RMSNorm
+    from addnorm.integrations.hf import CastBeforeWeightRMSNorm, HFRMSNorm
+    from addnorm.nn.norms import LayerNorm
 
     n, eps = info.width, info.eps
     if info.addnorm == "layernorm":
@@ -130,7 +130,7 @@ def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     elif info.addnorm == "rmsnorm-cast-before-weight":
         new = CastBeforeWeightRMSNorm(n, eps=eps, device=device)
     elif info.addnorm in ("rmsnorm", "rmsnorm-zero-centered"):
-        new = RMSNorm(n, eps=eps, elementwise_affine=info.weight, device=device,
+        new = HFRMSNorm(n, eps=eps, elementwise_affine=info.weight, device=device,
                       zero_centered_weight=info.addnorm == "rmsnorm-zero-centered")  # fmt: skip
     else:
         raise ValueError(f"no addnorm module reproduces {type(m).__name__}")

@@ -1,7 +1,7 @@
 """``addnorm survey``: where every architecture of the installed transformers puts its norms, measured.
 
 For each ``model_type`` with a base model class, :func:`survey_one` builds a tiny random model from its config
-class (:mod:`.build`; nothing downloaded), runs one forward under the dataflow recorder (:mod:`.trace`), and
+class (:mod:`.tiny`; nothing downloaded), runs one forward under the dataflow recorder (:mod:`.trace`), and
 reports one row:
 
     norm                  layernorm | rmsnorm | a class name (what the stream's norms compute, per norm_probe)
@@ -27,11 +27,11 @@ from typing import Any, Callable
 import torch
 
 from addnorm.integrations.survey import trace
-from addnorm.integrations.survey.build import SkipModel, build, model_types, tiny_config
+from addnorm.integrations.survey.tiny import SkipModel, build, model_types, tiny_config
 
 __all__ = ["survey", "survey_one", "model_types", "tiny_config", "build", "SkipModel"]
 
-TIME_LIMIT_S = 20.0  # per architecture: a few default configs stay large after shrinking (audio codecs, byte LMs)
+TIME_LIMIT_S = 20.0  # CPU seconds per architecture: a few default configs stay large after shrinking (audio codecs)
 
 
 class _Timeout(Exception):
@@ -40,20 +40,22 @@ class _Timeout(Exception):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float | None):
-    if not seconds or not hasattr(signal, "SIGALRM"):
+    """Raise _Timeout after ``seconds`` of this process's CPU time (not wall time: on a loaded machine the same model
+    takes several times longer by the clock, and which ones are skipped should not depend on the neighbours)."""
+    if not seconds or not hasattr(signal, "SIGPROF"):
         yield
         return
 
     def handler(signum, frame):
-        raise _Timeout(f"over the survey's time limit of {seconds:g} s per architecture")
+        raise _Timeout(f"over the survey's limit of {seconds:g} CPU seconds per architecture")
 
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    old = signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
 
 
 def _main_stack(events, n_stacks: int) -> int | None:

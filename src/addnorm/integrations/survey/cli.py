@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--docs", metavar="FILE", help="also write the documentation page (summary and table) to FILE")
     p.add_argument("--no-doctor", action="store_true", help="skip the doctor's checks (about a third faster)")
     p.add_argument("--time-limit", type=float, default=20.0, metavar="S",
-                   help="seconds allowed per architecture before it is skipped (default 20; 0: no limit)")
+                   help="CPU seconds allowed per architecture before it is skipped (default 20; 0: no limit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_survey)
 

@@ -12,7 +12,7 @@ output is the next version of the stream. Each residual add (a *sublayer*) is th
     branch-output  the branch operand is itself a norm's output                                    x + N(F(x))
     sandwich       pre and branch-output                                                           x + N2(F(N1(x)))
     parallel       the branch does not read the stream version it is added to (it read an earlier one with
-                   another branch), or is the sum of two branches                                  x + F(N(x)) + G(N(x))
+                   another branch), or is the sum of an attention branch and another one           x + F(N(x)) + G(N(x))
     none           no norm involved
 
 A layer whose sublayers differ (Mix-LN style, or pre for attention and post for the MLP) is ``mixed``. Residual
@@ -290,6 +290,8 @@ def _analyse_layer(events: list[_Event]) -> LayerTrace:
             norm_of[id(y)] = (e.ref, v)
             deps[id(y)] = dep | {("n", e.ref, v)}
             continue
+        if e.name in _SCORES:  # attention scores: marks what an attention branch computed at this stream version
+            dep = dep | {("s", len(versions) - 1)}
         for o in e.outputs:
             deps[id(o)] = dep
         if e.name in _SCORES:
@@ -342,9 +344,13 @@ def _analyse_layer(events: list[_Event]) -> LayerTrace:
             elif nb is not None and nb[1] == cur and not (na is not None and na[1] == cur):
                 skip, branch, skip_normed = b, a, True
             else:
-                if not any(k == "v" for k, *_ in dep) or va is not None or vb is not None:
-                    continue
-                sums.add(id(out))  # two branches summed before they meet the stream (GPT-J's parallel block)
+                # two branches summed before they meet the stream, one of them attention at this stream version
+                # and the other not (GPT-J's attn(h) + mlp(h)); a sum inside one branch (MoE routed + shared
+                # experts, a bias) is not parallel
+                sa, sb = (("s", cur) in deps.get(id(t), frozenset()) for t in (a, b))
+                both = all(("v", cur) in deps.get(id(t), frozenset()) for t in (a, b))
+                if va is None and vb is None and both and sa != sb:
+                    sums.add(id(out))
                 continue
             if skip_normed and subs:
                 subs[-1].post = True
