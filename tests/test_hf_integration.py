@@ -264,10 +264,10 @@ def test_norms_addnorm_does_not_reproduce_are_left_alone(monkeypatch):
         hf.apply(model)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm" and not hf.is_applied(model)
     # a GPT-2 with one LayerNorm class made unreproducible: the rest is patched; ln_2 stays HF's, so no fusion there
-    monkeypatch.setattr(norm_probe, "probe", lambda m: None if m is gpt2.transformer.h[0].ln_2 else real(m))
     gpt2 = _model("gpt2")
     ids = _ids()
     ref = _logits(gpt2, ids)
+    monkeypatch.setattr(norm_probe, "probe", lambda m: None if m is gpt2.transformer.h[0].ln_2 else real(m))
     hf.apply(gpt2)
     assert type(gpt2.transformer.h[0].ln_2) is nn.LayerNorm
     assert type(gpt2.transformer.h[0]).__name__ == "GPT2Block"  # not fused: its ln_2 is not an addnorm norm

@@ -34,8 +34,12 @@ class _Layer(nn.Module):
         self.f, self.g = nn.Linear(d, d), nn.Linear(d, d)
         self.n1, self.n2, self.n3, self.n4 = (nn.LayerNorm(d) for _ in range(4))
 
+    def _attention(self, h):  # (B, T, d): single-head self-attention, the "attention" branch
+        q = self.f(h)
+        return torch.softmax(q @ h.transpose(-1, -2), dim=-1) @ h
+
     def forward(self, x):
-        f, g, n1, n2, n3, n4 = self.f, self.g, self.n1, self.n2, self.n3, self.n4
+        f, g, n1, n2, n3, n4 = self._attention, self.g, self.n1, self.n2, self.n3, self.n4
         if self.kind == "pre":
             x = x + f(n1(x))
             return x + g(n2(x))
@@ -51,6 +55,10 @@ class _Layer(nn.Module):
         if self.kind == "parallel":  # GPT-J: one norm, both branches read it, one add
             h = n1(x)
             return f(h) + g(h) + x
+        if self.kind == "pre-moe":  # a pre-norm MLP that sums two experts: one branch, not parallel
+            x = x + f(n1(x))
+            h = n2(x)
+            return x + (g(h) + self.f(h))
         if self.kind == "parallel-two-adds":  # Cohere: residual + attn + mlp, left to right
             h = n1(x)
             return x + f(h) + g(h)
@@ -94,6 +102,7 @@ def _analyse(model):
     ("branch-output", "branch-output", ["branch-output", "branch-output"]),
     ("parallel", "parallel", ["parallel"]),
     ("parallel-two-adds", "parallel", ["pre", "parallel"]),
+    ("pre-moe", "pre", ["pre", "pre"]),
     ("pre-then-post", "mixed", ["pre", "post"]),
     ("deepnorm", "post", ["post", "post"]),
     ("none", "none", ["none", "none"]),
@@ -330,3 +339,35 @@ def test_cli_bad_input(capsys):
     assert "--time-limit must be >= 0" in capsys.readouterr().err
     assert main(["survey", "--list"]) == 0
     assert "llama" in capsys.readouterr().out.split()
+
+
+def test_doctor_counts_a_norm_module_run_before_and_after_the_blocks_as_final():
+    """NanoChat calls one self.norm before the layers and again after them; the doctor used to see only the first
+    call and report a missing final norm (a false positive found by the survey)."""
+    from addnorm.diagnostics.doctor import diagnose
+
+    class Pre(nn.Module):  # x + g(N(x)): zero weights make it the identity, as the doctor's skip check expects
+        def __init__(self):
+            super().__init__()
+            self.n, self.g = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.g(self.n(x))
+
+    class Shared(nn.Module):
+        def __init__(self, final: bool):
+            super().__init__()
+            self.layers = nn.ModuleList(Pre() for _ in range(2))
+            self.norm = nn.LayerNorm(16)
+            self.final = final
+
+        def forward(self, x):
+            x = self.norm(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x) if self.final else x
+
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    codes = lambda final: {f.code for f in diagnose(Shared(final), x)}  # noqa: E731
+    assert "missing-final-norm" not in codes(True)
+    assert "missing-final-norm" in codes(False)  # the check still fires when the second call is gone
