@@ -272,6 +272,11 @@ PINNED = [
     ("mixtral", {}, dict(norm="rmsnorm", placement="pre", hf_apply="fused")),
     ("phi", {}, dict(norm="layernorm", placement="parallel", bias=True)),
     # hidden_states = attn_outputs + feed_forward_hidden_states + residual
+    ("modernbert", {}, dict(norm="layernorm", placement="mixed", sublayers=["none", "pre"], final_norm=True)),
+    # ModernBertEncoderLayer: self.attn_norm = nn.Identity() if layer_id == 0 else nn.LayerNorm(...): the first
+    # layer's attention reads the (embedding-normalized) stream without a norm of its own
+    ("llava", {}, dict(role="decoder", norm="rmsnorm", placement="pre", hf_apply="fused")),
+    # a vision-language model: on text alone only the language model (Llama) runs; its layers are what is fused
 ]
 
 

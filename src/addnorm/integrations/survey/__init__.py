@@ -145,27 +145,38 @@ def _outputs(model, batch) -> torch.Tensor | None:
 
 
 def _hf_apply(model, batch) -> dict[str, Any]:
-    """What hf.apply does to the model, and whether the output is unchanged (fp32, within 1e-5 of its scale)."""
+    """What hf.apply does to the model, and whether the output is unchanged (fp32, within 1e-5 of its scale).
+
+    Only fused layers that ran in the survey's forward count as checked: a vision tower of a vision-language model
+    does not run on text alone, so its fused layers are listed apart (``hf_fused_not_run``) and do not make the row
+    "fused"."""
     from addnorm.integrations import hf
 
     ref = _outputs(model, batch)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = hf.apply(model)
+            hf.apply(model)
     except ValueError as e:
         return {"hf_apply": "unsupported", "hf_apply_reason": str(e)}
+    ran: set[str] = set()
+    handles = [m.register_forward_hook(lambda mod, a, o: ran.add(type(mod).__mro__[1].__name__))
+               for m in model.modules() if type(m).__name__.startswith("AddNormFused")]  # fmt: skip
     try:
         got = _outputs(model, batch)
         err = (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-        status = hf.apply_status(model)
-        out = {"hf_apply": status, "hf_apply_rel_err": err, "hf_fused_layers": hf.fused_layer_classes(model)}
+        fused = hf.fused_layer_classes(model)
+        out = {"hf_apply": "fused" if ran else "norms", "hf_apply_rel_err": err, "hf_fused_layers": sorted(ran)}
+        if set(fused) - ran:
+            out["hf_fused_not_run"] = sorted(set(fused) - ran)
         if not err <= 1e-5:
             out["hf_apply_reason"] = f"output differs from the unpatched model (relative error {err:.3g})"
             out["hf_apply"] = "mismatch"
         return out
     finally:
-        hf.revert(report)
+        for h in handles:
+            h.remove()
+        hf.revert(model)
 
 
 def _doctor(model, batch) -> list[dict]:

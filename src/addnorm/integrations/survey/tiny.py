@@ -121,6 +121,10 @@ def _role(config, model_type: str) -> str:
     # BERT-likes also have a causal-LM head class; a masked-LM head says what they were trained as
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "decoder"
+    # vision- and audio-language models: what their language model is
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "decoder"
     return "encoder"
 
 
