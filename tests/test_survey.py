@@ -26,7 +26,7 @@ def _one_thread():
 
 # ---- the tracer on hand-written layers ------------------------------------------------------------------------------
 class _Layer(nn.Module):
-    """One layer of a given placement: two sublayers (attention-like f, MLP-like g), norms as the placement puts them."""
+    """One layer of a given placement: two sublayers (attention f, MLP-like g), norms where the placement puts them."""
 
     def __init__(self, kind: str, d: int = 16):
         super().__init__()
@@ -217,7 +217,8 @@ def test_layer_match_recognises_structure_not_names():
            "        return hidden_states\n")  # fmt: skip
     assert _compile(src) is None  # ffn(ln_b(h)) in one line is another statement structure: no match (strict)
     src = src.replace("        hidden_states = self.ffn(self.ln_b(hidden_states))\n",
-                      "        hidden_states = self.ln_b(hidden_states)\n        hidden_states = self.ffn(hidden_states)\n")
+                      "        hidden_states = self.ln_b(hidden_states)\n"
+                      "        hidden_states = self.ffn(hidden_states)\n")
     m = _compile(src)
     assert m is not None and m.template == "pre"
     assert m.roles == {"norm1": "ln_a", "attn": "mixer", "norm2": "ln_b", "mlp": "ffn"}
