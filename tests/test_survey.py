@@ -377,3 +377,25 @@ def test_doctor_counts_a_norm_module_run_before_and_after_the_blocks_as_final():
     codes = lambda final: {f.code for f in diagnose(Shared(final), x)}  # noqa: E731
     assert "missing-final-norm" not in codes(True)
     assert "missing-final-norm" in codes(False)  # the check still fires when the second call is gone
+
+
+def test_report_summary_counts_and_page():
+    from addnorm.integrations.survey import report
+
+    rows = [
+        {"model_type": "a", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
+         "hf_apply": "fused", "hf_fused_layers": ["ALayer"],
+         "doctor": [{"code": "residual-growth", "severity": "warning", "module": "layers"}]},
+        {"model_type": "b", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
+         "hf_apply": "norms", "doctor": []},
+        {"model_type": "c<script>", "status": "skipped", "reason": "needs pixel_values (not text)"},
+    ]  # fmt: skip
+    result = {"transformers": "9.9", "models": rows}
+    s = report.summary(result)
+    assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (3, 2, 1, 1)
+    assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1}
+    assert s["fused_families"] == ["a"] and s["doctor_findings"] == {"residual-growth": 1}
+    page = report.page(result)
+    assert "c&lt;script&gt;" in page and "<script>document" not in page.split("<table")[1].split("</table>")[0]
+    md = report.markdown(result)
+    assert "| a | decoder | rmsnorm | pre |" in md and "fused (ALayer)" in md and "`c<script>`: needs" in md
