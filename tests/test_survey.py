@@ -399,3 +399,13 @@ def test_report_summary_counts_and_page():
     assert "c&lt;script&gt;" in page and "<script>document" not in page.split("<table")[1].split("</table>")[0]
     md = report.markdown(result)
     assert "| a | decoder | rmsnorm | pre |" in md and "fused (ALayer)" in md and "`c<script>`: needs" in md
+
+
+def test_norm_probe_tells_instances_of_one_class_apart():
+    """ConvNeXt's LayerNorm is one class for two computations (channels_last, channels_first); a probe result cached
+    per class made hf.apply swap a channels-first norm for a last-dim one (found by the survey)."""
+    pytest.importorskip("transformers")
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+
+    assert norm_probe.probe(ConvNextLayerNorm(8, data_format="channels_last")).addnorm == "layernorm"
+    assert norm_probe.probe(ConvNextLayerNorm(8, data_format="channels_first")) is None

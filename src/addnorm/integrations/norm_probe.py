@@ -171,7 +171,10 @@ def probe(m: nn.Module) -> NormInfo | None:
         return None
     params = _vectors(m)
     n = _width(m)
-    key = (type(m), n, tuple(sorted(params)), _attr_eps(m), params.get("weight", torch.empty(0)).dtype)
+    # instances of one class may compute different things (ConvNeXt's LayerNorm: data_format channels_last or
+    # channels_first), so the key holds the instance's plain attributes, not only its class
+    plain = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, tuple))))
+    key = (type(m), n, tuple(sorted(params)), plain, params.get("weight", torch.empty(0)).dtype)
     if key in _CACHE:
         return _CACHE[key]
     info = None

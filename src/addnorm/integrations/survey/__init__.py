@@ -218,6 +218,8 @@ def survey_one(model_type: str, *, doctor: bool = True, time_limit: float | None
                                                 f"{' '.join(str(e).split())[:200]}")  # fmt: skip
         else:
             row.update(status="ok", **{f"{stage}_error": f"{type(e).__name__}: {str(e)[:200]}"})
+            if stage == "hf.apply":
+                row["hf_apply"] = "error"
     row["seconds"] = round(time.perf_counter() - t0, 2)
     return row
 

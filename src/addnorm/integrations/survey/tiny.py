@@ -33,6 +33,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"), 2),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
+    "image_size": 32,  # vision models: a few patches (position tables follow image_size // patch_size)
 }
 _MAX_VOCAB = 512
 # fields that list one entry per layer: cut to the new depth (so a 5:1 sliding/global pattern keeps its start)
@@ -63,6 +64,8 @@ def _shrink(d: dict) -> dict:
             out[key] = _SIZES[key]
         elif key == "vocab_size" and isinstance(value, int) and value > _MAX_VOCAB:
             out[key] = _MAX_VOCAB
+        elif key in ("out_features", "out_indices") and value is not None:
+            out[key] = None  # backbones name stages after the depth; None lets the config pick from the new one
         elif key in _PER_LAYER and isinstance(value, list) and len(value) > _N_LAYERS:
             out[key] = value[:_N_LAYERS]
     # ids of special tokens must stay inside the smaller vocabulary
@@ -138,7 +141,15 @@ def _main_input(model: nn.Module, config, batch_size: int, seq_len: int, g: torc
         # ids away from both ends, where special tokens (image, pad, bos) usually sit
         lo, hi = min(4, vocab - 1), max(min(4, vocab - 1) + 1, vocab - 8)
         return {"input_ids": torch.randint(lo, hi, (batch_size, seq_len), generator=g)}
-    raise SkipModel(f"needs {name} (not text): not built by the survey")
+    if name == "pixel_values":
+        vision = getattr(config, "vision_config", None) or config
+        size = getattr(vision, "image_size", None)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = getattr(vision, "num_channels", 3)
+        if not isinstance(size, int) or not isinstance(channels, int):
+            raise SkipModel("needs pixel_values, and the config gives no image_size/num_channels")
+        return {"pixel_values": torch.randn(batch_size, channels, size, size, generator=g)}
+    raise SkipModel(f"needs {name} (not text or image): not built by the survey")
 
 
 def build(model_type: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 8, **overrides: Any) -> Built:
