@@ -301,11 +301,11 @@ def test_survey_rows_and_skips():
     pytest.importorskip("transformers")
     from addnorm.integrations.survey import survey
 
-    result = survey(["llama", "vit"], doctor=True)
+    result = survey(["llama", "wav2vec2"], doctor=True)
     rows = {r["model_type"]: r for r in result["models"]}
-    assert set(rows) == {"llama", "vit"}
+    assert set(rows) == {"llama", "wav2vec2"}
     assert rows["llama"]["status"] == "ok" and rows["llama"]["doctor"] == []
-    assert rows["vit"]["status"] == "skipped" and "pixel_values" in rows["vit"]["reason"]
+    assert rows["wav2vec2"]["status"] == "skipped" and "input_values" in rows["wav2vec2"]["reason"]
     with pytest.raises(ValueError, match="only: unknown model type"):
         survey(["no-such-model"])
 
