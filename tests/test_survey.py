@@ -409,3 +409,35 @@ def test_norm_probe_tells_instances_of_one_class_apart():
 
     assert norm_probe.probe(ConvNextLayerNorm(8, data_format="channels_last")).addnorm == "layernorm"
     assert norm_probe.probe(ConvNextLayerNorm(8, data_format="channels_first")) is None
+
+
+def test_doctor_batchnorm_in_a_cnn_is_not_a_sequence_model_mistake():
+    """The survey ran the doctor on every vision model: BatchNorm2d on (N, C, H, W) images was reported as a
+    norm over the batch axis of a sequence model (a false positive); a BatchNorm1d on a (B, T, C) stream still is."""
+    from addnorm.diagnostics.doctor import diagnose
+
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+    images = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+    assert "norm-dimension" not in {f.code for f in diagnose(cnn, images)}
+
+    class SeqBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+        def forward(self, x):  # (B, T, C) -> BatchNorm1d over (B, C, T): statistics across the batch
+            return self.bn(self.proj(x).transpose(1, 2)).transpose(1, 2)
+
+    seq = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    assert "norm-dimension" in {f.code for f in diagnose(SeqBN(), seq)}
+
+
+def test_hf_apply_check_is_not_fooled_by_a_random_forward():
+    """ViT-MAE masks random patches in every forward: the survey compares the patched and unpatched outputs with the
+    same seed, so the comparison sees addnorm's difference only (here none)."""
+    pytest.importorskip("transformers")
+    from addnorm.integrations.survey import _hf_apply, build
+
+    built = build("vit_mae")
+    row = _hf_apply(built.model, built.batch)
+    assert row["hf_apply"] in ("norms", "fused") and row["hf_apply_rel_err"] <= 1e-5

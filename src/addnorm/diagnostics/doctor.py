@@ -326,7 +326,7 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
         if path in tr.shape_errors:
             findings.append(Finding(code="norm-dimension", severity="error", module=path,
                                     message=tr.shape_errors[path], fix=norm_fix))  # fmt: skip
-        elif _is_batch_norm(m):
+        elif _is_batch_norm(m) and x.dim() != 4:  # BatchNorm2d on (N, C, H, W): a CNN's norm, not a sequence's
             findings.append(Finding(
                 code="norm-dimension", severity="error", module=path,
                 message=f"{type(m).__name__} in a sequence model: its statistics run over the batch (and "
