@@ -431,7 +431,7 @@ FUSED_FAMILIES = [
     "cwm", "data2vec-text", "diffllama", "electra", "ernie", "ernie4_5", "exaone", "flint", "gemma3_text", "git",
     "glm", "glm4", "glm4_moe", "got_ocr2", "gpt-sw3", "granite", "granite_swa", "granitemoe", "helium", "hy_v3",
     "internlm3", "iquestcoder", "jais2", "kolibri1", "minimax_m2", "ministral3", "mixtral", "moss_transcribe_diarize",
-    "olmo", "olmoe", "phi4_multimodal", "phimoe", "qwen2_moe", "qwen3_moe", "rembert", "roberta", "roc_bert",
+    "olmo", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "rembert", "roberta", "roc_bert",
     "roformer", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "xlm-roberta",
 ]  # fmt: skip
 
