@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("addnorm.train.cli", "train one model configuration and report loss curves and stability metrics"),
     "doctor": ("addnorm.diagnostics.doctor_cli",
                "check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)"),
+    "survey": ("addnorm.integrations.survey.cli",
+               "where every transformers architecture puts its norms, measured from the running model"),
 }
 
 

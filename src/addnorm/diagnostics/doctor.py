@@ -216,6 +216,7 @@ class _Trace:
     block_out: dict = field(default_factory=dict)  # block index -> (RMS of its output, output's last dim)
     block_end: dict = field(default_factory=dict)  # block index -> order when it finished
     norm_calls: dict = field(default_factory=dict)  # norm path -> (args, order) of its first call
+    norm_last: dict = field(default_factory=dict)  # norm path -> order of its last call (one module may run twice)
     shape_errors: dict = field(default_factory=dict)  # norm path -> message
 
 
@@ -247,6 +248,7 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
             tr.order += 1
             if path not in tr.norm_calls:
                 tr.norm_calls[path] = (_detach(args), tr.order)
+            tr.norm_last[path] = tr.order
             shape = getattr(module, "normalized_shape", None)
             x = args[0] if args and isinstance(args[0], Tensor) else None
             if shape is not None and x is not None and not _is_batch_norm(module):
@@ -332,7 +334,7 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
         if path in tr.shape_errors:
             findings.append(Finding(code="norm-dimension", severity="error", module=path,
                                     message=tr.shape_errors[path], fix=norm_fix))  # fmt: skip
-        elif _is_batch_norm(m):
+        elif _is_batch_norm(m) and x.dim() != 4:  # BatchNorm2d on (N, C, H, W): a CNN's norm, not a sequence's
             findings.append(Finding(
                 code="norm-dimension", severity="error", module=path,
                 message=f"{type(m).__name__} in a sequence model: its statistics run over the batch (and "
@@ -577,7 +579,8 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
         last_end = tr.block_end.get(len(found) - 1)
         block_ids = {id(m) for _, b in found for m in b.modules()}
         modules = dict(model.named_modules())
-        after = [p for p, (_, order) in tr.norm_calls.items()
+        # a norm module may run before the blocks and again after them (NanoChat's self.norm): its last call counts
+        after = [p for p, order in tr.norm_last.items()
                  if last_end is not None and order > last_end
                  and id(modules.get("" if p == "<root>" else p)) not in block_ids]  # fmt: skip
         if last_end is not None and not after:

@@ -3,35 +3,41 @@
     model = addnorm.integrations.hf.apply(model)     # in place; returns the model
     addnorm.integrations.hf.revert(model)            # the original modules and forwards, exactly
 
-``apply`` swaps every norm for an addnorm module holding the *same* Parameter objects (so optimizers, tied weights
-and state_dict keys are untouched) and reproduces each family's own numerics:
+Nothing here is keyed by a family's name. ``apply`` recognises what to patch from the model itself:
 
-    Llama, Mistral, Qwen2, Qwen3   y = weight * to(x.dtype)(x * rstd)           rstd in fp32; cast BEFORE the weight
-    Gemma, Gemma2, Gemma3          y = to(x.dtype)(x * rstd * (1 + weight))     all in fp32, one rounding
-    GPT-2, BERT (nn.LayerNorm)     y = to(x.dtype)((x - mean) * rstd * w + b)   all in fp32, one rounding
+- **Norms** by what they compute (:mod:`addnorm.integrations.norm_probe` runs each candidate module on random rows
+  in fp32 and bf16): every norm that an addnorm module reproduces exactly is swapped for one holding the *same*
+  Parameter objects (so optimizers, tied weights and state_dict keys are untouched), with the family's cast order:
 
-All three are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
-value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma. So
-the fused kernels reproduce each family's rounding, bit for bit for the RMSNorm families when weight and input
-share a dtype (the usual case). LayerNorm's fp32 mean and variance are summed in another order than in torch's
-kernel, so a GPT-2/BERT output can land on the neighbouring bf16 number (one ulp). When the dtypes differ, HF's ``weight * x`` promotes the output's dtype, which a kernel writing x's dtype cannot;
-:class:`CastBeforeWeightRMSNorm` then normalizes without the weight and multiplies as HF does. One difference
-remains, on purpose: for fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the two).
+    Llama, Mistral, Qwen, T5, ...   y = weight * to(x.dtype)(x * rstd)           rstd in fp32; cast BEFORE the weight
+    Gemma, Gemma2, Gemma3, ...      y = to(x.dtype)(x * rstd * (1 + weight))     all in fp32, one rounding
+    nn.LayerNorm, OLMo, Cohere ...  y = to(x.dtype)((x - mean) * rstd * w + b)   all in fp32, one rounding
 
-With ``fuse_residual=True`` the decoder layers are given a forward that computes the residual add and the next norm
-in one call, ``h, residual = norm(branch_out, residual)`` (``residual += branch_out; h = norm(residual)``):
+  These are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
+  value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma.
+  When weight and input dtypes differ, HF's ``weight * x`` promotes the output's dtype, which a kernel writing x's
+  dtype cannot; :class:`CastBeforeWeightRMSNorm` then normalizes without the weight and multiplies as HF does. For
+  fp64 inputs HF normalizes in fp32, addnorm in fp64 (the more accurate of the two), on purpose. The RMSNorm
+  families match bit for bit in bf16/fp16 when weight and input share a dtype; LayerNorm's fp32 mean and variance
+  are summed in another order than in torch's kernel, so a GPT-2/BERT output can land on the neighbouring bf16
+  number (one ulp).
 
-    Llama-like       the attention residual add + post_attention_layernorm (Llama, Mistral, Qwen2, Qwen3, Gemma)
-    Gemma2/Gemma3    the attention residual add + pre_feedforward_layernorm (sandwich norms)
-    GPT-2            the attention residual add + ln_2 (and ln_cross_attn with cross-attention)
-    BERT (post-norm) LayerNorm(dropout(dense(h)) + input) in BertSelfOutput and BertOutput
+- **Layers** by the structure of their forward (:mod:`addnorm.integrations.layer_match`: the source parsed and
+  compared with a template after renaming attributes and locals). With ``fuse_residual=True`` a layer that matches
+  gets a forward computing the residual add and the next norm in one call, ``h, residual = norm(branch, residual)``:
+
+    pre          x + attn(N1(x)), then + mlp(N2(.)): the attention add fused with N2 (Llama, Mistral, Qwen, ...)
+    pre-scaled   the same with each branch times a scalar attribute (Granite's residual_multiplier)
+    sandwich     x + N2(attn(N1(x))), then N3: the attention add fused with N3 (Gemma2, Gemma3)
+    post-output  N(dropout(dense(h)) + x) (BERT and the many families that copy its output sublayers)
+    GPT-2 block  ln_2 (and ln_cross_attn) fused with the add before it (matched by its source lines)
 
 The add that ends each layer stays a plain add: fusing it with the next layer's input norm would change what the
 layers pass each other, which generation, hooks and hidden-state outputs rely on. The new forward keeps the
-original's signature and return value (checked against the installed transformers when applied, see
-``_FAMILIES``), so generation with a KV cache and gradient checkpointing keep working. HF's dropout modules are kept
-and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as the unpatched model.
-Hooks registered on the replaced norm modules do not move to the new ones; register them after ``apply``.
+original's signature and return value, so generation with a KV cache and gradient checkpointing keep working. HF's
+dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as
+the unpatched model. Hooks registered on the replaced norm modules do not move to the new ones; register them after
+``apply``. Which families of the installed transformers fuse: ``addnorm survey`` (docs/survey.md).
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from addnorm.integrations import layer_match, norm_probe
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.add_norm import add_rms_norm
 
-__all__ = ["apply", "revert", "is_applied", "tiny_config", "tiny_model", "FAMILIES", "CastBeforeWeightRMSNorm"]
+__all__ = ["apply", "revert", "is_applied", "apply_status", "fused_layer_classes", "tiny_config", "tiny_model",
+           "FAMILIES", "CastBeforeWeightRMSNorm", "HFRMSNorm"]
 
 _INSTALL_HINT = "pip install 'addnorm[hf]'"
 _PATCH_ATTR = "_addnorm_hf_patch"
@@ -95,6 +103,18 @@ class CastBeforeWeightRMSNorm(RMSNorm):
             return w * result
         out, residual_out = result
         return w * out, residual_out
+
+
+class HFRMSNorm(RMSNorm):
+    """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
 
 
 def _rms_eps(module: nn.Module) -> float:
@@ -182,29 +202,44 @@ def _bound_arguments(self, hidden_states, args, kwargs) -> dict:
     return out
 
 
-def _llama_like_forward(self, hidden_states, *args, **kwargs):
-    """Llama, Mistral, Qwen2, Qwen3, Gemma: x + attn(norm1(x)), then + mlp(norm2(.)), norm2 fused with the add."""
-    # the original passes every argument but hidden_states on to self_attn
+def _role(self, name: str) -> nn.Module:
+    return getattr(self, self._addnorm_roles[name])
+
+
+def _pre_forward(self, hidden_states, *args, **kwargs):
+    """Template "pre" (and "pre-scaled"): x + attn(norm1(x)), then + mlp(norm2(.)), norm2 fused with the add."""
+    # the original passes every argument but hidden_states on to the attention (layer_match checked it)
     attn_kwargs = _bound_arguments(self, hidden_states, args, kwargs)
+    scale = self._addnorm_roles.get("scale")
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attn_kwargs)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    hidden_states = self.mlp(hidden_states)
+    hidden_states = _role(self, "norm1")(hidden_states)
+    hidden_states, _ = _role(self, "attn")(hidden_states=hidden_states, **attn_kwargs)
+    if scale is not None:
+        hidden_states = hidden_states * getattr(self, scale)  # residual + h * m == h * m + residual, bit for bit
+    hidden_states, residual = _role(self, "norm2")(hidden_states, residual)
+    hidden_states = _role(self, "mlp")(hidden_states)
+    if scale is not None:
+        hidden_states = hidden_states * getattr(self, scale)
     return residual + hidden_states
 
 
 def _sandwich_forward(self, hidden_states, *args, **kwargs):
-    """Gemma2, Gemma3: x + post_attn_norm(attn(norm(x))); then the pre-feedforward norm fused with that add."""
+    """Template "sandwich": x + norm2(attn(norm1(x))); then norm3 (before the MLP) fused with that add."""
     attn_kwargs = _bound_arguments(self, hidden_states, args, kwargs)
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attn_kwargs)
-    hidden_states = self.post_attention_layernorm(hidden_states)
-    hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-    hidden_states = self.mlp(hidden_states)
-    hidden_states = self.post_feedforward_layernorm(hidden_states)
+    hidden_states = _role(self, "norm1")(hidden_states)
+    hidden_states, _ = _role(self, "attn")(hidden_states=hidden_states, **attn_kwargs)
+    hidden_states = _role(self, "norm2")(hidden_states)
+    hidden_states, residual = _role(self, "norm3")(hidden_states, residual)
+    hidden_states = _role(self, "mlp")(hidden_states)
+    hidden_states = _role(self, "norm4")(hidden_states)
     return residual + hidden_states
+
+
+def _post_output_forward(self, hidden_states, input_tensor):
+    """Template "post-output" (BERT's output sublayers): norm(dropout(dense(h)) + input) as one fused add + norm."""
+    hidden_states = _role(self, "dropout")(_role(self, "dense")(hidden_states))
+    return _role(self, "norm")(hidden_states, input_tensor)[0]
 
 
 def _gpt2_forward(self, hidden_states, *args, **kwargs):
@@ -230,95 +265,31 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
     return residual + self.mlp(hidden_states)
 
 
-def _bert_output_forward(self, hidden_states, input_tensor):
-    """BertSelfOutput / BertOutput (post-norm): LayerNorm(dropout(dense(h)) + input) as one fused add + norm."""
-    hidden_states = self.dropout(self.dense(hidden_states))
-    return self.LayerNorm(hidden_states, input_tensor)[0]
-
-
 # --------------------------------------------------------------------------------------------------------------
-# What to patch, per class of the installed transformers
+# What to patch: recognised from the model's structure
 # --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _NormRule:
-    make: object  # old module -> new addnorm module
-    source_has: tuple[str, ...]  # lines of the HF forward whose numerics the new module reproduces
 
 
 @dataclass(frozen=True)
 class _LayerRule:
     forward: object
-    source_has: tuple[str, ...]  # lines of the original forward that the fused one rewrites
-    params: tuple[str, ...] | None = None  # the original forward's parameters exactly (None: any, see _LLAMA_PARAMS)
+    fused_norms: tuple[str, ...]  # roles of the norms called with a residual: they must be addnorm modules
 
 
-_LLAMA_NORM = _NormRule(_cast_before_weight_norm, ("return self.weight * hidden_states.to(input_dtype)",))
-_GEMMA_NORM = _NormRule(_zero_centered_norm, ("output = output * (1.0 + self.weight.float())",))
-_LAYER_NORM = _NormRule(_layer_norm, ())
-
-# Parameters a Llama-like layer may have; all of them go on to self_attn. Anything else (older transformers had
-# output_attentions and returned tuples) means the layer is not the one this module knows: it is left unfused.
-_LLAMA_PARAMS = {"self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache",
-                 "position_embeddings", "kwargs"}  # fmt: skip
-
-_LLAMA_LAYER = _LayerRule(
-    _llama_like_forward,
-    ("hidden_states, _ = self.self_attn(", "hidden_states = residual + hidden_states", "residual = hidden_states",
-     "hidden_states = self.post_attention_layernorm(hidden_states)", "hidden_states = self.mlp(hidden_states)",
-     "return hidden_states"),
-)  # fmt: skip
-_SANDWICH_LAYER = _LayerRule(
-    _sandwich_forward,
-    ("hidden_states, _ = self.self_attn(", "hidden_states = self.post_attention_layernorm(hidden_states)",
-     "hidden_states = residual + hidden_states", "residual = hidden_states",
-     "hidden_states = self.pre_feedforward_layernorm(hidden_states)",
-     "hidden_states = self.post_feedforward_layernorm(hidden_states)", "return hidden_states"),
-)  # fmt: skip
-_GPT2_LAYER = _LayerRule(
-    _gpt2_forward,
-    ("hidden_states = attn_output + residual", "hidden_states = self.ln_2(hidden_states)",
-     "hidden_states = residual + cross_attn_output", "hidden_states = residual + feed_forward_hidden_states"),
-    ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-     "use_cache", "kwargs"),
-)  # fmt: skip
-_BERT_OUTPUT = _LayerRule(
-    _bert_output_forward,
-    ("hidden_states = self.dense(hidden_states)", "hidden_states = self.dropout(hidden_states)",
-     "hidden_states = self.LayerNorm(hidden_states + input_tensor)"),
-    ("self", "hidden_states", "input_tensor"),
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Family:
-    model_types: tuple[str, ...]  # config.model_type values
-    norms: dict[str, _NormRule]  # HF class name -> rule ("LayerNorm" means torch.nn.LayerNorm itself)
-    layers: dict[str, _LayerRule] = field(default_factory=dict)  # HF class name -> fused forward
-
-
-_FAMILIES: dict[str, Family] = {
-    "gpt2": Family(("gpt2",), {"LayerNorm": _LAYER_NORM}, {"GPT2Block": _GPT2_LAYER}),
-    "bert": Family(("bert",), {"LayerNorm": _LAYER_NORM}, {"BertSelfOutput": _BERT_OUTPUT, "BertOutput": _BERT_OUTPUT}),
-    **{
-        name: Family((name,), {f"{prefix}RMSNorm": _LLAMA_NORM}, {f"{prefix}DecoderLayer": _LLAMA_LAYER})
-        for name, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"))
-    },
-    "gemma": Family(("gemma",), {"GemmaRMSNorm": _GEMMA_NORM}, {"GemmaDecoderLayer": _LLAMA_LAYER}),
-    "gemma2": Family(("gemma2",), {"Gemma2RMSNorm": _GEMMA_NORM}, {"Gemma2DecoderLayer": _SANDWICH_LAYER}),
-    "gemma3": Family(("gemma3_text",), {"Gemma3RMSNorm": _GEMMA_NORM}, {"Gemma3DecoderLayer": _SANDWICH_LAYER}),
+_TEMPLATE_RULES = {
+    "pre": _LayerRule(_pre_forward, ("norm2",)),
+    "pre-scaled": _LayerRule(_pre_forward, ("norm2",)),
+    "sandwich": _LayerRule(_sandwich_forward, ("norm3",)),
+    "post-output": _LayerRule(_post_output_forward, ("norm",)),
 }
-FAMILIES = tuple(_FAMILIES)
 
-
-def _family_of(model: nn.Module) -> Family:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family in _FAMILIES.values():
-        if model_type in family.model_types:
-            return family
-    supported = ", ".join(t for f in _FAMILIES.values() for t in f.model_types)
-    raise ValueError(f"model: config.model_type {model_type!r} is not supported; supported: {supported}")
+# GPT-2's block (self- and cross-attention, several return paths) is matched by the lines the fused forward rewrites
+# and its exact parameters; the attribute names are GPT-2's own.
+_GPT2_LINES = ("hidden_states = attn_output + residual", "hidden_states = self.ln_2(hidden_states)",
+               "hidden_states = residual + cross_attn_output", "hidden_states = residual + feed_forward_hidden_states")
+_GPT2_PARAMS = ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+                "use_cache", "kwargs")  # fmt: skip
+_GPT2_ROLES = {"norm1": "ln_1", "attn": "attn", "norm2": "ln_2", "mlp": "mlp"}
 
 
 def _normalized_source(fn) -> str | None:
@@ -329,47 +300,56 @@ def _normalized_source(fn) -> str | None:
     return "\n".join(" ".join(line.split()) for line in src.splitlines())
 
 
-def _source_matches(fn, lines: tuple[str, ...]) -> bool:
-    if not lines:
-        return True
-    src = _normalized_source(fn)
-    return src is not None and all(line in src for line in lines)
+def _is_gpt2_block(cls: type) -> bool:
+    if tuple(inspect.signature(cls.forward).parameters) != _GPT2_PARAMS:
+        return False
+    src = _normalized_source(cls.forward)
+    return src is not None and all(line in src for line in _GPT2_LINES)
 
 
 def _from_transformers(cls: type) -> bool:
     return cls.__module__.startswith("transformers.")
 
 
-def _layer_rule_fits(cls: type, rule: _LayerRule) -> bool:
-    params = tuple(inspect.signature(cls.forward).parameters)
-    if rule.params is not None and params != rule.params:
-        return False
-    if rule.params is None and (params[:2] != ("self", "hidden_states") or not set(params) <= _LLAMA_PARAMS):
-        return False
-    return _source_matches(cls.forward, rule.source_has)
+def _layer_rule(module: nn.Module) -> tuple[_LayerRule, dict[str, str]] | None:
+    """The fused forward for ``module``'s class and its roles -> attribute names, or None."""
+    cls = type(module)
+    if not _from_transformers(cls):
+        return None
+    found = layer_match.match(cls)
+    if found is not None:
+        return _TEMPLATE_RULES[found.template], found.roles
+    if _is_gpt2_block(cls):
+        cross = {"norm_cross": "ln_cross_attn"} if hasattr(module, "ln_cross_attn") else {}
+        return _LayerRule(_gpt2_forward, ("norm2",) + tuple(cross)), {**_GPT2_ROLES, **cross}
+    return None
 
 
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def _fused_class(cls: type, rule: _LayerRule) -> type:
-    """A subclass of ``cls`` whose forward is ``rule.forward``. Made once per class and kept in this module's
-    namespace under its name, so models holding it pickle. Subclassing (rather than setting an instance forward)
-    keeps what transformers adds to a layer class, e.g. GradientCheckpointingLayer wraps a subclass's forward."""
+def _fused_class(cls: type, rule: _LayerRule, roles: dict[str, str]) -> type:
+    """A subclass of ``cls`` whose forward is ``rule.forward``. Made once per class (its roles follow from its
+    forward's source, so they are the same every time) and kept in this module's namespace under its name, so
+    models holding it pickle. Subclassing (rather than setting an instance forward) keeps what transformers adds to
+    a layer class, e.g. GradientCheckpointingLayer wraps a subclass's forward."""
     if cls not in _FUSED_CLASSES:
         name = f"AddNormFused{cls.__name__}"
         sub = type(name, (cls,), {
             "forward": rule.forward, "__module__": __name__, "__qualname__": name,
-            "_addnorm_signature": _Signature.of(cls.forward),
+            "_addnorm_signature": _Signature.of(cls.forward), "_addnorm_roles": dict(roles),
         })  # fmt: skip
         globals()[name] = sub
         _FUSED_CLASSES[cls] = sub
     return _FUSED_CLASSES[cls]
 
 
-# --------------------------------------------------------------------------------------------------------------
-# apply / revert
-# --------------------------------------------------------------------------------------------------------------
+def _swappable(module: nn.Module) -> norm_probe.NormInfo | None:
+    cls = type(module)
+    if not (cls is nn.LayerNorm or _from_transformers(cls)) or not norm_probe.is_candidate(module):
+        return None
+    info = norm_probe.probe(module)
+    return info if info is not None and info.addnorm is not None else None
 
 
 @dataclass(kw_only=True)
@@ -388,10 +368,11 @@ def is_applied(model: nn.Module) -> bool:
 
 def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
     """Swap ``model``'s norms for addnorm's (same Parameters, same numerics) and, with ``fuse_residual``, fuse each
-    decoder layer's residual add with the norm after it. In place; returns ``model``. Undo with :func:`revert`.
+    layer's residual add with the norm after it where the layer's structure allows. In place; returns ``model``.
+    Undo with :func:`revert`. See the module docstring for what is recognised, and how.
 
-    Supported: GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 (text). A layer whose forward in the
-    installed transformers differs from the one this module rewrites is left unfused, with a warning.
+    A model with no norm that addnorm reproduces raises ``ValueError``. With ``fuse_residual``, a model none of
+    whose layers matches a known structure keeps its layers (its norms are still swapped), with a warning.
 
     Applying to a model that is already patched raises ``ValueError`` rather than doing nothing: a second call may
     ask for another ``fuse_residual``, which a silent no-op would ignore. Check with :func:`is_applied`, or
@@ -405,56 +386,56 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
         raise TypeError(f"fuse_residual must be a bool, got {type(fuse_residual).__name__}")
     if is_applied(model):
         raise ValueError("model: addnorm.integrations.hf.apply was already applied; call revert(model) first")
-    family = _family_of(model)
     patch = _Patch(fuse_residual=fuse_residual)
 
     # 1. norms. Collect first, then swap, so the module walk never sees a half-patched tree.
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            cls = type(child)
-            key = "LayerNorm" if cls is nn.LayerNorm else (cls.__name__ if _from_transformers(cls) else None)
-            rule = family.norms.get(key)
-            if rule is None:
-                continue
-            if not _source_matches(cls.forward, rule.source_has):
-                warnings.warn(f"addnorm: {cls.__name__}.forward in this transformers version is not the one addnorm "
-                              "reproduces; left as is", stacklevel=2)  # fmt: skip
-                continue
-            swaps.append((parent, name, child))
-    for parent, name, old in swaps:
-        new = _family_norm(family, old)
+            info = _swappable(child)
+            if info is not None:
+                swaps.append((parent, name, child, info))
+    if not swaps:
+        raise ValueError(f"model: {type(model).__name__} has no norm module that addnorm reproduces exactly "
+                         "(LayerNorm, RMSNorm in Llama's or Gemma's cast order); nothing to apply")  # fmt: skip
+    for parent, name, old, info in swaps:
+        new = norm_probe.make_addnorm(old, info)
         setattr(parent, name, new)
         patch.modules.append((parent, name, old, new))
 
     # 2. fused forwards, only where every norm they call with a residual is now an addnorm module
     if fuse_residual:
         for module in model.modules():
+            found = _layer_rule(module)
+            if found is None:
+                continue
+            rule, roles = found
+            if not all(isinstance(getattr(module, roles[r], None), (LayerNorm, RMSNorm)) for r in rule.fused_norms):
+                continue  # a norm it calls with the residual was not swapped: the fused call needs addnorm's
             cls = type(module)
-            rule = family.layers.get(cls.__name__) if _from_transformers(cls) else None
-            if rule is None:
-                continue
-            if not _norms_swapped(module):
-                continue  # a norm it calls was left as is (warned above): the fused call needs addnorm's
-            if not _layer_rule_fits(cls, rule):
-                warnings.warn(f"addnorm: {cls.__name__}.forward in this transformers version differs from the one "
-                              "addnorm fuses; left unfused", stacklevel=2)  # fmt: skip
-                continue
-            module.__class__ = _fused_class(cls, rule)
+            module.__class__ = _fused_class(cls, rule, roles)
             patch.classes.append((module, cls))
+        if not patch.classes:
+            warnings.warn(f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
+                          "sandwich, post-output, GPT-2 block); its norms were swapped, its adds left as they are",
+                          stacklevel=2)  # fmt: skip
 
     object.__setattr__(model, _PATCH_ATTR, patch)
     return model
 
 
-def _family_norm(family: Family, old: nn.Module) -> nn.Module:
-    key = "LayerNorm" if type(old) is nn.LayerNorm else type(old).__name__
-    return family.norms[key].make(old)
+def apply_status(model: nn.Module) -> str:
+    """"fused" (some residual add runs fused with its norm), "norms" (norms swapped only) or "none" (not applied)."""
+    if not is_applied(model):
+        return "none"
+    return "fused" if getattr(model, _PATCH_ATTR).classes else "norms"
 
 
-def _norms_swapped(layer: nn.Module) -> bool:
-    return all(isinstance(m, (LayerNorm, RMSNorm)) for n, m in layer.named_children()
-               if "norm" in n.lower() or n.startswith("ln_"))  # fmt: skip
+def fused_layer_classes(model: nn.Module) -> list[str]:
+    """Names of the transformers classes whose forward :func:`apply` replaced in ``model``."""
+    if not is_applied(model):
+        return []
+    return sorted({cls.__name__ for _, cls in getattr(model, _PATCH_ATTR).classes})
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -487,6 +468,10 @@ _DECODER_SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
 
 
+# Families with hand-sized tiny configs (tests, benchmarks, docs); tiny_config builds any other model_type too.
+FAMILIES = ("gpt2", "bert", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+
+
 def _config_classes():
     import transformers as t
 
@@ -506,21 +491,38 @@ def _config_classes():
 
 
 def tiny_config(family: str, **overrides):
-    """A tiny config (2 layers, hidden 64, 4 heads, vocab 128) of ``family`` (one of :data:`FAMILIES`);
+    """A tiny config of ``family``: one of :data:`FAMILIES` (2 layers, hidden 64, 4 heads, vocab 128), or any other
+    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.survey.tiny);
     ``overrides`` are config fields, e.g. ``num_hidden_layers=4``."""
     _require_transformers()
     classes = _config_classes()
-    if family not in classes:
-        raise ValueError(f"family must be one of {', '.join(classes)}, got {family!r}")
-    cls, sizes = classes[family]
-    return cls(**{**sizes, **overrides})
+    if family in classes:
+        cls, sizes = classes[family]
+        return cls(**{**sizes, **overrides})
+    from addnorm.integrations.survey import tiny
+
+    if not isinstance(family, str) or family not in tiny.config_names():
+        raise ValueError(f"family must be a model_type of the installed transformers (e.g. {', '.join(classes)}), "
+                         f"got {family!r}")  # fmt: skip
+    try:
+        return tiny.tiny_config(family, **overrides)
+    except tiny.SkipModel as e:
+        raise ValueError(f"family {family!r}: {e}") from e
 
 
 def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
-    """A randomly initialised model of :func:`tiny_config` (a causal LM; BERT: masked LM), in eval mode."""
+    """A randomly initialised model of :func:`tiny_config` (a causal LM where the family has one; BERT: masked LM;
+    else the base model), in eval mode."""
     transformers = _require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = tiny_config(family, **overrides)
-    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    if family == "bert":
+        auto = transformers.AutoModelForMaskedLM
+    elif config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto = transformers.AutoModelForCausalLM
+    else:
+        auto = transformers.AutoModel
     torch.manual_seed(seed)
     model = auto.from_config(config)
     return model.to(dtype).eval()

@@ -1,0 +1,153 @@
+"""The survey's outputs: survey.json (the rows), survey.md (summary and table) and index.html (one self-contained
+page: the summary and a table sortable by any column, nothing loaded from the network)."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from addnorm.io import atomic_write_text
+
+COLUMNS = ("model_type", "role", "norm", "placement", "eps", "zero_centered_weight", "bias", "final_norm", "qk_norm",
+           "residual_scale", "hf_apply", "doctor", "status")  # fmt: skip
+
+
+def _cell(row: dict, key: str) -> str:
+    value = row.get(key)
+    if key == "doctor":
+        if row.get("doctor_error"):
+            return "crashed"
+        if value is None:
+            return ""
+        codes = Counter(f["code"] for f in value if f["severity"] in ("error", "warning"))
+        return ", ".join(f"{c}" + (f" x{n}" if n > 1 else "") for c, n in sorted(codes.items())) or "-"
+    if key == "status" and row.get("status") == "skipped":
+        return f"skipped: {row.get('reason', '')}"
+    if key == "hf_apply" and row.get("hf_apply") == "fused":
+        return "fused (" + ", ".join(row.get("hf_fused_layers", [])) + ")"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def summary(result: dict) -> dict[str, Any]:
+    """Counts: architectures analysed and skipped; among decoder LMs (and all), each norm and placement;
+    hf.apply outcomes; doctor findings."""
+    rows = result["models"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    dec = [r for r in ok if r.get("role") == "decoder"]
+    count = lambda rs, k: dict(Counter(str(r.get(k)) for r in rs).most_common())  # noqa: E731
+    findings = Counter(f["code"] for r in ok for f in r.get("doctor") or [] if f["severity"] in ("error", "warning"))
+    return {
+        "architectures": len(rows), "analysed": len(ok), "skipped": len(rows) - len(ok),
+        "decoder_lms": len(dec),
+        "decoder_norm": count(dec, "norm"), "decoder_placement": count(dec, "placement"),
+        "all_norm": count(ok, "norm"), "all_placement": count(ok, "placement"),
+        "hf_apply": count(ok, "hf_apply"),
+        "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
+        "doctor_findings": dict(findings.most_common()),
+        "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error")),
+    }  # fmt: skip
+
+
+def _counts_md(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
+
+
+def summary_markdown(result: dict) -> str:
+    s = summary(result)
+    lines = [
+        f"transformers {result['transformers']}, torch {result.get('torch', '?')}: {s['architectures']} architectures "
+        f"with a base model class, {s['analysed']} analysed, {s['skipped']} skipped "
+        f"({result.get('seconds', '?')} s).",
+        "",
+        "| | count |",
+        "|---|---|",
+        f"| decoder LMs: norm | {_counts_md(s['decoder_norm'])} |",
+        f"| decoder LMs: placement | {_counts_md(s['decoder_placement'])} |",
+        f"| all analysed: norm | {_counts_md(s['all_norm'])} |",
+        f"| all analysed: placement | {_counts_md(s['all_placement'])} |",
+        f"| hf.apply | {_counts_md(s['hf_apply'])} |",
+        f"| doctor findings (errors, warnings) | {_counts_md(s['doctor_findings'])} |",
+        "",
+        f"Fused by hf.apply ({len(s['fused_families'])}): {', '.join(s['fused_families'])}.",
+    ]
+    if s["doctor_crashes"]:
+        lines += ["", f"The doctor crashed on: {', '.join(s['doctor_crashes'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def table_markdown(result: dict, *, status: str | None = "ok") -> str:
+    rows = [r for r in result["models"] if status is None or r["status"] == status]
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        out.append("| " + " | ".join(_cell(r, k).replace("|", "\\|") for k in COLUMNS) + " |")
+    return "\n".join(out) + "\n"
+
+
+def markdown(result: dict) -> str:
+    skipped = [r for r in result["models"] if r["status"] != "ok"]
+    reasons = Counter(r.get("reason", "").split(":")[0] for r in skipped)
+    return (
+        "# addnorm survey\n\n" + summary_markdown(result) + "\n## Analysed\n\n" + table_markdown(result)
+        + f"\n## Skipped ({len(skipped)})\n\n" + "\n".join(f"- {n} x {why}" for why, n in reasons.most_common())
+        + "\n\n" + "\n".join(f"- `{r['model_type']}`: {r.get('reason', '')}" for r in skipped) + "\n"
+    )  # fmt: skip
+
+
+_SORT_JS = """
+document.querySelectorAll('th').forEach((th, i) => th.addEventListener('click', () => {
+  const body = th.closest('table').tBodies[0], rows = [...body.rows];
+  const dir = th.dataset.dir = th.dataset.dir === 'asc' ? 'desc' : 'asc';
+  rows.sort((a, b) => {
+    const x = a.cells[i].textContent, y = b.cells[i].textContent, nx = parseFloat(x), ny = parseFloat(y);
+    const c = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
+    return dir === 'asc' ? c : -c;
+  });
+  rows.forEach(r => body.appendChild(r));
+}));
+"""
+
+
+def page(result: dict) -> str:
+    s = summary(result)
+    esc = html.escape
+
+    def counts(title, d):
+        return f"<tr><th>{esc(title)}</th><td>{esc(_counts_md(d))}</td></tr>"
+
+    head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{esc(_cell(r, c))}</td>" for c in COLUMNS) + "</tr>"
+                   for r in result["models"])  # fmt: skip
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>addnorm survey</title>
+<style>body{{font:14px system-ui,sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}th{{background:#eee;cursor:pointer}}
+</style></head><body>
+<h1>addnorm survey</h1>
+<p>transformers {esc(result['transformers'])}, torch {esc(str(result.get('torch', '?')))}: {s['architectures']}
+architectures, {s['analysed']} analysed, {s['skipped']} skipped ({esc(str(result.get('seconds', '?')))} s).
+Placement and norm are measured from each tiny model's dataflow; click a column to sort.</p>
+<table>{counts('decoder LMs: norm', s['decoder_norm'])}{counts('decoder LMs: placement', s['decoder_placement'])}
+{counts('all analysed: norm', s['all_norm'])}{counts('all analysed: placement', s['all_placement'])}
+{counts('hf.apply', s['hf_apply'])}{counts('doctor findings', s['doctor_findings'])}</table>
+<p>Fused by hf.apply ({len(s['fused_families'])}): {esc(', '.join(s['fused_families']))}</p>
+<table id="survey"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
+<script>{_SORT_JS}</script></body></html>
+"""
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    """survey.json, survey.md and index.html in ``out``; returns their paths."""
+    out = Path(out)
+    paths = [out / "survey.json", out / "survey.md", out / "index.html"]
+    atomic_write_text(paths[0], json.dumps(result, indent=1) + "\n")
+    atomic_write_text(paths[1], markdown(result))
+    atomic_write_text(paths[2], page(result))
+    return paths
