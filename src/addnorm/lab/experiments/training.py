@@ -213,14 +213,14 @@ def _plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int,
     "not depend on warmup.",
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 "
     "(section 3.2, Fig. 2)",
-    config={"lr": 4e-3, "warmups": [0, 300], "schedule": "constant", "default": {"layers": 6, "steps": 500,
-            "seeds": 3}, "quick": {"layers": 2, "steps": 60, "warmups": [0, 20], "seeds": 2}},  # fmt: skip
+    config={"lr": 4e-3, "warmups": [0, 250], "schedule": "constant", "default": {"layers": 6, "steps": 400,
+            "seeds": 3}, "quick": {"layers": 2, "steps": 30, "warmups": [0, 10], "seeds": 2}},  # fmt: skip
 )
 def warmup_experiment(ctx: Context) -> Result:
     """Xiong et al. train 6-layer Post-LN/Pre-LN with Adam at lr 5e-4/1e-3 and warmup 4000 (Fig. 2): Post-LN without
     warmup, or with too short a warmup, ends far worse; Pre-LN without warmup matches it. Scaled here: 6 layers
     at d = 32; Adam lr 4e-3 (the papers' 1e-3 at d = 512 is about 4e-3 at d = 32: Xavier weights are 4x larger);
-    warmup 0 vs 300 steps of a 500-step run, constant LR after warmup, so the warmup arm trains 200 steps at peak
+    warmup 0 vs 250 steps of a 400-step run, constant LR after warmup, so the warmup arm trains 150 steps at peak
     (issue 13: a warmup longer than the run is a lower-LR run, and a 50-step warmup did not help Post-LN)."""
     s = settings(ctx)
     layers, steps, lr, warmups = s["layers"], s["steps"], s["lr"], list(s["warmups"])
@@ -265,13 +265,13 @@ def warmup_experiment(ctx: Context) -> Result:
     "depth-sweep",
     claim="Post-LN gets worse (or fails) as depth grows; DeepNorm trains stably at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, arXiv:2203.00555 (Fig. 1, section 5)",
-    config={"lr": 1e-3, "warmup": 30, "default": {"depths": [6, 24], "steps": 300, "seeds": 3},
-            "quick": {"depths": [2, 6], "steps": 30, "warmup": 3, "seeds": 2}},  # fmt: skip
+    config={"lr": 1e-3, "warmup": 40, "default": {"depths": [6, 24], "steps": 400, "seeds": 3},
+            "quick": {"depths": [1, 3], "steps": 20, "warmup": 2, "seeds": 2}},  # fmt: skip
 )
 def depth_sweep(ctx: Context) -> Result:
     """DeepNet (Wang et al. 2022) shows Post-LN failing to train as depth grows (its 18L-18L+ runs diverge on WMT
     at lr 5e-4 with warmup) while DeepNorm trains at any depth. Scaled here: decoder-only, d = 32, L = 6 vs 24;
-    Adam lr 1e-3, warmup 30 then cosine, 300 steps. The LR is the one at which shallow Post-LN trains (issue 13: at
+    Adam lr 1e-3, warmup 40 then cosine, 400 steps (issue 13's setting; 48 layers cost too much). The LR is the one at which shallow Post-LN trains (issue 13: at
     lr 4e-3 Post-LN was stuck at every depth, so depth could not be what broke it)."""
     s = settings(ctx)
     depths, steps, lr = sorted(s["depths"]), s["steps"], s["lr"]
@@ -328,13 +328,12 @@ def depth_sweep(ctx: Context) -> Result:
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
     "arXiv:2309.14322 (section 3.1, Fig. 1)",
     config={"grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "layers": 2, "wd": 1e-4, "z_loss": 1e-4,
-            "default": {"steps": 500, "seeds": 3}, "quick": {"steps": 25, "seeds": 2, "grid": [1e-3, 3e-2, 1e-1,
-                                                                                               3e-1]}},  # fmt: skip
+            "default": {"steps": 400, "seeds": 3}, "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]}},  # fmt: skip
 )
 def lr_sensitivity_experiment(ctx: Context) -> Result:
     """Wortsman et al. sweep the LR of small Pre-LN models with and without QK-layernorm (Fig. 1) with AdamW (0.9,
     0.95), clip 1, warmup then cosine, independent weight decay 1e-4 and z-loss 1e-4, each run long enough to
-    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 500 steps with warmup 50. The grid
+    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 400 steps with warmup 40. The grid
     starts at 1e-3, not 3e-4: a run at 3e-4 does not converge in a CPU-sized run, and an unconverged low end adds
     the same large amount to both variants' scores (issue 13)."""
     s = settings(ctx)
