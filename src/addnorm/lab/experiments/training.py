@@ -28,7 +28,7 @@ from typing import Sequence
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
 from addnorm.lab.experiments._training_common import (
-    SEED_STYLES, TRAINED_EXCESS, curve_steps, finite, fmt, fmt_seeds, nan, pyplot, save, seed_list, seeds_needed,
+    SEED_STYLES, TRAINED_EXCESS, curve_steps, finite, fmt_seeds, nan, pyplot, save, seed_list, seeds_needed,
     settings, train_task,
 )  # fmt: skip
 
@@ -328,14 +328,16 @@ def depth_sweep(ctx: Context) -> Result:
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
     "arXiv:2309.14322 (section 3.1, Fig. 1)",
     config={"grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "layers": 2, "wd": 1e-4, "z_loss": 1e-4,
-            "default": {"steps": 400, "seeds": 3}, "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]}},  # fmt: skip
+            "default": {"steps": 600, "seeds": 3}, "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]}},  # fmt: skip
 )
 def lr_sensitivity_experiment(ctx: Context) -> Result:
     """Wortsman et al. sweep the LR of small Pre-LN models with and without QK-layernorm (Fig. 1) with AdamW (0.9,
     0.95), clip 1, warmup then cosine, independent weight decay 1e-4 and z-loss 1e-4, each run long enough to
-    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 400 steps with warmup 40. The grid
+    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 600 steps with warmup 60. The grid
     starts at 1e-3, not 3e-4: a run at 3e-4 does not converge in a CPU-sized run, and an unconverged low end adds
-    the same large amount to both variants' scores (issue 13)."""
+    the same large amount to both variants' scores (issue 13). Run length: with 400 steps the control failed (lr
+    1e-3 ended at excess 0.167 / 0.355 / 0.360 for Pre-LN at seeds 0-2, above the 0.25 of "converged"), so the
+    runs were lengthened to 600 steps; the control and the criterion were not changed."""
     s = settings(ctx)
     steps, grid = s["steps"], list(s["grid"])
     seeds = seed_list(ctx, s["seeds"])
@@ -364,6 +366,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
 
     grow = [growth(logits["pre"][s_]) for s_ in seeds]
     passed, extra, reason = lr_verdict(sens, lowest, grow)
+    wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if q < p)  # shown even when the control failed
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -398,7 +401,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
         **extra,
     }  # fmt: skip
     line = (f"LR sensitivity by seed ({len(seeds)}): Pre-LN {fmt_seeds(sens['pre'])}, Pre-LN + QK-norm "
-            f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {extra.get('qk_lower_at_seeds', 'n/a')}); Pre-LN max "
+            f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {wins}/{len(seeds)}); Pre-LN max "
             f"attention logit growth (top three LRs / lr {grid[0]:g}) {fmt_seeds(grow)}; excess at lr {grid[0]:g}: "
             f"{fmt_seeds(lowest['pre'])} / {fmt_seeds(lowest['pre+qk'])}.")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
