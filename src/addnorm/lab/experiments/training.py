@@ -18,8 +18,12 @@ Each verdict comes from a pure ``*_verdict`` function below, fixed before any ru
 its rule is stated in ``CRITERIA`` and copied into the metrics. Every training run is one :func:`train_task`
 handed to ``ctx.map``, so the lab's executor can run them in parallel.
 
-Cost (CPU seconds, one torch thread, measured serially on the 2-core lab machine under load ~2-5; see
-``COST_NOTE``): filled in from the measurements in the docstring of :mod:`training_norms`.
+Cost, measured 2026-11-30 serially with one torch thread (``time.process_time`` per experiment; the 2-core
+machine was shared, load average 5-9, which inflates CPU time too), default sizes: warmup 170 s, depth-sweep
+401 s, lr-sensitivity 326 s (600 steps; 270 s at 400), z-loss 46 s, placement-comparison 6 s,
+ln-vs-rms-training 54-61 s: about 1005 s (16.8 CPU-minutes) in all; serially at that load the wall time was
+~53 min (the executor's 2 worker processes split it). ``--quick``: 29 s of CPU for the six (``addnorm lab --quick --threads 1``). The budget asked for
+~16 CPU-minutes; these settings are the shortest at which the arms do what they must (issue 13's variants).
 """
 
 from __future__ import annotations
