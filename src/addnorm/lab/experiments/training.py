@@ -35,6 +35,8 @@ from addnorm.lab.experiments._training_common import (
     SEED_STYLES, TRAINED_EXCESS, curve_steps, finite, fmt_seeds, nan, pyplot, save, seed_list, seeds_needed,
     settings, train_task,
 )  # fmt: skip
+# The lab's model and language, where the batched-training benchmark and tests import them from
+from addnorm.lab.experiments._training_common import language, model_config  # noqa: F401
 
 # The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
 # 0.25 / 6 nats to a sensitivity score (issue 13: after 100 steps it added ~1 nat, two thirds of the score).
