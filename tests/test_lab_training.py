@@ -129,21 +129,35 @@ def test_z_loss_verdict_is_inconclusive_without_the_instability():
 
 
 # ---- placements -----------------------------------------------------------------------------------------------
-def test_placement_verdict():
-    res = {"pre": [5.0, 6.0, 7.0], "sandwich": [1.5, 1.6, 8.0], "post": [1.0, 1.0, 1.0]}
-    grad = {"post": [3.0, 2.0, 2.5], "pre": [1.0, 0.5, 0.5]}
-    passed, extra, reason = N.placement_verdict(res, grad)
-    assert passed is True and reason == "" and extra["seeds_agreeing"] == "2/3"
-    assert extra["checks_by_seed"][2]["sandwich_bounded_vs_pre"] is False
-    falling = {"post": [0.6] * 3, "pre": [0.3] * 3}  # above Pre-LN but falling towards the last layer
-    passed, extra, _ = N.placement_verdict(res, falling)
-    assert passed is False and extra["checks_by_seed"][0]["post_grad_rises_towards_last_layer"] is False
+def test_placement_verdict_needs_five_of_six_inits():
+    g = {"pre": [2.2, 2.0, 2.1, 1.9, 2.3, 2.0], "sandwich": [1.4, 1.3, 1.5, 1.2, 1.6, 2.5], "post": [1.0] * 6}
+    passed, extra, reason = N.placement_verdict(g)
+    assert passed is True and reason == "" and extra["inits_agreeing"] == "5/6" and extra["inits_needed"] == 5
+    assert extra["holds_by_init"][5] is False  # Sandwich grew more than Pre-LN at that init
+    g_two_fail = dict(g, pre=[2.2, 1.2, 2.1, 1.9, 2.3, 2.0])  # one init where Pre-LN barely grows
+    passed, extra, _ = N.placement_verdict(g_two_fail)
+    assert passed is False and extra["inits_agreeing"] == "4/6"
+
+
+def test_placement_verdict_needs_every_init_below_six_and_finite_profiles():
+    assert N.placement_verdict({"pre": [2.0, 1.4], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})[0] is False
+    assert N.placement_verdict({"pre": [2.0, 1.6], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})[0] is True
+    passed, _, reason = N.placement_verdict({"pre": [2.0, None], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})
+    assert passed is None and "finite" in reason
 
 
 def test_placement_verdict_is_inconclusive_when_post_ln_residual_is_not_flat():
-    res = {"pre": [5.0] * 3, "sandwich": [1.5] * 3, "post": [1.0, 1.4, 1.0]}
-    passed, _, reason = N.placement_verdict(res, {"post": [3.0] * 3, "pre": [1.0] * 3})
+    g = {"pre": [5.0] * 6, "sandwich": [1.5] * 6, "post": [1.0, 1.4, 1.0, 1.0, 1.0, 1.0]}
+    passed, _, reason = N.placement_verdict(g)
     assert passed is None and "broken" in reason
+
+
+def test_quarter_growth_leaves_block_0_out_and_averages_quarters():
+    profile = [100.0] + [1.0] * 4 + [2.0] * 4 + [3.0] * 4 + [4.0] * 4  # block 0 an outlier; 16 more layers
+    assert N.quarter_growth(profile) == 4.0
+    assert N.quarter_growth([1.0, 2.0, None, 3.0, 4.0]) == 2.0  # a missing middle layer is not in either quarter
+    assert N.quarter_growth([1.0, 2.0, 3.0, 3.0, None]) is None  # a missing layer in a quarter: no statistic
+    assert N.quarter_growth([1.0]) is None
 
 
 # ---- LN vs RMS ------------------------------------------------------------------------------------------------

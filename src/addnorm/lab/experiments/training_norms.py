@@ -49,9 +49,11 @@ CRITERIA = {
         "no instability while its paired run without z-loss does."
     ),
     "placement-comparison": (
-        "Per seed, at init: Pre-LN's residual RMS last/first layer ratio > 2; Sandwich's ratio < Pre-LN's; Post-LN's "
-        "gradient-norm last/first layer ratio > 1 (rising towards the last layers) and > Pre-LN's. Reproduced iff "
-        "all four hold at a strict majority of the seeds (at least 2)."
+        "Per init, g(p) = mean residual RMS over the top quarter of layers / mean over the bottom quarter, block 0 "
+        "left out (the block next to the embeddings is an edge effect). Reproduced iff g(Pre-LN) > 1.5 (Lemma 2 "
+        "predicts about 2 at 24 layers) and g(Sandwich) < g(Pre-LN), both at >= 5 of 6 inits (all of them when "
+        "fewer than 6 run). The per-layer gradient profiles are shown, not tested here: Xiong et al.'s gradient "
+        "claim (Fig. 3) is tested by xiong-init-gradients in the architecture the paper measured."
     ),
     "ln-vs-rms-training": (
         "Quality, per seed: |excess(LayerNorm) - excess(RMSNorm)| < max(0.05 nats, 10% of LayerNorm's excess), at "
@@ -69,8 +71,8 @@ PRECONDITIONS = {
         f"{LOGZ_FAR:g} nats, or divergence) at a strict majority of the seeds."
     ),
     "placement-comparison": (
-        "Post-LN's residual RMS is flat across layers (last/first in [0.9, 1.1]) at every seed: a LayerNorm after "
-        "each add sets it, so anything else means the measurement is broken."
+        "Post-LN's residual RMS is flat across layers (g in [0.9, 1.1]) at every init: a LayerNorm after each add "
+        "sets it, so anything else means the measurement is broken."
     ),
     "ln-vs-rms-training": (
         f"The LayerNorm model trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds, and every "
@@ -102,29 +104,32 @@ def z_loss_verdict(min_logz_without: Sequence[float | None], diverged_without: S
     return passed, {"unstable_without": without, **details}, reason
 
 
-def placement_verdict(residual_ratio: dict[str, Sequence[float | None]],
-                      grad_ratio: dict[str, Sequence[float | None]]) -> tuple:  # fmt: skip
-    """Per seed, ratios last/first layer at init: residual RMS ("pre", "sandwich", "post") and gradient norm
-    ("post", "pre")."""
-    post = residual_ratio["post"]
+def inits_needed(n: int) -> int:
+    """Init-time claims are cheap to measure at many inits, so they must hold at all but one of 6 (5 of 6), and at
+    every init when fewer than 6 run (the --quick smoke sizes)."""
+    return n - 1 if n >= 6 else n
+
+
+def placement_verdict(growth: dict[str, Sequence[float | None]]) -> tuple:
+    """``growth[p]``: per init (same init order for every placement), the top-quarter / bottom-quarter ratio g of
+    the residual RMS profile at init, for "pre", "sandwich" and "post" (the control)."""
+    post = growth["post"]
     flat = [finite(r) and 0.9 <= r <= 1.1 for r in post]
     if not post or not all(flat):
-        return None, {}, (f"Post-LN's residual RMS last/first is not in [0.9, 1.1] at {flat.count(False)} of "
-                          f"{len(post)} seeds: the measurement is broken")  # fmt: skip
-    per_seed, checks = [], []
-    for s in range(len(post)):
-        vals = [residual_ratio["pre"][s], residual_ratio["sandwich"][s], grad_ratio["post"][s], grad_ratio["pre"][s]]
-        if not all(map(finite, vals)):
-            per_seed.append(None)
-            checks.append(None)
-            continue
-        pre, sand, gpost, gpre = vals
-        c = {"pre_residual_grows": pre > 2.0, "sandwich_bounded_vs_pre": sand < pre,
-             "post_grad_rises_towards_last_layer": gpost > 1.0, "post_grad_rises_vs_pre": gpost > gpre}  # fmt: skip
-        checks.append(c)
-        per_seed.append(all(c.values()))
-    passed, details, reason = _majority(per_seed, "the init profiles")
-    return passed, {"checks_by_seed": checks, **details}, reason
+        return None, {}, (f"Post-LN's residual RMS profile is not flat (g in [0.9, 1.1]) at {flat.count(False)} of "
+                          f"{len(post)} inits: the measurement is broken")  # fmt: skip
+    n = len(post)
+    per_init: list[bool | None] = []
+    for k in range(n):
+        pre, sand = growth["pre"][k], growth["sandwich"][k]
+        per_init.append(None if not (finite(pre) and finite(sand)) else bool(pre > 1.5 and sand < pre))
+    need = inits_needed(n)
+    decided = [v for v in per_init if v is not None]
+    wins = sum(decided)
+    details = {"inits_agreeing": f"{wins}/{n}", "inits_needed": need, "holds_by_init": per_init}
+    if len(decided) < need:
+        return None, details, f"only {len(decided)} of {n} inits gave finite profiles"
+    return wins >= need, details, ""
 
 
 def ratio_ci(ln_times: Sequence[float], rms_times: Sequence[float]) -> tuple[float, float, float]:
@@ -238,32 +243,52 @@ def _layer_profile(record: dict | None, key: str) -> list[float | None]:
     return [layer.get(key) for layer in (record or {}).get("layers", [])]
 
 
-def _ratio(profile: Sequence[float | None]) -> float | None:
-    vals = [v for v in profile if finite(v)]
-    if len(vals) < 2 or vals[0] <= 0:
+def quarter_growth(profile: Sequence[float | None]) -> float | None:
+    """Mean of the top quarter of layers over the mean of the bottom quarter, block 0 left out: a statistic over
+    many layers, not a ratio of two single ones (block 0, next to the embeddings, is an edge effect)."""
+    vals = list(profile[1:])
+    q = max(1, len(vals) // 4)
+    bottom, top = vals[:q], vals[-q:]
+    if len(vals) < 2 or not all(map(finite, bottom + top)) or sum(bottom) <= 0:
         return None
-    return vals[-1] / vals[0]
+    return (sum(top) / q) / (sum(bottom) / q)
 
 
 @_register(
     "placement-comparison",
-    claim="Norm placement shapes the residual stream and the gradients at init: Pre-LN's stream grows with depth, "
-    "Sandwich/Peri-LN's grows more slowly than Pre-LN's, Post-LN's gradients rise towards the last layers.",
-    source="Xiong et al. 2020, arXiv:2002.04745 (Lemma 2, Fig. 3); Ding et al. 2021, CogView (Sandwich-LN), "
-    "arXiv:2105.13290; Kim et al. 2025, Peri-LN, arXiv:2502.02732; Li et al. 2024, Mix-LN, arXiv:2412.13795; "
-    "Zhu et al. 2025, Transformers without Normalization (DyT), arXiv:2503.10622; Wang et al. 2022, DeepNet, "
-    "arXiv:2203.00555",
-    config={"placements": list(PLACEMENTS), "default": {"layers": 24, "seeds": 3},
-            "quick": {"layers": 8, "seeds": 2}},  # fmt: skip
+    claim="At initialization, norm placement sets how the residual stream grows with depth: Pre-LN's stream grows "
+    "with depth (Xiong et al.'s Lemma 2), Sandwich/Peri-LN's (an extra norm on each branch's output) grows more "
+    "slowly than Pre-LN's, Post-LN's stays at the norm's scale.",
+    source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 (Lemma 2); "
+    "Ding et al. 2021, CogView (Sandwich-LN), arXiv:2105.13290; Kim et al. 2025, Peri-LN, arXiv:2502.02732; shown "
+    "alongside: Li et al. 2024, Mix-LN, arXiv:2412.13795; Zhu et al. 2025, Transformers without Normalization "
+    "(DyT), arXiv:2503.10622; Wang et al. 2022, DeepNet, arXiv:2203.00555",
+    config={"placements": list(PLACEMENTS), "init_std": 1.0, "tie_embeddings": False,
+            "default": {"layers": 24, "seeds": 6}, "quick": {"layers": 8, "seeds": 2}},  # fmt: skip
 )
 def placement_comparison(ctx: Context) -> Result:
-    """Xiong et al.'s Lemma 2 and Fig. 3 are statements at initialization (Xavier init): measured here on the first
-    step's forward and backward of a 24-layer decoder-only model, d = 32, at 3 init seeds (no training: the claim
-    is about init, and training 24-layer models would cost most of the lab's budget)."""
+    """Xiong et al.'s Lemma 2 is a statement at initialization with unit-scale inputs (||x||^2 ~ d) and Xavier
+    weights. Measured here on the first forward and backward of a 24-layer decoder-only model, d = 32, at 6 inits,
+    with an initialization consistent across the stack: Xavier linears (an untied Xavier LM head) and unit-scale
+    token and position embeddings. (The library's default N(0, 0.02) embeddings next to Xavier linears make block 0
+    an outlier, and made the old last/first-layer ratios rest on one block.) No training: the claim is about init.
+
+    Narrowed from the earlier version, which also tested "Post-LN's gradients rise towards the last layers" on this
+    decoder-only stack: Xiong et al. measured that profile in the decoder of a 6-6 encoder-decoder (Fig. 3), where
+    xiong-init-gradients now tests it; in a decoder-only stack with consistent init, Post-LN's per-layer gradient
+    profile is flat (issue 14's variant runs: top/bottom quarter 0.98), so the gradient profiles are shown here,
+    not tested. The criterion was rewritten for these reasons before this version ran.
+
+    First run of this version (seed 0, 2026-11-30): Pre-LN's g was 1.9-2.7 at all 6 inits, as Lemma 2 predicts,
+    but Sandwich's (2.0-2.5) was lower than Pre-LN's at only 2 of 6: not reproduced. Read with care: Peri-LN's
+    evidence is about the hidden states *during training* (Pre-LN's grow large, Peri-LN's stay bounded), while at
+    init both add about one unit-RMS branch output per sublayer. The init-time half of the claim is what this
+    experiment tests; a training-time version (residual RMS after training at a high LR) is left to do."""
     s = settings(ctx)
     layers, placements = s["layers"], list(s["placements"])
     seeds = seed_list(ctx, s["seeds"])
-    arms = {p: ({"placement": p, "n_layers": layers}, {}) for p in placements}
+    model = {"n_layers": layers, "init_std": s["init_std"], "tie_embeddings": s["tie_embeddings"]}
+    arms = {p: ({"placement": p, **model}, {}) for p in placements}
     ctx.progress(f"{len(arms) * len(seeds)} models at init")
     keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True,
                                                  "monitor_every": 1}, init_record=True)  # fmt: skip
@@ -271,37 +296,47 @@ def placement_comparison(ctx: Context) -> Result:
     res_profile = {p: [_layer_profile(runs[(p, sd)]["init_record"], "residual_rms") for sd in seeds]
                    for p in placements}  # fmt: skip
     grad_profile = {p: [_layer_profile(runs[(p, sd)]["init_record"], "grad_norm") for sd in seeds] for p in placements}
-    res_ratio = {p: [_ratio(v) for v in res_profile[p]] for p in placements}
-    grad_ratio = {p: [_ratio(v) for v in grad_profile[p]] for p in placements}
-    passed, extra, reason = placement_verdict(res_ratio, grad_ratio)
+    growth = {p: [quarter_growth(v) for v in res_profile[p]] for p in placements}
+    grad_growth = {p: [quarter_growth(v) for v in grad_profile[p]] for p in placements}
+    passed, extra, reason = placement_verdict(growth)
     figures = []
     plt = pyplot()
     if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
         for i, p in enumerate(placements):
             for k in range(len(seeds)):
                 style = SEED_STYLES[k % len(SEED_STYLES)]
-                axes[0].plot([nan(v) for v in res_profile[p][k]], style, color=f"C{i}", label=p if k == 0 else None)
-                axes[1].plot([nan(v) for v in grad_profile[p][k]], style, color=f"C{i}", label=p if k == 0 else None)
+                axes[0].plot([nan(v) for v in res_profile[p][k]], style, color=f"C{i}", lw=1,
+                             label=p if k == 0 else None)  # fmt: skip
+                axes[1].plot([nan(v) for v in grad_profile[p][k]], style, color=f"C{i}", lw=1,
+                             label=p if k == 0 else None)  # fmt: skip
+            axes[2].plot([i] * len(seeds), [nan(v) for v in growth[p]], "o", color=f"C{i}", alpha=0.7)
         axes[0].set_title("residual RMS after each layer (init)", fontsize=9)
-        axes[1].set_title("gradient norm per layer (init)", fontsize=9)
-        for ax in axes:
-            ax.set_xlabel("layer (line style: seed)")
+        axes[1].set_title("gradient norm per layer (init; shown, not tested)", fontsize=9)
+        axes[2].set_title("g = top / bottom quarter of residual RMS (one dot per init)", fontsize=9)
+        axes[2].axhline(1.5, color="k", ls="--", lw=0.8)
+        axes[2].set_xticks(range(len(placements)), placements, fontsize=8)
+        for ax in axes[:2]:
+            ax.set_xlabel("layer (line style: init)")
             ax.set_yscale("log")
             ax.legend(fontsize=7)
         figures = save(plt, fig, ctx, "placement_profiles.png")
-    per_seed = {**{f"{p} residual last/first": res_ratio[p] for p in placements},
-                **{f"{p} grad last/first": grad_ratio[p] for p in placements}}  # fmt: skip
+    per_seed = {**{f"{p} residual g": growth[p] for p in placements},
+                **{f"{p} grad g": grad_growth[p] for p in placements}}  # fmt: skip
     metrics = {
         "criterion": CRITERIA["placement-comparison"], "layers": layers, "seeds": seeds, "per_seed": per_seed,
         "residual_rms_init": {f"{p} seed {sd}": res_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
         "grad_norm_init": {f"{p} seed {sd}": grad_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
-        "setup": f"Xiong et al. 2020 Lemma 2 / Fig. 3 at init: {layers} layers, d = 32, Xavier, {len(seeds)} seeds",
+        "setup": (f"Xiong et al. 2020 Lemma 2 at init: {layers} layers, d = 32, Xavier linears, unit-scale untied "
+                  f"embeddings, {len(seeds)} inits"),
         **extra,
     }  # fmt: skip
-    line = ("Residual RMS last/first at init by seed: " + ", ".join(f"{p} {fmt_seeds(res_ratio[p])}" for p in
-            placements) + "; gradient last/first: " + ", ".join(f"{p} {fmt_seeds(grad_ratio[p])}" for p in placements)
-            + f" (all four checks at {extra.get('seeds_agreeing', 'n/a')} seeds).")  # fmt: skip
+    line = ("Residual RMS growth g (top / bottom quarter of layers, block 0 out) by init: "
+            + ", ".join(f"{p} {fmt_seeds(growth[p])}" for p in placements)
+            + f"; Pre-LN grows and Sandwich grows less at {extra.get('inits_agreeing', 'n/a')} inits (at init only: "
+            "Peri-LN's evidence is about training, not tested here). Gradient "
+            "profiles (shown, not tested) g: " + ", ".join(f"{p} {fmt_seeds(grad_growth[p])}" for p in placements)
+            + ".")  # fmt: skip
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
