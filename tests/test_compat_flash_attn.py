@@ -186,6 +186,16 @@ def test_layer_norm_linear_fn_under_autocast_returns_the_autocast_dtype():
     assert lw.grad is not None and lw.grad.dtype == torch.float32
 
 
+def test_layer_norm_linear_fn_without_autocast_runs_in_xs_dtype():
+    """flash-attention casts the linear weight to the norm output's dtype (x's) when autocast is off."""
+    x, nw = torch.randn(4, 32).bfloat16(), torch.ones(32)
+    lw = torch.randn(8, 32, requires_grad=True)
+    out = fa.layer_norm_linear_fn(x, nw, None, lw, None)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert lw.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("cls", [fa.RMSNorm, fa.LayerNorm])
 def test_modules_take_flash_attentions_forward_arguments(cls):
     m = cls(32, eps=1e-5, dropout_p=0.5)

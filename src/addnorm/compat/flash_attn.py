@@ -141,6 +141,11 @@ def layer_norm_linear_fn(x, norm_weight, norm_bias, linear_weight, linear_bias, 
     """flash-attention's ``layer_norm_linear_fn``: ``linear(norm(x + residual))``, plus residual_out with
     ``prenorm``; the norm's output is recomputed in the backward, not stored."""
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
+    if not torch.is_autocast_enabled(x.device.type):
+        # as flash-attention: without autocast the linear runs in x's dtype (the norm output's); under autocast
+        # add_norm_linear casts to autocast's dtype
+        linear_weight = linear_weight.to(x.dtype)
+        linear_bias = linear_bias.to(x.dtype) if linear_bias is not None else None
     out, res = add_norm_linear(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps,
                                is_rms=is_rms_norm, residual_dtype=residual_dtype, backend=backend)  # fmt: skip
     return (out, res) if prenorm else out
