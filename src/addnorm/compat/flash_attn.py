@@ -99,7 +99,8 @@ def _norm_ref(is_rms, x, weight, bias, residual, x1, weight1, bias1, eps, dropou
     if rowscale is not None:
         x = x * rowscale[..., None]
     if dropout_p > 0.0:
-        x = x.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p) if dropout_mask is not None else F.dropout(x, dropout_p)
+        x = (x.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p) if dropout_mask is not None
+             else F.dropout(x, dropout_p))  # fmt: skip
         if x1 is not None:
             x1 = (x1.masked_fill(~dropout_mask1, 0.0) / (1.0 - dropout_p) if dropout_mask1 is not None
                   else F.dropout(x1, dropout_p))  # fmt: skip
