@@ -8,6 +8,8 @@ Functional API (normalizing over the last dimension; ``backend`` is "auto", "tor
     y = addnorm.layer_norm(x, weight, bias, eps);  y = addnorm.rms_norm(x, weight, eps)
     x, residual = addnorm.add_rms_norm_(x, residual, weight, eps)   # in place, for serving: residual += x,
     x, residual = addnorm.add_layer_norm_(x, residual, weight, bias, eps)   # x = norm(residual)
+    r = addnorm.add_norm_multi(x, residual, weight, bias, eps, x1=, weight1=, rowscale=, return_dropout_mask=, ...)
+    out, residual_out = addnorm.add_norm_linear(x, residual, norm_weight, norm_bias, linear_weight, linear_bias)
 
 Modules live in :mod:`addnorm.nn`, the float oracles in :mod:`addnorm.reference`.
 
@@ -29,6 +31,8 @@ _LAZY = {
     "add_rms_norm_": "addnorm.ops",
     "layer_norm": "addnorm.ops",
     "rms_norm": "addnorm.ops",
+    "add_norm_multi": "addnorm.ops",
+    "add_norm_linear": "addnorm.ops",
     "available_backends": "addnorm.ops",
     "BackendUnavailableError": "addnorm.ops",
 }

@@ -2,6 +2,8 @@
 
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from addnorm.ops.add_norm_inplace import add_layer_norm_, add_rms_norm_
+from addnorm.ops.add_norm_linear import add_norm_linear
+from addnorm.ops.add_norm_multi import AddNormOutputs, add_norm_multi
 from addnorm.ops.backends import BackendUnavailableError, available_backends, resolve_backend
 
 __all__ = [
@@ -11,6 +13,9 @@ __all__ = [
     "add_rms_norm_",
     "layer_norm",
     "rms_norm",
+    "add_norm_multi",
+    "AddNormOutputs",
+    "add_norm_linear",
     "BackendUnavailableError",
     "available_backends",
     "resolve_backend",

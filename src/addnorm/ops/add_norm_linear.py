@@ -1,0 +1,104 @@
+"""Residual add + norm + linear with the norm's output not kept for the backward:
+
+    residual_out = x + residual;   y = norm(residual_out);   out = y @ linear_weight.T + linear_bias
+
+The forward keeps residual_out (the block needs it anyway), the weights, and not y: the backward recomputes y
+from residual_out (statistics included: one more row reduction in exchange for one fewer (M, N) activation per
+call), then runs the norm's backward through addnorm's op. The norm follows :mod:`addnorm.ops.add_norm`'s
+contract (it is computed by :func:`addnorm.ops.add_norm_multi.add_norm_multi`, so RMSNorm may have a bias), the
+recomputed y is bitwise the forward's (same values, same backend), and no dropout is offered (flash-attention's
+``layer_norm_linear_fn`` has none either).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from addnorm.ops.add_norm import _check_float, _default_rms_eps, stats_dtype
+from addnorm.ops.add_norm_multi import add_norm_multi
+
+__all__ = ["add_norm_linear"]
+
+
+class _AddNormLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps, is_rms, residual_dtype,
+                out_dtype, zero_centered_weight, backend):  # fmt: skip
+        y, res = add_norm_multi(x, residual, norm_weight, norm_bias, eps, is_rms=is_rms,
+                                residual_dtype=residual_dtype, out_dtype=out_dtype,
+                                zero_centered_weight=zero_centered_weight, backend=backend)[:2]  # fmt: skip
+        out = F.linear(y.to(linear_weight.dtype), linear_weight, linear_bias)
+        ctx.save_for_backward(res, norm_weight, norm_bias, linear_weight)  # y is not saved
+        ctx.opts = (eps, is_rms, out_dtype, zero_centered_weight, backend, x.dtype,
+                    None if residual is None else residual.dtype, linear_bias is not None,
+                    stats_dtype(x.dtype, res.dtype))  # fmt: skip
+        if res is x:  # nothing was added or rounded: residual_out is x itself; autograd needs its own tensor
+            res = x.view_as(x)
+        return out, res
+
+    @staticmethod
+    def backward(ctx, dout, dres):
+        res, nw, nb, lw = ctx.saved_tensors
+        eps, is_rms, od, zc, backend, x_dtype, r_dtype, has_lb, cd = ctx.opts
+        with torch.enable_grad():
+            h = res.detach().to(cd).requires_grad_(True)  # exact upcast: the same value normalized
+            nw_ = None if nw is None else nw.detach().requires_grad_(True)
+            nb_ = None if nb is None else nb.detach().requires_grad_(True)
+            y = add_norm_multi(h, None, nw_, nb_, eps, is_rms=is_rms, residual_dtype=cd, out_dtype=od,
+                               zero_centered_weight=zc, backend=backend).out  # fmt: skip
+            d2 = dout.reshape(-1, dout.shape[-1])
+            y2 = y.detach().to(lw.dtype).reshape(-1, y.shape[-1])
+            dlw = (d2.t() @ y2).to(lw.dtype) if ctx.needs_input_grad[4] else None
+            dlb = d2.sum(0).to(lw.dtype) if has_lb and ctx.needs_input_grad[5] else None
+            dy = (dout @ lw).to(y.dtype)
+            wanted = [t for t in (h, nw_, nb_) if t is not None]
+            grads = list(torch.autograd.grad(y, wanted, dy))
+        dh = grads.pop(0)
+        dnw = grads.pop(0) if nw is not None else None
+        dnb = grads.pop(0) if nb is not None else None
+        if dres is not None:
+            dh = dh + dres.to(dh.dtype)
+        dx = dh.to(x_dtype)
+        dr = dh.to(r_dtype) if r_dtype is not None else None
+        return dx, dr, dnw, dnb, dlw, dlb, None, None, None, None, None, None
+
+
+def add_norm_linear(
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    linear_weight: Tensor,
+    linear_bias: Tensor | None = None,
+    eps: float | None = 1e-5,
+    *,
+    is_rms: bool = False,
+    residual_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    zero_centered_weight: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """``(linear(norm(x + residual)), x + residual)`` with the norm's output recomputed in the backward instead of
+    stored. ``out_dtype`` is the norm output's dtype (default x's); the linear runs in linear_weight's dtype (cast
+    it first for mixed precision). Under autocast, norm output and linear weight take autocast's dtype."""
+    _check_float("linear_weight", linear_weight)
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_weight must have shape (out_features, {x.shape[-1]}), got "
+                         f"{tuple(linear_weight.shape)}")  # fmt: skip
+    if linear_bias is not None:
+        _check_float("linear_bias", linear_bias)
+        if tuple(linear_bias.shape) != (linear_weight.shape[0],):
+            raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},), got "
+                             f"{tuple(linear_bias.shape)}")  # fmt: skip
+    if is_rms and eps is None:
+        eps = _default_rms_eps(x, residual, residual_dtype)
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        out_dtype = dt
+        linear_weight = linear_weight.to(dt)  # differentiable: the gradient reaches the fp32 weight
+        linear_bias = linear_bias.to(dt) if linear_bias is not None else None
+    with torch.autocast(x.device.type, enabled=False):
+        return _AddNormLinear.apply(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps, is_rms,
+                                    residual_dtype, out_dtype or x.dtype, zero_centered_weight, backend)  # fmt: skip
