@@ -89,6 +89,26 @@ def _check_float(name: str, t: Tensor) -> None:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
+def _check_like_x(name: str, t: Tensor, x: Tensor) -> None:
+    """A second stream input (residual, x1): float, x's shape, x's device."""
+    _check_float(name, t)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def _check_affine(name: str, p: Tensor | None, n: int, x: Tensor) -> None:
+    """A weight or bias (None allowed): float, shape (n,), x's device."""
+    if p is None:
+        return
+    _check_float(name, p)
+    if tuple(p.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+
+
 def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
     _check_float("x", x)
     if x.dim() < 1:
@@ -97,19 +117,9 @@ def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None
     if n == 0:
         raise ValueError(f"x's last dimension (the normalized one) must be > 0, got shape {tuple(x.shape)}")
     if residual is not None:
-        _check_float("residual", residual)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if residual.device != x.device:
-            raise ValueError(f"residual must be on x's device {x.device}, got {residual.device}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        _check_float(name, p)
-        if tuple(p.shape) != (n,):
-            raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
-        if p.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+        _check_like_x("residual", residual, x)
+    _check_affine("weight", weight, n, x)
+    _check_affine("bias", bias, n, x)
     # before eps: eps=None is derived from residual_dtype
     if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")

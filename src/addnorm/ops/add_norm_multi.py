@@ -31,7 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import _add_norm, _as, _check_float, _default_rms_eps, draw_seed, stats_dtype
+from addnorm.ops.add_norm import (
+    _add_norm, _as, _check_affine, _check_float, _check_like_x, _default_rms_eps, draw_seed, stats_dtype,
+)  # fmt: skip
 from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["AddNormOutputs", "add_norm_multi"]
@@ -51,19 +53,9 @@ def _validate_extra(x, x1, weight1, bias1, rowscale, bias, is_rms) -> None:
     _check_float("x", x)
     n = x.shape[-1] if x.dim() else 0
     if x1 is not None:
-        _check_float("x1", x1)
-        if x1.shape != x.shape:
-            raise ValueError(f"x1 must have x's shape {tuple(x.shape)}, got {tuple(x1.shape)}")
-        if x1.device != x.device:
-            raise ValueError(f"x1 must be on x's device {x.device}, got {x1.device}")
-    for name, p in (("weight1", weight1), ("bias1", bias1)):
-        if p is None:
-            continue
-        _check_float(name, p)
-        if tuple(p.shape) != (n,):
-            raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
-        if p.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+        _check_like_x("x1", x1, x)
+    _check_affine("weight1", weight1, n, x)
+    _check_affine("bias1", bias1, n, x)
     if bias1 is not None and weight1 is None:
         raise ValueError("bias1 was given without weight1: the second output needs weight1")
     if rowscale is not None:
