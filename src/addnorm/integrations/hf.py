@@ -73,12 +73,8 @@ def _require_transformers():
 # --------------------------------------------------------------------------------------------------------------
 
 
-class CastBeforeWeightRMSNorm(RMSNorm):
-    """RMSNorm with the cast order of Llama, Mistral and Qwen: ``weight * to(x.dtype)(x * rstd)``, rstd in fp32.
-
-    ``forward(x, residual)`` fuses the residual add as :class:`addnorm.nn.RMSNorm` does. ``variance_epsilon`` is an
-    alias of ``eps``, the name HF code reads.
-    """
+class _VarianceEpsilonAlias:
+    """``variance_epsilon``, the name HF's RMSNorm code reads and writes, as an alias of ``eps``."""
 
     @property
     def variance_epsilon(self) -> float:
@@ -87,6 +83,14 @@ class CastBeforeWeightRMSNorm(RMSNorm):
     @variance_epsilon.setter
     def variance_epsilon(self, value: float) -> None:
         self.eps = value
+
+
+class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
+    """RMSNorm with the cast order of Llama, Mistral and Qwen: ``weight * to(x.dtype)(x * rstd)``, rstd in fp32.
+
+    ``forward(x, residual)`` fuses the residual add as :class:`addnorm.nn.RMSNorm` does. ``variance_epsilon`` is an
+    alias of ``eps``, the name HF code reads.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, cast_before_weight=True, **kwargs)
@@ -105,16 +109,8 @@ class CastBeforeWeightRMSNorm(RMSNorm):
         return w * out, residual_out
 
 
-class HFRMSNorm(RMSNorm):
+class HFRMSNorm(_VarianceEpsilonAlias, RMSNorm):
     """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
-
-    @property
-    def variance_epsilon(self) -> float:
-        return self.eps
-
-    @variance_epsilon.setter
-    def variance_epsilon(self, value: float) -> None:
-        self.eps = value
 
 
 def _rms_eps(module: nn.Module) -> float:
