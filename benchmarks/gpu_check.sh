@@ -30,7 +30,7 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
 
 echo "== Triton tests on CUDA"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
+timeout 150 python -m pytest -q -p no:cacheprovider -n 8 tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
 

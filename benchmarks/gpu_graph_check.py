@@ -8,7 +8,10 @@
    stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip);
 3. device guard: tensors on cuda:1 while cuda:0 is current give the reference backend's result on cuda:1 (skipped
    with one GPU);
-4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones.
+4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones;
+5. the composed features (add_norm_multi: x1, rowscale, weight1, returned masks; the flash-attention and Liger
+   compat functions) on CUDA tensors through the Triton kernels: the same seed gives bitwise the masks and
+   residual_out of the torch backend, and outputs and every gradient agree with it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main() -> int:
         print("gpu_graph_check.py: needs a CUDA GPU (these checks are about CUDA graphs and devices)", file=sys.stderr)
         return 2
     import addnorm
+    import addnorm.ops.add_norm  # noqa: F401  (registers the addnorm:: custom ops; `import addnorm` is lazy)
 
     results: list[tuple[str, str, str]] = []
 
@@ -115,10 +119,38 @@ def main() -> int:
         ok = shared and inplace
         return ("PASS" if ok else "FAIL"), f"dresidual is dx: {shared}; in place == out of place: {inplace}"
 
+    def composed_features():
+        from addnorm.compat import flash_attn as fa
+        from addnorm.compat import liger
+        from addnorm.ops.add_norm_multi import add_norm_multi
+
+        def run(backend):
+            torch.manual_seed(3)
+            leaves = [t.float().clone().requires_grad_(True) for t in (x, r, x, w, w)]
+            xl, rl, x1l, wl, w1l = leaves
+            rs = torch.rand(x.shape[0], device=dev) + 0.5
+            res = add_norm_multi(xl, rl, wl, None, 1e-5, is_rms=True, x1=x1l, weight1=w1l, rowscale=rs,
+                                 dropout_p=0.2, return_dropout_mask=True, backend=backend)  # fmt: skip
+            (res.out.square().sum() + res.out1.sum() + res.residual_out.sum()).backward()
+            return res, [t.grad for t in leaves]
+
+        a, ga = run("triton")
+        b, gb = run("torch")
+        masks = torch.equal(a.dropout_mask, b.dropout_mask) and torch.equal(a.dropout_mask1, b.dropout_mask1)
+        res_equal = torch.equal(a.residual_out, b.residual_out)
+        err = max((u - v).abs().max().item() / (v.abs().max().item() + 1e-6)
+                  for u, v in [(a.out, b.out), (a.out1, b.out1)] + list(zip(ga, gb)))  # fmt: skip
+        y = fa.rms_norm_fn(x, w, None, residual=r, prenorm=True, residual_in_fp32=True)
+        z = liger.liger_fused_add_rms_norm(x, r, w, 1e-6, in_place=False)
+        ok = masks and res_equal and err < 1e-4 and all(t.is_cuda for t in (*y, *z))
+        return ("PASS" if ok else "FAIL"), (f"masks bitwise equal: {masks}; residual_out bitwise: {res_equal}; "
+                                            f"max relative difference of outputs and gradients {err:.1e}")
+
     check("graph capture with dropout", graph_capture)
     check("compile reduce-overhead", reduce_overhead)
     check("device guard (cuda:1)", device_guard)
     check("shared dresidual, in-place ops", shared_grad_and_inplace)
+    check("composed features and compat APIs", composed_features)
     failed = [name for name, verdict, _ in results if verdict == "FAIL"]
     print(f"graph checks: {len(results) - len(failed)} of {len(results)} passed or skipped"
           + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip

@@ -36,6 +36,7 @@ KNOBS: dict[str, tuple[int, ...]] = {
     "max_fwd_block_n": (8192, 16384, 32768),
     "max_bwd_block_n": (4096, 8192, 16384),
     "loop_block_n": (2048, 4096, 8192),
+    "programs_per_sm": (1, 2, 4, 8),
 }
 SIZES = (1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (96, 300)
@@ -64,7 +65,7 @@ def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str) -> tuple:
         T.TUNING = tuning  # _rows_blocks reads rows_block_elems from the module's TUNING
         fwd = path(tuning.max_fwd_block_n) if mode != "bwd" else None
         bwd = path(tuning.max_bwd_block_n) if mode != "fwd" else None
-        return fwd, bwd, tuning.elems_per_thread
+        return fwd, bwd, tuning.elems_per_thread, tuning.programs_per_sm if mode != "fwd" else None
     finally:
         T.TUNING = saved
 

@@ -70,6 +70,9 @@ class Tuning:
     loop_block_n: int = 4096  # column tile of the looped path
     rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
+    # persistent backward programs per SM: each walks its rows one block at a time, so more programs per SM mean
+    # more loads in flight (latency hiding) but more (programs, N) dw/db partial rows to reduce afterwards
+    programs_per_sm: int = 2
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
@@ -564,9 +567,9 @@ def _sm_count(index: int) -> int:
 
 
 def _programs(device: torch.device) -> int:
-    """Size of the persistent backward grid: about two programs per SM, a handful in the interpreter."""
+    """Size of the persistent backward grid: ``TUNING.programs_per_sm`` per SM, a handful in the interpreter."""
     if device.type == "cuda":
-        return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return TUNING.programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return TUNING.interpreter_programs
 
 
