@@ -72,7 +72,7 @@ class Tuning:
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
     # persistent backward programs per SM: each walks its rows one block at a time, so more programs per SM mean
     # more loads in flight (latency hiding) but more (programs, N) dw/db partial rows to reduce afterwards
-    programs_per_sm: int = 2
+    programs_per_sm: int = 4  # H200 sweep (benchmarks/results/gpu/tune.txt): 2 -> 4, bwd 1.2-1.9x at N 4K-64K
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
@@ -569,7 +569,8 @@ def _sm_count(index: int) -> int:
 def _programs(device: torch.device) -> int:
     """Size of the persistent backward grid: ``TUNING.programs_per_sm`` per SM, a handful in the interpreter."""
     if device.type == "cuda":
-        return TUNING.programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return TUNING.programs_per_sm * _sm_count(index)
     return TUNING.interpreter_programs
 
 
