@@ -249,9 +249,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# Cycles of GPU busy-wait queued before each timed call: about 2 ms at the H200's 1.98 GHz, longer than any
+# provider's host-side work per call (Python, dispatch, launch: 15-100 us, benchmarks/results/gpu/overhead.txt).
+# Without it the start event fires on an idle GPU while the host is still launching, and the row measures host
+# overhead plus kernels: the first H200 table did (addnorm's forward kernel ran 131 us in the profiler,
+# benchmarks/results/gpu/profile.txt, but its row said 204 us). Per-call host overhead has its own table
+# (bench_overhead.py).
+GPU_SLEEP_CYCLES = 4_000_000
+
+
 def time_ms(fn: Callable[[], object], device: str, warmup: int, reps: int, setup: Callable | None = None) -> float:
     """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter on CPU); ``setup`` runs untimed before each
-    call (the backward-only mode builds a fresh graph there, so nothing needs ``retain_graph``)."""
+    call (the backward-only mode builds a fresh graph there, so nothing needs ``retain_graph``). On a GPU the time
+    is the device's: a busy-wait queued ahead of the start event lets the host enqueue the whole call first."""
     setup = setup or (lambda: None)
     for _ in range(warmup):
         setup()
@@ -263,6 +273,7 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, reps: int, setup
         _sync(device)
         if device.startswith("cuda"):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(GPU_SLEEP_CYCLES)
             start.record()
             fn()
             end.record()

@@ -255,3 +255,31 @@ def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
     best = tune_triton.best_per_size(rows)
     assert {(b["n"], b["mode"]) for b in best} == {(300, "fwd"), (300, "bwd")}
     assert all(b["gain"] >= 1 and b["best_gbps"] >= b["default_gbps"] for b in best)
+
+
+def test_gpu_timing_queues_a_busy_wait_before_the_start_event(monkeypatch):
+    """On a GPU the start event must fire after the host has enqueued the call (else host overhead is timed as
+    device time): each timed call is preceded by torch.cuda._sleep, then start, the call, end."""
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            log.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ms = bench_add_norm.time_ms(lambda: log.append("call"), "cuda", warmup=1, reps=2)
+    assert ms == 1.5
+    timed = log[1:]  # after the warm-up call
+    sleep = ("sleep", bench_add_norm.GPU_SLEEP_CYCLES)
+    assert timed == [sleep, "event", "call", "event"] * 2
