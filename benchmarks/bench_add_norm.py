@@ -286,6 +286,18 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, reps: int, setup
     return statistics.median(times)
 
 
+def _grads(outputs, leaves: dict, dout: torch.Tensor, dres: torch.Tensor) -> None:
+    """The backward, with the gradients of every leaf returned rather than accumulated into ``.grad``: x and the
+    residual get the same gradient (dresidual is dx), and accumulating one tensor into two leaves' ``.grad`` costs
+    a full device-to-device copy (62 us of ~365 at 2^26 bf16 elements on the H200, for every provider alike,
+    benchmarks/results/gpu/profile.txt) that no training step pays (its x and residual are not leaves). A provider
+    that detaches the residual or trains a weight of its own fails the row: its backward would do less work."""
+    grads = torch.autograd.grad(outputs, list(leaves.values()), (dout, dres), allow_unused=True)
+    missing = [name for name, g in zip(leaves, grads) if g is None]
+    if missing:
+        raise RuntimeError(f"backward left no gradient on {', '.join(missing)}")
+
+
 def copy_bandwidth(device: str, nbytes: int, warmup: int, reps: int) -> float:
     """GB/s of a large device-to-device copy (read + write counted): the practical ceiling for these kernels."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -353,28 +365,18 @@ def bench_one(provider: str, mode: str, m: int, n: int, cfg: BenchConfig, copy_g
             graph = {}
 
             def forward_untimed():
-                for t in leaves.values():
-                    t.grad = None
                 graph["outputs"] = fn(x, r, w, b)
 
             def bwd():
-                torch.autograd.backward(graph.pop("outputs"), (dout, dres))
+                _grads(graph.pop("outputs"), leaves, dout, dres)
 
             ms = time_ms(bwd, dev, cfg.warmup, cfg.reps, setup=forward_untimed)
         else:
 
             def fwd_bwd():
-                for t in leaves.values():
-                    t.grad = None
-                out, res = fn(x, r, w, b)
-                torch.autograd.backward((out, res), (dout, dres))
+                _grads(fn(x, r, w, b), leaves, dout, dres)
 
             ms = time_ms(fwd_bwd, dev, cfg.warmup, cfg.reps)
-        if mode != "fwd":
-            # a provider that trains a weight of its own, or detaches the residual, would be timed doing less work
-            missing = [name for name, t in leaves.items() if t.grad is None]
-            if missing:
-                raise RuntimeError(f"backward left no gradient on {', '.join(missing)}")
     except Exception as e:  # noqa: BLE001 - one provider failing must not lose the rest of the table
         row.note = f"failed: {type(e).__name__}: {_first_line(e)}"[:200]
         return row
