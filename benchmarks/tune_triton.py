@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="two tiny sizes, two values per knob, few reps (smoke run)")
     p.add_argument("--out", default=None, help="directory for tune_<norm>_<dtype>.csv / .json")
     p.add_argument("--json", action="store_true", help="print the per-size summary as JSON")
+    p.add_argument("--knobs", default=None, help=f"comma-separated subset of {','.join(KNOBS)} (default: all)")
     a = p.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
@@ -136,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--modes: unknown mode {mode!r}; choose from {', '.join(bench.MODES)}")
     sizes = tuple(int(s) for s in a.sizes.split(",")) if a.sizes else (QUICK_SIZES if a.quick else SIZES)
     knobs = KNOBS
+    if a.knobs:
+        unknown = [k for k in a.knobs.split(",") if k not in KNOBS]
+        if unknown:
+            p.error(f"--knobs: unknown {', '.join(unknown)}; choose from {', '.join(KNOBS)}")
+        knobs = {k: KNOBS[k] for k in a.knobs.split(",")}
     if a.quick:  # tiny sizes must reach the multi-row and looped paths: shrink the limits with them
         knobs = {"elems_per_thread": (4, 8), "max_fwd_block_n": (128, 16384), "max_bwd_block_n": (128, 8192)}
     cfg = bench.BenchConfig(device=a.device, dtype=a.dtype, norm=a.norm, sizes=sizes, modes=modes,

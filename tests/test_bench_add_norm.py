@@ -283,3 +283,12 @@ def test_gpu_timing_queues_a_busy_wait_before_the_start_event(monkeypatch):
     timed = log[1:]  # after the warm-up call
     sleep = ("sleep", bench_add_norm.GPU_SLEEP_CYCLES)
     assert timed == [sleep, "event", "call", "event"] * 2
+
+
+def test_tune_triton_knobs_option_names_an_unknown_knob(capsys):
+    import tune_triton
+
+    with pytest.raises(SystemExit) as e:
+        tune_triton.main(["--device", "cpu", "--knobs", "programs_per_sm,warps"])
+    assert e.value.code == 2
+    assert "--knobs: unknown warps" in capsys.readouterr().err
