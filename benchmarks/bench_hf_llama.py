@@ -11,6 +11,8 @@ raw numbers as JSON with --json. Nothing is downloaded: the model is built from 
 
     python benchmarks/bench_hf_llama.py                      # 4 layers, hidden 256, batch 4, seq 128, fp32
     python benchmarks/bench_hf_llama.py --dtype bf16 --repeats 30 --json out.json
+    python benchmarks/bench_hf_llama.py --device cuda --dtype bf16 --layers 8 --hidden 4096 --heads 32 \
+        --vocab 32000 --batch 4 --seq 2048 --out benchmarks/results/gpu/hf_llama.md     # a Llama-7B-wide step
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BenchConfig:
     repeats: int = 20
     warmup: int = 3
     threads: int = 0  # 0: torch's default
+    device: str = "cpu"
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
@@ -60,6 +63,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="model dtype (default %(default)s)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed steps per variant (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per variant (default %(default)s)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads, 0 = default (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the raw results as JSON to PATH ('-': stdout)")
     p.add_argument("--out", metavar="PATH", default=str(DEFAULT_OUT), help="markdown table (default %(default)s)")
@@ -72,6 +76,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
             p.error(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.warmup < 0 or cfg.threads < 0:
         p.error("--warmup and --threads must be >= 0")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {cfg.device}: no CUDA device here")
     if cfg.hidden % cfg.heads:
         p.error(f"--hidden ({cfg.hidden}) must be a multiple of --heads ({cfg.heads})")
     return cfg, args
@@ -83,7 +89,7 @@ def build(cfg: BenchConfig, variant: str):
     model = hf.tiny_model("llama", seed=0, dtype=DTYPES[cfg.dtype], num_hidden_layers=cfg.layers,
                           hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 8 // 3, num_attention_heads=cfg.heads,
                           num_key_value_heads=cfg.heads, vocab_size=cfg.vocab,
-                          max_position_embeddings=max(cfg.seq, 128)).train()  # fmt: skip
+                          max_position_embeddings=max(cfg.seq, 128)).to(cfg.device).train()  # fmt: skip
     if variant != "hf":
         hf.apply(model, fuse_residual=variant == "fused")
     return model
@@ -98,12 +104,14 @@ def step(model, ids, threads: int = 0) -> None:
         torch.set_num_threads(threads)
     model.zero_grad(set_to_none=True)
     model(ids, labels=ids).loss.backward()
+    if ids.is_cuda:  # the step's time is the device's: wait for its kernels
+        torch.cuda.synchronize(ids.device)
 
 
 def run(cfg: BenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).to(cfg.device)
     models = {v: build(cfg, v) for v in VARIANTS}
     for model in models.values():
         for _ in range(cfg.warmup):
@@ -118,11 +126,11 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def _summary(t: list[float]) -> dict:
-    q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+    q = statistics.quantiles(t, n=4, method="inclusive") if len(t) > 1 else [t[0]] * 3  # within the data
     return {"median_ms": statistics.median(t), "p25_ms": q[0], "p75_ms": q[2], "min_ms": min(t), "times_ms": t}
 
 
-def environment() -> dict:
+def environment(device: str = "cpu") -> dict:
     import transformers
 
     import addnorm
@@ -134,7 +142,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "addnorm": addnorm.__version__,
-        "backend": resolve_backend("auto", torch.device("cpu")),
+        "backend": resolve_backend("auto", torch.device(device)),
+        "device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
     }
@@ -154,7 +163,7 @@ def table(results: dict) -> str:
 def main(argv=None) -> int:
     cfg, args = parse_args(argv)
     results = run(cfg)
-    env = environment()
+    env = environment(cfg.device)
     text = table(results)
     print(text)
     argv = sys.argv[1:] if argv is None else argv
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
         out.write_text(
-            f"# transformers Llama forward + backward on CPU: unpatched vs addnorm\n\n"
+            f"# transformers Llama forward + backward on {env['device']}: unpatched vs addnorm\n\n"
             f"Command: `{command}`\n\n"
             f"Model: Llama, {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, vocab {cfg.vocab}; "
             f"batch {cfg.batch} x seq {cfg.seq}, {cfg.dtype}; {cfg.repeats} timed steps per variant after "
