@@ -37,6 +37,7 @@ _SIZES: dict[str, int] = {
     # audio tokenizers (VibeVoice's) double their conv channels from num_filters at each of ~6 stages: 32 filters
     # leave 340M parameters, over the survey's time limit
     "num_filters": 4,
+    "entity_vocab_size": 512,  # LUKE: a 500k-entity embedding table (128M parameters) otherwise
 }
 _MAX_VOCAB = 512
 # fields that list one entry per layer: cut to the new depth (so a 5:1 sliding/global pattern keeps its start)
