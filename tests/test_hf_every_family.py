@@ -3,8 +3,8 @@ gives the same tokens where the family has a generation head.
 
 The families are not typed here: they are the rows of docs/survey.json (written by ``addnorm survey --docs
 docs/survey.md``) whose ``hf_apply`` is ``fused`` (or ``mismatch`` / ``error``: a row the survey found wrong fails
-here too). A family that stops fusing fails its test below; a newly fused one joins the list when the survey is
-regenerated. Each model is built tiny by the survey's own rules and input builders
+here too). A family that stops fusing fails its test below; one that starts fusing fails the test of the unfused
+rows until the survey is regenerated, which puts it in the list. Each model is built tiny by the survey's own rules and input builders
 (addnorm.integrations.survey.tiny), with norm weights and biases randomised (HF initialises them to constants, which
 would hide a weight applied in the wrong place or order).
 """
@@ -249,6 +249,33 @@ def test_training_step_gradients_per_structure(transformers, model_type):
     for name, g in ref.items():
         err = (got[name].double() - g.double()).abs().max().item()
         assert err <= 1e-5 * max(g.abs().max().item(), floor), f"{model_type} grad {name}: max abs err {err:.3g}"
+
+
+UNFUSED = {r["model_type"]: r for r in SURVEY["models"] if r.get("hf_apply") in ("norms", "unsupported")}
+
+
+@pytest.mark.parametrize("model_type", sorted(UNFUSED))
+def test_unfused_family_is_still_what_the_survey_says(transformers, model_type):
+    """The other side of the list: a family the survey found unfused (norms swapped only, or no norm addnorm
+    reproduces) is still so, so that a family apply starts fusing (a new template, a fixed matcher) cannot go
+    untested: its row must be regenerated, which puts it in the per-family test above. A fused layer class that does
+    not run on the survey's input (a VLM's vision tower on text alone) is listed in the row and must match."""
+    from addnorm.integrations import hf
+    from addnorm.integrations.survey import build
+
+    row = UNFUSED[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(model_type, batch_size=1, seq_len=SEQ).model
+        if row["hf_apply"] == "unsupported":
+            with pytest.raises(ValueError, match="no norm module that addnorm reproduces"):
+                hf.apply(model)
+            return
+        hf.apply(model)
+    assert hf.fused_layer_classes(model) == row.get("hf_fused_not_run", []), (
+        f"{model_type}: hf.apply fuses {hf.fused_layer_classes(model)} now; regenerate docs/survey.json "
+        "(`addnorm survey --docs docs/survey.md --readme README.md`) so that the per-family test checks it"
+    )
 
 
 def test_generate_skips_stay_few():
