@@ -19,7 +19,7 @@ from torch import nn
 _WIDTH = 64
 _SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "hidden_dim",
-                     "embedding_size", "word_embed_proj_dim", "projection_dim", "text_embed_dim"), _WIDTH),
+                     "embedding_size", "word_embed_proj_dim", "projection_dim", "text_embed_dim", "emb_dim"), _WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                      "num_decoder_layers", "num_encoder_layers", "depth"), 2),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
