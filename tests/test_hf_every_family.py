@@ -4,9 +4,10 @@ gives the same tokens where the family has a generation head.
 The families are not typed here: they are the rows of docs/survey.json (written by ``addnorm survey --docs
 docs/survey.md``) whose ``hf_apply`` is ``fused`` (or ``mismatch`` / ``error``: a row the survey found wrong fails
 here too). A family that stops fusing fails its test below; one that starts fusing fails the test of the unfused
-rows until the survey is regenerated, which puts it in the list. Each model is built tiny by the survey's own rules and input builders
-(addnorm.integrations.survey.tiny), with norm weights and biases randomised (HF initialises them to constants, which
-would hide a weight applied in the wrong place or order).
+rows until the survey is regenerated, which puts it in the list. Each model is built tiny by the survey's own rules
+and input builders (addnorm.integrations.survey.tiny), with norm weights and biases randomised (HF initialises them
+to constants, which would hide a weight applied in the wrong place or order).
+One family per structure the survey tells apart also gets a bf16 check and a train-mode gradient check.
 """
 
 from __future__ import annotations

@@ -470,16 +470,21 @@ def test_report_summary_counts_and_page():
         {"model_type": "b", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
          "hf_apply": "norms", "doctor": []},
         {"model_type": "c<script>", "status": "skipped", "reason": "needs pixel_values (not text)"},
+        {"model_type": "e", "status": "ok", "role": "encoder", "hf_apply": "norms",
+         "doctor_error": "_Timeout: over the survey's limit of 20 CPU seconds per architecture"},
+        {"model_type": "f", "status": "ok", "role": "encoder", "hf_apply": "norms", "doctor_error": "KeyError: 'x'"},
     ]  # fmt: skip
     result = {"transformers": "9.9", "models": rows}
     s = report.summary(result)
-    assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (3, 2, 1, 1)
-    assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1}
+    assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (5, 4, 1, 1)
+    assert s["doctor_crashes"] == ["f"] and s["doctor_timeouts"] == ["e"]  # a timeout is not reported as a crash
+    assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1, "None": 2}
     assert s["fused_families"] == ["a"] and s["doctor_findings"] == {"residual-growth": 1}
     page = report.page(result)
     assert "c&lt;script&gt;" in page and "<script>document" not in page.split("<table")[1].split("</table>")[0]
     md = report.markdown(result)
     assert "| a | decoder | rmsnorm | pre |" in md and "fused (ALayer)" in md and "`c<script>`: needs" in md
+    assert "| timed out | ok |" in md and "| crashed | ok |" in md and "ran past the time limit on: e." in md
 
 
 def test_norm_probe_tells_instances_of_one_class_apart():

@@ -18,11 +18,16 @@ COLUMNS = ("model_type", "role", "norm", "placement", "eps", "zero_centered_weig
            "residual_scale", "hf_apply", "doctor", "status")  # fmt: skip
 
 
+def _timed_out(row: dict) -> bool:
+    """The doctor ran past the survey's CPU-time limit (a slow model on a busy machine), rather than crashing."""
+    return str(row.get("doctor_error", "")).startswith("_Timeout")
+
+
 def _cell(row: dict, key: str) -> str:
     value = row.get(key)
     if key == "doctor":
         if row.get("doctor_error"):
-            return "crashed"
+            return "timed out" if _timed_out(row) else "crashed"
         if value is None:
             return ""
         codes = Counter(f["code"] for f in value if f["severity"] in ("error", "warning"))
@@ -56,7 +61,8 @@ def summary(result: dict) -> dict[str, Any]:
         "hf_apply": count(ok, "hf_apply"),
         "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
         "doctor_findings": dict(findings.most_common()),
-        "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error")),
+        "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error") and not _timed_out(r)),
+        "doctor_timeouts": sorted(r["model_type"] for r in ok if _timed_out(r)),
     }  # fmt: skip
 
 
@@ -84,6 +90,8 @@ def summary_markdown(result: dict) -> str:
     ]
     if s["doctor_crashes"]:
         lines += ["", f"The doctor crashed on: {', '.join(s['doctor_crashes'])}."]
+    if s["doctor_timeouts"]:
+        lines += ["", f"The doctor ran past the time limit on: {', '.join(s['doctor_timeouts'])}."]
     return "\n".join(lines) + "\n"
 
 
