@@ -442,41 +442,4 @@ def test_missing_transformers_names_the_extra(monkeypatch):
         hf.apply(nn.Linear(2, 2))
 
 
-# ---- every family the survey found fused ---------------------------------------------------------------------------
-# The model types whose layers hf.apply fuses in the installed transformers (the "fused" rows of `addnorm survey`,
-# docs/survey.md), minus those already tested above through FAMILIES. Each is built tiny from its config class by
-# the survey's rules. If apply stops fusing one (a template or the probe broke), test_every_fused_family fails.
-# These are the fused model types that have a causal-LM class (for generate()); the other fused rows of the survey
-# (vision-language and speech models, encoders) share these layer classes' templates and are checked by the survey,
-# which compares every patched model's output with the unpatched one.
-FUSED_FAMILIES = [
-    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bert-generation", "big_bird", "bitnet", "camembert",
-    "cwm", "data2vec-text", "diffllama", "electra", "ernie", "ernie4_5", "exaone", "flint", "gemma3_text", "git",
-    "glm", "glm4", "glm4_moe", "got_ocr2", "gpt-sw3", "granite", "granite_swa", "granitemoe", "helium", "hy_v3",
-    "internlm3", "iquestcoder", "jais2", "kolibri1", "minimax_m2", "ministral3", "mixtral", "moss_transcribe_diarize",
-    "olmo", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "rembert", "roberta", "roc_bert",
-    "roformer", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "xlm-roberta",
-]  # fmt: skip
-
-
-def _fused_model(family):
-    model = hf.tiny_model(family, num_hidden_layers=2)
-    _randomize_norms(model)
-    return model
-
-
-@pytest.mark.parametrize("family", FUSED_FAMILIES)
-def test_every_fused_family(family):
-    """fp32 logits within 1e-5 of the unpatched model's, some layer fused, and greedy generate() the same tokens."""
-    model = _fused_model(family)
-    ids = _ids(batch=1, seq=6)
-    kw = dict(max_new_tokens=4, do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        ref_logits = model(ids).logits
-        ref = model.generate(ids, **kw)
-        hf.apply(model)
-        assert hf.apply_status(model) == "fused", f"{family}: no layer fused"
-        got_logits = model(ids).logits
-        got = model.generate(ids, **kw)
-    _assert_rel(got_logits, ref_logits, 1e-5, f"{family} fp32 logits")
-    assert torch.equal(got, ref)
+# Every family the survey fuses (docs/survey.json) is checked in tests/test_hf_every_family.py.

@@ -327,6 +327,10 @@ def test_cli_json_and_files(tmp_path, capsys):
     page = (out / "index.html").read_text()
     assert "<table" in page and "gpt2" in page and "http" not in page.split("<body>")[1].split("addnorm survey")[0]
     assert "| gpt2 | decoder | layernorm | pre |" in docs.read_text()
+    from addnorm.integrations.survey import report
+
+    rows = report.load(docs.with_suffix(".json"))["models"]  # the rows next to the page, for the per-family tests
+    assert [r["model_type"] for r in rows] == ["gpt2"] and rows[0]["hf_apply"] == "fused"
 
 
 def _umask():
@@ -345,6 +349,83 @@ def test_cli_bad_input(capsys):
     assert "--time-limit must be >= 0" in capsys.readouterr().err
     assert main(["survey", "--list"]) == 0
     assert "llama" in capsys.readouterr().out.split()
+
+
+def _rows_result():
+    rows = [
+        {"model_type": "a", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
+         "hf_apply": "fused", "hf_fused_layers": ["ALayer"], "doctor": []},
+        {"model_type": "b", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
+         "hf_apply": "fused", "hf_fused_layers": ["BLayer"], "doctor": []},
+        {"model_type": "c", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
+         "hf_apply": "norms", "doctor": []},
+        {"model_type": "d", "status": "skipped", "reason": "needs input_values"},
+    ]  # fmt: skip
+    return {"transformers": "9.9", "torch": "2.x", "seconds": 125.0, "models": rows}
+
+
+def test_report_json_round_trip_and_readme_blocks(tmp_path):
+    from addnorm.integrations.survey import report
+
+    result = _rows_result()
+    text = report.dumps(result)
+    assert text.count("\n") == len(result["models"]) + 2  # one row per line: a regenerated survey diffs by row
+    path = tmp_path / "survey.json"
+    path.write_text(text)
+    assert report.load(path) == result
+    for bad in ("{", '{"models": []}', '{"transformers": "1", "models": [{"status": "ok"}]}'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="survey.json"):
+            report.load(path)
+    readme = ("# x\n<!-- survey:hf-fused -->\nold list\n<!-- /survey:hf-fused -->\nmiddle\n"
+              "<!-- survey:summary -->\n<!-- /survey:summary -->\nend\n")  # fmt: skip
+    new = report.update_readme(readme, result)
+    fused = " ".join(new.split("<!-- survey:hf-fused -->\n")[1].split("<!-- /survey:hf-fused -->")[0].split())
+    assert "old list" not in new and "fuses the residual add and norm in 2 architectures" in fused
+    assert "`a`, `b`." in fused and "`c`" not in fused and "norms in 1 more" in fused
+    summary = " ".join(new.split("<!-- survey:summary -->\n")[1].split("<!-- /survey:summary -->")[0].split())
+    assert "3 of 4 architectures analysed in about 2 minutes" in summary
+    assert new.startswith("# x\n") and "\nmiddle\n" in new and new.endswith("end\n")
+    assert report.update_readme(new, result) == new  # rewriting is idempotent
+    with pytest.raises(ValueError, match="no '<!-- survey:summary -->'"):
+        report.update_readme(readme.split("middle")[0], result)
+
+
+def test_cli_from_saved_rows(tmp_path, capsys):
+    from addnorm.cli import main
+    from addnorm.integrations.survey import report
+
+    saved = tmp_path / "survey.json"
+    saved.write_text(report.dumps(_rows_result()))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- survey:hf-fused -->\n<!-- /survey:hf-fused -->\n<!-- survey:summary -->\n"
+                      "<!-- /survey:summary -->\n")  # fmt: skip
+    docs = tmp_path / "docs" / "s.md"
+    assert main(["survey", "--from", str(saved), "--readme", str(readme), "--docs", str(docs), "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert "`a`, `b`." in readme.read_text() and "| c | encoder | layernorm | post |" in docs.read_text()
+    assert report.load(docs.with_suffix(".json")) == _rows_result()
+    # bad input: a clear message and exit status 2, no traceback
+    cases = [(["--from", str(tmp_path / "missing.json")], "--from: "),
+             (["--from", str(saved), "--only", "llama"], "--from and --only cannot be combined"),
+             (["--from", str(saved), "--readme", str(saved)], "--readme " + str(saved) + ": no '<!-- survey:")]  # fmt: skip
+    for args, message in cases:
+        assert main(["survey", *args, "--no-progress"]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_tiny_inputs_follow_the_config():
+    pytest.importorskip("transformers")
+    from addnorm.integrations.survey import tiny
+
+    t5 = tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)
+    assert t5["input_ids"].shape == (1, 5) and torch.equal(t5["decoder_input_ids"], t5["input_ids"])
+    assert torch.equal(tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)["input_ids"],
+                       t5["input_ids"])  # fmt: skip
+    vit = tiny.inputs(tiny.tiny_config("vit"), "pixel_values", batch_size=2)
+    assert vit["pixel_values"].shape == (2, 3, 32, 32)
+    with pytest.raises(tiny.SkipModel, match="needs input_values"):
+        tiny.inputs(tiny.tiny_config("wav2vec2"), "input_values")
 
 
 def test_doctor_counts_a_norm_module_run_before_and_after_the_blocks_as_final():
@@ -389,16 +470,21 @@ def test_report_summary_counts_and_page():
         {"model_type": "b", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
          "hf_apply": "norms", "doctor": []},
         {"model_type": "c<script>", "status": "skipped", "reason": "needs pixel_values (not text)"},
+        {"model_type": "e", "status": "ok", "role": "encoder", "hf_apply": "norms",
+         "doctor_error": "_Timeout: over the survey's limit of 20 CPU seconds per architecture"},
+        {"model_type": "f", "status": "ok", "role": "encoder", "hf_apply": "norms", "doctor_error": "KeyError: 'x'"},
     ]  # fmt: skip
     result = {"transformers": "9.9", "models": rows}
     s = report.summary(result)
-    assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (3, 2, 1, 1)
-    assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1}
+    assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (5, 4, 1, 1)
+    assert s["doctor_crashes"] == ["f"] and s["doctor_timeouts"] == ["e"]  # a timeout is not reported as a crash
+    assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1, "None": 2}
     assert s["fused_families"] == ["a"] and s["doctor_findings"] == {"residual-growth": 1}
     page = report.page(result)
     assert "c&lt;script&gt;" in page and "<script>document" not in page.split("<table")[1].split("</table>")[0]
     md = report.markdown(result)
     assert "| a | decoder | rmsnorm | pre |" in md and "fused (ALayer)" in md and "`c<script>`: needs" in md
+    assert "| timed out | ok |" in md and "| crashed | ok |" in md and "ran past the time limit on: e." in md
 
 
 def test_norm_probe_tells_instances_of_one_class_apart():

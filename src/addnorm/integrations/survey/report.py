@@ -1,10 +1,13 @@
 """The survey's outputs: survey.json (the rows), survey.md (summary and table) and index.html (one self-contained
-page: the summary and a table sortable by any column, nothing loaded from the network)."""
+page: the summary and a table sortable by any column, nothing loaded from the network); and the README's generated
+paragraphs (which families hf.apply fuses, the survey's counts), rewritten between marker comments so that no list
+of families is kept by hand."""
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,16 @@ COLUMNS = ("model_type", "role", "norm", "placement", "eps", "zero_centered_weig
            "residual_scale", "hf_apply", "doctor", "status")  # fmt: skip
 
 
+def _timed_out(row: dict) -> bool:
+    """The doctor ran past the survey's CPU-time limit (a slow model on a busy machine), rather than crashing."""
+    return str(row.get("doctor_error", "")).startswith("_Timeout")
+
+
 def _cell(row: dict, key: str) -> str:
     value = row.get(key)
     if key == "doctor":
         if row.get("doctor_error"):
-            return "crashed"
+            return "timed out" if _timed_out(row) else "crashed"
         if value is None:
             return ""
         codes = Counter(f["code"] for f in value if f["severity"] in ("error", "warning"))
@@ -53,7 +61,8 @@ def summary(result: dict) -> dict[str, Any]:
         "hf_apply": count(ok, "hf_apply"),
         "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
         "doctor_findings": dict(findings.most_common()),
-        "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error")),
+        "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error") and not _timed_out(r)),
+        "doctor_timeouts": sorted(r["model_type"] for r in ok if _timed_out(r)),
     }  # fmt: skip
 
 
@@ -81,6 +90,8 @@ def summary_markdown(result: dict) -> str:
     ]
     if s["doctor_crashes"]:
         lines += ["", f"The doctor crashed on: {', '.join(s['doctor_crashes'])}."]
+    if s["doctor_timeouts"]:
+        lines += ["", f"The doctor ran past the time limit on: {', '.join(s['doctor_timeouts'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -143,11 +154,77 @@ Placement and norm are measured from each tiny model's dataflow; click a column 
 """
 
 
+def dumps(result: dict) -> str:
+    """The result as JSON with one row per line (a regenerated survey diffs row by row)."""
+    head = {k: v for k, v in result.items() if k != "models"}
+    rows = ",\n".join(json.dumps(r, sort_keys=True) for r in result["models"])
+    return json.dumps(head)[:-1] + (", " if head else "") + '"models": [\n' + rows + "\n]}\n"
+
+
+def load(path: Path) -> dict:
+    """A survey.json written by :func:`write` or ``addnorm survey --json``; ValueError naming the file if it is not
+    one."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a survey from it ({type(e).__name__}: {e})") from e
+    if not (isinstance(result, dict) and isinstance(result.get("models"), list) and "transformers" in result
+            and all(isinstance(r, dict) and "model_type" in r and "status" in r for r in result["models"])):
+        raise ValueError(f"{path}: not a survey (expected {{'transformers': ..., 'models': [row, ...]}})")
+    return result
+
+
+# The README's generated paragraphs: each between "<!-- survey:NAME -->" and "<!-- /survey:NAME -->".
+def _readme_fused(result: dict) -> str:
+    s = summary(result)
+    fused = s["fused_families"]
+    return (
+        f"With transformers {result['transformers']}, `hf.apply` fuses the residual add and norm in {len(fused)} "
+        f"architectures and swaps only the norms in {s['hf_apply'].get('norms', 0)} more "
+        f"({s['hf_apply'].get('unsupported', 0)} have no norm it reproduces; {s['skipped']} are not built tiny on "
+        "CPU). Fused, as the survey found them (`docs/survey.json`; tests/test_hf_every_family.py checks each one): "
+        + ", ".join(f"`{t}`" for t in fused) + "."
+    )
+
+
+def _readme_summary(result: dict) -> str:
+    s = summary(result)
+    top = lambda d: ", ".join(f"{k} {v}" for k, v in d.items() if v > 1 and k != "None")  # noqa: E731
+    minutes = result.get("seconds")
+    took = f" in about {round(minutes / 60)} minutes" if isinstance(minutes, (int, float)) else ""
+    return (
+        f"transformers {result['transformers']}: {s['analysed']} of {s['architectures']} architectures analysed{took} "
+        "(the rest are skipped with the reason: audio inputs, configs whose defaults do not build, ...); "
+        f"{s['decoder_lms']} decoder LMs: {top(s['decoder_norm'])}; placement {top(s['decoder_placement'])}."
+    )
+
+
+README_BLOCKS = {"hf-fused": _readme_fused, "summary": _readme_summary}
+
+
+def update_readme(text: str, result: dict) -> str:
+    """``text`` with every generated paragraph (see README_BLOCKS) rewritten from ``result``; ValueError if a
+    block's markers are missing."""
+    for name, make in README_BLOCKS.items():
+        pattern = re.compile(rf"(<!-- survey:{name} -->\n)(?:.*?\n)?(<!-- /survey:{name} -->)", re.DOTALL)
+        if not pattern.search(text):
+            raise ValueError(f"no '<!-- survey:{name} -->' ... '<!-- /survey:{name} -->' block to rewrite")
+        body = _wrap(make(result)) + "\n" if result["models"] else ""
+        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return text
+
+
+def _wrap(text: str, width: int = 118) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False))
+
+
 def write(result: dict, out: Path) -> list[Path]:
     """survey.json, survey.md and index.html in ``out``; returns their paths."""
     out = Path(out)
     paths = [out / "survey.json", out / "survey.md", out / "index.html"]
-    atomic_write_text(paths[0], json.dumps(result, indent=1) + "\n")
+    atomic_write_text(paths[0], dumps(result))
     atomic_write_text(paths[1], markdown(result))
     atomic_write_text(paths[2], page(result))
     return paths

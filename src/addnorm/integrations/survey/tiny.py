@@ -19,7 +19,7 @@ from torch import nn
 _WIDTH = 64
 _SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "hidden_dim",
-                     "embedding_size", "word_embed_proj_dim", "projection_dim", "text_embed_dim"), _WIDTH),
+                     "embedding_size", "word_embed_proj_dim", "projection_dim", "text_embed_dim", "emb_dim"), _WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                      "num_decoder_layers", "num_encoder_layers", "depth"), 2),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
@@ -34,6 +34,10 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
     "image_size": 32,  # vision models: a few patches (position tables follow image_size // patch_size)
+    # audio tokenizers (VibeVoice's) double their conv channels from num_filters at each of ~6 stages: 32 filters
+    # leave 340M parameters, over the survey's time limit
+    "num_filters": 4,
+    "entity_vocab_size": 512,  # LUKE: a 500k-entity embedding table (128M parameters) otherwise
 }
 _MAX_VOCAB = 512
 # fields that list one entry per layer: cut to the new depth (so a 5:1 sliding/global pattern keeps its start)
@@ -131,8 +135,7 @@ def _role(config, model_type: str) -> str:
     return "encoder"
 
 
-def _main_input(model: nn.Module, config, batch_size: int, seq_len: int, g: torch.Generator) -> dict:
-    name = getattr(model, "main_input_name", "input_ids")
+def _main_input(name: str, config, batch_size: int, seq_len: int, g: torch.Generator) -> dict:
     text = getattr(config, "text_config", None) or config
     if name == "input_ids":
         vocab = int(getattr(text, "vocab_size", 0) or getattr(config, "vocab_size", 0) or 0)
@@ -152,6 +155,19 @@ def _main_input(model: nn.Module, config, batch_size: int, seq_len: int, g: torc
     raise SkipModel(f"needs {name} (not text or image): not built by the survey")
 
 
+def inputs(config, main_input_name: str = "input_ids", *, seed: int = 0, batch_size: int = 2,
+           seq_len: int = 8) -> dict:
+    """The survey's batch for a model of ``config`` (a :func:`tiny_config`) whose main input is ``main_input_name``
+    (the model class's attribute): random ``input_ids`` or ``pixel_values`` of the shape the config gives, drawn
+    from ``seed``, and ``decoder_input_ids`` for an encoder-decoder; raises :class:`SkipModel` for other inputs
+    (audio features, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = _main_input(main_input_name, config, batch_size, seq_len, g)
+    if getattr(config, "is_encoder_decoder", False) and "input_ids" in batch:
+        batch["decoder_input_ids"] = batch["input_ids"].clone()
+    return batch
+
+
 def build(model_type: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 8, **overrides: Any) -> Built:
     """A tiny random base model (``AutoModel``) of ``model_type`` and a batch for it; raises :class:`SkipModel`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -167,12 +183,9 @@ def build(model_type: str, *, seed: int = 0, batch_size: int = 2, seq_len: int =
     except Exception as e:  # noqa: BLE001
         raise SkipModel(f"model cannot be built: {type(e).__name__}: {str(e)[:200]}") from e
     model.eval()
-    g = torch.Generator().manual_seed(seed)
-    batch = _main_input(model, config, batch_size, seq_len, g)
-    role = _role(config, model_type)
-    if role == "encoder-decoder":
-        batch["decoder_input_ids"] = batch["input_ids"].clone()
-    return Built(model_type=model_type, model=model, batch=batch, role=role)
+    batch = inputs(config, getattr(model, "main_input_name", "input_ids"), seed=seed, batch_size=batch_size,
+                   seq_len=seq_len)  # fmt: skip
+    return Built(model_type=model_type, model=model, batch=batch, role=_role(config, model_type))
 
 
 def model_types() -> list[str]:
