@@ -306,7 +306,9 @@ def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_
     )
 
 
-def _setup_context(ctx, inputs, output, *, eager: bool = False):
+def _setup_context(ctx, inputs, output, *, eager: bool = False, bwd_op=None):
+    """Saves what the backward needs. ``bwd_op``: the backward op of a compiled graph, called with add_norm_bwd's
+    arguments (None: addnorm::add_norm_bwd; the triton ops of addnorm.ops.triton_ops pass their own)."""
     x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *rest = inputs
     cbw = bool(rest and rest[0])  # the op's last arguments have defaults: called positionally, they may be absent
     out, res_out, mean, rstd, seed = output
@@ -316,6 +318,7 @@ def _setup_context(ctx, inputs, output, *, eager: bool = False):
     ctx.has_residual_out = store
     ctx.out_dtype = out.dtype
     ctx.eager = eager
+    ctx.bwd_op = bwd_op
     if not eager:
         ctx.mark_non_differentiable(mean, rstd, seed)
 
@@ -336,7 +339,7 @@ def _backward_saved(ctx, saved, dout, dres_out):
     # value: the kernel writes it once (as dx) and autograd gets that tensor for both (25% fewer backward bytes).
     # The custom op cannot return one tensor twice, so the sharing happens here, at the autograd level.
     shared = residual_dtype == x_dtype and dropout_p == 0
-    bwd = _bwd_impl if ctx.eager else torch.ops.addnorm.add_norm_bwd
+    bwd = _bwd_impl if ctx.eager else ctx.bwd_op or torch.ops.addnorm.add_norm_bwd
     dx, dres, dw, db = bwd(
         dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype,
         None if shared else residual_dtype, bias_dtype, backend, cbw,
@@ -417,7 +420,11 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
     args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
             backend, cast_before_weight, out_dtype)  # fmt: skip
     if torch.compiler.is_compiling():
-        out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
+        if backend == "triton" and _triton_op_usable(x.device.type):
+            # the triton op: Inductor sees (and can graph) the kernels themselves, not an opaque call
+            out, res_out = torch.ops.addnorm.triton_add_norm_fwd(*args[:10], *args[11:])[:2]
+        else:
+            out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, r2, weight, bias)):
         out, res_out = _EagerAddNorm.apply(*args)
     else:  # nothing to differentiate (inference, no_grad): no autograd node, straight to the kernel
@@ -426,6 +433,19 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
         out = out.reshape(shape)
         res_out = res_out.reshape(shape) if store else None
     return out, (res_out if store else x)
+
+
+def _triton_op_usable(device_type: str) -> bool:
+    """Whether compiled graphs run the Triton backend through the triton ops of :mod:`addnorm.ops.triton_ops`
+    (CUDA tensors, compiled kernels) rather than the opaque addnorm::add_norm_fwd (see that module for why)."""
+    from addnorm.ops.triton_ops import usable
+
+    return usable(device_type)
+
+
+# A constant for dynamo, like resolve_backend_for_trace: run once at trace time (it imports the module that
+# registers the triton ops), not traced
+_triton_op_usable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -534,10 +536,20 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _f32(v: float) -> float:
+    """v rounded to the nearest fp32 value (ties to even), as a Python float. Plain Python, not a torch.tensor
+    round trip: the launchers also run on fake tensors (torch.compile traces them through the triton ops of
+    :mod:`addnorm.ops.triton_ops`), where a tensor's value cannot be read back."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:  # beyond fp32's range: inf, as a torch.float32 conversion gives
+        return math.copysign(math.inf, v)
+
+
 def _split(v: float) -> tuple[float, float]:
     """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
-    hi = float(torch.tensor(v, dtype=torch.float32))
-    return hi, float(torch.tensor(v - hi, dtype=torch.float32))
+    hi = _f32(v)
+    return hi, _f32(v - hi)
 
 
 def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
@@ -545,9 +557,9 @@ def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
     if not p > 0:
         return dummy, 0, 1.0, 0.0, 0.0
     s = 1.0 / (1.0 - p)  # the fp64 scale; fp32 statistics use its rounding (hi), fp64 the exact sum of the parts
-    hi = float(torch.tensor(s, dtype=torch.float32))
-    mid = float(torch.tensor(s - hi, dtype=torch.float32))
-    lo = float(torch.tensor(s - hi - mid, dtype=torch.float32))
+    hi = _f32(s)
+    mid = _f32(s - hi)
+    lo = _f32(s - hi - mid)
     return seed, dropout_threshold(p), hi, mid, lo
 
 
@@ -591,7 +603,19 @@ def _vec(t: Tensor | None) -> Tensor | None:
     return t.contiguous() if t is not None else None
 
 
-def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast):
+def _kernel(kernel, traceable: bool):
+    """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
+    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton_ops`; an eager
+    launch through the wrapper costs ~1 ms of dispatch)."""
+    if not traceable:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
+                traceable=False):  # fmt: skip
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
     dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
@@ -610,13 +634,15 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
     if blocks is not None:
         block_m, block_n = blocks
         grid = (triton.cdiv(m, block_m),)
-        _fwd_rows_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n))
+        _kernel(_fwd_rows_kernel, traceable)[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                   num_warps=_warps(block_m * block_n))  # fmt: skip
     else:
         block_n = _loop_block(TUNING.max_fwd_block_n)
-        _fwd_looped_kernel[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+        _kernel(_fwd_looped_kernel, traceable)[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
-def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast):
+def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast,
+                traceable=False):  # fmt: skip
     m, n = h.shape
     acc = rstd.dtype
     dummy = rstd
@@ -635,7 +661,7 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         programs = min(_programs(h.device), triton.cdiv(m, block_m))
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
-        _bwd_rows_kernel[(programs,)](
+        _kernel(_bwd_rows_kernel, traceable)[(programs,)](
             dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
             **flags, RELOAD_W=block_m * block_n > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -645,7 +671,7 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         block_n = _loop_block(TUNING.max_bwd_block_n)
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        _bwd_row_sums_kernel[(m,)](
+        _kernel(_bwd_row_sums_kernel, traceable)[(m,)](
             dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n,
             HAS_WEIGHT=weight is not None, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n,
             num_warps=_warps(block_n),
@@ -654,7 +680,7 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         groups = max(1, min(m, triton.cdiv(_programs(h.device), tiles)))
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        _bwd_tiles_kernel[(tiles, groups)](
+        _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
             dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
             **flags, BLOCK_N=block_n, num_warps=_warps(block_n),
@@ -704,7 +730,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None, traceable=False):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
@@ -712,23 +738,25 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
     forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight)  # fmt: skip
+                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
+                 traceable=traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
 def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
-                 cast_before_weight=False):  # fmt: skip
+                 cast_before_weight=False, traceable=False):  # fmt: skip
     """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None:
     RMSNorm). out may be x and res_out the residual (the in-place ops): each element is read before it is written,
-    by the thread that writes it, and out is written only after the row's statistics (after all of x was read)."""
+    by the thread that writes it, and out is written only after the row's statistics (after all of x was read).
+    ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
     if x.shape[0] > 0:
         with _device_guard(x.device):
             _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed,
-                        mean is None, zero_centered_weight, cast_before_weight)  # fmt: skip
+                        mean is None, zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
+             residual_dtype, bias_dtype, cast_before_weight=False, traceable=False):  # fmt: skip
     m, n = h.shape
     # incoming gradients can be broadcast views (stride 0); the kernels want unit stride along the row
     if dout.stride(-1) != 1:
@@ -744,7 +772,8 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         return dx, dres, dw, db
     with _device_guard(h.device):
         dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db,
-                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight)  # fmt: skip
+                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight,
+                                       traceable)  # fmt: skip
     # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
     dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(dim=0).to(bias_dtype) if has_db else None

@@ -1,0 +1,187 @@
+"""The Triton backend under torch.compile: the two routes of addnorm.ops.triton_ops.
+
+- CUDA tensors (compiled kernels): compiled graphs call addnorm::triton_add_norm_fwd/bwd, triton ops whose kernel
+  launches Inductor sees; checked here only on a GPU (and by benchmarks/gpu_graph_check.py).
+- CPU tensors in Triton's interpreter: triton ops cannot be traced there (see the module docstring), so compiled
+  graphs keep the opaque addnorm::add_norm_fwd; checked everywhere.
+Both routes must give eager's results: forward and backward, with and without dropout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from addnorm import add_layer_norm, add_rms_norm  # noqa: E402
+from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops import triton_ops  # noqa: E402
+
+LN, RMS = False, True
+FWD_ARGS = (1e-5, True, 0.0, torch.float32, False, True)  # eps, is_rms, dropout_p, residual_dtype, zc, store
+
+
+@pytest.fixture(autouse=True)
+def _triton_here(device):
+    reason = T.unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _leaves(m, n, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(m, n, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(2))
+    w = (1 + 0.5 * torch.randn(n, generator=g, dtype=dtype)).to(device).requires_grad_()
+    b = (0.5 * torch.randn(n, generator=g, dtype=dtype)).to(device).requires_grad_()
+    return x, r, w, b
+
+
+def _block(is_rms, p):
+    def block(x, r, w, b):
+        if is_rms:
+            out, res = add_rms_norm(x, r, w, 1e-6, dropout_p=p, backend="triton")
+        else:
+            out, res = add_layer_norm(x, r, w, b, 1e-5, dropout_p=p, backend="triton")
+        return (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum() + res.float().square().sum()
+
+    return block
+
+
+def _run(fn, leaves, seed=123):
+    """fn's value and the gradients of every leaf, the dropout seed drawn from a fixed generator state."""
+    torch.manual_seed(seed)
+    if leaves[0].is_cuda:
+        torch.cuda.manual_seed(seed)
+    val = fn(*leaves)
+    return val.detach(), torch.autograd.grad(val, leaves, allow_unused=True)
+
+
+def _same(a, b, bitwise):
+    (va, ga), (vb, gb) = a, b
+    check = torch.equal if bitwise else lambda u, v: torch.allclose(u, v, rtol=1e-5, atol=1e-5)
+    assert check(va, vb), (va, vb)
+    for i, (u, v) in enumerate(zip(ga, gb)):
+        assert (u is None) == (v is None), i
+        if u is not None:
+            assert check(u, v), (i, (u - v).abs().max())
+
+
+def test_routing_by_device():
+    assert not triton_ops.usable("cpu")
+    assert not triton_ops.usable("meta")
+    # kernels built for the interpreter (this process, without a GPU) cannot be traced even for CUDA tensors
+    assert triton_ops.usable("cuda") == (torch.cuda.is_available() and not T._interpreted())
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_ops_equal_add_norm_ops(device, is_rms, p):
+    """Called directly (eager), the triton ops give add_norm_fwd/bwd's results bit for bit, autograd included."""
+    x, r, w, b = _leaves(5, 48, device)
+    b = None if is_rms else b
+    args = (1e-5, is_rms, p, torch.float32, False, True)
+    torch.manual_seed(7)
+    new = torch.ops.addnorm.triton_add_norm_fwd(x, r, w, b, *args, False, None)
+    torch.manual_seed(7)
+    old = torch.ops.addnorm.add_norm_fwd(x, r, w, b, *args, "triton", False, None)
+    for i, (u, v) in enumerate(zip(new, old)):
+        assert torch.equal(u, v), i
+    dout, dres = torch.randn_like(new[0]), torch.randn_like(new[1])
+    g_new = torch.autograd.grad((new[0], new[1]), [t for t in (x, r, w, b) if t is not None], (dout, dres))
+    g_old = torch.autograd.grad((old[0], old[1]), [t for t in (x, r, w, b) if t is not None], (dout, dres))
+    for u, v in zip(g_new, g_old):
+        assert torch.equal(u, v)
+    h, mean, rstd, seed = new[1].detach(), new[2], new[3], new[4]
+    bwd_args = (is_rms, p, False, torch.float32, torch.float32, None if is_rms else torch.float32)
+    got = torch.ops.addnorm.triton_add_norm_bwd(dout, dres, h, w.detach(), mean, rstd, seed, *bwd_args, False)
+    want = torch.ops.addnorm.add_norm_bwd(dout, dres, h, w.detach(), mean, rstd, seed, *bwd_args, "triton", False)
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_compile_fullgraph_equals_eager(device, is_rms, p):
+    """torch.compile(fullgraph=True), forward and backward, equals eager; on CUDA through the triton ops (Inductor,
+    its random ops drawn like eager's so the dropout seed is the same), elsewhere through add_norm_fwd."""
+    block = _block(is_rms, p)
+    leaves = _leaves(6, 40, device)
+    seen = []
+
+    def recording(gm, example_inputs):  # dynamo's graph: which op the call was traced to
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        if device.type == "cuda":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)  # inductor needs a C++ toolchain on CPU
+
+    eager = _run(block, leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend=recording)
+    if device.type == "cuda":
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(fallback_random=True):
+            got = _run(compiled, leaves)
+    else:
+        got = _run(compiled, leaves)
+    want_op = "addnorm.triton_add_norm_fwd" if triton_ops.usable(device.type) else "addnorm.add_norm_fwd"
+    assert any(want_op in s for s in seen), seen
+    _same(got, eager, bitwise=device.type != "cuda")  # Inductor may fuse the sums around the op differently
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the triton ops are traced only for CUDA tensors")
+def test_inductor_sees_the_kernels(device):
+    """The compiled code launches addnorm's kernels itself (no opaque op call), forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    block = _block(RMS, 0.1)
+    leaves = _leaves(8, 256, device, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+
+    def step():
+        val = compiled(*leaves)
+        val.backward()
+        return val
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert "_fwd_rows_kernel" in code and "_bwd_rows_kernel" in code, code[:2000]
+    assert "addnorm.triton_add_norm" not in code and "addnorm.add_norm_fwd" not in code
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="opcheck traces the triton ops, which needs CUDA tensors")
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_opcheck_triton_ops(device, is_rms, p):
+    x, r, w, b = _leaves(4, 64, device, torch.bfloat16)
+    b = None if is_rms else b
+    args = (x, r, w, b, 1e-5, is_rms, p, torch.float32, False, True, False, None)
+    # the dropout seed is a random draw: opcheck's repeated runs would compare different masks
+    tests = ("test_schema", "test_faketensor", "test_autograd_registration")
+    if p == 0:
+        tests += ("test_aot_dispatch_dynamic",)
+    torch.library.opcheck(torch.ops.addnorm.triton_add_norm_fwd.default, args, test_utils=tests)
+    out = torch.ops.addnorm.triton_add_norm_fwd(*args)
+    dout = torch.randn_like(out[0])
+    bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, p, False, torch.bfloat16,
+           torch.float32, None if is_rms else torch.bfloat16, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.addnorm.triton_add_norm_bwd.default, bwd)
+
+
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_opcheck_add_norm_ops_in_the_interpreter(device, is_rms):
+    """The opaque ops on the triton backend pass opcheck wherever the kernels run (here: the interpreter on CPU)."""
+    x, r, w, b = _leaves(3, 32, device)
+    b = None if is_rms else b
+    args = (x, r, w, b, 1e-5, is_rms, 0.0, torch.float32, False, True, "triton", False, None)
+    torch.library.opcheck(torch.ops.addnorm.add_norm_fwd.default, args)
+    out = torch.ops.addnorm.add_norm_fwd(*args)
+    dout = torch.randn_like(out[0])
+    bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, 0.0, False, torch.float32,
+           torch.float32, None if is_rms else torch.float32, "triton", False)  # fmt: skip
+    torch.library.opcheck(torch.ops.addnorm.add_norm_bwd.default, bwd)
