@@ -29,8 +29,8 @@ fi
 # one file for the environment: the device tool brings back at most 8 files, and ADDNORM_BENCH_LAYER=1 writes 8 with it
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
 
-echo "== Triton tests on CUDA"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
+echo "== Triton tests on CUDA (kernels, and the triton ops under torch.compile)"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton_add_norm.py tests/test_triton_ops.py --durations=5 2>&1 | tee "$RESULTS/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
 

@@ -19,7 +19,8 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
 Layout of the work:
-- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``): a program holds BLOCK_M whole rows in
+- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
+  ``max_bwd_block_n_rms_16bit``): a program holds BLOCK_M whole rows in
   registers (BLOCK_M > 1 for small N, e.g. QK-norm's N = 128); the backward is persistent: a bounded set of
   programs (about 2x the SM count) walks the rows and keeps its dw/db partial sums in registers.
 - looped path (wider rows): the forward loops over column tiles twice (stats + residual_out, then normalize);
@@ -69,6 +70,13 @@ class Tuning:
 
     max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
     max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
+    # RMSNorm's backward with 2-byte h and dout (bf16/fp16 residual_out and out) keeps rows up to this wide in one
+    # pass (no separate row-sums pass): it has no mean term, and at N = 16384 with 16 warps (32 elements a thread,
+    # wide_bwd_elems_per_thread) sm_90 compiles it to 128 registers and no spills (benchmarks/sm90_static.py); with
+    # 32 warps a thread gets at most 64 registers and spills 16 bytes. An fp32 residual stream spills 148 bytes at
+    # 16384 even with 16 warps, fp32 x 44, LayerNorm 336: they keep max_bwd_block_n.
+    max_bwd_block_n_rms_16bit: int = 16384
+    wide_bwd_elems_per_thread: int = 32  # the backward's rows kernel on rows wider than max_bwd_block_n
     loop_block_n: int = 4096  # column tile of the looped path
     rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
@@ -563,11 +571,12 @@ def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
     return seed, dropout_threshold(p), hi, mid, lo
 
 
-def _warps(elems: int) -> int:
+def _warps(elems: int, per_thread: int | None = None) -> int:
     # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
     # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
-    # count (hence occupancy) roughly halves with each halving of elements per thread.
-    return min(32, max(4, _pow2(elems) // (32 * TUNING.elems_per_thread)))
+    # count (hence occupancy) roughly halves with each halving of elements per thread. The exception: the RMSNorm
+    # backward's widest rows (Tuning.max_bwd_block_n_rms_16bit), where 32 warps cap a thread at 64 registers.
+    return min(32, max(4, _pow2(elems) // (32 * (per_thread or TUNING.elems_per_thread))))
 
 
 @functools.cache
@@ -655,17 +664,21 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
         ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None, CAST_BEFORE_WEIGHT=cast,
     )  # fmt: skip
-    blocks = _rows_blocks(m, n, TUNING.max_bwd_block_n)
+    max_block_n = TUNING.max_bwd_block_n
+    if is_rms and h.element_size() <= 2 and dout.element_size() <= 2:
+        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
+    blocks = _rows_blocks(m, n, max_block_n)
     if blocks is not None:
         block_m, block_n = blocks
+        elems = block_m * block_n
+        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
         programs = min(_programs(h.device), triton.cdiv(m, block_m))
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
         _kernel(_bwd_rows_kernel, traceable)[(programs,)](
             dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
-            **flags, RELOAD_W=block_m * block_n > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=_warps(block_m * block_n),
+            **flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )  # fmt: skip
     else:
         block_n = _loop_block(TUNING.max_bwd_block_n)
