@@ -185,3 +185,62 @@ def test_opcheck_add_norm_ops_in_the_interpreter(device, is_rms):
     bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, 0.0, False, torch.float32,
            torch.float32, None if is_rms else torch.float32, "triton", False)  # fmt: skip
     torch.library.opcheck(torch.ops.addnorm.add_norm_bwd.default, bwd)
+
+
+# What AOTAutograd makes of the triton ops, seen without a GPU: fake CUDA tensors (FakeTensorMode needs no device),
+# traced by aot_function in a subprocess (this process built the kernels for the interpreter, whose kernels cannot
+# be traced). The graphs must hold the kernels as triton_kernel_wrapper_functional nodes, no opaque addnorm op.
+_TRACE_SCRIPT = r"""
+import contextlib, json, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from functorch.compile import aot_function, make_boxed_func
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from addnorm.ops import triton_add_norm as T, triton_ops  # noqa: F401 - registers the ops
+T._programs = lambda device: 264  # no device properties to read on fake tensors
+T._device_guard = lambda device: contextlib.nullcontext()
+graphs = []
+
+def keep(gm, inputs):
+    graphs.append([(str(n.target), n.kwargs.get("kernel_idx")) for n in gm.graph.nodes if n.op == "call_function"])
+    return make_boxed_func(gm)
+
+def fwd(x, r, w):
+    return torch.ops.addnorm.triton_add_norm_fwd(x, r, w, None, 1e-5, True, 0.1, torch.bfloat16, False, True)[:2]
+
+def bwd(dout, h, w, rstd, seed):
+    return torch.ops.addnorm.triton_add_norm_bwd(dout, None, h, w, rstd.new_empty(0), rstd, seed, True, 0.1, False,
+                                                 torch.bfloat16, torch.bfloat16, None)
+
+with FakeTensorMode():
+    x, r = (torch.empty(8, 16384, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.empty(16384, device="cuda", dtype=torch.bfloat16)
+    rstd, seed = torch.empty(8, device="cuda"), torch.empty((), device="cuda", dtype=torch.int64)
+    for fn, args in ((fwd, (x, r, w)), (bwd, (x, r, w, rstd, seed))):
+        try:
+            aot_function(fn, fw_compiler=keep)(*args)
+        except RuntimeError:  # running the graph on fake CUDA tensors without CUDA: only the trace matters
+            pass
+names = {i: kernel_side_table.get_kernel(i).fn.__name__ for i in range(len(kernel_side_table.id_to_kernel))}
+print(json.dumps([[(t, names.get(k)) for t, k in g] for g in graphs]))
+"""
+
+
+def test_triton_ops_decompose_into_their_kernels(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(T.__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fwd, bwd = json.loads(done.stdout.strip().splitlines()[-1])
+    kernels = lambda g: [k for t, k in g if "triton_kernel_wrapper_functional" in t]  # noqa: E731
+    assert kernels(fwd) == ["_fwd_rows_kernel"], fwd
+    assert ["aten.randint.low"] == [t for t, _ in fwd if "randint" in t]  # the dropout seed, drawn in the graph
+    # bf16 RMSNorm at N = 16384: the one-pass backward (Tuning.max_bwd_block_n_rms_16bit)
+    assert kernels(bwd) == ["_bwd_rows_kernel"], bwd
+    assert not any("addnorm" in t for t, _ in fwd + bwd), (fwd, bwd)
