@@ -540,6 +540,11 @@ def _bwd_tiles_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: in Triton 3.9 that is a constexpr function whose Python call costs more than the arithmetic
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -554,6 +559,7 @@ def _f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
+@functools.lru_cache(maxsize=64)  # a model uses a few eps values: the split is paid once each, not per call
 def _split(v: float) -> tuple[float, float]:
     """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
     hi = _f32(v)
@@ -564,11 +570,16 @@ def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
     """(Seed, keep threshold, scale in three fp32 parts) for the kernels; the seed stays a device tensor."""
     if not p > 0:
         return dummy, 0, 1.0, 0.0, 0.0
+    return (seed, *_dropout_scalars(p))
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout_scalars(p: float) -> tuple[int, float, float, float]:
     s = 1.0 / (1.0 - p)  # the fp64 scale; fp32 statistics use its rounding (hi), fp64 the exact sum of the parts
     hi = _f32(s)
     mid = _f32(s - hi)
     lo = _f32(s - hi - mid)
-    return seed, dropout_threshold(p), hi, mid, lo
+    return dropout_threshold(p), hi, mid, lo
 
 
 def _warps(elems: int, per_thread: int | None = None) -> int:
@@ -642,7 +653,7 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
         block_m, block_n = blocks
-        grid = (triton.cdiv(m, block_m),)
+        grid = (_cdiv(m, block_m),)
         _kernel(_fwd_rows_kernel, traceable)[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                                    num_warps=_warps(block_m * block_n))  # fmt: skip
     else:
@@ -672,7 +683,7 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         block_m, block_n = blocks
         elems = block_m * block_n
         warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
-        programs = min(_programs(h.device), triton.cdiv(m, block_m))
+        programs = min(_programs(h.device), _cdiv(m, block_m))
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
         _kernel(_bwd_rows_kernel, traceable)[(programs,)](
@@ -689,8 +700,8 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
             HAS_WEIGHT=weight is not None, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n,
             num_warps=_warps(block_n),
         )  # fmt: skip
-        tiles = triton.cdiv(n, block_n)
-        groups = max(1, min(m, triton.cdiv(_programs(h.device), tiles)))
+        tiles = _cdiv(n, block_n)
+        groups = max(1, min(m, _cdiv(_programs(h.device), tiles)))
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
         _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
@@ -721,7 +732,8 @@ def _interpreted() -> bool:
 
 def unavailable_reason(device: torch.device) -> str | None:
     """None when the Triton kernels can run on ``device``, else a sentence saying why not."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if triton is None:
         return "triton is not installed: pip install 'addnorm[triton]'"
     if device.type == "cuda":
