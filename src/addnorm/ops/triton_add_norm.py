@@ -722,7 +722,10 @@ def _device_guard(device: torch.device):
     (device_map) is not always the tensors'. A no-op when they are on the current device, or on CPU."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device.index)
-    return contextlib.nullcontext()
+    return _NO_GUARD
+
+
+_NO_GUARD = contextlib.nullcontext()  # reusable, and one fewer object per call
 
 
 def _interpreted() -> bool:
