@@ -6,8 +6,8 @@
    drawn on the GPU and read inside the kernel), and the op's outputs hold no CPU tensor;
 2. torch.compile(mode="reduce-overhead") of a function with the dropout op: Inductor's count of CUDA-graph skips
    stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip), and dynamo breaks no graph;
-   Inductor sees the kernels: the compiled forward and backward launch addnorm's Triton kernels themselves through
-   the triton ops (addnorm.ops.triton_ops), with no opaque addnorm op call left in the code;
+   Inductor sees the kernels: the compiled forward and backward, and the in-place serving op, launch addnorm's
+   Triton kernels themselves through the triton ops (addnorm.ops.triton_ops), no opaque addnorm op call left;
 3. device guard: tensors on cuda:1 while cuda:0 is current give the reference backend's result on cuda:1 (skipped
    with one GPU);
 4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones.
@@ -112,10 +112,23 @@ def main() -> int:
         code = "\n".join(codes)
         launched = [k for k in ("_fwd_rows_kernel", "_bwd_rows_kernel") if k in code]
         opaque = "torch.ops.addnorm" in code
+
+        def serve(x, r, w):  # the in-place serving op, compiled as a decode step would be
+            addnorm.add_rms_norm_(x, r, w, 1e-6, backend="triton")
+            return x
+
+        xi, ri = x.clone(), r.clone()
+        with torch.inference_mode():
+            _, codes = run_and_get_code(torch.compile(serve, fullgraph=True), xi, ri, w)
+        inplace_code = "\n".join(codes)
+        inplace_ok = "_fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
+        exp_out, exp_res = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
+        inplace_ok = inplace_ok and torch.equal(xi, exp_out) and torch.equal(ri, exp_res)
         breaks = sum(counters["graph_break"].values())
-        ok = len(launched) == 2 and not opaque and not breaks and xl.grad is not None
+        ok = len(launched) == 2 and not opaque and not breaks and xl.grad is not None and inplace_ok
         return ("PASS" if ok else "FAIL"), (f"kernels in the compiled code: {launched}; opaque addnorm op call: "
-                                             f"{opaque}; graph breaks: {breaks}")
+                                             f"{opaque}; in-place op compiled to the kernel and equal to eager: "
+                                             f"{inplace_ok}; graph breaks: {breaks}")
 
     def device_guard():
         if torch.cuda.device_count() < 2:

@@ -43,7 +43,8 @@ def _block(is_rms, p):
             out, res = add_rms_norm(x, r, w, 1e-6, dropout_p=p, backend="triton")
         else:
             out, res = add_layer_norm(x, r, w, b, 1e-5, dropout_p=p, backend="triton")
-        return (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum() + res.float().square().sum()
+        ramp = torch.linspace(-1, 1, out.shape[-1], device=out.device)
+        return (out.float() * ramp).sum() + res.float().square().sum()
 
     return block
 
@@ -99,6 +100,26 @@ def test_ops_equal_add_norm_ops(device, is_rms, p):
     assert all(torch.equal(u, v) for u, v in zip(got, want))
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_inplace_op_equals_add_norm_inplace_op(device, is_rms, contiguous):
+    """Called directly, addnorm::triton_add_norm_ writes what addnorm::add_norm_ writes, bit for bit; inputs that
+    are not contiguous go out of place and are copied back."""
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randn(5, 2 * 48 if not contiguous else 48, generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    w, b = torch.randn(48, generator=g).to(device), torch.randn(48, generator=g).to(device)
+    b = None if is_rms else b
+    results = []
+    for op in (torch.ops.addnorm.triton_add_norm_, torch.ops.addnorm.add_norm_):
+        x, r = (t.to(device).clone() if contiguous else t.to(device).clone()[:, ::2] for t in base)
+        assert x.is_contiguous() == contiguous
+        extra = () if op is torch.ops.addnorm.triton_add_norm_ else ("triton",)
+        op(x, r, w, b, 1e-5, is_rms, False, True, *extra)
+        results.append((x.clone(), r.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][1], base[1].to(device) if contiguous else base[1].to(device)[:, ::2])
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
 def test_compile_fullgraph_equals_eager(device, is_rms, p):
@@ -151,7 +172,45 @@ def test_inductor_sees_the_kernels(device):
     _, codes = run_and_get_code(step)
     code = "\n".join(codes)
     assert "_fwd_rows_kernel" in code and "_bwd_rows_kernel" in code, code[:2000]
-    assert "addnorm.triton_add_norm" not in code and "addnorm.add_norm_fwd" not in code
+    assert "torch.ops.addnorm" not in code  # no op call left (comments may still name the op a node came from)
+
+
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+def test_compile_inplace_equals_eager(device, is_rms):
+    """The in-place serving ops compiled (fullgraph): on CUDA through addnorm::triton_add_norm_, elsewhere through
+    addnorm::add_norm_; x and residual end as the eager call leaves them."""
+    from addnorm import add_layer_norm_, add_rms_norm_
+
+    def step(x, r, w, b):
+        if is_rms:
+            add_rms_norm_(x, r, w, 1e-6, backend="triton")
+        else:
+            add_layer_norm_(x, r, w, b, 1e-5, backend="triton")
+        return x * 2
+
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        if device.type == "cuda":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    g = torch.Generator().manual_seed(2)
+    shapes = ((6, 64), (6, 64), (64,), (64,))
+    x, r, w, b = (torch.randn(*s, generator=g, dtype=torch.bfloat16).to(device) for s in shapes)
+    xe, re_ = x.clone(), r.clone()
+    with torch.no_grad():
+        want = step(xe, re_, w, b)
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend=recording)(x, r, w, b)
+    op = "addnorm.triton_add_norm_" if triton_ops.usable(device.type) else "addnorm.add_norm_"
+    assert any(op in t for t in seen), seen
+    assert torch.equal(x, xe) and torch.equal(r, re_) and torch.equal(got, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="opcheck traces the triton ops, which needs CUDA tensors")
@@ -207,6 +266,10 @@ def keep(gm, inputs):
 def fwd(x, r, w):
     return torch.ops.addnorm.triton_add_norm_fwd(x, r, w, None, 1e-5, True, 0.1, torch.bfloat16, False, True)[:2]
 
+def inplace(x, r, w):
+    torch.ops.addnorm.triton_add_norm_(x, r, w, None, 1e-5, True, False, False)
+    return x, r
+
 def bwd(dout, h, w, rstd, seed):
     return torch.ops.addnorm.triton_add_norm_bwd(dout, None, h, w, rstd.new_empty(0), rstd, seed, True, 0.1, False,
                                                  torch.bfloat16, torch.bfloat16, None)
@@ -215,7 +278,7 @@ with FakeTensorMode():
     x, r = (torch.empty(8, 16384, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.empty(16384, device="cuda", dtype=torch.bfloat16)
     rstd, seed = torch.empty(8, device="cuda"), torch.empty((), device="cuda", dtype=torch.int64)
-    for fn, args in ((fwd, (x, r, w)), (bwd, (x, r, w, rstd, seed))):
+    for fn, args in ((fwd, (x, r, w)), (bwd, (x, r, w, rstd, seed)), (inplace, (x, r, w))):
         try:
             aot_function(fn, fw_compiler=keep)(*args)
         except RuntimeError:  # running the graph on fake CUDA tensors without CUDA: only the trace matters
@@ -237,10 +300,11 @@ def test_triton_ops_decompose_into_their_kernels(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    fwd, bwd = json.loads(done.stdout.strip().splitlines()[-1])
+    fwd, bwd, inplace = json.loads(done.stdout.strip().splitlines()[-1])
     kernels = lambda g: [k for t, k in g if "triton_kernel_wrapper_functional" in t]  # noqa: E731
     assert kernels(fwd) == ["_fwd_rows_kernel"], fwd
     assert ["aten.randint.low"] == [t for t, _ in fwd if "randint" in t]  # the dropout seed, drawn in the graph
     # bf16 RMSNorm at N = 16384: the one-pass backward (Tuning.max_bwd_block_n_rms_16bit)
     assert kernels(bwd) == ["_bwd_rows_kernel"], bwd
-    assert not any("addnorm" in t for t, _ in fwd + bwd), (fwd, bwd)
+    assert kernels(inplace) == ["_fwd_rows_kernel"], inplace  # the in-place serving op
+    assert not any("addnorm" in t for t, _ in fwd + bwd + inplace), (fwd, bwd, inplace)

@@ -45,7 +45,8 @@ The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``a
 fake implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces through them without a
 graph break. On CUDA tensors compiled graphs run the Triton backend through ``addnorm::triton_add_norm_fwd``/``_bwd``
 instead (:mod:`addnorm.ops.triton_ops`): the same arguments and autograd, but triton ops whose kernel launches
-Inductor sees. Eager calls use neither: a plain autograd.Function calls the kernels (no dispatcher in the way). The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
+Inductor sees. Eager calls use neither: a plain autograd.Function calls the kernels (no dispatcher in the way).
+The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
 
 What composes with what: every backend works under autocast (the op takes each tensor's dtype as given),
 ``no_grad``/``inference_mode``, activation checkpointing (the dropout seed comes from torch's generator, which

@@ -5,8 +5,9 @@ Inductor cannot look into. ``addnorm::triton_add_norm_fwd``/``triton_add_norm_bw
 kernel launch wrapped by ``torch.library.wrap_triton``: AOTAutograd decomposes the op into its allocations and
 ``triton_kernel_wrapper_functional`` nodes, and Inductor schedules those kernels with the rest of the graph (and can
 capture them in its CUDA graphs). Arguments, results and autograd are add_norm_fwd's/add_norm_bwd's (less
-``backend``); compiled graphs with ``backend="triton"`` on CUDA tensors use these ops, eager calls keep the plain
-autograd.Function of :mod:`addnorm.ops.add_norm` (no dispatch at all).
+``backend``); ``addnorm::triton_add_norm_`` is the in-place serving op ``addnorm::add_norm_`` likewise. Compiled
+graphs with ``backend="triton"`` on CUDA tensors use these ops; eager calls keep the plain autograd.Function of
+:mod:`addnorm.ops.add_norm` and the direct kernel call of :mod:`addnorm.ops.add_norm_inplace` (no dispatch at all).
 
 Why CUDA only (torch 2.13, triton 3.9). A triton_op registers its implementation as its own fake kernel (it must be
 traceable on fake tensors), and under ``TRITON_INTERPRET=1`` ``wrap_triton`` returns the interpreted kernel
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops import triton_add_norm as T
-from addnorm.ops.add_norm import _backward, _setup_context, draw_seed
+from addnorm.ops.add_norm import _backward, _setup_context, draw_seed, stats_dtype
 
 __all__ = ["usable"]
 
@@ -92,8 +93,39 @@ def _bwd(
     return tuple(g if g is not None else dout.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
+def _inplace(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    zero_centered_weight: bool,
+    cast_before_weight: bool,
+) -> None:
+    """addnorm::add_norm_ on the Triton kernels (the serving ops of addnorm.ops.add_norm_inplace): residual <- x +
+    residual, x <- norm(residual), written in place; inputs the kernels cannot write (not contiguous) are computed
+    out of place and copied back."""
+    n = x.shape[-1]
+    opts = dict(eps=eps, dropout_p=0.0, seed=None, zero_centered_weight=zero_centered_weight,
+                cast_before_weight=cast_before_weight, traceable=True)  # fmt: skip
+    if x.is_contiguous() and residual.is_contiguous():
+        x2, r2 = x.view(-1, n), residual.view(-1, n)
+        sd = stats_dtype(x.dtype, residual.dtype)
+        rstd = torch.empty(x2.shape[0], dtype=sd, device=x.device)
+        mean = None if is_rms else torch.empty(x2.shape[0], dtype=sd, device=x.device)
+        T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, **opts)
+        return
+    out, res, _, _ = T.forward(x.reshape(-1, n), residual.reshape(-1, n), weight, bias, is_rms=is_rms,
+                               residual_dtype=residual.dtype, store_residual_out=True, out_dtype=x.dtype,
+                               **opts)  # fmt: skip
+    residual.copy_(res.view(residual.shape))
+    x.copy_(out.view(x.shape))
+
+
 _fwd_op = torch.library.triton_op("addnorm::triton_add_norm_fwd", _fwd, mutates_args=())
 _bwd_op = torch.library.triton_op("addnorm::triton_add_norm_bwd", _bwd, mutates_args=())
+_inplace_op = torch.library.triton_op("addnorm::triton_add_norm_", _inplace, mutates_args=("x", "residual"))
 
 
 def _bwd_call(dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype, residual_dtype,
@@ -121,3 +153,4 @@ _table = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels
 if isinstance(_table, dict):
     _table["addnorm::triton_add_norm_fwd"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
     _table["addnorm::triton_add_norm_bwd"] = [T._bwd_rows_kernel, T._bwd_row_sums_kernel, T._bwd_tiles_kernel]
+    _table["addnorm::triton_add_norm_"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
