@@ -288,7 +288,38 @@ print(json.dumps([[(t, names.get(k)) for t, k in g] for g in graphs]))
 """
 
 
-def test_triton_ops_decompose_into_their_kernels(tmp_path):
+# The autograd of the triton op as AOTAutograd traces it: the joint forward + backward graph of a loss through
+# addnorm::triton_add_norm_fwd (CPU tensors, kernels not interpreted: tracing needs no GPU; running the graph would,
+# so only the trace is kept, by the partition function).
+_JOINT_SCRIPT = r"""
+import json, torch
+from functorch.compile import aot_function, make_boxed_func, default_partition
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from addnorm.ops import triton_ops  # noqa: F401 - registers the ops
+joint = []
+
+def record(joint_module, joint_inputs, **kw):
+    nodes = [n for n in joint_module.graph.nodes if n.op == "call_function"]
+    joint.extend((str(n.target), n.kwargs.get("kernel_idx")) for n in nodes)
+    return default_partition(joint_module, joint_inputs, **kw)
+
+def loss(x, r, w):
+    out, res = torch.ops.addnorm.triton_add_norm_fwd(x, r, w, None, 1e-5, True, 0.1, torch.float32, False, True)[:2]
+    return out.sum() + res.square().sum()
+
+x, r, w = torch.randn(8, 256, requires_grad=True), torch.randn(8, 256, requires_grad=True), torch.randn(256)
+boxed = lambda g, _: make_boxed_func(g)  # noqa: E731
+try:
+    aot_function(loss, fw_compiler=boxed, bw_compiler=boxed, partition_fn=record)(x, r, w.requires_grad_())
+except RuntimeError:  # no GPU driver to launch on: only the trace matters
+    pass
+names = {i: kernel_side_table.get_kernel(i).fn.__name__ for i in range(len(kernel_side_table.id_to_kernel))}
+print(json.dumps([(t, names.get(k)) for t, k in joint]))
+"""
+
+
+def _run_uninterpreted(script, tmp_path):
+    """The script's last line of output, parsed: run without TRITON_INTERPRET (this process interprets)."""
     import json
     import os
     import subprocess
@@ -298,9 +329,21 @@ def test_triton_ops_decompose_into_their_kernels(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(T.__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    fwd, bwd, inplace = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_triton_op_autograd_traces_to_both_kernels(tmp_path):
+    joint = _run_uninterpreted(_JOINT_SCRIPT, tmp_path)
+    kernels = [k for t, k in joint if "triton_kernel_wrapper_functional" in t]
+    assert kernels == ["_fwd_rows_kernel", "_bwd_rows_kernel"], joint
+    assert ["aten.randint.low"] == [t for t, _ in joint if "randint" in t]  # drawn once; the backward reuses it
+    assert not any("addnorm" in t for t, _ in joint), joint
+
+
+def test_triton_ops_decompose_into_their_kernels(tmp_path):
+    fwd, bwd, inplace = _run_uninterpreted(_TRACE_SCRIPT, tmp_path)
     kernels = lambda g: [k for t, k in g if "triton_kernel_wrapper_functional" in t]  # noqa: E731
     assert kernels(fwd) == ["_fwd_rows_kernel"], fwd
     assert ["aten.randint.low"] == [t for t, _ in fwd if "randint" in t]  # the dropout seed, drawn in the graph
