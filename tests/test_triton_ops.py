@@ -230,6 +230,10 @@ def test_opcheck_triton_ops(device, is_rms, p):
     bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, p, False, torch.bfloat16,
            torch.float32, None if is_rms else torch.bfloat16, False)  # fmt: skip
     torch.library.opcheck(torch.ops.addnorm.triton_add_norm_bwd.default, bwd)
+    if p == 0:  # the in-place serving op (no dropout of its own): the same inputs, written in place
+        inplace = (x.detach().clone(), r.detach().clone(), w.detach(), None if b is None else b.detach(), 1e-5,
+                   is_rms, False, False)  # fmt: skip
+        torch.library.opcheck(torch.ops.addnorm.triton_add_norm_.default, inplace)
 
 
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
@@ -244,6 +248,9 @@ def test_opcheck_add_norm_ops_in_the_interpreter(device, is_rms):
     bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, 0.0, False, torch.float32,
            torch.float32, None if is_rms else torch.float32, "triton", False)  # fmt: skip
     torch.library.opcheck(torch.ops.addnorm.add_norm_bwd.default, bwd)
+    inplace = (x.detach().clone(), r.detach().clone(), w.detach(), None if b is None else b.detach(), 1e-5, is_rms,
+               False, False, "triton")  # fmt: skip
+    torch.library.opcheck(torch.ops.addnorm.add_norm_.default, inplace)
 
 
 # What AOTAutograd makes of the triton ops, seen without a GPU: fake CUDA tensors (FakeTensorMode needs no device),
