@@ -108,8 +108,8 @@ def run(device: str, shapes, reps: int, inner: int) -> tuple[list[dict], dict]:
 def markdown(rows: list[dict], env: dict) -> str:
     load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
     lines = [
-        f"{env['date']} - {env['device']}, {env['cores']} cores, torch {env['torch']}, one torch thread; load "
-        f"average before {load(env['loadavg_before'])}, after {load(env['loadavg_after'])}",
+        f"`{env['command']}`: {env['date']} - {env['device']}, {env['cores']} cores, torch {env['torch']}, one torch "
+        f"thread; load average before {load(env['loadavg_before'])}, after {load(env['loadavg_after'])}",
         "",
         "| M x N | mode | contender | best us | median us | x eager |",
         "|---|---|---|---:|---:|---:|",

@@ -5,7 +5,9 @@
 1. graph capture: a CUDA graph captured around a dropout call draws a fresh mask at every replay (the seed is
    drawn on the GPU and read inside the kernel), and the op's outputs hold no CPU tensor;
 2. torch.compile(mode="reduce-overhead") of a function with the dropout op: Inductor's count of CUDA-graph skips
-   stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip);
+   stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip), and dynamo breaks no graph;
+   Inductor sees the kernels: the compiled forward and backward, and the in-place serving op, launch addnorm's
+   Triton kernels themselves through the triton ops (addnorm.ops.triton_ops), no opaque addnorm op call left;
 3. device guard: tensors on cuda:1 while cuda:0 is current give the reference backend's result on cuda:1 (skipped
    with one GPU);
 4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones;
@@ -80,14 +82,57 @@ def main() -> int:
             out, res = addnorm.add_rms_norm(x, r, w, dropout_p=0.1, backend="triton")
             return out.float().sum() + res.float().sum()
 
+        torch._dynamo.reset()
         cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
         vals = [cf(x, r, w).item() for _ in range(4)]
         skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
-        if skips:
-            return "FAIL", f"Inductor skipped CUDA graphs {skips} time(s)"
+        breaks = sum(counters["graph_break"].values())
+        if skips or breaks:
+            return "FAIL", f"Inductor skipped CUDA graphs {skips} time(s); dynamo graph breaks: {breaks}"
         if len(set(vals)) == 1:
             return "FAIL", "every call gave the same value: the dropout mask did not change between replays"
-        return "PASS", f"no CUDA-graph skip; 4 calls, {len(set(vals))} different results"
+        return "PASS", f"no CUDA-graph skip, no graph break; 4 calls, {len(set(vals))} different results"
+
+    def inductor_sees_kernels():
+        from torch._dynamo.utils import counters
+        from torch._inductor.utils import run_and_get_code
+
+        counters.clear()
+        torch._dynamo.reset()
+        xl, rl, wl = (t.float().requires_grad_(True) for t in (x, r, w))
+
+        def f(x, r, w):
+            out, res = addnorm.add_rms_norm(x, r, w, dropout_p=0.1, backend="triton")
+            return out.square().sum() + res.sum()
+
+        cf = torch.compile(f, fullgraph=True)
+
+        def step():
+            val = cf(xl, rl, wl)
+            val.backward()
+            return val
+
+        _, codes = run_and_get_code(step)
+        code = "\n".join(codes)
+        launched = [k for k in ("_fwd_rows_kernel", "_bwd_rows_kernel") if k in code]
+        opaque = "torch.ops.addnorm" in code
+
+        def serve(x, r, w):  # the in-place serving op, compiled as a decode step would be
+            addnorm.add_rms_norm_(x, r, w, 1e-6, backend="triton")
+            return x
+
+        xi, ri = x.clone(), r.clone()
+        with torch.inference_mode():
+            _, codes = run_and_get_code(torch.compile(serve, fullgraph=True), xi, ri, w)
+        inplace_code = "\n".join(codes)
+        inplace_ok = "_fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
+        exp_out, exp_res = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
+        inplace_ok = inplace_ok and torch.equal(xi, exp_out) and torch.equal(ri, exp_res)
+        breaks = sum(counters["graph_break"].values())
+        ok = len(launched) == 2 and not opaque and not breaks and xl.grad is not None and inplace_ok
+        return ("PASS" if ok else "FAIL"), (f"kernels in the compiled code: {launched}; opaque addnorm op call: "
+                                             f"{opaque}; in-place op compiled to the kernel and equal to eager: "
+                                             f"{inplace_ok}; graph breaks: {breaks}")
 
     def device_guard():
         if torch.cuda.device_count() < 2:
@@ -148,6 +193,7 @@ def main() -> int:
 
     check("graph capture with dropout", graph_capture)
     check("compile reduce-overhead", reduce_overhead)
+    check("Inductor sees the Triton kernels", inductor_sees_kernels)
     check("device guard (cuda:1)", device_guard)
     check("shared dresidual, in-place ops", shared_grad_and_inplace)
     check("composed features and compat APIs", composed_features)

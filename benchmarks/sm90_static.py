@@ -102,6 +102,8 @@ def shapes_for(which: str) -> list[Shape]:
             Shape(dtype=torch.bfloat16, is_rms=True, m=2, n=70000, residual_dtype=torch.float32,
                   options="cast,zc,dropout"),
             Shape(dtype=torch.float64, is_rms=False, m=2, n=20000, options="zc,dropout"),
+            # RMSNorm's widest one-pass backward (Tuning.max_bwd_block_n_rms_16bit): 16 warps, must not spill
+            Shape(dtype=torch.bfloat16, is_rms=True, m=4, n=16384, options="cast,zc,dropout"),
         ]  # fmt: skip
     # the benchmark's shapes: M * N = 2^26 elements, bf16, a residual of x's dtype, weight (and bias for LayerNorm)
     return [Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n)

@@ -35,6 +35,7 @@ KNOBS: dict[str, tuple[int, ...]] = {
     "rows_block_elems": (2048, 4096, 8192),
     "max_fwd_block_n": (8192, 16384, 32768),
     "max_bwd_block_n": (4096, 8192, 16384),
+    "max_bwd_block_n_rms_16bit": (8192, 16384),  # 8192: RMSNorm's N = 16384 backward back on row sums + tiles
     "loop_block_n": (2048, 4096, 8192),
     "programs_per_sm": (1, 2, 4, 8),
 }
@@ -53,9 +54,10 @@ def settings(knobs: dict[str, tuple[int, ...]]) -> list[tuple[str, int, T.Tuning
     return out
 
 
-def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str) -> tuple:
+def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str, rms_16bit: bool = False) -> tuple:
     """The blocks the launchers pick under ``tuning`` for ``mode`` (rows path: (BLOCK_M, BLOCK_N); looped: BLOCK_N)
-    and the elements per thread that set the warps: two settings with the same plan launch the same kernels."""
+    and the elements per thread that set the warps: two settings with the same plan launch the same kernels.
+    ``rms_16bit``: RMSNorm on 2-byte types, whose backward has its own row limit (max_bwd_block_n_rms_16bit)."""
 
     def path(max_block_n: int):
         return T._rows_blocks(m, n, max_block_n) or min(tuning.loop_block_n, max_block_n)
@@ -64,8 +66,13 @@ def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str) -> tuple:
     try:
         T.TUNING = tuning  # _rows_blocks reads rows_block_elems from the module's TUNING
         fwd = path(tuning.max_fwd_block_n) if mode != "bwd" else None
-        bwd = path(tuning.max_bwd_block_n) if mode != "fwd" else None
-        return fwd, bwd, tuning.elems_per_thread, tuning.programs_per_sm if mode != "fwd" else None
+        bwd_limit = tuning.max_bwd_block_n
+        if rms_16bit:
+            bwd_limit = max(bwd_limit, tuning.max_bwd_block_n_rms_16bit)
+        bwd = path(bwd_limit) if mode != "fwd" else None
+        wide = isinstance(bwd, tuple) and bwd[1] > tuning.max_bwd_block_n  # those rows run wide_bwd_elems_per_thread
+        return (fwd, bwd, tuning.elems_per_thread, tuning.wide_bwd_elems_per_thread if wide else None,
+                tuning.programs_per_sm if mode != "fwd" else None)
     finally:
         T.TUNING = saved
 
@@ -75,13 +82,14 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                                      cfg.warmup, max(cfg.reps, 10))  # fmt: skip
     rows = []
     saved = T.TUNING
+    rms_16bit = cfg.norm == "rms" and bench.DTYPES[cfg.dtype].itemsize == 2
     try:
         for n in cfg.sizes:
             m = max(1, cfg.elements // n)
             timed: dict[tuple, dict] = {}
             for knob, value, tuning in settings(knobs):
                 for mode in cfg.modes:
-                    plan = _launch_plan(tuning, m, n, mode)
+                    plan = _launch_plan(tuning, m, n, mode, rms_16bit)
                     if (plan, mode) in timed:  # same kernels as a setting already timed: nothing new to learn
                         continue
                     T.TUNING = tuning

@@ -20,7 +20,7 @@ from addnorm.reference import stats_naive  # noqa: E402
 from addnorm.testing import assert_close, oracle  # noqa: E402
 
 LN, RMS = False, True
-TINY = T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, loop_block_n=32)
+TINY = T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +116,55 @@ def test_options(device, m, n, dtype, is_rms, opts):
     out, res_out = check_against_oracle(is_rms, *inputs, **kw)
     if residual_dtype is not None:
         assert res_out.dtype == residual_dtype and out.dtype == dtype
+
+
+class _Launches:
+    """Stands in for a kernel and records that the launcher picked it."""
+
+    def __init__(self, kernel, seen, name):
+        self.kernel, self.seen, self.name = kernel, seen, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((self.name, kw.get("num_warps")))
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    "dtype, residual_dtype, is_rms, one_pass",
+    [
+        (torch.bfloat16, None, RMS, True),  # 2-byte h and dout: RMSNorm's backward in one pass up to the wider limit
+        (torch.float16, None, RMS, True),
+        (torch.bfloat16, torch.float32, RMS, False),  # an fp32 residual stream: row sums + tiles, as before
+        (torch.float32, None, RMS, False),
+        (torch.bfloat16, None, LN, False),  # LayerNorm keeps max_bwd_block_n
+    ],
+)
+def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual_dtype, is_rms, one_pass):
+    """Tuning.max_bwd_block_n_rms_16bit, scaled down (64 -> 256 here, 8192 -> 16384 as shipped): which kernels the
+    backward launches, with how many warps, and that both routes still match the oracle."""
+    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=256,
+                                              wide_bwd_elems_per_thread=2, rows_block_elems=256,
+                                              loop_block_n=32))  # fmt: skip
+    seen = []
+    for name in ("_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel"):
+        monkeypatch.setattr(T, name, _Launches(getattr(T, name), seen, name))
+    kw = {"residual_dtype": residual_dtype} if residual_dtype else {}
+    check_against_oracle(is_rms, *_inputs(5, 200, dtype, device), **kw)
+    if one_pass:  # one row of 256 elements (rows_block_elems) at 2 a thread: 4 warps
+        assert seen == [("_bwd_rows_kernel", 4)]
+    else:
+        assert [name for name, _ in seen] == ["_bwd_row_sums_kernel", "_bwd_tiles_kernel"]
+
+
+def test_backward_warps_as_shipped():
+    """The shipped limits: RMSNorm's backward rows of 16384 run 16 warps (32 elements a thread; 32 warps would cap
+    a thread at 64 registers and spill), narrower rows keep 8 elements a thread."""
+    assert T.TUNING.max_bwd_block_n_rms_16bit == 16384
+    assert T._warps(16384, T.TUNING.wide_bwd_elems_per_thread) == 16
+    assert T._warps(8192) == 32 and T._warps(4096) == 16
 
 
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
@@ -388,4 +437,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         div = r["divisible"].split(",")
         assert {"X", "Out", "Rstd"} <= set(div) or {"DOut", "H", "Rstd"} <= set(div), r
     assert any("N" in r["divisible"].split(",") for r in rows if r["n"] == 70000), rows
+    # RMSNorm's backward at N = 16384 in one pass (Tuning.max_bwd_block_n_rms_16bit): 16 warps, no spill at all
+    wide = [r for r in rows if r["n"] == 16384 and r["name"].startswith("_bwd")]
+    assert [(r["name"], r["num_warps"]) for r in wide] == [("_bwd_rows_kernel", 16)], wide
+    assert wide[0]["spill_stores"] == wide[0]["spill_loads"] == 0, wide
     assert not any("N" in r["divisible"].split(",") for r in rows if r["n"] == 300), rows

@@ -43,7 +43,10 @@ way: the backward computes it once and autograd receives the same tensor as both
 
 The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd``, with
 fake implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces through them without a
-graph break. The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
+graph break. On CUDA tensors compiled graphs run the Triton backend through ``addnorm::triton_add_norm_fwd``/``_bwd``
+instead (:mod:`addnorm.ops.triton_ops`): the same arguments and autograd, but triton ops whose kernel launches
+Inductor sees. Eager calls use neither: a plain autograd.Function calls the kernels (no dispatcher in the way).
+The ``torch`` backend is plain PyTorch: the readable reference, the fallback and the baseline.
 
 What composes with what: every backend works under autocast (the op takes each tensor's dtype as given),
 ``no_grad``/``inference_mode``, activation checkpointing (the dropout seed comes from torch's generator, which
@@ -70,6 +73,7 @@ from addnorm.reference import acc_dtype, dropout_keep_mask, dropout_scale
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPE_SET = frozenset(_FLOAT_DTYPES)  # membership by hash, for tensor dtypes: every call checks 2-4
 
 
 def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +89,7 @@ def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtyp
 def _check_float(name: str, t: Tensor) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in _FLOAT_DTYPE_SET:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
@@ -103,7 +107,7 @@ def _check_affine(name: str, p: Tensor | None, n: int, x: Tensor) -> None:
     if p is None:
         return
     _check_float(name, p)
-    if tuple(p.shape) != (n,):
+    if p.shape != (n,):
         raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
     if p.device != x.device:
         raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
@@ -121,13 +125,18 @@ def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None
     _check_affine("weight", weight, n, x)
     _check_affine("bias", bias, n, x)
     # before eps: eps=None is derived from residual_dtype
-    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
+    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:  # (any value: no hashing)
         raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
-    # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them
-    if not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+    if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+    if not _is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def _is_real(v) -> bool:
+    # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them; float
+    # and int first, since an isinstance check against the ABC costs about a microsecond on every call
+    return type(v) is float or type(v) is int or isinstance(v, numbers.Real)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -306,7 +315,9 @@ def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_
     )
 
 
-def _setup_context(ctx, inputs, output, *, eager: bool = False):
+def _setup_context(ctx, inputs, output, *, eager: bool = False, bwd_op=None):
+    """Saves what the backward needs. ``bwd_op``: the backward op of a compiled graph, called with add_norm_bwd's
+    arguments (None: addnorm::add_norm_bwd; the triton ops of addnorm.ops.triton_ops pass their own)."""
     x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *rest = inputs
     cbw = bool(rest and rest[0])  # the op's last arguments have defaults: called positionally, they may be absent
     out, res_out, mean, rstd, seed = output
@@ -316,6 +327,7 @@ def _setup_context(ctx, inputs, output, *, eager: bool = False):
     ctx.has_residual_out = store
     ctx.out_dtype = out.dtype
     ctx.eager = eager
+    ctx.bwd_op = bwd_op
     if not eager:
         ctx.mark_non_differentiable(mean, rstd, seed)
 
@@ -336,7 +348,7 @@ def _backward_saved(ctx, saved, dout, dres_out):
     # value: the kernel writes it once (as dx) and autograd gets that tensor for both (25% fewer backward bytes).
     # The custom op cannot return one tensor twice, so the sharing happens here, at the autograd level.
     shared = residual_dtype == x_dtype and dropout_p == 0
-    bwd = _bwd_impl if ctx.eager else torch.ops.addnorm.add_norm_bwd
+    bwd = _bwd_impl if ctx.eager else ctx.bwd_op or torch.ops.addnorm.add_norm_bwd
     dx, dres, dw, db = bwd(
         dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype,
         None if shared else residual_dtype, bias_dtype, backend, cbw,
@@ -382,7 +394,9 @@ class _EagerAddNorm(torch.autograd.Function):
     autograd.Function; compiled graphs use the registered ops."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, x, residual, weight, bias, opts):
+        # the options arrive as one tuple: apply() inspects every argument for tensors, so 5 cost less than 13
+        inputs = (x, residual, weight, bias, *opts)
         output = _fwd_raw(*inputs)  # None for absent outputs: an autograd.Function needs no placeholders
         _setup_context(ctx, inputs, output, eager=True)
         return output[0], output[1]
@@ -392,11 +406,17 @@ class _EagerAddNorm(torch.autograd.Function):
         # grad mode is on here only under create_graph=True; the kernels never build a graph of their own
         saved = ctx.saved_tensors  # once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack
         with torch.no_grad():
-            grads = _backward_saved(ctx, saved, dout, dres_out)
+            grads = _backward_saved(ctx, saved, dout, dres_out)[:4]
         depends_on = [t for t in (dout, dres_out, *saved[:2]) if t is not None and t.requires_grad]
         if torch.is_grad_enabled() and depends_on:
             grads = _NoSecondDerivative.apply(ctx.opts[-1], grads, *depends_on)
-        return grads
+        return (*grads, None)
+
+
+# autograd.Function.apply without its Python wrapper, which binds default arguments (this forward has none) and
+# unwraps dead functorch wrappers (_add_norm never reaches a kernel backend under a functorch transform): ~3 us a
+# call. The wrapper's path where this private attribute is missing.
+_eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _EagerAddNorm.apply)
 
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
@@ -417,15 +437,32 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
     args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
             backend, cast_before_weight, out_dtype)  # fmt: skip
     if torch.compiler.is_compiling():
-        out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
+        if backend == "triton" and _triton_op_usable(x.device.type):
+            # the triton op: Inductor sees (and can graph) the kernels themselves, not an opaque call
+            out, res_out = torch.ops.addnorm.triton_add_norm_fwd(*args[:10], *args[11:])[:2]
+        else:
+            out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, r2, weight, bias)):
-        out, res_out = _EagerAddNorm.apply(*args)
+        out, res_out = _eager_apply(x2, r2, weight, bias, args[4:])
     else:  # nothing to differentiate (inference, no_grad): no autograd node, straight to the kernel
         out, res_out = _fwd_raw(*args)[:2]
     if x.dim() != 2:
         out = out.reshape(shape)
         res_out = res_out.reshape(shape) if store else None
     return out, (res_out if store else x)
+
+
+def _triton_op_usable(device_type: str) -> bool:
+    """Whether compiled graphs run the Triton backend through the triton ops of :mod:`addnorm.ops.triton_ops`
+    (CUDA tensors, compiled kernels) rather than the opaque addnorm::add_norm_fwd (see that module for why)."""
+    from addnorm.ops.triton_ops import usable
+
+    return usable(device_type)
+
+
+# A constant for dynamo, like resolve_backend_for_trace: run once at trace time (it imports the module that
+# registers the triton ops), not traced
+_triton_op_usable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Nothing of (M, N) size is allocated on the kernel backends (``cpu``, ``triton``)
 residual (only the (M,) statistics are scratch). The ``torch`` and ``reference`` backends compute out of place and
 copy back. Inference only: no dropout, no autograd (a tensor that requires grad is an error). Under
 ``torch.compile`` the kernel backends run as the custom op ``addnorm::add_norm_``, which declares that it mutates
-x and residual, so ``fullgraph=True`` traces through it.
+x and residual, so ``fullgraph=True`` traces through it (the Triton backend on CUDA tensors as the triton op
+``addnorm::triton_add_norm_``, whose kernels Inductor sees: :mod:`addnorm.ops.triton_ops`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from addnorm.ops.add_norm import (
     _default_rms_eps,
     _torch_add_norm,
+    _triton_op_usable,
     _validate,
     stats_dtype,
 )
@@ -116,6 +118,8 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
         name = resolve_backend_for_trace(backend, x.device.type)
         if name == "torch":
             _inplace_impl(*args, name)  # plain PyTorch: traced as it is
+        elif name == "triton" and _triton_op_usable(x.device.type):
+            torch.ops.addnorm.triton_add_norm_(*args)  # a triton op: Inductor sees the kernels (addnorm.ops.triton_ops)
         else:
             torch.ops.addnorm.add_norm_(*args, name)
     else:

@@ -75,7 +75,8 @@ def kernel_module(name: str) -> ModuleType:
 
 def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | None:
     """None if backend ``name`` can run on ``device``, else a sentence saying why not."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):  # (every op call comes here: torch.device() is not free)
+        device = torch.device(device)
     if name == "torch":
         return None
     if name not in KERNEL_BACKENDS:

@@ -19,7 +19,8 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
 Layout of the work:
-- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``): a program holds BLOCK_M whole rows in
+- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
+  ``max_bwd_block_n_rms_16bit``): a program holds BLOCK_M whole rows in
   registers (BLOCK_M > 1 for small N, e.g. QK-norm's N = 128); the backward is persistent: a bounded set of
   programs (about 2x the SM count) walks the rows and keeps its dw/db partial sums in registers.
 - looped path (wider rows): the forward loops over column tiles twice (stats + residual_out, then normalize);
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -67,6 +70,13 @@ class Tuning:
 
     max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
     max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
+    # RMSNorm's backward with 2-byte h and dout (bf16/fp16 residual_out and out) keeps rows up to this wide in one
+    # pass (no separate row-sums pass): it has no mean term, and at N = 16384 with 16 warps (32 elements a thread,
+    # wide_bwd_elems_per_thread) sm_90 compiles it to 128 registers and no spills (benchmarks/sm90_static.py); with
+    # 32 warps a thread gets at most 64 registers and spills 16 bytes. An fp32 residual stream spills 148 bytes at
+    # 16384 even with 16 warps, fp32 x 44, LayerNorm 336: they keep max_bwd_block_n.
+    max_bwd_block_n_rms_16bit: int = 16384
+    wide_bwd_elems_per_thread: int = 32  # the backward's rows kernel on rows wider than max_bwd_block_n
     loop_block_n: int = 4096  # column tile of the looped path
     rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
@@ -533,32 +543,54 @@ def _bwd_tiles_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: in Triton 3.9 that is a constexpr function whose Python call costs more than the arithmetic
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _f32(v: float) -> float:
+    """v rounded to the nearest fp32 value (ties to even), as a Python float. Plain Python, not a torch.tensor
+    round trip: the launchers also run on fake tensors (torch.compile traces them through the triton ops of
+    :mod:`addnorm.ops.triton_ops`), where a tensor's value cannot be read back."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:  # beyond fp32's range: inf, as a torch.float32 conversion gives
+        return math.copysign(math.inf, v)
+
+
+@functools.lru_cache(maxsize=64)  # a model uses a few eps values: the split is paid once each, not per call
 def _split(v: float) -> tuple[float, float]:
     """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
-    hi = float(torch.tensor(v, dtype=torch.float32))
-    return hi, float(torch.tensor(v - hi, dtype=torch.float32))
+    hi = _f32(v)
+    return hi, _f32(v - hi)
 
 
 def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
     """(Seed, keep threshold, scale in three fp32 parts) for the kernels; the seed stays a device tensor."""
     if not p > 0:
         return dummy, 0, 1.0, 0.0, 0.0
+    return (seed, *_dropout_scalars(p))
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout_scalars(p: float) -> tuple[int, float, float, float]:
     s = 1.0 / (1.0 - p)  # the fp64 scale; fp32 statistics use its rounding (hi), fp64 the exact sum of the parts
-    hi = float(torch.tensor(s, dtype=torch.float32))
-    mid = float(torch.tensor(s - hi, dtype=torch.float32))
-    lo = float(torch.tensor(s - hi - mid, dtype=torch.float32))
-    return seed, dropout_threshold(p), hi, mid, lo
+    hi = _f32(s)
+    mid = _f32(s - hi)
+    lo = _f32(s - hi - mid)
+    return dropout_threshold(p), hi, mid, lo
 
 
-def _warps(elems: int) -> int:
+def _warps(elems: int, per_thread: int | None = None) -> int:
     # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
     # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
-    # count (hence occupancy) roughly halves with each halving of elements per thread.
-    return min(32, max(4, _pow2(elems) // (32 * TUNING.elems_per_thread)))
+    # count (hence occupancy) roughly halves with each halving of elements per thread. The exception: the RMSNorm
+    # backward's widest rows (Tuning.max_bwd_block_n_rms_16bit), where 32 warps cap a thread at 64 registers.
+    return min(32, max(4, _pow2(elems) // (32 * (per_thread or TUNING.elems_per_thread))))
 
 
 @functools.cache
@@ -595,7 +627,19 @@ def _vec(t: Tensor | None) -> Tensor | None:
     return t.contiguous() if t is not None else None
 
 
-def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast):
+def _kernel(kernel, traceable: bool):
+    """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
+    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton_ops`; an eager
+    launch through the wrapper costs ~1 ms of dispatch)."""
+    if not traceable:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
+                traceable=False):  # fmt: skip
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
     dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
@@ -613,14 +657,16 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
         block_m, block_n = blocks
-        grid = (triton.cdiv(m, block_m),)
-        _fwd_rows_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n))
+        grid = (_cdiv(m, block_m),)
+        _kernel(_fwd_rows_kernel, traceable)[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                   num_warps=_warps(block_m * block_n))  # fmt: skip
     else:
         block_n = _loop_block(TUNING.max_fwd_block_n)
-        _fwd_looped_kernel[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+        _kernel(_fwd_looped_kernel, traceable)[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
-def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast):
+def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast,
+                traceable=False):  # fmt: skip
     m, n = h.shape
     acc = rstd.dtype
     dummy = rstd
@@ -633,32 +679,36 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
         HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
         ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None, CAST_BEFORE_WEIGHT=cast,
     )  # fmt: skip
-    blocks = _rows_blocks(m, n, TUNING.max_bwd_block_n)
+    max_block_n = TUNING.max_bwd_block_n
+    if is_rms and h.element_size() <= 2 and dout.element_size() <= 2:
+        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
+    blocks = _rows_blocks(m, n, max_block_n)
     if blocks is not None:
         block_m, block_n = blocks
-        programs = min(_programs(h.device), triton.cdiv(m, block_m))
+        elems = block_m * block_n
+        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
+        programs = min(_programs(h.device), _cdiv(m, block_m))
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
-        _bwd_rows_kernel[(programs,)](
+        _kernel(_bwd_rows_kernel, traceable)[(programs,)](
             dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
-            **flags, RELOAD_W=block_m * block_n > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=_warps(block_m * block_n),
+            **flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )  # fmt: skip
     else:
         block_n = _loop_block(TUNING.max_bwd_block_n)
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        _bwd_row_sums_kernel[(m,)](
+        _kernel(_bwd_row_sums_kernel, traceable)[(m,)](
             dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n,
             HAS_WEIGHT=weight is not None, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n,
             num_warps=_warps(block_n),
         )  # fmt: skip
-        tiles = triton.cdiv(n, block_n)
-        groups = max(1, min(m, triton.cdiv(_programs(h.device), tiles)))
+        tiles = _cdiv(n, block_n)
+        groups = max(1, min(m, _cdiv(_programs(h.device), tiles)))
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        _bwd_tiles_kernel[(tiles, groups)](
+        _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
             dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part,
             dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
             **flags, BLOCK_N=block_n, num_warps=_warps(block_n),
@@ -676,7 +726,10 @@ def _device_guard(device: torch.device):
     (device_map) is not always the tensors'. A no-op when they are on the current device, or on CPU."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device.index)
-    return contextlib.nullcontext()
+    return _NO_GUARD
+
+
+_NO_GUARD = contextlib.nullcontext()  # reusable, and one fewer object per call
 
 
 def _interpreted() -> bool:
@@ -686,7 +739,8 @@ def _interpreted() -> bool:
 
 def unavailable_reason(device: torch.device) -> str | None:
     """None when the Triton kernels can run on ``device``, else a sentence saying why not."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if triton is None:
         return "triton is not installed: pip install 'addnorm[triton]'"
     if device.type == "cuda":
@@ -708,7 +762,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None, traceable=False):  # fmt: skip
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
@@ -716,23 +770,25 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
     forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight)  # fmt: skip
+                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
+                 traceable=traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
 def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
-                 cast_before_weight=False):  # fmt: skip
+                 cast_before_weight=False, traceable=False):  # fmt: skip
     """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None:
     RMSNorm). out may be x and res_out the residual (the in-place ops): each element is read before it is written,
-    by the thread that writes it, and out is written only after the row's statistics (after all of x was read)."""
+    by the thread that writes it, and out is written only after the row's statistics (after all of x was read).
+    ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
     if x.shape[0] > 0:
         with _device_guard(x.device):
             _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed,
-                        mean is None, zero_centered_weight, cast_before_weight)  # fmt: skip
+                        mean is None, zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
+             residual_dtype, bias_dtype, cast_before_weight=False, traceable=False):  # fmt: skip
     m, n = h.shape
     # incoming gradients can be broadcast views (stride 0); the kernels want unit stride along the row
     if dout.stride(-1) != 1:
@@ -748,7 +804,8 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         return dx, dres, dw, db
     with _device_guard(h.device):
         dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db,
-                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight)  # fmt: skip
+                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight,
+                                       traceable)  # fmt: skip
     # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
     dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(dim=0).to(bias_dtype) if has_db else None
