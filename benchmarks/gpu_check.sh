@@ -5,7 +5,9 @@
 #   3. the graph-safety checks (benchmarks/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
 #      no CUDA-graph skip under reduce-overhead, a tensor on cuda:1 when present, dresidual sharing, in-place ops)
 #      and the per-call host overhead of each backend (benchmarks/bench_overhead.py), both into graph.txt,
-#   4. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144).
+#   4. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144),
+#   5. profile the device kernels of one call (benchmarks/profile_kernels.py) and time a Llama-width transformers
+#      training step unpatched vs hf.apply (benchmarks/bench_hf_llama.py), into profile.txt and hf_llama.md.
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
 # Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
 #                                              ADDNORM_TUNE=1 also sweeps the Triton block sizes, ~3 more minutes)
@@ -49,6 +51,16 @@ echo "== benchmark: add + RMSNorm, bf16"
 timeout 150 python benchmarks/bench_add_norm.py --norm rms --dtype bf16 \
     --sizes 512,1024,4096,16384,65536,262144 --reps 20 --out "$RESULTS" 2>&1 | tee "$RESULTS/bench_rms.txt"
 bench_rc=${PIPESTATUS[0]}
+
+echo "== device kernels per call (torch.profiler): addnorm, eager, Liger"
+# ~20 s: 3 shapes x 2 modes x 3 providers, 5 profiled calls each; shows device time apart from host overhead
+timeout 90 python benchmarks/profile_kernels.py --shapes 16384x4096,65536x1024,4096x16384 2>&1 \
+    | grep -v -i "warn" | tee "$RESULTS/profile.txt"
+
+echo "== transformers Llama training step (hidden 4096, 4 layers, bf16): unpatched vs hf.apply"
+# ~30 s: 3 variants x 13 steps of batch 4 x 2048 tokens
+timeout 120 python benchmarks/bench_hf_llama.py --device cuda --dtype bf16 --layers 4 --hidden 4096 --heads 32 \
+    --vocab 32000 --batch 4 --seq 2048 --repeats 10 --out "$RESULTS/hf_llama.md" 2>&1 | tee -a "$RESULTS/profile.txt"
 
 if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
     echo "== benchmark: add + LayerNorm, bf16"
