@@ -82,7 +82,9 @@ class Tuning:
     interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
     # persistent backward programs per SM: each walks its rows one block at a time, so more programs per SM mean
     # more loads in flight (latency hiding) but more (programs, N) dw/db partial rows to reduce afterwards
-    programs_per_sm: int = 4  # H200 sweep (benchmarks/results/gpu/tune.txt): 2 -> 4, bwd 1.2-1.9x at N 4K-64K
+    # H200, device time (benchmarks/results/gpu/tune.txt): 2 beats 4 by 1.08-1.11x at N = 1024-16384 (rows path)
+    # and loses by 0.88x at 65536 (looped); a first sweep that timed host overhead too had favoured 4
+    programs_per_sm: int = 2
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
