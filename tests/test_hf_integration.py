@@ -443,3 +443,19 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 
 
 # Every family the survey fuses (docs/survey.json) is checked in tests/test_hf_every_family.py.
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("family", ["llama", "gemma", "bert"])
+def test_apply_to_a_model_already_on_the_gpu(family):
+    """hf.apply recognizes the norms of a model that lives on a GPU (the probe runs a CPU copy of each norm) and the
+    patched model, on the Triton backend, gives the unpatched logits (fp32, within the kernels' 1e-5)."""
+    model = _model(family).cuda()
+    ids = _ids().cuda()
+    with torch.no_grad():
+        ref = model(ids).logits
+        hf.apply(model)
+        assert hf.apply_status(model) == "fused", family
+        assert all(p.is_cuda for p in model.parameters())
+        got = model(ids).logits
+    _assert_rel(got, ref, 1e-5, f"{family} logits on the GPU")

@@ -187,7 +187,9 @@ def probe(m: nn.Module) -> NormInfo | None:
 
 
 def _probe(m: nn.Module, params: dict, n: int) -> NormInfo | None:
-    unit = copy.deepcopy(m).float().eval()
+    # probed on CPU whatever the model's device (a copy of one vector or two): the probe's inputs are CPU tensors,
+    # and a model already on a GPU (the usual case for hf.apply) must be recognized all the same
+    unit = copy.deepcopy(m).float().eval().to("cpu")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, n, generator=g) * 2 + 0.5  # an offset tells mean subtraction apart
     # random gains (HF initialises them to 1 or 0, which would hide where and how the weight is applied)
