@@ -232,11 +232,18 @@ def get_sources(suite: Suite, cache: Path, source: Path | None) -> tuple[Path, d
 # A pytest plugin written next to the rewritten files: filters the collected cases (--hidden, --subsample) and
 # records each case's outcome, skip reason and exception type as JSON (what the summary counts).
 PLUGIN = r'''
-import json, os, zlib
+import json, os, time, zlib
 
 _CFG = json.loads(os.environ["ADDNORM_COMPAT_SELECT"])
 _RESULTS = {}
 _DESELECTED = []
+_SELECTED = []
+_SESSION = []
+_START = time.monotonic()
+
+
+def pytest_sessionstart(session):
+    _SESSION.append(session)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -248,6 +255,7 @@ def pytest_collection_modifyitems(config, items):
         ok = ok and zlib.crc32(item.nodeid.encode()) % _CFG["subsample"] == 0
         (keep if ok else drop).append(item)
     _DESELECTED.extend(item.nodeid for item in drop)
+    _SELECTED.extend(item.nodeid for item in keep)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep
@@ -256,6 +264,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     r = _RESULTS.setdefault(report.nodeid, {"outcome": "passed", "duration": 0.0})
     r["duration"] += report.duration
+    limit = _CFG["max_seconds"]
+    if report.when == "teardown" and limit and time.monotonic() - _START > limit and _SESSION:
+        _SESSION[0].shouldstop = "--max-seconds reached"  # stops after this case; the summary counts the rest
     if report.when != "call" and report.passed:
         return
     if hasattr(report, "wasxfail"):
@@ -271,7 +282,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     with open(os.environ["ADDNORM_COMPAT_RESULTS"], "w") as f:
-        json.dump({"cases": _RESULTS, "deselected": len(_DESELECTED)}, f)
+        json.dump({"cases": _RESULTS, "deselected": len(_DESELECTED), "selected": len(_SELECTED)}, f)
 '''
 
 
@@ -324,7 +335,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         rewrites = prepare_run(suite, src, run_dir, args.device, args.seqlen)
         results_path = run_dir / "results.json"
         env = dict(os.environ, ADDNORM_BACKEND=args.backend, ADDNORM_COMPAT_RESULTS=str(results_path),
-                   ADDNORM_COMPAT_SELECT=json.dumps({"hidden": args.hidden, "subsample": args.subsample}))  # fmt: skip
+                   ADDNORM_COMPAT_SELECT=json.dumps({"hidden": args.hidden, "subsample": args.subsample,
+                                                         "max_seconds": args.max_seconds}))  # fmt: skip
         # addnorm itself: whatever this interpreter imports (an install, or PYTHONPATH=src), made absolute
         import addnorm
 
@@ -349,6 +361,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         upstream = "\n".join((src / rel).read_text() for rel in suite.tests)
     summary = summarize(results["cases"], upstream)
     summary["deselected"] = results["deselected"]
+    summary["not_run"] = results["selected"] - len(results["cases"])  # stopped by --max-seconds
     summary.update(suite=suite.name, origin=info["origin"], version=info["version"], files=files,
                    rewrites=rewrites, backend=args.backend, device=args.device, seqlen=args.seqlen,
                    hidden=args.hidden, subsample=args.subsample, pytest_exit=proc.returncode,
@@ -361,6 +374,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
 def print_summary(s: dict) -> None:
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items()))
     counts += f" ({s['deselected']} deselected by --hidden/--subsample)" if s["deselected"] else ""
+    counts += f"; {s['not_run']} NOT RUN (--max-seconds)" if s["not_run"] else ""
     print(f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
           f"missing feature: {s['missing_feature']}; {s['wall_s']} s, load {s['load_before']} -> {s['load_after']}")  # fmt: skip
     for reason, n in s["upstream_skips"].items():
@@ -405,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="flash-attention's seqlen (512 upstream; leave unset to keep it)")  # fmt: skip
     p.add_argument("--hidden", type=_hidden, default=[], help="keep only these hidden sizes, e.g. 192,2048")
     p.add_argument("--subsample", type=_positive, default=1, help="keep a deterministic 1-in-K subset of cases")
+    p.add_argument("--max-seconds", type=_positive, default=None,
+                   help="stop starting new cases after this many seconds per suite (the rest is reported not run)")
     p.add_argument("--source", type=_source, action="append", default=[], metavar="SUITE=DIR",
                    help="use the upstream files in DIR (offline) instead of fetching them")  # fmt: skip
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)")
@@ -431,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         from addnorm.io import atomic_write_json
 
         atomic_write_json(args.json, summaries)
-    ok = all(not s["failures"] and s["missing_feature"] == 0 and s["counts"] for s in summaries)
+    ok = all(not s["failures"] and not s["missing_feature"] and not s["not_run"] and s["counts"] for s in summaries)
     return 0 if ok else 1
 
 
