@@ -119,9 +119,10 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
             rules.append(Rule(f"seqlen = 512 -> {seqlen}", r"^(\s*)seqlen = 512$", rf"\g<1>seqlen = {seqlen}"))
         return rules
     if suite == "liger":
+        mark = "  # addnorm compat_suites: device rewrite\n"
         infer = Rule(f"import: liger_kernel.utils.infer_device -> returns {device!r}",
                      r"^from liger_kernel\.utils import infer_device$",
-                     f"def infer_device():  # addnorm compat_suites: device rewrite\n    return {device!r}")  # fmt: skip
+                     f"def infer_device():{mark}    return {device!r}")  # fmt: skip
         if path.endswith("test_fused_add_rms_norm.py"):
             return [
                 Rule("import: liger_kernel.* -> addnorm.compat.liger",
@@ -139,7 +140,7 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
         if path == "test/conftest.py":
             return [Rule("import: liger_kernel.utils.is_npu_available -> False",
                          r"^from liger_kernel\.utils import is_npu_available$",
-                         "def is_npu_available():  # addnorm compat_suites: device rewrite\n    return False")]  # fmt: skip
+                         f"def is_npu_available():{mark}    return False")]  # fmt: skip
         return []
     raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
 
@@ -340,8 +341,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         # addnorm itself: whatever this interpreter imports (an install, or PYTHONPATH=src), made absolute
         import addnorm
 
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(addnorm.__file__).parents[1])] + ([env["PYTHONPATH"]]
-                                                                                      if env.get("PYTHONPATH") else []))  # fmt: skip
+        paths = [str(Path(addnorm.__file__).parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:rerunfailures",
                "-p", "_addnorm_compat_plugin",
                "--rootdir", str(run_dir), *suite.tests, *args.pytest_args]  # fmt: skip
@@ -376,7 +377,8 @@ def print_summary(s: dict) -> None:
     counts += f" ({s['deselected']} deselected by --hidden/--subsample)" if s["deselected"] else ""
     counts += f"; {s['not_run']} NOT RUN (--max-seconds)" if s["not_run"] else ""
     print(f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
-          f"missing feature: {s['missing_feature']}; {s['wall_s']} s, load {s['load_before']} -> {s['load_after']}")  # fmt: skip
+          f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
+          f"load {s['load_before']} -> {s['load_after']}")  # fmt: skip
     for reason, n in s["upstream_skips"].items():
         print(f"   skipped by the upstream test itself ({n}): {reason}")
     for reason, n in s["other_skips"].items():
@@ -423,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop starting new cases after this many seconds per suite (the rest is reported not run)")
     p.add_argument("--source", type=_source, action="append", default=[], metavar="SUITE=DIR",
                    help="use the upstream files in DIR (offline) instead of fetching them")  # fmt: skip
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                   help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the summaries as JSON")
     p.epilog += "\n\nExtra pytest arguments go after --, e.g. `... flash-attn -- -x --durations=10`."
     argv = sys.argv[1:] if argv is None else list(argv)
