@@ -256,10 +256,13 @@ def pytest_collection_modifyitems(config, items):
         ok = ok and zlib.crc32(item.nodeid.encode()) % _CFG["subsample"] == 0
         (keep if ok else drop).append(item)
     _DESELECTED.extend(item.nodeid for item in drop)
-    _SELECTED.extend(item.nodeid for item in keep)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+def pytest_collection_finish(session):
+    _SELECTED.extend(item.nodeid for item in session.items)  # after every filter (ours, -k, -m)
 
 
 def pytest_runtest_logreport(report):

@@ -129,6 +129,10 @@ def test_layer_norm(hidden_size, has_x1):
 
 def test_feature():
     pytest.skip("a missing " + "feature")
+
+
+def test_other():
+    assert False, "deselected by -k in the run below"
 '''
 
 
@@ -138,8 +142,8 @@ def test_end_to_end_on_a_synthetic_suite_from_a_local_folder(tmp_path, capsys):
     (src / "tests/ops/triton/test_layer_norm.py").write_text(SYNTHETIC)
     (src / "SOURCE.json").write_text(json.dumps({"origin": "synthetic", "version": "abc123"}))
     out = tmp_path / "summary.json"
-    rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8",
-                  "--backend", "torch", "--cache", str(tmp_path / "cache"), "--json", str(out)])  # fmt: skip
+    rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
+                  "torch", "--cache", str(tmp_path / "cache"), "--json", str(out), "--", "-k", "not other"])  # fmt: skip
     assert rc == 1  # the non-upstream skip is a missing feature
     [s] = json.loads(out.read_text())
     assert s["version"] == "abc123" and s["backend"] == "torch"
@@ -150,6 +154,7 @@ def test_end_to_end_on_a_synthetic_suite_from_a_local_folder(tmp_path, capsys):
     assert any("seqlen = 512 -> 4" in r for r in s["rewrites"])
     assert s["files"]["tests/ops/triton/test_layer_norm.py"] == cs.sha256(src / "tests/ops/triton/test_layer_norm.py")
     assert "abc123" in capsys.readouterr().out
+    assert s["not_run"] == 0  # what pytest's own -k deselects is neither run nor "not run"
     assert not (tmp_path / "cache").exists()  # a local folder is used as is, nothing fetched
 
 
