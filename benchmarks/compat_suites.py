@@ -168,12 +168,13 @@ def _source_info(folder: Path) -> dict:
     info_path = folder / "SOURCE.json"
     if info_path.exists():
         return json.loads(info_path.read_text())
-    try:  # a git checkout
-        commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()  # fmt: skip
-        return {"origin": f"git checkout {folder}", "version": commit}
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    if (folder / ".git").exists():  # a checkout of the upstream repository (not a folder inside another one)
+        try:
+            commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()  # fmt: skip
+            return {"origin": f"git checkout {folder}", "version": commit}
+        except (OSError, subprocess.CalledProcessError):
+            pass
     pkg_info = folder / "PKG-INFO"
     if pkg_info.exists():
         m = re.search(r"^Version: (.+)$", pkg_info.read_text(), flags=re.MULTILINE)
