@@ -221,11 +221,11 @@ def mix32(z: int) -> int:
 def _mix32_t(z: Tensor) -> Tensor:
     """lowbias32 on int64 tensors holding values in [0, 2^32). The second multiplier is used as its negative
     two's-complement twin so that no int64 product overflows; the low 32 bits are the same."""
-    z = z ^ (z >> 16)
-    z = (z * MIX_M1) & _M32
-    z = z ^ (z >> 15)
-    z = (z * (MIX_M2 - (1 << 32))) & _M32
-    return z ^ (z >> 16)
+    z = z ^ (z >> 16)  # a new tensor: the in-place steps below never touch the caller's
+    z.mul_(MIX_M1).bitwise_and_(_M32)  # in place: each step of an (M, N) mask otherwise allocates 8 bytes/element
+    z.bitwise_xor_(z >> 15)
+    z.mul_(MIX_M2 - (1 << 32)).bitwise_and_(_M32)
+    return z.bitwise_xor_(z >> 16)
 
 
 def dropout_threshold(p: float) -> int:
@@ -249,7 +249,12 @@ def dropout_keep_mask(seed: int | Tensor, rows: int, cols: int, p: float, device
     else:
         s = mix32((int(seed) + DROPOUT_SEED_OFFSET) & _M32)
     idx = torch.arange(rows * cols, dtype=torch.int64, device=device).reshape(rows, cols)
-    z = _mix32_t((idx & _M32) ^ _mix32_t((idx >> 32) ^ s))
+    if rows * cols <= 1 << 32:
+        # every index's hi word is 0, so the inner hash is one value, mix32(s): computed once, not per element
+        # (this halves the mask's cost; the composed paths and the torch backend draw their masks here)
+        z = _mix32_t(idx ^ (_mix32_t(s) if isinstance(s, Tensor) else mix32(s)))
+    else:
+        z = _mix32_t((idx & _M32) ^ _mix32_t((idx >> 32) ^ s))
     return (z >> 8) >= dropout_threshold(p)
 
 

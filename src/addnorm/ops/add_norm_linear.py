@@ -4,7 +4,8 @@
 
 The forward keeps residual_out (the block needs it anyway), the weights, and not y: the backward recomputes y
 from residual_out (statistics included: one more row reduction in exchange for one fewer (M, N) activation per
-call), then runs the norm's backward through addnorm's op. The norm follows :mod:`addnorm.ops.add_norm`'s
+call), then runs the norm's backward written out in the statistics dtype (no torch.autograd.grad inside the
+autograd.Function, so torch.compile(fullgraph=True) traces it). The norm follows :mod:`addnorm.ops.add_norm`'s
 contract (it is computed by :func:`addnorm.ops.add_norm_multi.add_norm_multi`, so RMSNorm may have a bias), the
 recomputed y is bitwise the forward's (same values, same backend), and no dropout is offered (flash-attention's
 ``layer_norm_linear_fn`` has none either).
@@ -42,22 +43,32 @@ class _AddNormLinear(torch.autograd.Function):
     def backward(ctx, dout, dres):
         res, nw, nb, lw = ctx.saved_tensors
         eps, is_rms, od, zc, backend, x_dtype, r_dtype, has_lb, cd = ctx.opts
-        with torch.enable_grad():
-            h = res.detach().to(cd).requires_grad_(True)  # exact upcast: the same value normalized
-            nw_ = None if nw is None else nw.detach().requires_grad_(True)
-            nb_ = None if nb is None else nb.detach().requires_grad_(True)
-            y = add_norm_multi(h, None, nw_, nb_, eps, is_rms=is_rms, residual_dtype=cd, out_dtype=od,
-                               zero_centered_weight=zc, backend=backend).out  # fmt: skip
-            d2 = dout.reshape(-1, dout.shape[-1])
-            y2 = y.detach().to(lw.dtype).reshape(-1, y.shape[-1])
-            dlw = (d2.t() @ y2).to(lw.dtype) if ctx.needs_input_grad[4] else None
-            dlb = d2.sum(0).to(lw.dtype) if has_lb and ctx.needs_input_grad[5] else None
-            dy = (dout @ lw).to(y.dtype)
-            wanted = [t for t in (h, nw_, nb_) if t is not None]
-            grads = list(torch.autograd.grad(y, wanted, dy))
-        dh = grads.pop(0)
-        dnw = grads.pop(0) if nw is not None else None
-        dnb = grads.pop(0) if nb is not None else None
+        h = res.to(cd)  # exact upcast: the same value the forward normalized
+        y = add_norm_multi(h, None, nw, nb, eps, is_rms=is_rms, residual_dtype=cd, out_dtype=od,
+                           zero_centered_weight=zc, backend=backend).out  # fmt: skip
+        d2 = dout.reshape(-1, dout.shape[-1])
+        y2 = y.to(lw.dtype).reshape(-1, y.shape[-1])
+        dlw = (d2.t() @ y2).to(lw.dtype) if ctx.needs_input_grad[4] else None
+        dlb = d2.sum(0).to(lw.dtype) if has_lb and ctx.needs_input_grad[5] else None
+        dy = (dout @ lw).to(od).to(cd)  # the gradient reaching y, in y's dtype, as autograd would deliver it
+        # The norm's backward written out (not torch.autograd.grad through the op, which torch.compile cannot
+        # trace inside an autograd.Function): statistics recomputed in cd from h, then the usual formulas
+        # dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (LayerNorm; RMSNorm drops mean(g)).
+        if is_rms:
+            rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+            xhat = h * rstd
+        else:
+            centered = h - h.mean(-1, keepdim=True)
+            rstd = torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
+            xhat = centered * rstd
+        g = dy if nw is None else dy * (nw.to(cd) + 1 if zc else nw.to(cd))
+        dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
+        if not is_rms:
+            dh = dh - g.mean(-1, keepdim=True)
+        dh = dh * rstd
+        rows = tuple(range(dy.dim() - 1))
+        dnw = (dy * xhat).sum(rows).to(nw.dtype) if nw is not None else None
+        dnb = dy.sum(rows).to(nb.dtype) if nb is not None else None
         if dres is not None:
             dh = dh + dres.to(dh.dtype)
         dx = dh.to(x_dtype)

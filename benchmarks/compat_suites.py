@@ -1,0 +1,462 @@
+"""Run flash-attention's and Liger-Kernel's OWN test files against addnorm.compat (issue 18's "done when").
+
+    python benchmarks/compat_suites.py liger --backend cpu                      # fetches liger-kernel's sdist
+    python benchmarks/compat_suites.py flash-attn --backend cpu --hidden 192    # one hidden size of the grid
+    TRITON_INTERPRET=1 python benchmarks/compat_suites.py flash-attn --backend triton --seqlen 16 --hidden 192
+    python benchmarks/compat_suites.py all --device cuda --backend triton       # a GPU: full grid, full seqlen
+    python benchmarks/compat_suites.py flash-attn --source flash-attn=DIR       # offline: a folder of the files
+
+What it does, per suite:
+
+1. Gets the upstream files into ``--cache`` (default ``.compat-suites/``, git-ignored; reused offline):
+   - liger: ``pip download --no-deps --no-binary :all: liger-kernel==0.8.5`` (the sdist ships ``test/``);
+   - flash-attn: its sdists ship only ``tests/*.py`` (not ``tests/ops/triton/``), so the file is fetched from
+     GitHub at the pinned commit; where GitHub is unreachable, pass a folder holding
+     ``tests/ops/triton/test_layer_norm.py`` with ``--source flash-attn=DIR``.
+   Their files are never committed to this repository. The version/commit and each file's sha256 are printed.
+2. Copies them into a run folder and rewrites ONLY (each rule listed in the summary; a rule that no longer
+   matches the upstream text is an error, not a silent no-op):
+   - imports: ``flash_attn.ops.triton.layer_norm`` / ``liger_kernel.*`` -> ``addnorm.compat.flash_attn`` /
+     ``addnorm.compat.liger``; ``liger_kernel.utils``' ``infer_device``/``is_npu_available`` -> the chosen device;
+     flash-attention's unused ``from einops import rearrange, repeat`` is dropped only when einops is missing;
+   - the device: ``"cuda"`` -> ``--device`` (tensors and autocast), and the two device-capability queries that
+     gate the bf16 cases (flash-attention's ``is_sm8x``, Liger's ``supports_bfloat16``) answer for that device
+     (a CPU runs bf16, so the bf16 half of each grid runs instead of being skipped);
+   - ``--seqlen N``: flash-attention's ``seqlen = 512`` (both tests) becomes N (the issue allows a small sequence
+     length for the Triton interpreter).
+   Every assertion, tolerance and parameter of their tests is left as it is.
+3. Runs pytest on the rewritten files with ``ADDNORM_BACKEND=--backend`` and prints (``--json PATH`` writes) the
+   outcome: passed / failed / skipped with the skip reasons grouped. A skip whose reason is not a string of the
+   upstream file itself, or a failure raising NotImplementedError, counts as "missing feature"; the exit status is
+   0 only with no failure and no missing feature.
+
+``--hidden`` keeps only cases of the given hidden sizes and ``--subsample K`` a deterministic 1-in-K subset (by
+the CRC32 of the test id); both are reported in the summary (the rest counts as deselected, not passed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = ROOT / ".compat-suites"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One textual rewrite of an upstream file: ``pattern`` (a regex, MULTILINE) -> ``replacement``."""
+
+    what: str  # shown in the summary
+    pattern: str
+    replacement: str
+    required: bool = True  # the upstream file must contain it (else the file changed: stop, do not run blindly)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    files: tuple[str, ...]  # upstream paths to fetch (helpers included)
+    tests: tuple[str, ...]  # the test files run
+    pip_spec: str = ""  # an sdist that ships the files
+    github: str = ""  # owner/repo, fetched at `commit` when no sdist ships them
+    commit: str = ""
+
+
+SUITES = {
+    "flash-attn": Suite(
+        "flash-attn",
+        files=("tests/ops/triton/test_layer_norm.py",),
+        tests=("tests/ops/triton/test_layer_norm.py",),
+        github="Dao-AILab/flash-attention",
+        commit="01d6dd193034c92b6f46bc11f01a4c97fdc8aba6",
+    ),
+    "liger": Suite(
+        "liger",
+        files=("test/__init__.py", "test/conftest.py", "test/utils.py", "test/transformers/test_fused_add_rms_norm.py"),
+        tests=("test/transformers/test_fused_add_rms_norm.py",),
+        pip_spec="liger-kernel==0.8.5",
+    ),
+}
+
+
+def _capability(device: str, cuda_expr: str) -> str:
+    """The replacement of a bf16 capability query: unchanged on CUDA, True elsewhere (CPUs run bf16)."""
+    return cuda_expr if device == "cuda" else "True"
+
+
+def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einops: bool) -> list[Rule]:
+    """The rewrites of one upstream file (see the module docstring); nothing else of their files changes."""
+    dev = re.escape('"cuda"')
+    if suite == "flash-attn":
+        rules = [
+            Rule("import: flash_attn.ops.triton.layer_norm -> addnorm.compat.flash_attn",
+                 r"^from flash_attn\.ops\.triton\.layer_?norm import", "from addnorm.compat.flash_attn import"),
+            Rule(f"bf16 gate is_sm8x: answers for {device}",
+                 r'torch\.cuda\.get_device_capability\("cuda"\)\[0\] >= 8',
+                 _capability(device, 'torch.cuda.get_device_capability("cuda")[0] >= 8')),
+            Rule(f'device = "cuda" -> "{device}"', r'^(\s*)device = ' + dev, rf'\1device = "{device}"'),
+            Rule(f'autocast device_type="cuda" -> "{device}"', r'device_type=' + dev, f'device_type="{device}"',
+                 required=False),
+        ]  # fmt: skip
+        if not have_einops:
+            # imported by their file but unused; einops is no dependency of addnorm (checked unused below)
+            rules.append(Rule("drop unused `from einops import rearrange, repeat` (einops not installed)",
+                              r"^from einops import rearrange, repeat\n", "", required=False))  # fmt: skip
+        if seqlen is not None:
+            rules.append(Rule(f"seqlen = 512 -> {seqlen}", r"^(\s*)seqlen = 512$", rf"\g<1>seqlen = {seqlen}"))
+        return rules
+    if suite == "liger":
+        mark = "  # addnorm compat_suites: device rewrite\n"
+        infer = Rule(f"import: liger_kernel.utils.infer_device -> returns {device!r}",
+                     r"^from liger_kernel\.utils import infer_device$",
+                     f"def infer_device():{mark}    return {device!r}")  # fmt: skip
+        if path.endswith("test_fused_add_rms_norm.py"):
+            return [
+                Rule("import: liger_kernel.* -> addnorm.compat.liger",
+                     r"^from liger_kernel\.[\w.]+ import (LigerFusedAddRMSNormFunction|liger_fused_add_rms_norm"
+                     r"|LigerFusedAddRMSNorm)$", r"from addnorm.compat.liger import \1"),
+                infer,
+                Rule(f"bf16 gate supports_bfloat16: answers for {device}",
+                     r"^from test\.utils import supports_bfloat16$",
+                     "from test.utils import supports_bfloat16" if device == "cuda" else
+                     "def supports_bfloat16():  # addnorm compat_suites: device rewrite (a CPU runs bf16)\n"
+                     "    return True"),
+            ]  # fmt: skip
+        if path == "test/utils.py":
+            return [infer]
+        if path == "test/conftest.py":
+            return [Rule("import: liger_kernel.utils.is_npu_available -> False",
+                         r"^from liger_kernel\.utils import is_npu_available$",
+                         f"def is_npu_available():{mark}    return False")]  # fmt: skip
+        return []
+    raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
+
+
+def rewrite(text: str, rules: list[Rule]) -> tuple[str, list[str]]:
+    """Apply ``rules`` to ``text``; returns the new text and one line per rule applied (with its count). A
+    required rule that matches nothing raises ValueError: the upstream file is not the one these rules fit."""
+    done = []
+    for rule in rules:
+        text, n = re.subn(rule.pattern, rule.replacement, text, flags=re.MULTILINE)
+        if n == 0 and rule.required:
+            raise ValueError(f"rewrite rule {rule.what!r} matched nothing: the upstream file changed; check it")
+        if n:
+            done.append(f"{rule.what} (x{n})")
+    if re.search(r"\b(rearrange|repeat)\(", text) and "from einops import" not in text:
+        raise ValueError("the file uses einops but einops is not installed: pip install einops")
+    return text, done
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _source_info(folder: Path) -> dict:
+    info_path = folder / "SOURCE.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    if (folder / ".git").exists():  # a checkout of the upstream repository (not a folder inside another one)
+        try:
+            commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()  # fmt: skip
+            return {"origin": f"git checkout {folder}", "version": commit}
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    pkg_info = folder / "PKG-INFO"
+    if pkg_info.exists():
+        m = re.search(r"^Version: (.+)$", pkg_info.read_text(), flags=re.MULTILINE)
+        return {"origin": f"sdist folder {folder}", "version": m.group(1) if m else "unknown"}
+    return {"origin": f"local folder {folder}", "version": "unknown"}
+
+
+def _fetch_sdist(suite: Suite, dest: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+               suite.pip_spec, "-d", tmp]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        archives = list(Path(tmp).glob("*.tar.gz"))
+        if r.returncode != 0 or not archives:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        with tarfile.open(archives[0]) as tar:
+            top = tar.getnames()[0].split("/")[0]
+            for rel in suite.files:
+                member = tar.extractfile(f"{top}/{rel}")
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                (dest / rel).write_bytes(member.read())
+        return {"origin": f"PyPI sdist {archives[0].name}", "version": suite.pip_spec}
+
+
+def _fetch_github(suite: Suite, dest: Path) -> dict:
+    for rel in suite.files:
+        url = f"https://raw.githubusercontent.com/{suite.github}/{suite.commit}/{rel}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:  # noqa: S310 - a fixed https URL
+                data = resp.read()
+        except OSError as err:
+            raise RuntimeError(
+                f"cannot fetch {url} ({err}). flash-attention's sdists do not ship tests/ops/triton/; pass a folder "
+                f"holding {rel} (a checkout of {suite.github}) with --source {suite.name}=DIR"
+            ) from None
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(data)
+    return {"origin": f"github.com/{suite.github}", "version": suite.commit}
+
+
+def get_sources(suite: Suite, cache: Path, source: Path | None) -> tuple[Path, dict]:
+    """The folder holding the suite's upstream files, and where they came from (fetched once into ``cache``)."""
+    if source is not None:
+        missing = [rel for rel in suite.files if not (source / rel).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--source {suite.name}={source}: missing {', '.join(missing)}")
+        return source, _source_info(source)
+    folder = cache / suite.name
+    if all((folder / rel).is_file() for rel in suite.files):
+        return folder, _source_info(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    info = _fetch_sdist(suite, folder) if suite.pip_spec else _fetch_github(suite, folder)
+    (folder / "SOURCE.json").write_text(json.dumps(info, indent=1) + "\n")
+    return folder, info
+
+
+# A pytest plugin written next to the rewritten files: filters the collected cases (--hidden, --subsample) and
+# records each case's outcome, skip reason and exception type as JSON (what the summary counts).
+PLUGIN = r'''
+import json, os, time, zlib
+
+_CFG = json.loads(os.environ["ADDNORM_COMPAT_SELECT"])
+_RESULTS = {}
+_DESELECTED = []
+_SELECTED = []
+_SESSION = []
+_START = time.monotonic()
+
+
+def pytest_sessionstart(session):
+    _SESSION.append(session)
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        hidden = params.get("hidden_size", params.get("hd"))  # flash-attention's name, Liger's
+        ok = not _CFG["hidden"] or hidden is None or hidden in _CFG["hidden"]
+        ok = ok and zlib.crc32(item.nodeid.encode()) % _CFG["subsample"] == 0
+        (keep if ok else drop).append(item)
+    _DESELECTED.extend(item.nodeid for item in drop)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+def pytest_collection_finish(session):
+    _SELECTED.extend(item.nodeid for item in session.items)  # after every filter (ours, -k, -m)
+
+
+def pytest_runtest_logreport(report):
+    r = _RESULTS.setdefault(report.nodeid, {"outcome": "passed", "duration": 0.0})
+    r["duration"] += report.duration
+    limit = _CFG["max_seconds"]
+    if report.when == "teardown" and limit and time.monotonic() - _START > limit and _SESSION:
+        _SESSION[0].shouldstop = "--max-seconds reached"  # stops after this case; the summary counts the rest
+    if report.when != "call" and report.passed:
+        return
+    if hasattr(report, "wasxfail"):
+        r["outcome"] = "xfailed" if report.skipped else "xpassed"
+    elif report.skipped:
+        r["outcome"] = "skipped"
+        r["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    elif report.failed:
+        r["outcome"] = "failed" if report.when == "call" else "error"
+        crash = getattr(report.longrepr, "reprcrash", None)
+        r["message"] = crash.message if crash is not None else str(report.longrepr)[-500:]
+
+
+def pytest_sessionfinish(session):
+    with open(os.environ["ADDNORM_COMPAT_RESULTS"], "w") as f:
+        json.dump({"cases": _RESULTS, "deselected": len(_DESELECTED), "selected": len(_SELECTED)}, f)
+'''
+
+
+def prepare_run(suite: Suite, src: Path, run_dir: Path, device: str, seqlen: int | None) -> list[str]:
+    """Copy the suite's files into ``run_dir`` with the rewrites applied; returns the rewrites done."""
+    try:
+        import einops  # noqa: F401
+
+        have_einops = True
+    except ImportError:
+        have_einops = False
+    done = []
+    for rel in suite.files:
+        text, applied = rewrite((src / rel).read_text(), rules_for(suite.name, rel, device, seqlen, have_einops))
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
+        done += [f"{rel}: {line}" for line in applied]
+    # their folder, not this repository's pytest settings; Liger's `flaky` mark registered but never acted on
+    (run_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    flaky: pytest-rerunfailures' mark (no reruns here)\n")
+    (run_dir / "_addnorm_compat_plugin.py").write_text(PLUGIN)
+    return done
+
+
+def summarize(results: dict, upstream_text: str) -> dict:
+    """Counts by outcome; skip reasons grouped, split into the upstream file's own skips and any other."""
+    counts: dict[str, int] = {}
+    own_skips: dict[str, int] = {}
+    other_skips: dict[str, int] = {}
+    failures = []
+    missing_feature = 0
+    for nodeid, r in sorted(results.items()):
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        if r["outcome"] == "skipped":
+            reason = r.get("reason", "").removeprefix("Skipped: ")
+            own = reason and (repr(reason)[1:-1] in upstream_text or reason in upstream_text)
+            (own_skips if own else other_skips)[reason] = (own_skips if own else other_skips).get(reason, 0) + 1
+            missing_feature += not own
+        elif r["outcome"] in ("failed", "error"):
+            failures.append(f"{nodeid}: {r.get('message', '')[:300]}")
+            missing_feature += "NotImplementedError" in r.get("message", "")
+    return {"counts": counts, "upstream_skips": own_skips, "other_skips": other_skips,
+            "missing_feature": missing_feature, "failures": failures}  # fmt: skip
+
+
+def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> dict:
+    src, info = get_sources(suite, args.cache, source)
+    files = {rel: sha256(src / rel) for rel in suite.files}
+    with tempfile.TemporaryDirectory(prefix=f"addnorm-{suite.name}-") as tmp:
+        run_dir = Path(tmp)
+        rewrites = prepare_run(suite, src, run_dir, args.device, args.seqlen)
+        results_path = run_dir / "results.json"
+        env = dict(os.environ, ADDNORM_BACKEND=args.backend, ADDNORM_COMPAT_RESULTS=str(results_path),
+                   ADDNORM_COMPAT_SELECT=json.dumps({"hidden": args.hidden, "subsample": args.subsample,
+                                                         "max_seconds": args.max_seconds}))  # fmt: skip
+        # addnorm itself: whatever this interpreter imports (an install, or PYTHONPATH=src), made absolute
+        import addnorm
+
+        paths = [str(Path(addnorm.__file__).parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:rerunfailures",
+               "-p", "_addnorm_compat_plugin",
+               "--rootdir", str(run_dir), *suite.tests, *args.pytest_args]  # fmt: skip
+        print(f"== {suite.name}: {info['origin']} @ {info['version']}", flush=True)
+        for rel, digest in files.items():
+            print(f"   {rel}  sha256 {digest}")
+        print("   rewrites: " + "; ".join(rewrites))
+        print(f"   ADDNORM_BACKEND={args.backend} device={args.device} TRITON_INTERPRET="
+              f"{os.environ.get('TRITON_INTERPRET', '')} hidden={args.hidden or 'all'} subsample=1/{args.subsample}")
+        load_before = os.getloadavg()
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=run_dir, env=env)
+        wall = time.monotonic() - start
+        if not results_path.exists():
+            raise RuntimeError(f"pytest exited with status {proc.returncode} before running any case")
+        results = json.loads(results_path.read_text())
+        upstream = "\n".join((src / rel).read_text() for rel in suite.tests)
+    summary = summarize(results["cases"], upstream)
+    summary["deselected"] = results["deselected"]
+    summary["not_run"] = results["selected"] - len(results["cases"])  # stopped by --max-seconds
+    summary.update(suite=suite.name, origin=info["origin"], version=info["version"], files=files,
+                   rewrites=rewrites, backend=args.backend, device=args.device, seqlen=args.seqlen,
+                   hidden=args.hidden, subsample=args.subsample, pytest_exit=proc.returncode,
+                   wall_s=round(wall, 1), load_before=[round(x, 2) for x in load_before],
+                   load_after=[round(x, 2) for x in os.getloadavg()],
+                   triton_interpret=os.environ.get("TRITON_INTERPRET", ""))  # fmt: skip
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items()))
+    counts += f" ({s['deselected']} deselected by --hidden/--subsample)" if s["deselected"] else ""
+    counts += f"; {s['not_run']} NOT RUN (--max-seconds)" if s["not_run"] else ""
+    print(f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
+          f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
+          f"load {s['load_before']} -> {s['load_after']}")  # fmt: skip
+    for reason, n in s["upstream_skips"].items():
+        print(f"   skipped by the upstream test itself ({n}): {reason}")
+    for reason, n in s["other_skips"].items():
+        print(f"   skipped, NOT an upstream skip ({n}): {reason}")
+    for line in s["failures"][:20]:
+        print(f"   FAILED {line}")
+
+
+def _hidden(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hidden must be comma-separated integers, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _source(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or name not in SUITES:
+        raise argparse.ArgumentTypeError(f"--source must be SUITE=DIR with SUITE one of {sorted(SUITES)}, got {text!r}")
+    if not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"--source {name}: {path!r} is not a folder")
+    return name, Path(path).resolve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))  # fmt: skip
+    p.add_argument("suite", choices=[*SUITES, "all"], help="which upstream test file(s) to run")
+    p.add_argument("--backend", default="cpu", choices=["torch", "reference", "cpu", "triton"],
+                   help="addnorm backend (ADDNORM_BACKEND); triton on CPU needs TRITON_INTERPRET=1")  # fmt: skip
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="replaces their 'cuda' (default cpu)")
+    p.add_argument("--seqlen", type=_positive, default=None,
+                   help="flash-attention's seqlen (512 upstream; leave unset to keep it)")  # fmt: skip
+    p.add_argument("--hidden", type=_hidden, default=[], help="keep only these hidden sizes, e.g. 192,2048")
+    p.add_argument("--subsample", type=_positive, default=1, help="keep a deterministic 1-in-K subset of cases")
+    p.add_argument("--max-seconds", type=_positive, default=None,
+                   help="stop starting new cases after this many seconds per suite (the rest is reported not run)")
+    p.add_argument("--source", type=_source, action="append", default=[], metavar="SUITE=DIR",
+                   help="use the upstream files in DIR (offline) instead of fetching them")  # fmt: skip
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                   help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the summaries as JSON")
+    p.epilog += "\n\nExtra pytest arguments go after --, e.g. `... flash-attn -- -x --durations=10`."
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.pytest_args = pytest_args
+    if args.device == "cuda" and args.backend == "cpu":
+        p.error("--backend cpu runs on CPU tensors; use --device cpu (or --backend triton/torch on cuda)")
+    sources = dict(args.source)
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    summaries = []
+    for name in names:
+        try:
+            summaries.append(run_suite(SUITES[name], args, sources.get(name)))
+        except (RuntimeError, FileNotFoundError, ValueError) as err:
+            print(f"error: {name}: {err}", file=sys.stderr)
+            return 2
+    for s in summaries:
+        print_summary(s)
+    if args.json is not None:
+        from addnorm.io import atomic_write_json
+
+        atomic_write_json(args.json, summaries)
+    ok = all(not s["failures"] and not s["missing_feature"] and not s["not_run"] and s["counts"] for s in summaries)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
