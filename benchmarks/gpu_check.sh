@@ -10,6 +10,7 @@
 #      training step unpatched vs hf.apply (benchmarks/bench_hf_llama.py), into profile.txt and hf_llama.md.
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
 # Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
+#                                              ADDNORM_COMPAT=1 the upstream flash-attention/Liger test files;
 #                                              ADDNORM_TUNE=1 also sweeps the Triton block sizes, ~3 more minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,15 @@ echo "== transformers Llama training step (hidden 4096, 4 layers, bf16): unpatch
 # ~30 s: 3 variants x 13 steps of batch 4 x 2048 tokens
 timeout 120 python benchmarks/bench_hf_llama.py --device cuda --dtype bf16 --layers 4 --hidden 4096 --heads 32 \
     --vocab 32000 --batch 4 --seq 2048 --repeats 10 --out "$RESULTS/hf_llama.md" 2>&1 | tee -a "$RESULTS/profile.txt"
+
+if [ "${ADDNORM_COMPAT:-0}" = "1" ]; then
+    # flash-attention's and Liger's own test files against addnorm.compat on the Triton backend (docs/compat.md);
+    # the machine is offline: .compat-suites/ must travel with the tree (fetched where there is a network)
+    echo "== upstream test files (flash-attention, Liger) on CUDA"
+    timeout 300 python benchmarks/compat_suites.py all --device cuda --backend triton \
+        --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 240 2>&1 \
+        | tail -25 | tee -a "$RESULTS/tests.txt"
+fi
 
 if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
     echo "== benchmark: add + LayerNorm, bf16"
