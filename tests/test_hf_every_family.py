@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
+from addnorm.integrations.norm_probe import randomize_norms
 from addnorm.integrations.survey import report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,22 +38,6 @@ def transformers():
                     "regenerate it with `addnorm survey --docs docs/survey.md --readme README.md`")  # fmt: skip
     t.logging.set_verbosity_error()
     return t
-
-
-def randomize_norms(model: nn.Module, seed: int = 1) -> None:
-    """Random gains and biases for every module the norm probe recognises (gains around 1, or around 0 where the
-    norm scales by 1 + weight)."""
-    from addnorm.integrations import norm_probe
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            info = norm_probe.probe(m) if norm_probe.is_candidate(m) else None
-            if info is None:
-                continue
-            for name, p in m.named_parameters(recurse=False):
-                centre = 0.0 if (name == "bias" or info.zero_centered_weight) else 1.0
-                p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g))
 
 
 def _generation_auto(transformers, model_type: str):

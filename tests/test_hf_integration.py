@@ -39,18 +39,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _randomize_norms(model: nn.Module, seed: int = 1) -> None:
-    """Random gains and biases for every module the norm probe recognises (gains around 1, or around 0 where the
-    norm scales by 1 + weight)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            info = norm_probe.probe(m) if norm_probe.is_candidate(m) else None
-            if info is None:
-                continue
-            for name, p in m.named_parameters(recurse=False):
-                centre = 0.0 if (name == "bias" or info.zero_centered_weight) else 1.0
-                p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g))
+_randomize_norms = norm_probe.randomize_norms
 
 
 def _model(family: str, dtype=torch.float32) -> nn.Module:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["NormInfo", "probe", "is_candidate", "make_addnorm"]
+__all__ = ["NormInfo", "probe", "is_candidate", "make_addnorm", "randomize_norms"]
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
 
@@ -231,3 +231,18 @@ def _with_addnorm(unit: nn.Module, info: NormInfo, x: Tensor) -> NormInfo:
         if _exact(unit, candidate, x):
             return candidate
     return info
+
+
+def randomize_norms(model: nn.Module, seed: int = 1) -> None:
+    """Random gains and biases, in place, for every module :func:`probe` recognises (gains around 1, or around 0
+    where the norm scales by 1 + weight). Models start with gains of 1 and biases of 0, which hide a weight applied
+    in the wrong place or order: checks that compare a patched model with the original randomise them first."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            info = probe(m) if is_candidate(m) else None
+            if info is None:
+                continue
+            for name, p in m.named_parameters(recurse=False):
+                centre = 0.0 if (name == "bias" or info.zero_centered_weight) else 1.0
+                p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
