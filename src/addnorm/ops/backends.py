@@ -105,6 +105,26 @@ def resolve_backend(backend: str, device: torch.device, numel: int | None = None
     ``numel`` (the input's size, when known) lets auto keep tiny CPU tensors on the torch backend."""
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    cacheable = device.type == "cuda" and (backend != "auto" or not os.environ.get(ENV_VAR))
+    if cacheable:
+        hit = _cuda_resolved.get((backend, device))
+        if hit is not None and _modules.get(hit[0]) is hit[1]:
+            return hit[0]
+    name = _resolve(backend, device, numel)
+    if cacheable:
+        _cuda_resolved[(backend, device)] = (name, _modules.get(name))
+    return name
+
+
+# On CUDA a backend that resolved once stays resolvable: what decides it (triton importable, CUDA present) cannot
+# change in a running process, and the availability checks cost microseconds that every call of a decode step
+# pays. Entries hold the kernel module they were resolved with, so replacing the module table (tests do) or an
+# ADDNORM_BACKEND set for auto misses the cache. CPU tensors are not cached: there the triton backend depends on
+# TRITON_INTERPRET, read on every call, and auto on the tensor's size.
+_cuda_resolved: dict = {}
+
+
+def _resolve(backend: str, device: torch.device, numel: int | None) -> str:
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env and env != "auto":

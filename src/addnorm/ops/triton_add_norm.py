@@ -63,7 +63,7 @@ DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEE
 __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "forward_into", "backward"]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per TUNING object
 class Tuning:
     """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
     ``benchmarks/tune_triton.py`` sweeps them on a GPU."""
@@ -640,6 +640,43 @@ def _kernel(kernel, traceable: bool):
     return wrap_triton(kernel)
 
 
+def _fwd_config(m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast):
+    """(rows path?, grid, constexprs and launch options) of the forward for one shape and flag set. The kernel is
+    named by a flag, not held: the cache below would otherwise keep a kernel object that a test has replaced."""
+    meta = dict(
+        HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, IS_RMS=is_rms, ZERO_CENTERED=zc,
+        HAS_DROPOUT=has_dropout, STORE_RESIDUAL_OUT=store_residual_out, CAST_BEFORE_WEIGHT=cast,
+    )  # fmt: skip
+    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
+    if blocks is not None:
+        block_m, block_n = blocks
+        return True, (_cdiv(m, block_m),), dict(meta, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                num_warps=_warps(block_m * block_n))  # fmt: skip
+    block_n = _loop_block(TUNING.max_fwd_block_n)
+    return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=_warps(block_n))
+
+
+# Eager launches look their configuration up here instead of recomputing block sizes, warps and the flag dict on
+# every call (a few microseconds of Python per call, which a decode step on a GPU pays in full). Keyed on the
+# shape and flags; valid for one TUNING object (Tuning is frozen: tests and tune_triton.py replace it, so a new
+# object empties the cache). Traced launches (torch.compile: the shape may be symbolic) compute it afresh.
+_configs: dict = {}
+_configs_tuning: list = [None]
+_CONFIGS_MAX = 1024  # distinct (shape, flags) keys kept: decode batch sizes vary, a model has few widths
+
+
+def _cached_config(make, key):
+    if _configs_tuning[0] is not TUNING:
+        _configs.clear()
+        _configs_tuning[0] = TUNING
+    config = _configs.get(key)
+    if config is None:
+        if len(_configs) >= _CONFIGS_MAX:
+            _configs.clear()
+        config = _configs[key] = make(*key[1:])
+    return config
+
+
 def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
                 traceable=False):  # fmt: skip
     m, n = x.shape
@@ -651,20 +688,10 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
         mean if mean is not None else dummy, rstd, x.stride(0), _row_stride(residual), m, n,
         eps_hi, eps_lo, *_dropout_args(dropout_p, seed, dummy),
     )  # fmt: skip
-    flags = dict(
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        IS_RMS=is_rms, ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_RESIDUAL_OUT=res_out is not None,
-        CAST_BEFORE_WEIGHT=cast,
-    )  # fmt: skip
-    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
-    if blocks is not None:
-        block_m, block_n = blocks
-        grid = (_cdiv(m, block_m),)
-        _kernel(_fwd_rows_kernel, traceable)[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                   num_warps=_warps(block_m * block_n))  # fmt: skip
-    else:
-        block_n = _loop_block(TUNING.max_fwd_block_n)
-        _kernel(_fwd_looped_kernel, traceable)[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+    key = (m, n, residual is not None, weight is not None, bias is not None, is_rms, zc, dropout_p > 0,
+           res_out is not None, cast)  # fmt: skip
+    rows, grid, meta = _fwd_config(*key) if traceable else _cached_config(_fwd_config, ("fwd", *key))
+    _kernel(_fwd_rows_kernel if rows else _fwd_looped_kernel, traceable)[grid](*args, **meta)
 
 
 def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast,
