@@ -2,7 +2,7 @@
 
 Eager calls of a kernel backend skip the custom-op dispatcher (a plain autograd.Function, or no autograd node at all
 when nothing needs a gradient), the Triton launchers cache their launch configuration per shape and flags, and
-``resolve_backend`` remembers CUDA resolutions. Each is checked here against the route it short-cuts: the
+``resolve_backend`` remembers its resolutions. Each is checked here against the route it short-cuts: the
 registered ``addnorm::add_norm_fwd`` op with its registered autograd, the configuration computed afresh, and the
 resolution done again."""
 
@@ -151,25 +151,38 @@ def test_configuration_cache_is_bounded(monkeypatch):
 # ---- resolve_backend's CUDA cache --------------------------------------------------------------------------------
 
 
-def test_cuda_resolution_is_remembered_but_not_across_env_or_module_changes(monkeypatch):
+def test_resolution_is_remembered_but_not_across_env_sizes_or_module_tables(monkeypatch):
     calls = []
-    monkeypatch.setattr(backends, "_cuda_resolved", {})
-    monkeypatch.setattr(backends, "_resolve", lambda b, d, n: calls.append((b, d.type)) or "triton")
+    monkeypatch.setattr(backends, "_resolved", {})
+    monkeypatch.setattr(backends, "_resolve", lambda b, d, n: calls.append((b, d.type, n)) or "triton")
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for _ in range(3):
         assert backends.resolve_backend("triton", cuda) == "triton"
-        assert backends.resolve_backend("auto", cuda) == "triton"
-    assert calls == [("triton", "cuda"), ("auto", "cuda")]
-    backends.resolve_backend("triton", cpu)
-    backends.resolve_backend("triton", cpu)
-    assert calls[2:] == [("triton", "cpu")] * 2  # CPU: never cached (TRITON_INTERPRET, auto's size switch)
+        assert backends.resolve_backend("auto", cuda, 10) == "triton"
+    assert calls == [("triton", "cuda", None), ("auto", "cuda", 10)]
+    tiny, big = backends.AUTO_CPU_MIN_ELEMENTS - 1, backends.AUTO_CPU_MIN_ELEMENTS
+    for _ in range(2):
+        backends.resolve_backend("auto", cpu, tiny)
+        backends.resolve_backend("auto", cpu, big)
+    assert calls[2:] == [("auto", "cpu", tiny), ("auto", "cpu", big)]  # auto's size switch: two entries
     monkeypatch.setenv(backends.ENV_VAR, "torch")
     backends.resolve_backend("auto", cuda)
-    assert calls[-1] == ("auto", "cuda")  # the override is read on every call
+    backends.resolve_backend("auto", cuda)
+    assert calls[4:] == [("auto", "cuda", None)] * 2  # the override is read on every call
     monkeypatch.delenv(backends.ENV_VAR)
-    monkeypatch.setattr(backends, "_modules", {"triton": object()})  # another module than the cached one
+    monkeypatch.setattr(backends, "_modules", {})  # another module table than the cached one
     backends.resolve_backend("triton", cuda)
-    assert calls[-1] == ("triton", "cuda")
+    assert calls[-1] == ("triton", "cuda", None) and len(calls) == 7
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.resolve_backend(["triton"], cuda)  # an unhashable value still gets the argument's error
+
+
+def test_a_failed_resolution_is_not_remembered(monkeypatch):
+    monkeypatch.setattr(backends, "_resolved", {})
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    meta = torch.device("meta")
+    for _ in range(2):
+        with pytest.raises(backends.BackendUnavailableError, match="cpu"):
+            backends.resolve_backend("cpu", meta)
+    assert backends._resolved == {}

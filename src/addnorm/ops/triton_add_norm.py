@@ -810,9 +810,10 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
-    forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
-                 traceable=traceable)  # fmt: skip
+    if m > 0:  # forward_into's body, without its keyword call: this runs on every eager call
+        with _device_guard(x.device):
+            _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
+                        zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
