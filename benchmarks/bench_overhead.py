@@ -105,7 +105,8 @@ def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = F
             if mode == "inference":
                 xi, ri = base[0].clone(), base[1].clone()
                 for b in backends:
-                    cases.append((f"in-place {label(b)}", lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b)))
+                    cases.append((f"in-place {label(b)}",
+                                  lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b)))
                 out, res, rstd = torch.empty_like(x), torch.empty_like(x), torch.empty(m, device=dev)
                 for b in backends:
                     mod = kernel_module(b) if b in ("cpu", "triton") else None
