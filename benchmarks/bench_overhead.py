@@ -3,6 +3,11 @@
     python benchmarks/bench_overhead.py                    # CPU: 8x64 and 8x4096, writes results/overhead.{md,json}
     python benchmarks/bench_overhead.py --device cuda      # a GPU: the triton rows too (host time per call)
     python benchmarks/bench_overhead.py --json --out ''    # rows on stdout, nothing written
+    python benchmarks/bench_overhead.py --triton-python-only   # CPU: + the Triton route with no-op kernels
+
+The ``--triton-python-only`` rows ("... triton (no-op kernels)") run the Triton backend's whole Python path, every
+launch included, on CPU tensors with each kernel launch replaced by a call that does nothing: what a GPU's host
+pays around Triton's own launcher (which is not addnorm's to cut), measured without a GPU.
 
 Each row is the best (and median) wall time of one call, calls repeated back to back; on CUDA the device is
 synchronized once per sample, so the number is what the host spends issuing the call (the kernels of an 8-row
@@ -21,6 +26,7 @@ machine every number is an upper bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,7 +53,27 @@ def _time(fn, sync, reps: int, inner: int) -> tuple[float, float]:
     return min(samples), statistics.median(samples)
 
 
-def run(device: str, shapes, reps: int, inner: int) -> tuple[list[dict], dict]:
+@contextlib.contextmanager
+def _noop_launches(active: bool):
+    """While active, the triton backend's launches are no-ops (its Python runs in full): --triton-python-only."""
+    if not active:
+        yield
+        return
+    from addnorm.ops import triton_add_norm as T
+
+    class NoLaunch:
+        def __getitem__(self, grid):  # kernel[grid](*args, **meta): a call that does nothing
+            return lambda *args, **kwargs: None
+
+    real, no_launch = T._kernel, NoLaunch()
+    T._kernel = lambda kernel, traceable: no_launch
+    try:
+        yield
+    finally:
+        T._kernel = real
+
+
+def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = False) -> tuple[list[dict], dict]:
     import torch
     import torch.nn.functional as F
 
@@ -58,8 +84,9 @@ def run(device: str, shapes, reps: int, inner: int) -> tuple[list[dict], dict]:
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     backends = [b for b in ("torch", "reference", "cpu", "triton") if unavailable_reason(b, dev) is None]
-    if dev.type == "cpu" and "triton" in backends:
+    if dev.type == "cpu" and "triton" in backends and not triton_python_only:
         backends.remove("triton")  # Triton's interpreter: its cost is the interpreter, not addnorm's overhead
+    label = lambda b: f"{b} (no-op kernels)" if b == "triton" and triton_python_only else b  # noqa: E731
     load_before = os.getloadavg()
     rows = []
     for m, n in shapes:
@@ -74,19 +101,20 @@ def run(device: str, shapes, reps: int, inner: int) -> tuple[list[dict], dict]:
 
             cases = [("eager", eager)]
             for b in backends:
-                cases.append((f"addnorm {b}", lambda b=b: addnorm.add_rms_norm(x, r, w, 1e-6, backend=b)))
+                cases.append((f"addnorm {label(b)}", lambda b=b: addnorm.add_rms_norm(x, r, w, 1e-6, backend=b)))
             if mode == "inference":
                 xi, ri = base[0].clone(), base[1].clone()
                 for b in backends:
-                    cases.append((f"in-place {b}", lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b)))
+                    cases.append((f"in-place {label(b)}",
+                                  lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b)))
                 out, res, rstd = torch.empty_like(x), torch.empty_like(x), torch.empty(m, device=dev)
                 for b in backends:
                     mod = kernel_module(b) if b in ("cpu", "triton") else None
                     if mod is not None and hasattr(mod, "forward_into"):
-                        cases.append((f"kernel {b}", lambda mod=mod: mod.forward_into(
+                        cases.append((f"kernel {label(b)}", lambda mod=mod: mod.forward_into(
                             out, res, None, rstd, x, r, w, None, eps=1e-6, dropout_p=0.0, seed=None,
                             zero_centered_weight=False)))  # fmt: skip
-            with ctx():
+            with ctx(), _noop_launches(triton_python_only):
                 times = {name: _time(fn, sync, reps, inner) for name, fn in cases}
             base_us = times["eager"][0] * 1e6
             for name, (best, med) in times.items():
@@ -117,7 +145,7 @@ def markdown(rows: list[dict], env: dict) -> str:
     for r in rows:
         lines.append(f"| {r['m']}x{r['n']} | {r['mode']} | {r['contender']} | {r['us']:.1f} | {r['median_us']:.1f} | "
                      f"{r['x_eager']:.2f} |")  # fmt: skip
-    kernel_rows = [r for r in rows if r["contender"] in ("addnorm cpu", "addnorm triton")]
+    kernel_rows = [r for r in rows if r["contender"] in ("addnorm cpu", "addnorm triton")]  # no-op rows: no target
     if kernel_rows:
         lines += ["", f"| target: kernel route <= {TARGET:g}x eager | M x N | mode | measured | met |",
                   "|---|---|---|---:|---|"]  # fmt: skip
@@ -146,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"),
                    help="directory for overhead.md/overhead.json (default benchmarks/results; '' writes nothing)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a markdown table")
+    p.add_argument("--triton-python-only", action="store_true",
+                   help="CPU only: add the Triton route's rows with every kernel launch a no-op (its Python cost)")
     a = p.parse_args(argv)
     if a.reps < 1 or a.inner < 1:
         p.error(f"--reps and --inner must be >= 1; got {a.reps}, {a.inner}")
@@ -157,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--device: {e}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here")
-    rows, env = run(a.device, a.shapes, a.reps, a.inner)
+    if a.triton_python_only:
+        if a.device != "cpu":
+            p.error(f"--triton-python-only runs on CPU tensors; got --device {a.device}")
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors reach the launchers
+    rows, env = run(a.device, a.shapes, a.reps, a.inner, a.triton_python_only)
     table = markdown(rows, env)
     if a.out:
         from addnorm.io import atomic_write_json, atomic_write_text

@@ -54,6 +54,27 @@ def test_bench_overhead_rows_and_files(tmp_path, capsys):
     assert "addnorm triton" not in text  # the interpreter's cost is not addnorm's overhead: no triton rows on CPU
 
 
+def test_bench_overhead_triton_python_only_rows_launch_nothing(capsys):
+    """--triton-python-only: the Triton route's rows, its launches no-ops while timed and real again afterwards."""
+    from addnorm.ops import backends
+
+    if backends.unavailable_reason("triton", torch.device("cpu")) is not None:
+        pytest.skip(backends.unavailable_reason("triton", torch.device("cpu")))
+    from addnorm.ops import triton_add_norm as T
+
+    real = T._kernel
+    assert bench_overhead.main(["--shapes", "2x32", "--reps", "1", "--inner", "2", "--out", "", "--json",
+                                "--triton-python-only"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    names = {(r["mode"], r["contender"]) for r in rows}
+    for expected in [("inference", "addnorm triton (no-op kernels)"), ("inference", "kernel triton (no-op kernels)"),
+                     ("train", "addnorm triton (no-op kernels)")]:  # fmt: skip
+        assert expected in names
+    assert T._kernel is real
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--triton-python-only", "--device", "cuda", "--out", ""])
+
+
 def test_bench_overhead_rejects_bad_arguments():
     with pytest.raises(SystemExit):
         bench_overhead.main(["--shapes", "8x0"])

@@ -420,7 +420,7 @@ _eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _
 
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, out_dtype, backend):  # fmt: skip
+                     cast_before_weight, out_dtype, backend, compiling=False):  # fmt: skip
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -436,13 +436,13 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
     store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
             backend, cast_before_weight, out_dtype)  # fmt: skip
-    if torch.compiler.is_compiling():
+    if compiling:
         if backend == "triton" and _triton_op_usable(x.device.type):
             # the triton op: Inductor sees (and can graph) the kernels themselves, not an opaque call
             out, res_out = torch.ops.addnorm.triton_add_norm_fwd(*args[:10], *args[11:])[:2]
         else:
             out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, r2, weight, bias)):
+    elif torch.is_grad_enabled() and _any_requires_grad(x2, r2, weight, bias):
         out, res_out = _eager_apply(x2, r2, weight, bias, args[4:])
     else:  # nothing to differentiate (inference, no_grad): no autograd node, straight to the kernel
         out, res_out = _fwd_raw(*args)[:2]
@@ -450,6 +450,12 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
         out = out.reshape(shape)
         res_out = res_out.reshape(shape) if store else None
     return out, (res_out if store else x)
+
+
+def _any_requires_grad(x, residual, weight, bias) -> bool:
+    # spelled out: a generator over the four costs about a microsecond more, on every call
+    return (x.requires_grad or (residual is not None and residual.requires_grad)
+            or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
 
 
 def _triton_op_usable(device_type: str) -> bool:
@@ -481,7 +487,8 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     if residual_dtype is None:
         residual_dtype = residual.dtype if residual is not None else x.dtype
     out_dtype = out_dtype or x.dtype
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()  # once a call: the kernel route asks again otherwise
+    if compiling:
         name = resolve_backend_for_trace(backend, x.device.type)
     else:
         name = resolve_backend(backend, x.device, x.numel())
@@ -494,7 +501,7 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
             cast_before_weight, out_dtype)
     if name == "torch":
         return _torch_add_norm(*args)
-    return _kernel_add_norm(*args, name)
+    return _kernel_add_norm(*args, name, compiling)
 
 
 def _default_rms_eps(x, residual, residual_dtype):

@@ -106,6 +106,31 @@ def resolve_backend(backend: str, device: torch.device, numel: int | None = None
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     if backend == "auto":
+        if os.environ.get(ENV_VAR):  # an override is read on every call: not cached
+            return _resolve(backend, device, numel)
+        # auto's size switch: tiny CPU tensors resolve apart from the rest
+        key = (backend, device, device.type == "cpu" and numel is not None and numel < AUTO_CPU_MIN_ELEMENTS)
+    else:
+        key = (backend, device, False)
+    hit = _resolved.get(key)
+    if hit is not None and hit[1] is _modules:
+        return hit[0]
+    name = _resolve(backend, device, numel)
+    _resolved[key] = (name, _modules)
+    return name
+
+
+# A backend that resolved once stays resolvable: what decides it (an importable module, CUDA present, Triton's
+# interpreter chosen at import) does not change in a running process, and the availability checks cost
+# microseconds that every call of a decode step pays. Failures are not cached (each call says why again).
+# Entries hold the module table they were resolved with, so replacing it (tests do) misses the cache; an
+# ADDNORM_BACKEND override is never cached. One consequence: once the triton backend resolved for CPU tensors (its
+# kernels interpreted), unsetting TRITON_INTERPRET afterwards does not take it away (those kernels still run).
+_resolved: dict = {}
+
+
+def _resolve(backend: str, device: torch.device, numel: int | None) -> str:
+    if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env and env != "auto":
             if env not in BACKEND_NAMES:

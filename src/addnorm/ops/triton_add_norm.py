@@ -63,7 +63,7 @@ DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEE
 __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "forward_into", "backward"]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per TUNING object
 class Tuning:
     """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
     ``benchmarks/tune_triton.py`` sweeps them on a GPU."""
@@ -640,6 +640,43 @@ def _kernel(kernel, traceable: bool):
     return wrap_triton(kernel)
 
 
+def _fwd_config(m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast):
+    """(rows path?, grid, constexprs and launch options) of the forward for one shape and flag set. The kernel is
+    named by a flag, not held: the cache below would otherwise keep a kernel object that a test has replaced."""
+    meta = dict(
+        HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, IS_RMS=is_rms, ZERO_CENTERED=zc,
+        HAS_DROPOUT=has_dropout, STORE_RESIDUAL_OUT=store_residual_out, CAST_BEFORE_WEIGHT=cast,
+    )  # fmt: skip
+    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
+    if blocks is not None:
+        block_m, block_n = blocks
+        return True, (_cdiv(m, block_m),), dict(meta, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                num_warps=_warps(block_m * block_n))  # fmt: skip
+    block_n = _loop_block(TUNING.max_fwd_block_n)
+    return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=_warps(block_n))
+
+
+# Eager launches look their configuration up here instead of recomputing block sizes, warps and the flag dict on
+# every call (a few microseconds of Python per call, which a decode step on a GPU pays in full). Keyed on the
+# shape and flags; valid for one TUNING object (Tuning is frozen: tests and tune_triton.py replace it, so a new
+# object empties the cache). Traced launches (torch.compile: the shape may be symbolic) compute it afresh.
+_configs: dict = {}
+_configs_tuning: list = [None]
+_CONFIGS_MAX = 1024  # distinct (shape, flags) keys kept: decode batch sizes vary, a model has few widths
+
+
+def _cached_config(make, key):
+    if _configs_tuning[0] is not TUNING:
+        _configs.clear()
+        _configs_tuning[0] = TUNING
+    config = _configs.get(key)
+    if config is None:
+        if len(_configs) >= _CONFIGS_MAX:
+            _configs.clear()
+        config = _configs[key] = make(*key[1:])
+    return config
+
+
 def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
                 traceable=False):  # fmt: skip
     m, n = x.shape
@@ -651,20 +688,36 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
         mean if mean is not None else dummy, rstd, x.stride(0), _row_stride(residual), m, n,
         eps_hi, eps_lo, *_dropout_args(dropout_p, seed, dummy),
     )  # fmt: skip
+    key = (m, n, residual is not None, weight is not None, bias is not None, is_rms, zc, dropout_p > 0,
+           res_out is not None, cast)  # fmt: skip
+    rows, grid, meta = _fwd_config(*key) if traceable else _cached_config(_fwd_config, ("fwd", *key))
+    _kernel(_fwd_rows_kernel if rows else _fwd_looped_kernel, traceable)[grid](*args, **meta)
+
+
+def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_dropout, store_dres, cast, device):
+    """The backward's launch plan for one shape, flag set and device: (True, programs, constexprs and options) for
+    the rows kernel, or (False, tiles, groups, the row-sums kernel's, the tiles kernel's) for the looped path.
+    ``narrow``: h and dout are 2-byte types (the RMSNorm backward keeps wider rows in one pass then)."""
     flags = dict(
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        IS_RMS=is_rms, ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_RESIDUAL_OUT=res_out is not None,
-        CAST_BEFORE_WEIGHT=cast,
+        HAS_DRES_OUT=has_dres_out, HAS_WEIGHT=has_weight, HAS_DB=has_db, IS_RMS=is_rms, ZERO_CENTERED=zc,
+        HAS_DROPOUT=has_dropout, STORE_DRES=store_dres, CAST_BEFORE_WEIGHT=cast,
     )  # fmt: skip
-    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
+    max_block_n = TUNING.max_bwd_block_n
+    if is_rms and narrow:
+        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
+    blocks = _rows_blocks(m, n, max_block_n)
     if blocks is not None:
         block_m, block_n = blocks
-        grid = (_cdiv(m, block_m),)
-        _kernel(_fwd_rows_kernel, traceable)[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                   num_warps=_warps(block_m * block_n))  # fmt: skip
-    else:
-        block_n = _loop_block(TUNING.max_fwd_block_n)
-        _kernel(_fwd_looped_kernel, traceable)[(m,)](*args, **flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+        elems = block_m * block_n
+        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
+        programs = min(_programs(device), _cdiv(m, block_m))
+        return True, programs, dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m,
+                                    BLOCK_N=block_n, num_warps=warps)  # fmt: skip
+    block_n = _loop_block(TUNING.max_bwd_block_n)
+    tiles = _cdiv(n, block_n)
+    groups = max(1, min(m, _cdiv(_programs(device), tiles)))
+    sums = dict(HAS_WEIGHT=has_weight, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n, num_warps=_warps(block_n))
+    return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
 def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast,
@@ -677,43 +730,29 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
     mean_ = mean if mean is not None else dummy
     dres_ = dres if dres is not None else dummy
     drop = _dropout_args(dropout_p, seed, dummy)
-    flags = dict(
-        HAS_DRES_OUT=dres_out is not None, HAS_WEIGHT=weight is not None, HAS_DB=has_db, IS_RMS=is_rms,
-        ZERO_CENTERED=zc, HAS_DROPOUT=dropout_p > 0, STORE_DRES=dres is not None, CAST_BEFORE_WEIGHT=cast,
-    )  # fmt: skip
-    max_block_n = TUNING.max_bwd_block_n
-    if is_rms and h.element_size() <= 2 and dout.element_size() <= 2:
-        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
-    blocks = _rows_blocks(m, n, max_block_n)
-    if blocks is not None:
-        block_m, block_n = blocks
-        elems = block_m * block_n
-        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
-        programs = min(_programs(h.device), _cdiv(m, block_m))
+    key = (m, n, h.element_size() <= 2 and dout.element_size() <= 2, dres_out is not None, weight is not None, has_db,
+           is_rms, zc, dropout_p > 0, dres is not None, cast, h.device)  # fmt: skip
+    plan = _bwd_config(*key) if traceable else _cached_config(_bwd_config, ("bwd", *key))
+    if plan[0]:
+        _, programs, meta = plan
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
         _kernel(_bwd_rows_kernel, traceable)[(programs,)](
             dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
-            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
-            **flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop, **meta,
         )  # fmt: skip
     else:
-        block_n = _loop_block(TUNING.max_bwd_block_n)
+        _, tiles, groups, sums, meta = plan
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
         _kernel(_bwd_row_sums_kernel, traceable)[(m,)](
-            dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n,
-            HAS_WEIGHT=weight is not None, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n,
-            num_warps=_warps(block_n),
+            dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n, **sums,
         )  # fmt: skip
-        tiles = _cdiv(n, block_n)
-        groups = max(1, min(m, _cdiv(_programs(h.device), tiles)))
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
         _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
             dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part,
-            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop,
-            **flags, BLOCK_N=block_n, num_warps=_warps(block_n),
+            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop, **meta,
         )  # fmt: skip
     return dw_part, db_part
 
@@ -771,9 +810,10 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
     mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     rstd = torch.empty(m, dtype=sd, device=x.device)
-    forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                 zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
-                 traceable=traceable)  # fmt: skip
+    if m > 0:  # forward_into's body, without its keyword call: this runs on every eager call
+        with _device_guard(x.device):
+            _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
+                        zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
