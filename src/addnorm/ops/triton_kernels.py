@@ -1,0 +1,488 @@
+"""The Triton kernels of the ``triton`` backend (:mod:`addnorm.ops.triton_add_norm` picks block sizes and
+launches them).
+
+The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
+
+    forward   r    = keep * x * scale + residual          # keep(seed, i * N + j), scale ~ 1/(1-p): the contract's
+                                                          # keep-function and scale (addnorm.reference), not stored
+              h    = round(r, residual_dtype)             # stored as residual_out; normalized exactly as stored
+              LayerNorm: mean = sum(h) / N,  var = sum((h - mean)^2) / N   (two passes over registers, or
+                         Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
+              RMSNorm:   mean = 0,           var = sum(h^2) / N
+              rstd = 1 / sqrt(var + eps);  xhat = (h - mean) * rstd;  out = xhat * w + b   (w -> 1 + w: Gemma)
+              (CAST_BEFORE_WEIGHT, Llama's order: xhat is rounded to out's dtype before the weight and bias)
+              out is written in its own dtype (x's by default)
+
+    backward  g  = dout * w
+              dh = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (RMSNorm: without the mean_j(g) term)
+              dresidual = dh + dresidual_out;   dx = dresidual * keep * scale
+              dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
+              (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
+
+No atomics anywhere, so gradients are bitwise reproducible. Inputs may have strided rows (last-dim stride 1).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from addnorm.reference import DROPOUT_SEED_OFFSET as _SEED_OFFSET
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the module still imports, so unavailable_reason() can say what to install
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+    _jit = lambda fn: fn  # noqa: E731
+
+# Whether the kernels below run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1") if triton is not None else False
+DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEED_OFFSET
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _round(v, dtype: tl.constexpr):
+    """v converted to dtype, rounding to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds),
+    which would bias every bf16 result on CPU; there the rounding is done on the bits instead."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)  # add half an ulp of bf16, ties to even
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@_jit
+def _rsqrt(v):
+    # correctly rounded sqrt then a division: tl.math.rsqrt is approximate, and sqrt_rn has no fp64 form
+    if v.dtype == tl.float64:
+        return 1.0 / tl.sqrt(v)
+    else:
+        return 1.0 / tl.sqrt_rn(v)
+
+
+@_jit
+def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """The effective weight of columns ``cols``: w, or 1 + w (Gemma); 0 outside the row, where dout is 0 too."""
+    w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
+    if ZERO_CENTERED:
+        w += 1.0
+    return w
+
+
+@_jit
+def _mix32(z):
+    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.reference)."""
+    z ^= z >> 16
+    z *= 0x7FEB352D
+    z ^= z >> 15
+    z *= 0x846CA68B
+    return z ^ (z >> 16)
+
+
+@_jit
+def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo):
+    """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
+    of addnorm.reference, so the forward, the backward and every backend draw the same mask."""
+    key = _mix32((tl.load(Seed) + DROPOUT_SEED_OFFSET).to(tl.uint32))
+    z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
+    keep = (z >> 8).to(tl.int32) >= keep_threshold
+    if v.dtype == tl.float64:
+        scale = tl.cast(scale_hi, tl.float64) + tl.cast(scale_mid, tl.float64) + tl.cast(scale_lo, tl.float64)
+    else:
+        scale = tl.cast(scale_hi, tl.float32)  # the scale rounded to fp32
+    return tl.where(keep, v * scale, 0.0)
+
+
+@_jit
+def _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexpr):
+    """dout * (the value the weight multiplied): xhat, or xhat rounded to out's dtype (cast_before_weight)."""
+    if CAST_BEFORE_WEIGHT:
+        return dy * _round(xhat, out_t).to(dy.dtype)
+    else:
+        return dy * xhat
+
+
+@_jit
+def _fwd_rows_kernel(
+    X,  # (M, N) input, row stride stride_x
+    R,  # (M, N) residual (when HAS_RESIDUAL)
+    W,  # (N,) weight (when HAS_WEIGHT)
+    B,  # (N,) bias (when HAS_BIAS)
+    Out,  # (M, N) normalized output, x's dtype, contiguous
+    ResOut,  # (M, N) residual_out in residual_dtype, contiguous (when STORE_RESIDUAL_OUT)
+    Mean,  # (M,) stats dtype (LayerNorm)
+    Rstd,  # (M,) stats dtype; its element type is the accumulation type of the whole kernel
+    stride_x,
+    stride_r,
+    M,
+    N,
+    eps_hi,  # eps arrives as an fp32 pair (hi + lo) so fp64 statistics keep full precision
+    eps_lo,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
+    scale_lo,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
+    h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
+    if HAS_DROPOUT:
+        h = _dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+    if HAS_RESIDUAL:
+        h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
+    if STORE_RESIDUAL_OUT:
+        stored = _round(h, ResOut.dtype.element_ty)
+        tl.store(ResOut + rows64 * N + cols[None, :], stored, mask=mask)
+        h = stored.to(acc_t)  # normalize the sum exactly as stored
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    if IS_RMS:
+        rstd = _rsqrt(tl.sum(h * h, axis=1) / N + eps)
+        xhat = h * rstd[:, None]
+    else:
+        mean = tl.sum(h, axis=1) / N
+        d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
+        rstd = _rsqrt(tl.sum(d * d, axis=1) / N + eps)
+        tl.store(Mean + rows, mean, mask=row_ok)
+        xhat = d * rstd[:, None]
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+    y = xhat
+    if CAST_BEFORE_WEIGHT:
+        y = _round(y, Out.dtype.element_ty).to(acc_t)
+    if HAS_WEIGHT:
+        y = y * _weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+    tl.store(Out + rows64 * N + cols[None, :], _round(y, Out.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _fwd_looped_kernel(
+    X,  # (M, N) input, row stride stride_x
+    R,  # (M, N) residual (when HAS_RESIDUAL)
+    W,  # (N,) weight
+    B,  # (N,) bias
+    Out,  # (M, N) output, contiguous
+    ResOut,  # (M, N) residual_out, contiguous (when STORE_RESIDUAL_OUT)
+    Mean,  # (M,)
+    Rstd,  # (M,)
+    stride_x,
+    stride_r,
+    M,
+    N,
+    eps_hi,
+    eps_lo,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
+    scale_lo,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    r_row = R + row * stride_r
+    res_row = ResOut + row * N
+    # pass 1: residual_out, and statistics merged tile by tile (Chan et al.: exact two-pass stats per tile)
+    mean = tl.zeros([1], dtype=acc_t)
+    m2 = tl.zeros([1], dtype=acc_t)
+    count = tl.zeros([1], dtype=acc_t)
+    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        # what pass 2 reads again (residual_out, or x when nothing is stored) is marked to stay in L2; what it does
+        # not need is not: a row of up to N * 4 bytes x 2 is then re-read from L2, not DRAM
+        if STORE_RESIDUAL_OUT:
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        else:
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(acc_t)
+        if HAS_DROPOUT:
+            h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+        if HAS_RESIDUAL:
+            h += tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        if STORE_RESIDUAL_OUT:
+            stored = _round(h, ResOut.dtype.element_ty)
+            tl.store(res_row + cols, stored, mask=ok, eviction_policy="evict_last")
+            h = stored.to(acc_t)
+        if IS_RMS:
+            sumsq += h * h
+        else:
+            n_b = tl.minimum(N - start, BLOCK_N).to(acc_t)
+            mean_b = tl.sum(h, axis=0) / n_b
+            d = tl.where(ok, h - mean_b, 0.0)
+            m2_b = tl.sum(d * d, axis=0)
+            n_ab = count + n_b
+            delta = mean_b - mean
+            mean += delta * (n_b / n_ab)
+            m2 += m2_b + delta * delta * (count * (n_b / n_ab))
+            count = n_ab
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    if IS_RMS:
+        rstd = _rsqrt(tl.sum(sumsq, axis=0) / N + eps)
+        mean_s = 0.0
+    else:
+        rstd = tl.sum(_rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
+        mean_s = tl.sum(mean, axis=0)
+        tl.store(Mean + row, mean_s)
+    tl.store(Rstd + row, rstd)
+    # residual_out was written by other threads of this program; make it visible before reading it back
+    tl.debug_barrier()
+    # pass 2: normalize
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        if STORE_RESIDUAL_OUT:
+            h = tl.load(res_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        else:
+            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        y = (h - mean_s) * rstd
+        if CAST_BEFORE_WEIGHT:
+            y = _round(y, Out.dtype.element_ty).to(acc_t)
+        if HAS_WEIGHT:
+            y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+        tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward kernels: dx and dresidual in one kernel; dw/db as fp32 partial rows reduced by a second stage
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _bwd_rows_kernel(
+    DOut,  # (M, N) gradient of out, row stride stride_dout
+    DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
+    H,  # (M, N) residual_out as stored (or x), row stride stride_h
+    W,  # (N,) weight (when HAS_WEIGHT)
+    Mean,  # (M,) (LayerNorm)
+    Rstd,  # (M,); its element type is the accumulation type
+    DX,  # (M, N) gradient of x, contiguous
+    DRes,  # (M, N) gradient of residual, contiguous (when STORE_DRES)
+    DWPart,  # (programs, N) partial sums of dout * xhat, accumulation dtype
+    DBPart,  # (programs, N) partial sums of dout
+    stride_dout,
+    stride_dres_out,
+    stride_h,
+    M,
+    N,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
+    scale_lo,
+    HAS_DRES_OUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    RELOAD_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT and not RELOAD_W:
+        w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
+    # persistent: this program takes row blocks pid, pid + programs, ... in a fixed order (deterministic)
+    for row_start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        h = tl.load(H + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        dy = tl.load(DOut + rows64 * stride_dout + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        if HAS_WEIGHT:
+            if RELOAD_W:  # fewer live registers in wide rows (see Tuning.reload_weight_above)
+                w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
+            g = dy * w[None, :]
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)  # dout is in out's dtype
+        else:
+            g = dy
+        if HAS_DB:
+            db_acc += dy
+        c1 = tl.sum(g * xhat, axis=1)[:, None] / N
+        if IS_RMS:
+            dh = (g - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(g, axis=1)[:, None] / N
+            dh = (g - c2 - xhat * c1) * rstd
+        # this tail repeats in _bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
+        # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
+        if HAS_DRES_OUT:
+            dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
+        if STORE_DRES:
+            tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            dh = _dropout(dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+        tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if HAS_DB:
+        tl.store(DBPart + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@_jit
+def _bwd_row_sums_kernel(
+    DOut,  # (M, N) gradient of out
+    H,  # (M, N) residual_out as stored (or x)
+    W,  # (N,) weight (when HAS_WEIGHT)
+    Mean,  # (M,) (LayerNorm)
+    Rstd,  # (M,)
+    C1,  # (M,) out: mean_j(g * xhat)
+    C2,  # (M,) out: mean_j(g) (LayerNorm)
+    stride_dout,
+    stride_h,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(Rstd + row)
+    if not IS_RMS:
+        mean = tl.load(Mean + row)
+    s1 = tl.zeros([BLOCK_N], dtype=acc_t)
+    s2 = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
+        g = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
+        if HAS_WEIGHT:
+            g = g * _weight(W, cols, ok, acc_t, ZERO_CENTERED)  # 1 + 0 outside the row, but g is 0 there
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(ok, (h - mean) * rstd, 0.0)
+            s2 += g
+        s1 += g * xhat
+    tl.store(C1 + row, tl.sum(s1, axis=0) / N)
+    if not IS_RMS:
+        tl.store(C2 + row, tl.sum(s2, axis=0) / N)
+
+
+@_jit
+def _bwd_tiles_kernel(
+    DOut,  # (M, N) gradient of out
+    DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
+    H,  # (M, N) residual_out as stored (or x)
+    W,  # (N,) weight
+    Mean,  # (M,)
+    Rstd,  # (M,)
+    C1,  # (M,) mean_j(g * xhat) from _bwd_row_sums_kernel
+    C2,  # (M,) mean_j(g)
+    DX,  # (M, N) contiguous
+    DRes,  # (M, N) contiguous (when STORE_DRES)
+    DWPart,  # (row groups, N)
+    DBPart,  # (row groups, N)
+    stride_dout,
+    stride_dres_out,
+    stride_h,
+    M,
+    N,
+    Seed,  # () int64 dropout seed on the device (when HAS_DROPOUT): read here, so CUDA graphs replay fresh draws
+    keep_threshold,
+    scale_hi,  # the dropout scale as three fp32 parts: their fp64 sum is the fp64 scale exactly
+    scale_mid,
+    scale_lo,
+    HAS_DRES_OUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers
+    acc_t = Rstd.dtype.element_ty
+    group = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    if HAS_WEIGHT:
+        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    dw_acc = tl.zeros([BLOCK_N], dtype=acc_t)
+    db_acc = tl.zeros([BLOCK_N], dtype=acc_t)
+    for r in range(group, M, tl.num_programs(1)):
+        row = tl.cast(r, tl.int64)
+        h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
+        dy = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
+        rstd = tl.load(Rstd + row)
+        c1 = tl.load(C1 + row)
+        if IS_RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
+        if HAS_WEIGHT:
+            g = dy * w
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+        else:
+            g = dy
+        if HAS_DB:
+            db_acc += dy
+        if IS_RMS:
+            dh = (g - xhat * c1) * rstd
+        else:
+            dh = (g - tl.load(C2 + row) - xhat * c1) * rstd
+        if HAS_DRES_OUT:
+            dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
+        if STORE_DRES:
+            tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
+        if HAS_DROPOUT:
+            dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+        tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
+    if HAS_WEIGHT:
+        tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
+    if HAS_DB:
+        tl.store(DBPart + group * N + cols, db_acc, mask=ok)
