@@ -21,12 +21,12 @@ import difflib
 import importlib.util
 import json
 import os
-import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
+
+from addnorm._limits import time_limit
 
 __all__ = ["TargetError", "DoctorTimeout", "load_target", "build_hf_model", "register", "main"]
 
@@ -161,25 +161,13 @@ def build_hf_model(config_path: str, *, batch_size: int = 2, seq_len: int = 11) 
 
 
 # ---- guarding against the target ----------------------------------------------------------------------------------
-@contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Raise DoctorTimeout in the main thread after ``seconds`` (0: no limit). SIGALRM interrupts Python code and
-    sleeps; a single long C call (one huge matmul) finishes first."""
-    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not seconds or not usable:
-        yield
-        return
+    """Raise DoctorTimeout in the main thread after ``seconds`` of wall time (0: no limit)."""
 
-    def on_alarm(signum, frame):
+    def expire():
         raise DoctorTimeout(seconds)
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return time_limit(seconds, expire)
 
 
 @contextlib.contextmanager

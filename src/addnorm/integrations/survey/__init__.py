@@ -18,14 +18,13 @@ Rows are plain dicts (JSON-ready); :mod:`.report` writes survey.md, survey.json 
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 import warnings
 from typing import Any, Callable
 
 import torch
 
+from addnorm._limits import time_limit
 from addnorm.integrations.survey import trace
 from addnorm.integrations.survey.tiny import SkipModel, build, model_types, tiny_config
 
@@ -38,24 +37,14 @@ class _Timeout(Exception):
     pass
 
 
-@contextlib.contextmanager
 def _time_limit(seconds: float | None):
     """Raise _Timeout after ``seconds`` of this process's CPU time (not wall time: on a loaded machine the same model
     takes several times longer by the clock, and which ones are skipped should not depend on the neighbours)."""
-    if not seconds or not hasattr(signal, "SIGPROF"):
-        yield
-        return
 
-    def handler(signum, frame):
+    def expire():
         raise _Timeout(f"over the survey's limit of {seconds:g} CPU seconds per architecture")
 
-    old = signal.signal(signal.SIGPROF, handler)
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        signal.signal(signal.SIGPROF, old)
+    return time_limit(seconds, expire, cpu_time=True)
 
 
 def _main_stack(events, n_stacks: int) -> int | None:
