@@ -285,9 +285,32 @@ def pytest_runtest_logreport(report):
         r["message"] = crash.message if crash is not None else str(report.longrepr)[-500:]
 
 
+# Under pytest-xdist (`-- -n 8`) the workers collect, filter and run; the controller sees every case's report.
+# Workers leave their (identical) deselection count in a side file, and only the controller writes the results.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_DESELECTED_FILE = os.environ["ADDNORM_COMPAT_RESULTS"] + ".deselected"
+
+try:
+    import xdist  # noqa: F401
+
+    def pytest_xdist_node_collection_finished(node, ids):
+        if not _SELECTED:
+            _SELECTED.extend(ids)
+except ImportError:
+    pass
+
+
 def pytest_sessionfinish(session):
+    if _WORKER:
+        if _WORKER == "gw0":
+            with open(_DESELECTED_FILE, "w") as f:
+                f.write(str(len(_DESELECTED)))
+        return
+    deselected = len(_DESELECTED)
+    if not deselected and os.path.exists(_DESELECTED_FILE):
+        deselected = int(open(_DESELECTED_FILE).read() or 0)
     with open(os.environ["ADDNORM_COMPAT_RESULTS"], "w") as f:
-        json.dump({"cases": _RESULTS, "deselected": len(_DESELECTED), "selected": len(_SELECTED)}, f)
+        json.dump({"cases": _RESULTS, "deselected": deselected, "selected": len(_SELECTED)}, f)
 '''
 
 

@@ -68,9 +68,10 @@ if [ "${ADDNORM_COMPAT:-0}" = "1" ]; then
     # flash-attention's and Liger's own test files against addnorm.compat on the Triton backend (docs/compat.md);
     # the machine is offline: .compat-suites/ must travel with the tree (fetched where there is a network)
     echo "== upstream test files (flash-attention, Liger) on CUDA"
+    # 8 pytest-xdist workers; the full grids (9,728 + 40 cases), flash-attention's stopped after 200 s if need be
     timeout 300 python benchmarks/compat_suites.py all --device cuda --backend triton \
-        --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 240 2>&1 \
-        | tail -25 | tee -a "$RESULTS/tests.txt"
+        --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 200 \
+        --json "$RESULTS/compat.json" -- -n 8 2>&1 | tail -25 | tee -a "$RESULTS/tests.txt"
 fi
 
 if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
