@@ -224,3 +224,20 @@ def test_compile_layer_norm_linear_fn():
         return fa.layer_norm_linear_fn(x, w, b, lw, lb, residual=r, prenorm=True, backend="cpu")
 
     _compiled_equals_eager(f, x, r, w, b, lw, lb)
+
+
+def test_end_to_end_under_xdist_counts_the_same(tmp_path):
+    # gpu_check.sh runs the upstream files with `-- -n 8`: the controller must record every case and the deselection
+    pytest.importorskip("xdist")
+    src = tmp_path / "fa"
+    (src / "tests/ops/triton").mkdir(parents=True)
+    (src / "tests/ops/triton/test_layer_norm.py").write_text(SYNTHETIC)
+    (src / "SOURCE.json").write_text(json.dumps({"origin": "synthetic", "version": "abc123"}))
+    out = tmp_path / "summary.json"
+    rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
+                  "torch", "--cache", str(tmp_path / "cache"), "--json", str(out),
+                  "--", "-k", "not other", "-n", "2"])  # fmt: skip
+    assert rc == 1
+    [s] = json.loads(out.read_text())
+    assert s["counts"] == {"passed": 1, "skipped": 2} and s["deselected"] == 2
+    assert s["missing_feature"] == 1 and s["not_run"] == 0
