@@ -287,7 +287,6 @@ def pytest_runtest_logreport(report):
 
 # Under pytest-xdist (`-- -n 8`) the workers collect, filter and run; the controller sees every case's report.
 # Workers leave their (identical) deselection count in a side file, and only the controller writes the results.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _DESELECTED_FILE = os.environ["ADDNORM_COMPAT_RESULTS"] + ".deselected"
 
 try:
@@ -301,8 +300,9 @@ except ImportError:
 
 
 def pytest_sessionfinish(session):
-    if _WORKER:
-        if _WORKER == "gw0":
+    worker = getattr(session.config, "workerinput", None)  # set only in an xdist worker of THIS run
+    if worker is not None:
+        if worker["workerid"] == "gw0":
             with open(_DESELECTED_FILE, "w") as f:
                 f.write(str(len(_DESELECTED)))
         return
@@ -362,7 +362,9 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         run_dir = Path(tmp)
         rewrites = prepare_run(suite, src, run_dir, args.device, args.seqlen)
         results_path = run_dir / "results.json"
-        env = dict(os.environ, ADDNORM_BACKEND=args.backend, ADDNORM_COMPAT_RESULTS=str(results_path),
+        # an outer pytest-xdist run (this repository's tests) must not leak its worker identity into this one
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+        env = dict(env, ADDNORM_BACKEND=args.backend, ADDNORM_COMPAT_RESULTS=str(results_path),
                    ADDNORM_COMPAT_SELECT=json.dumps({"hidden": args.hidden, "subsample": args.subsample,
                                                          "max_seconds": args.max_seconds}))  # fmt: skip
         # addnorm itself: whatever this interpreter imports (an install, or PYTHONPATH=src), made absolute
