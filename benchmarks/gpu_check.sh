@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU check for the Triton backend (188 s on an H200, 2026-11-30, benchmarks/results/gpu; torch preinstalled):
+# The one GPU check for the Triton backend (188 s on an H200; 355 s with ADDNORM_COMPAT=1 ADDNORM_BENCH_LAYER=1;
+# benchmarks/results/gpu; torch preinstalled):
 #   1. make addnorm importable (source tree on PYTHONPATH if it is not installed),
 #   2. run the Triton tests on CUDA,
 #   3. the graph-safety checks (benchmarks/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
