@@ -136,11 +136,17 @@ def test_other():
 '''
 
 
-def test_end_to_end_on_a_synthetic_suite_from_a_local_folder(tmp_path, capsys):
+def _synthetic_source(tmp_path):
+    """A folder holding the synthetic suite where flash-attention keeps its test file, as --source takes it."""
     src = tmp_path / "fa"
     (src / "tests/ops/triton").mkdir(parents=True)
     (src / "tests/ops/triton/test_layer_norm.py").write_text(SYNTHETIC)
     (src / "SOURCE.json").write_text(json.dumps({"origin": "synthetic", "version": "abc123"}))
+    return src
+
+
+def test_end_to_end_on_a_synthetic_suite_from_a_local_folder(tmp_path, capsys):
+    src = _synthetic_source(tmp_path)
     out = tmp_path / "summary.json"
     rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
                   "torch", "--cache", str(tmp_path / "cache"), "--json", str(out), "--", "-k", "not other"])  # fmt: skip
@@ -229,10 +235,7 @@ def test_compile_layer_norm_linear_fn():
 def test_end_to_end_under_xdist_counts_the_same(tmp_path):
     # gpu_check.sh runs the upstream files with `-- -n 8`: the controller must record every case and the deselection
     pytest.importorskip("xdist")
-    src = tmp_path / "fa"
-    (src / "tests/ops/triton").mkdir(parents=True)
-    (src / "tests/ops/triton/test_layer_norm.py").write_text(SYNTHETIC)
-    (src / "SOURCE.json").write_text(json.dumps({"origin": "synthetic", "version": "abc123"}))
+    src = _synthetic_source(tmp_path)
     out = tmp_path / "summary.json"
     rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
                   "torch", "--cache", str(tmp_path / "cache"), "--json", str(out),
