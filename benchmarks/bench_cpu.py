@@ -168,8 +168,8 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             rstd_pre = torch.empty(m, dtype=sd)
 
             def kernel():
-                cpu_add_norm.forward_into(out_pre, res_pre, mean_pre, rstd_pre, x, r, w, b, eps=eps, dropout_p=0.0,
-                                          seed=None, zero_centered_weight=False)  # fmt: skip
+                cpu_add_norm.forward_into(out_pre, res_pre, mean_pre, rstd_pre, x, r, w, b, eps=eps, is_rms=is_rms,
+                                          dropout_p=0.0, seed=None, zero_centered_weight=False)  # fmt: skip
 
             add("addnorm kernel", "fwd", _time(kernel, cfg.reps), fwd_bytes)
             xi, ri = x.clone(), r.clone()  # overwritten at every call (r grows by a normalized row each time)

@@ -112,8 +112,8 @@ def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = F
                     mod = kernel_module(b) if b in ("cpu", "triton") else None
                     if mod is not None and hasattr(mod, "forward_into"):
                         cases.append((f"kernel {label(b)}", lambda mod=mod: mod.forward_into(
-                            out, res, None, rstd, x, r, w, None, eps=1e-6, dropout_p=0.0, seed=None,
-                            zero_centered_weight=False)))  # fmt: skip
+                            out, res, None, rstd, x, r, w, None, eps=1e-6, is_rms=True, dropout_p=0.0,
+                            seed=None, zero_centered_weight=False)))  # fmt: skip
             with ctx(), _noop_launches(triton_python_only):
                 times = {name: _time(fn, sync, reps, inner) for name, fn in cases}
             base_us = times["eager"][0] * 1e6

@@ -263,11 +263,20 @@ def test_triton_launches_under_a_guard_for_tensors_on_another_gpu(monkeypatch):
     pytest.importorskip("triton")
     from addnorm.ops import triton_add_norm as T
 
-    assert isinstance(T._device_guard(torch.device("cpu")), type(__import__("contextlib").nullcontext()))
+    class OnGpu:  # what the guard reads of a CUDA tensor (none can be made on this machine)
+        is_cuda = True
+
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    assert isinstance(T._device_guard(torch.zeros(1)), type(__import__("contextlib").nullcontext()))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    guard = T._device_guard(torch.device("cuda", 1))
+    guard = T._device_guard(OnGpu(1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
-    assert not isinstance(T._device_guard(torch.device("cuda", 0)), torch.cuda.device)
+    assert not isinstance(T._device_guard(OnGpu(0)), torch.cuda.device)
 
 
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
@@ -289,3 +298,51 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
         grads[backend] = (res.detach(), xl.grad)
     assert torch.equal(grads["triton"][0], grads["reference"][0])
     assert torch.equal(grads["triton"][1], grads["reference"][1])  # dx = keep * scale exactly (dresidual_out = 1)
+
+
+# ---- statistics are not stored when nothing will read them ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("looped", [False, True], ids=["rows", "looped"])
+def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, looped, monkeypatch):
+    """store_stats=False (inference calls): mean and rstd come back None, out and residual_out bit for bit those of
+    a call that stores them, on the rows and the looped Triton kernels."""
+    _skip_unavailable(backend)
+    if looped and backend != "triton":
+        pytest.skip("only the Triton backend has a looped path")
+    mod = backends.kernel_module(backend)
+    if looped:
+        monkeypatch.setattr(mod, "TUNING", mod.Tuning(max_fwd_block_n=32, loop_block_n=16))
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
+    w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)
+    kw = dict(eps=1e-5, is_rms=is_rms, dropout_p=0.0, seed=None, residual_dtype=torch.float32,
+              zero_centered_weight=False, store_residual_out=True)  # fmt: skip
+    with_stats = mod.forward(x, r, w, b, **kw)
+    without = mod.forward(x, r, w, b, store_stats=False, **kw)
+    assert without[2] is None and without[3] is None
+    assert with_stats[3] is not None and (with_stats[2] is None) == is_rms
+    assert torch.equal(without[0], with_stats[0]) and torch.equal(without[1], with_stats[1])
+
+
+def test_triton_inference_call_writes_no_statistics(monkeypatch):
+    """Under inference_mode the public call allocates no mean/rstd: the kernel gets the persistent scratch tensor
+    for its accumulation type and must leave it untouched (STORE_STATS off)."""
+    _skip_unavailable("triton")
+    from addnorm.ops import triton_add_norm as T
+
+    x, r, w, b = torch.randn(4, 48), torch.randn(4, 48), torch.randn(48), torch.randn(48)
+    scratch = T._scratch(x.device, torch.float32)
+    scratch.fill_(float("nan"))
+    empties = []
+    real_empty = torch.empty
+    monkeypatch.setattr(T.torch, "empty", lambda *a, **k: empties.append(a) or real_empty(*a, **k))
+    with torch.inference_mode():
+        out, res = addnorm.add_layer_norm(x, r, w, b, backend="triton")
+    assert [a[0] for a in empties] == [(4, 48), (4, 48)]  # out and residual_out, nothing of shape (M,)
+    assert torch.isnan(scratch).all()
+    expected = oracle(x, r, w, b, eps=1e-5, is_rms=False)
+    assert_close(out, expected["out"], "out")
+    assert_close(res, expected["residual_out"], "residual_out")

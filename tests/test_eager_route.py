@@ -128,7 +128,7 @@ def test_replacing_tuning_replaces_the_cached_configuration(monkeypatch):
     the same shape moves from the rows kernel to the looped one, with the same numbers."""
     T = _triton()
     x, r, w, _ = _inputs(3, 64, residual=True, bias=False)
-    key = ("fwd", 3, 64, True, True, False, True, False, False, True, False)
+    key = ("fwd", 3, 64, True, True, False, True, False, False, True, False, True)
     want = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     assert T._cached_config(T._fwd_config, key)[0] is True  # rows kernel
     monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
@@ -144,7 +144,7 @@ def test_configuration_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(T, "_configs", {})
     monkeypatch.setattr(T, "_CONFIGS_MAX", 3)
     for m in range(1, 8):
-        T._cached_config(T._fwd_config, ("fwd", m, 16, False, False, False, True, False, False, False, False))
+        T._cached_config(T._fwd_config, ("fwd", m, 16, False, False, False, True, False, False, False, False, True))
         assert len(T._configs) <= 3
 
 

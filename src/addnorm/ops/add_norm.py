@@ -18,12 +18,14 @@ the dtype normalized, residual_dtype.
 Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 
     forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None)
-            -> (out, residual_out | None, mean | None, rstd)
+            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True)
+            -> (out, residual_out | None, mean | None, rstd | None)
         x, residual: (M, N), last dim contiguous, rows may be strided; residual may be None.
         out: (M, N) in out_dtype (None: x's dtype). residual_out: (M, N) in residual_dtype, only when store_residual_out (otherwise
         residual_out is x itself and the kernel normalizes x). mean (LayerNorm only) and rstd: (M,) in the
-        statistics dtype. seed: a 0-dim int64 tensor on x's device (None without dropout).
+        statistics dtype; both None when not store_stats (calls that record no autograd node: nothing will read
+        them, and not allocating them saves host time per call). seed: a 0-dim int64 tensor on x's device (None
+        without dropout).
 
     Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
     the backend or the batch size (auto's size switch): the seed is drawn on x's device by :func:`draw_seed`;
@@ -218,7 +220,7 @@ def _unaliased(outputs, inputs):
 
 
 def _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-             store_residual_out, backend, cast_before_weight=False, out_dtype=None):  # fmt: skip
+             store_residual_out, backend, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
     """The kernel forward: (out, residual_out | None, mean | None, rstd, seed | None). The seed is drawn here, on
     x's device from its generator (:func:`draw_seed`), so the op stays traceable, CUDA inputs keep every tensor on
     the GPU (graph-safe), and the backward can regenerate the dropout mask."""
@@ -227,6 +229,7 @@ def _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, 
         x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
         store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+        store_stats=store_stats,
     )  # fmt: skip
     return out, res_out, mean, rstd, seed
 
@@ -421,6 +424,7 @@ _eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _
 
 def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
                      cast_before_weight, out_dtype, backend, compiling=False):  # fmt: skip
+    # eps and dropout_p arrive as Python floats (_add_norm converted them, once)
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -434,7 +438,7 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
             r2 = r2.contiguous()
     # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
     store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
-    args = (x2, r2, weight, bias, float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, store,
+    args = (x2, r2, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store,
             backend, cast_before_weight, out_dtype)  # fmt: skip
     if compiling:
         if backend == "triton" and _triton_op_usable(x.device.type):
@@ -444,8 +448,8 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
             out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
     elif torch.is_grad_enabled() and _any_requires_grad(x2, r2, weight, bias):
         out, res_out = _eager_apply(x2, r2, weight, bias, args[4:])
-    else:  # nothing to differentiate (inference, no_grad): no autograd node, straight to the kernel
-        out, res_out = _fwd_raw(*args)[:2]
+    else:  # nothing to differentiate (inference, no_grad): no autograd node, no statistics, straight to the kernel
+        out, res_out = _fwd_raw(*args, store_stats=False)[:2]
     if x.dim() != 2:
         out = out.reshape(shape)
         res_out = res_out.reshape(shape) if store else None
@@ -510,8 +514,11 @@ def _default_rms_eps(x, residual, residual_dtype):
     bf16 activations: 2^-7 instead of 1.2e-7. Unusable input is left for _validate to name (None stays None)."""
     for dt in (residual_dtype, getattr(residual, "dtype", None), getattr(x, "dtype", None)):
         if dt is not None:
-            return torch.finfo(dt).eps if dt in _FLOAT_DTYPES else None
+            return _MACHINE_EPS.get(dt) if dt in _FLOAT_DTYPES else None
     return None
+
+
+_MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in _FLOAT_DTYPES}  # torch.finfo() costs ~0.5 us a call
 
 
 def _backend_under_functorch(backend: str, name: str) -> str:

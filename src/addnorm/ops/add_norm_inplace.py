@@ -3,8 +3,8 @@
     residual <- x + residual            # in residual's dtype (the residual stream)
     x        <- norm(residual)          # in x's dtype; the value normalized is residual as stored
 
-Nothing of (M, N) size is allocated on the kernel backends (``cpu``, ``triton``): the kernels write into x and
-residual (only the (M,) statistics are scratch). The ``torch`` and ``reference`` backends compute out of place and
+Nothing is allocated on the ``triton`` backend (the kernels write into x and residual and store no statistics;
+the ``cpu`` backend's kernels need (M,) scratch for them). The ``torch`` and ``reference`` backends compute out of place and
 copy back. Inference only: no dropout, no autograd (a tensor that requires grad is an error). Under
 ``torch.compile`` the kernel backends run as the custom op ``addnorm::add_norm_``, which declares that it mutates
 x and residual, so ``fullgraph=True`` traces through it (the Triton backend on CUDA tensors as the triton op
@@ -80,17 +80,13 @@ def _inplace_impl(
             out, res, _, _ = kernel_module(backend).forward(
                 x.reshape(-1, n), residual.reshape(-1, n), weight, bias, eps=eps, is_rms=is_rms, dropout_p=0.0,
                 seed=None, residual_dtype=residual.dtype, zero_centered_weight=zero_centered_weight,
-                store_residual_out=True, cast_before_weight=cast_before_weight, out_dtype=x.dtype,
+                store_residual_out=True, cast_before_weight=cast_before_weight, out_dtype=x.dtype, store_stats=False,
             )  # fmt: skip
         residual.copy_(res.view(residual.shape))
         x.copy_(out.view(x.shape))
         return
-    m = x2.shape[0]
-    sd = stats_dtype(x.dtype, residual.dtype)
-    rstd = torch.empty(m, dtype=sd, device=x.device)
-    mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
     kernel_module(backend).forward_into(
-        x2, r2, mean, rstd, x2, r2, weight, bias, eps=eps, dropout_p=0.0, seed=None,
+        x2, r2, None, None, x2, r2, weight, bias, eps=eps, is_rms=is_rms, dropout_p=0.0, seed=None,
         zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
     )  # fmt: skip
 

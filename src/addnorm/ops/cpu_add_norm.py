@@ -614,26 +614,32 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
-    """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None, rstd)."""
+            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
+    """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None,
+    rstd | None)."""
     m, n = x.shape
     sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
     out = _empty((m, n), out_dtype or x.dtype)
     res_out = _empty((m, n), residual_dtype) if store_residual_out else None
-    mean = None if is_rms else torch.empty(m, dtype=sd)
-    rstd = torch.empty(m, dtype=sd)
+    mean = None if is_rms or not store_stats else torch.empty(m, dtype=sd)
+    rstd = torch.empty(m, dtype=sd) if store_stats else None
     if m > 0:
-        forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, dropout_p=dropout_p, seed=seed,
-                     zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight)  # fmt: skip
+        forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, is_rms=is_rms,
+                     dropout_p=dropout_p, seed=seed, zero_centered_weight=zero_centered_weight,
+                     cast_before_weight=cast_before_weight)  # fmt: skip
     return out, res_out, mean, rstd
 
 
-def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
-                 cast_before_weight=False):  # fmt: skip
+def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is_rms, dropout_p, seed,
+                 zero_centered_weight, cast_before_weight=False):  # fmt: skip
     """The forward kernel writing into given outputs (out and res_out contiguous; res_out None: normalize x; mean
-    None: RMSNorm). ``forward`` allocates and calls this; benchmarks call it to time the kernel without the cost of
-    faulting in fresh output pages."""
+    None for RMSNorm; mean and rstd None: statistics not kept). ``forward`` allocates and calls this; benchmarks
+    call it to time the kernel without the cost of faulting in fresh output pages."""
     m, n = x.shape
+    if rstd is None:  # the numba kernels write the (M,) statistics row by row: give them scratch
+        h_dtype = (res_out if res_out is not None else x).dtype
+        rstd = torch.empty(m, dtype=torch.float64 if torch.float64 in (x.dtype, h_dtype) else torch.float32)
+        mean = None if is_rms else torch.empty_like(rstd)
     sd = rstd.dtype
     X, sx = _rows(x)
     store = res_out is not None
@@ -647,7 +653,6 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dr
             residual = residual.to(sd)  # exact (or the reference's own rounding of an fp64 residual)
         R, sr = _rows(residual)
     Rstd = rstd.numpy()
-    is_rms = mean is None
     Mean = Rstd if is_rms else mean.numpy()
     W = _vector(weight, sd, zero_centered_weight, Rstd)
     B = _vector(bias, sd, False, Rstd)

@@ -16,12 +16,14 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
     out, res_out, mean, rstd = add_norm_ref(
         x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
         residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
         cast_before_weight=cast_before_weight, out_dtype=out_dtype,
     )  # fmt: skip
+    if not store_stats:
+        mean = rstd = None
     return out.contiguous(), (res_out.contiguous() if store_residual_out else None), mean, rstd
 
 

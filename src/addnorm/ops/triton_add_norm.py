@@ -165,12 +165,14 @@ def _kernel(kernel, traceable: bool):
     return wrap_triton(kernel)
 
 
-def _fwd_config(m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast):
+def _fwd_config(m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast,
+                store_stats):  # fmt: skip
     """(rows path?, grid, constexprs and launch options) of the forward for one shape and flag set. The kernel is
     named by a flag, not held: the cache below would otherwise keep a kernel object that a test has replaced."""
     meta = dict(
         HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, IS_RMS=is_rms, ZERO_CENTERED=zc,
         HAS_DROPOUT=has_dropout, STORE_RESIDUAL_OUT=store_residual_out, CAST_BEFORE_WEIGHT=cast,
+        STORE_STATS=store_stats,
     )  # fmt: skip
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
@@ -204,8 +206,12 @@ def _cached_config(make, key):
 
 def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
                 traceable=False):  # fmt: skip
+    """rstd None: the statistics are not stored (mean must be None too)."""
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
+    store_stats = rstd is not None
+    if not store_stats:  # the kernels still take their accumulation type from Rstd's element type
+        rstd = _scratch(x.device, stats_dtype(x.dtype, res_out.dtype if res_out is not None else x.dtype))
     dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
     args = (
         x, residual if residual is not None else dummy, weight if weight is not None else dummy,
@@ -214,9 +220,24 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
         eps_hi, eps_lo, *_dropout_args(dropout_p, seed, dummy),
     )  # fmt: skip
     key = (m, n, residual is not None, weight is not None, bias is not None, is_rms, zc, dropout_p > 0,
-           res_out is not None, cast)  # fmt: skip
+           res_out is not None, cast, store_stats)  # fmt: skip
     rows, grid, meta = _fwd_config(*key) if traceable else _cached_config(_fwd_config, ("fwd", *key))
     _kernel(_fwd_rows_kernel if rows else _fwd_looped_kernel, traceable)[grid](*args, **meta)
+
+
+_scratch_tensors: dict = {}
+
+
+def _scratch(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A persistent one-element tensor passed for statistics a call does not store (the kernels never write it):
+    under inference nothing reads mean and rstd, and allocating them costs host time on every call (~2 us each on
+    a CPU; a decode step is host-bound). Persistent, so a captured CUDA graph may hold it. Not for traced calls:
+    torch.compile traces on fake tensors, and those store the statistics anyway."""
+    key = (device, dtype)
+    t = _scratch_tensors.get(key)
+    if t is None:
+        t = _scratch_tensors[key] = torch.empty(1, dtype=dtype, device=device)
+    return t
 
 
 def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_dropout, store_dres, cast, device):
@@ -287,11 +308,14 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _device_guard(device: torch.device):
-    """Launch on the tensors' GPU: Triton launches on the current device, which for a model spread over GPUs
-    (device_map) is not always the tensors'. A no-op when they are on the current device, or on CPU."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device.index)
+def _device_guard(t: Tensor):
+    """Launch on t's GPU: Triton launches on the current device, which for a model spread over GPUs (device_map)
+    is not always the tensors'. A no-op when t is on the current device, or on the CPU. (Takes the tensor, not its
+    device: ``is_cuda`` and ``get_device()`` cost less than building a torch.device and reading its type.)"""
+    if t.is_cuda:
+        index = t.get_device()
+        if index != torch.cuda.current_device():
+            return torch.cuda.device(index)
     return _NO_GUARD
 
 
@@ -328,30 +352,35 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None, traceable=False):  # fmt: skip
+            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True,
+            traceable=False):  # fmt: skip
     m, n = x.shape
-    sd = stats_dtype(x.dtype, residual_dtype)
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    res_out = torch.empty((m, n), dtype=residual_dtype, device=x.device) if store_residual_out else None
-    mean = None if is_rms else torch.empty(m, dtype=sd, device=x.device)
-    rstd = torch.empty(m, dtype=sd, device=x.device)
+    device = x.device
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=device)
+    res_out = torch.empty((m, n), dtype=residual_dtype, device=device) if store_residual_out else None
+    mean = rstd = None
+    if store_stats:
+        sd = stats_dtype(x.dtype, residual_dtype)
+        mean = None if is_rms else torch.empty(m, dtype=sd, device=device)
+        rstd = torch.empty(m, dtype=sd, device=device)
     if m > 0:  # forward_into's body, without its keyword call: this runs on every eager call
-        with _device_guard(x.device):
+        with _device_guard(x):
             _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
                         zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
-def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, dropout_p, seed, zero_centered_weight,
-                 cast_before_weight=False, traceable=False):  # fmt: skip
-    """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None:
-    RMSNorm). out may be x and res_out the residual (the in-place ops): each element is read before it is written,
-    by the thread that writes it, and out is written only after the row's statistics (after all of x was read).
+def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is_rms, dropout_p, seed,
+                 zero_centered_weight, cast_before_weight=False, traceable=False):  # fmt: skip
+    """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None
+    for RMSNorm; mean and rstd None: statistics not stored, the serving case). out may be x and res_out the
+    residual (the in-place ops): each element is read before it is written, by the thread that writes it, and out
+    is written only after the row's statistics (after all of x was read).
     ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
     if x.shape[0] > 0:
-        with _device_guard(x.device):
+        with _device_guard(x):
             _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed,
-                        mean is None, zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
+                        is_rms, zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
 
 
 def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
@@ -369,7 +398,7 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         dw = torch.zeros(n, dtype=weight.dtype, device=h.device) if weight is not None else None
         db = torch.zeros(n, dtype=bias_dtype, device=h.device) if has_db else None
         return dx, dres, dw, db
-    with _device_guard(h.device):
+    with _device_guard(h):
         dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db,
                                        dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight,
                                        traceable)  # fmt: skip

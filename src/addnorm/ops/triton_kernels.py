@@ -119,8 +119,8 @@ def _fwd_rows_kernel(
     B,  # (N,) bias (when HAS_BIAS)
     Out,  # (M, N) normalized output, x's dtype, contiguous
     ResOut,  # (M, N) residual_out in residual_dtype, contiguous (when STORE_RESIDUAL_OUT)
-    Mean,  # (M,) stats dtype (LayerNorm)
-    Rstd,  # (M,) stats dtype; its element type is the accumulation type of the whole kernel
+    Mean,  # (M,) stats dtype (LayerNorm, when STORE_STATS)
+    Rstd,  # (M,) stats dtype (when STORE_STATS; else any tensor): its element type is the kernel's accumulation type
     stride_x,
     stride_r,
     M,
@@ -140,6 +140,7 @@ def _fwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    STORE_STATS: tl.constexpr,  # off under inference: no (M,) statistics to allocate per call
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -166,9 +167,11 @@ def _fwd_rows_kernel(
         mean = tl.sum(h, axis=1) / N
         d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
         rstd = _rsqrt(tl.sum(d * d, axis=1) / N + eps)
-        tl.store(Mean + rows, mean, mask=row_ok)
+        if STORE_STATS:
+            tl.store(Mean + rows, mean, mask=row_ok)
         xhat = d * rstd[:, None]
-    tl.store(Rstd + rows, rstd, mask=row_ok)
+    if STORE_STATS:
+        tl.store(Rstd + rows, rstd, mask=row_ok)
     y = xhat
     if CAST_BEFORE_WEIGHT:
         y = _round(y, Out.dtype.element_ty).to(acc_t)
@@ -187,8 +190,8 @@ def _fwd_looped_kernel(
     B,  # (N,) bias
     Out,  # (M, N) output, contiguous
     ResOut,  # (M, N) residual_out, contiguous (when STORE_RESIDUAL_OUT)
-    Mean,  # (M,)
-    Rstd,  # (M,)
+    Mean,  # (M,) (LayerNorm, when STORE_STATS)
+    Rstd,  # (M,) (when STORE_STATS; else any tensor): its element type is the kernel's accumulation type
     stride_x,
     stride_r,
     M,
@@ -208,6 +211,7 @@ def _fwd_looped_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    STORE_STATS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     acc_t = Rstd.dtype.element_ty
@@ -256,8 +260,10 @@ def _fwd_looped_kernel(
     else:
         rstd = tl.sum(_rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
         mean_s = tl.sum(mean, axis=0)
-        tl.store(Mean + row, mean_s)
-    tl.store(Rstd + row, rstd)
+        if STORE_STATS:
+            tl.store(Mean + row, mean_s)
+    if STORE_STATS:
+        tl.store(Rstd + row, rstd)
     # residual_out was written by other threads of this program; make it visible before reading it back
     tl.debug_barrier()
     # pass 2: normalize

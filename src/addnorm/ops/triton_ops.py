@@ -114,7 +114,7 @@ def _inplace(
         sd = stats_dtype(x.dtype, residual.dtype)
         rstd = torch.empty(x2.shape[0], dtype=sd, device=x.device)
         mean = None if is_rms else torch.empty(x2.shape[0], dtype=sd, device=x.device)
-        T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, **opts)
+        T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
         return
     out, res, _, _ = T.forward(x.reshape(-1, n), residual.reshape(-1, n), weight, bias, is_rms=is_rms,
                                residual_dtype=residual.dtype, store_residual_out=True, out_dtype=x.dtype,
