@@ -37,7 +37,8 @@ KNOBS: dict[str, tuple[int, ...]] = {
     "max_bwd_block_n": (4096, 8192, 16384),
     "max_bwd_block_n_rms_16bit": (8192, 16384),  # 8192: RMSNorm's N = 16384 backward back on row sums + tiles
     "loop_block_n": (2048, 4096, 8192),
-    "programs_per_sm": (1, 2, 4, 8),
+    "programs_per_sm": (1, 2, 4, 8),  # the rows backward's persistent grid
+    "looped_programs_per_sm": (2, 4, 8),  # the looped backward's row groups x column tiles
 }
 SIZES = (1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (96, 300)
@@ -71,8 +72,9 @@ def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str, rms_16bit: bool = 
             bwd_limit = max(bwd_limit, tuning.max_bwd_block_n_rms_16bit)
         bwd = path(bwd_limit) if mode != "fwd" else None
         wide = isinstance(bwd, tuple) and bwd[1] > tuning.max_bwd_block_n  # those rows run wide_bwd_elems_per_thread
+        per_sm = tuning.programs_per_sm if isinstance(bwd, tuple) else tuning.looped_programs_per_sm
         return (fwd, bwd, tuning.elems_per_thread, tuning.wide_bwd_elems_per_thread if wide else None,
-                tuning.programs_per_sm if mode != "fwd" else None)
+                per_sm if mode != "fwd" else None)
     finally:
         T.TUNING = saved
 

@@ -292,3 +292,24 @@ def test_tune_triton_knobs_option_names_an_unknown_knob(capsys):
         tune_triton.main(["--device", "cpu", "--knobs", "programs_per_sm,warps"])
     assert e.value.code == 2
     assert "--knobs: unknown warps" in capsys.readouterr().err
+
+
+def test_tune_triton_plans_tell_the_two_backward_grids_apart():
+    """programs_per_sm sizes the rows backward's grid, looped_programs_per_sm the looped one's: a setting that
+    changes only the other path's grid launches the same kernels and is not timed again."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    import tune_triton
+    from addnorm.ops import triton_add_norm as T
+
+    base = T.Tuning()
+
+    def plan(n, **knob):
+        return tune_triton._launch_plan(dataclasses.replace(base, **knob), 64, n, "bwd")
+
+    rows_n, looped_n = 1024, 4 * base.max_bwd_block_n
+    assert plan(rows_n, programs_per_sm=4) != plan(rows_n)
+    assert plan(looped_n, programs_per_sm=4) == plan(looped_n)
+    assert plan(looped_n, looped_programs_per_sm=8) != plan(looped_n)
+    assert plan(rows_n, looped_programs_per_sm=8) == plan(rows_n)

@@ -167,6 +167,20 @@ def test_backward_warps_as_shipped():
     assert T._warps(8192) == 32 and T._warps(4096) == 16
 
 
+def test_backward_grid_sizes_per_path(monkeypatch):
+    """The persistent rows backward runs programs_per_sm (2) programs per SM, the looped backward's row groups x
+    column tiles about looped_programs_per_sm (4) per SM: the H200 sweep's best for each (tune.txt)."""
+    monkeypatch.setattr(T, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    rows = T._bwd_config(100000, 1024, True, False, True, False, True, False, False, False, False, cuda)
+    assert rows[0] is True and rows[1] == 2 * 132
+    looped = T._bwd_config(100000, 65536, True, False, True, False, True, False, False, False, False, cuda)
+    assert looped[0] is False and looped[1] == 65536 // T.TUNING.loop_block_n
+    assert looped[2] == -(-4 * 132 // looped[1])  # row groups: 4 programs per SM over the column tiles
+    few_rows = T._bwd_config(3, 65536, True, False, True, False, True, False, False, False, False, cuda)
+    assert few_rows[2] == 3  # never more groups than rows
+
+
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
 def test_zero_centered_weight(device, is_rms):
     x, r, w, b = _inputs(4, 96, torch.float32, device)

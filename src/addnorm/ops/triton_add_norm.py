@@ -55,6 +55,10 @@ class Tuning:
     # H200, device time (benchmarks/results/gpu/tune.txt): 2 beats 4 by 1.08-1.11x at N = 1024-16384 (rows path)
     # and loses by 0.88x at 65536 (looped); a first sweep that timed host overhead too had favoured 4
     programs_per_sm: int = 2
+    # the looped backward's (row groups x column tiles) grid: in the same sweep 4 per SM (3246 GB/s) beat 2 (2852),
+    # 1 (3073) and 8 (3197) at N = 65536, and the full table's fwd+bwd there fell from 77% to 71% of copy bandwidth
+    # when programs_per_sm went from 4 to 2 for every path
+    looped_programs_per_sm: int = 4
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
@@ -125,11 +129,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device) -> int:
-    """Size of the persistent backward grid: ``TUNING.programs_per_sm`` per SM, a handful in the interpreter."""
+def _programs(device: torch.device, per_sm: int) -> int:
+    """Size of a persistent backward grid: ``per_sm`` programs per SM, a handful in the interpreter."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return TUNING.programs_per_sm * _sm_count(index)
+        return per_sm * _sm_count(index)
     return TUNING.interpreter_programs
 
 
@@ -256,12 +260,12 @@ def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_
         block_m, block_n = blocks
         elems = block_m * block_n
         warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
-        programs = min(_programs(device), _cdiv(m, block_m))
+        programs = min(_programs(device, TUNING.programs_per_sm), _cdiv(m, block_m))
         return True, programs, dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m,
                                     BLOCK_N=block_n, num_warps=warps)  # fmt: skip
     block_n = _loop_block(TUNING.max_bwd_block_n)
     tiles = _cdiv(n, block_n)
-    groups = max(1, min(m, _cdiv(_programs(device), tiles)))
+    groups = max(1, min(m, _cdiv(_programs(device, TUNING.looped_programs_per_sm), tiles)))
     sums = dict(HAS_WEIGHT=has_weight, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n, num_warps=_warps(block_n))
     return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
