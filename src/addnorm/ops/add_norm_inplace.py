@@ -5,10 +5,11 @@
 
 Nothing is allocated on the ``triton`` backend for contiguous x and residual (the kernels write into them and
 store no statistics; the ``cpu`` backend's kernels need (M,) scratch for those). The ``torch`` and ``reference``
-backends, and inputs the kernels cannot write, compute out of place and copy back. Inference only: no dropout, no autograd (a tensor that requires grad is an error). Under
-``torch.compile`` the kernel backends run as the custom op ``addnorm::add_norm_``, which declares that it mutates
-x and residual, so ``fullgraph=True`` traces through it (the Triton backend on CUDA tensors as the triton op
-``addnorm::triton_add_norm_``, whose kernels Inductor sees: :mod:`addnorm.ops.triton_ops`).
+backends, and inputs the kernels cannot write, compute out of place and copy back. Inference only: no dropout,
+no autograd (a tensor that requires grad is an error). Under ``torch.compile`` the kernel backends run as the
+custom op ``addnorm::add_norm_``, which declares that it mutates x and residual, so ``fullgraph=True`` traces
+through it (the Triton backend on CUDA tensors as the triton op ``addnorm::triton_add_norm_``, whose kernels
+Inductor sees: :mod:`addnorm.ops.triton_ops`).
 """
 
 from __future__ import annotations
