@@ -9,8 +9,9 @@ Why: a kernel that spills registers to local memory, or that fits only one progr
 bandwidth, and both are visible before any GPU run. What this cannot tell: achieved bandwidth, cache behaviour,
 scheduling. It is a prediction to check against `gpu_check.sh`'s measured table, never a substitute for it.
 
-Triton's kernels are compiled as the launchers would launch them on an H100/H200 (132 SMs: a persistent grid of 264
-programs): the launchers run with their kernels replaced by recorders, on meta tensors, so no memory is touched.
+Triton's kernels are compiled as the launchers would launch them on an H100/H200 (132 SMs: persistent grids of 264
+programs, 528 on the looped backward): the launchers run with their kernels replaced by recorders, on meta tensors,
+so no memory is touched.
 Must run without TRITON_INTERPRET=1 (the interpreter does not compile).
 """
 
@@ -128,7 +129,7 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
     try:
         for name in KERNELS:
             setattr(T, name, Recorder(saved[name]))
-        T._programs = lambda device: 2 * SM_COUNT
+        T._programs = lambda device, per_sm: per_sm * SM_COUNT
         for s in shapes:
             current["shape"] = s
             meta = dict(device="meta")
