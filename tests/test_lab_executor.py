@@ -392,7 +392,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         from addnorm.lab.runner import RunOptions, run
         s = run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu", jobs=1), REGISTRY)
-        print("world", s.meta["world_size"], "rank", os.environ.get("RANK"))
+        print(f"world {s.meta['world_size']} rank {os.environ.get('RANK')}", flush=True)  # one write: shared stdout
     """
 )
 
