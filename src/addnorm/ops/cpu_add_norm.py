@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from addnorm import reference as _ref
+from addnorm.ops.add_norm import stats_dtype
 
 try:
     import numba
@@ -618,7 +619,7 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None,
     rstd | None)."""
     m, n = x.shape
-    sd = torch.float64 if torch.float64 in (x.dtype, residual_dtype) else torch.float32
+    sd = stats_dtype(x.dtype, residual_dtype)
     out = _empty((m, n), out_dtype or x.dtype)
     res_out = _empty((m, n), residual_dtype) if store_residual_out else None
     mean = None if is_rms or not store_stats else torch.empty(m, dtype=sd)
@@ -637,8 +638,7 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is
     call it to time the kernel without the cost of faulting in fresh output pages."""
     m, n = x.shape
     if rstd is None:  # the numba kernels write the (M,) statistics row by row: give them scratch
-        h_dtype = (res_out if res_out is not None else x).dtype
-        rstd = torch.empty(m, dtype=torch.float64 if torch.float64 in (x.dtype, h_dtype) else torch.float32)
+        rstd = torch.empty(m, dtype=stats_dtype(x.dtype, (res_out if res_out is not None else x).dtype))
         mean = None if is_rms else torch.empty_like(rstd)
     sd = rstd.dtype
     X, sx = _rows(x)
