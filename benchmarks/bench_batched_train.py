@@ -106,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run (after one warm-up step)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     ap.add_argument("--engines", nargs="+", default=["vmap", "stacked"], choices=["vmap", "stacked"])
-    ap.add_argument("--record-logits", action="store_true",
-                    help="explicit attention recording the max logit (lr-sensitivity's models; vmap cannot)")
+    ap.add_argument(
+        "--record-logits",
+        action="store_true",
+        help="explicit attention recording the max logit (lr-sensitivity's models; vmap cannot)",
+    )
     ap.add_argument("--out", help="also write the markdown table here")
     args = ap.parse_args(argv)
     for name in ("layers", "ks", "steps", "rounds"):
@@ -154,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("| " + " | ".join(cells) + " |")
     logits = "; record_logits=True" if args.record_logits else ""
     load = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
-    meta = (f"torch {torch.__version__}, {_cpu_name()}, {os.cpu_count()} CPUs, 1 torch thread{logits}; "
-            f"load average (1/5/15 min) {load(load_before)} before, {load(load_after)} after; "
-            f"{args.steps} steps x {args.rounds} rounds per cell; {time.time() - t_start:.0f} s in all")  # fmt: skip
+    meta = (
+        f"torch {torch.__version__}, {_cpu_name()}, {os.cpu_count()} CPUs, 1 torch thread{logits}; "
+        f"load average (1/5/15 min) {load(load_before)} before, {load(load_after)} after; "
+        f"{args.steps} steps x {args.rounds} rounds per cell; {time.time() - t_start:.0f} s in all"
+    )
     table = "\n".join(lines) + "\n\n" + meta + "\n"
     print(table)
     if args.out:

@@ -51,8 +51,14 @@ from pathlib import Path
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # environment settings that change how outputs are allocated, recorded with every run
-ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
-                 "MALLOC_TOP_PAD_", "LD_PRELOAD")
+ALLOCATOR_ENV = (
+    "THP_MEM_ALLOC_ENABLE",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "LD_PRELOAD",
+)
 DEFAULT_SHAPES = "64x64,1024x1024,4096x1024,8192x4096"
 
 
@@ -156,8 +162,20 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
             def add(name, mode, seconds, nbytes):
                 best, med = seconds
-                rows.append(dict(dtype=dname, m=m, n=n, norm=cfg.norm, mode=mode, contender=name, ms=best * 1e3,
-                                 median_ms=med * 1e3, us=best * 1e6, gbps=nbytes / best / 1e9))  # fmt: skip
+                rows.append(
+                    dict(
+                        dtype=dname,
+                        m=m,
+                        n=n,
+                        norm=cfg.norm,
+                        mode=mode,
+                        contender=name,
+                        ms=best * 1e3,
+                        median_ms=med * 1e3,
+                        us=best * 1e6,
+                        gbps=nbytes / best / 1e9,
+                    )
+                )
 
             # forward --------------------------------------------------------------------------------------------
             fwd_bytes = 4 * elems * s
@@ -168,14 +186,27 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             rstd_pre = torch.empty(m, dtype=sd)
 
             def kernel():
-                cpu_add_norm.forward_into(out_pre, res_pre, mean_pre, rstd_pre, x, r, w, b, eps=eps, is_rms=is_rms,
-                                          dropout_p=0.0, seed=None, zero_centered_weight=False)  # fmt: skip
+                cpu_add_norm.forward_into(
+                    out_pre,
+                    res_pre,
+                    mean_pre,
+                    rstd_pre,
+                    x,
+                    r,
+                    w,
+                    b,
+                    eps=eps,
+                    is_rms=is_rms,
+                    dropout_p=0.0,
+                    seed=None,
+                    zero_centered_weight=False,
+                )
 
             add("addnorm kernel", "fwd", _time(kernel, cfg.reps), fwd_bytes)
             xi, ri = x.clone(), r.clone()  # overwritten at every call (r grows by a normalized row each time)
             with torch.no_grad():
                 add("addnorm in-place", "fwd", _time(lambda: inplace(xi, ri, w, b), cfg.reps), fwd_bytes)
-            del xi, ri
+            xi = ri = None  # freed before the next shape (a `del` would leave the timing lambda a dangling name)
             with torch.no_grad():
                 for name, fn in contenders.items():
                     add(name, "fwd", _time(lambda: fn(x, r, w, b), cfg.reps), fwd_bytes)
@@ -202,7 +233,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
                 add(name, "fwd+bwd", _time(fwd_bwd(fn), cfg.reps), fb_bytes)
             if cfg.compile:
                 add("compiled", "fwd+bwd", _time(fwd_bwd(get_compiled((dname, "fwd+bwd"))), cfg.reps), fb_bytes)
-            del leaves, xl, rl, wl, bl
+            leaves = xl = rl = wl = bl = None  # freed before the next shape
 
     # fraction of the streaming limit, per dtype and shape
     stream = {(row["dtype"], row["m"], row["n"]): row["gbps"] for row in rows if row["contender"] == "stream"}
@@ -259,14 +290,29 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
     kern = get("fp32", "fwd", "addnorm kernel")
     inpl = get("fp32", "fwd", "addnorm in-place")
     if cpu and stream:
-        checks.append(("fp32 forward >= 80% of the streaming limit (API call)", f"{cpu['of_stream']:.0%}",
-                       cpu["of_stream"] >= 0.8))  # fmt: skip
+        checks.append(
+            (
+                "fp32 forward >= 80% of the streaming limit (API call)",
+                f"{cpu['of_stream']:.0%}",
+                cpu["of_stream"] >= 0.8,
+            )
+        )
     if kern and stream:
-        checks.append(("fp32 forward >= 80% of the streaming limit (kernel, preallocated outputs)",
-                       f"{kern['of_stream']:.0%}", kern["of_stream"] >= 0.8))  # fmt: skip
+        checks.append(
+            (
+                "fp32 forward >= 80% of the streaming limit (kernel, preallocated outputs)",
+                f"{kern['of_stream']:.0%}",
+                kern["of_stream"] >= 0.8,
+            )
+        )
     if inpl and stream:
-        checks.append(("fp32 forward in place >= 80% of the streaming limit", f"{inpl['of_stream']:.0%}",
-                       inpl["of_stream"] >= 0.8))  # fmt: skip
+        checks.append(
+            (
+                "fp32 forward in place >= 80% of the streaming limit",
+                f"{inpl['of_stream']:.0%}",
+                inpl["of_stream"] >= 0.8,
+            )
+        )
     if cpu and eager:
         checks.append(("fp32 forward >= 5x eager", f"{eager['ms'] / cpu['ms']:.1f}x", eager["ms"] / cpu["ms"] >= 5))
     cpu_fb, eager_fb = get("fp32", "fwd+bwd", "addnorm cpu"), get("fp32", "fwd+bwd", "eager")
@@ -294,8 +340,10 @@ def markdown(rows: list[dict], env: dict) -> str:
     for r in rows:
         ms = f"{r['ms']:.3f}" if r["ms"] < 1 else f"{r['ms']:.1f}"
         med = f"{r['median_ms']:.3f}" if r["median_ms"] < 1 else f"{r['median_ms']:.1f}"
-        lines.append(f"| {r['dtype']} | {r['m']}x{r['n']} | {r['mode']} | {r['contender']} | {ms} | {med} | "
-                     f"{r['gbps']:.1f} | {r['of_stream']:.0%} |")  # fmt: skip
+        lines.append(
+            f"| {r['dtype']} | {r['m']}x{r['n']} | {r['mode']} | {r['contender']} | {ms} | {med} | "
+            f"{r['gbps']:.1f} | {r['of_stream']:.0%} |"
+        )
     checks = targets(rows)
     if checks:
         lines += ["", "| target (8192x4096) | measured | met |", "|---|---:|---|"]
@@ -305,15 +353,22 @@ def markdown(rows: list[dict], env: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                   help=f"comma-separated MxN (default {DEFAULT_SHAPES})")  # fmt: skip
+    p.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=parse_shapes(DEFAULT_SHAPES),
+        help=f"comma-separated MxN (default {DEFAULT_SHAPES})",
+    )
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32,bf16,fp16 (default fp32,bf16)")
     p.add_argument("--norm", choices=("rms", "layer"), default="rms")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per row; best and median reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    p.add_argument("--out", default=str(Config().out),
-                   help="directory for cpu.csv/cpu.json (default benchmarks/results; '' writes nothing)")
+    p.add_argument(
+        "--out",
+        default=str(Config().out),
+        help="directory for cpu.csv/cpu.json (default benchmarks/results; '' writes nothing)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a markdown table")
     a = p.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -322,8 +377,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--dtypes must be among {', '.join(DTYPES)}; got {', '.join(bad)}")
     if a.reps < 1:
         p.error(f"--reps must be >= 1; got {a.reps}")
-    cfg = Config(shapes=a.shapes, dtypes=dtypes, norm=a.norm, reps=a.reps, compile=not a.no_compile,
-                 threads=a.threads, out=Path(a.out) if a.out else None, json=a.json)  # fmt: skip
+    cfg = Config(
+        shapes=a.shapes,
+        dtypes=dtypes,
+        norm=a.norm,
+        reps=a.reps,
+        compile=not a.no_compile,
+        threads=a.threads,
+        out=Path(a.out) if a.out else None,
+        json=a.json,
+    )
     rows, env = run(cfg)
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -332,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
         checks = [dict(target=t, measured=m, met=ok) for t, m, ok in targets(rows)]
-        (cfg.out / "cpu.json").write_text(json.dumps(dict(env=env, config={**asdict(cfg), "out": str(cfg.out)},
-                                                          rows=rows, targets=checks), indent=1))  # fmt: skip
+        (cfg.out / "cpu.json").write_text(
+            json.dumps(dict(env=env, config={**asdict(cfg), "out": str(cfg.out)}, rows=rows, targets=checks), indent=1)
+        )
     print(json.dumps(dict(env=env, rows=rows), indent=1) if cfg.json else markdown(rows, env))
     return 0
 

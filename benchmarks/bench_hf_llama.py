@@ -51,8 +51,11 @@ class BenchConfig:
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = BenchConfig()
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (default %(default)s)")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (default %(default)s)")
@@ -86,10 +89,22 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
 def build(cfg: BenchConfig, variant: str):
     from addnorm.integrations import hf
 
-    model = hf.tiny_model("llama", seed=0, dtype=DTYPES[cfg.dtype], num_hidden_layers=cfg.layers,
-                          hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 8 // 3, num_attention_heads=cfg.heads,
-                          num_key_value_heads=cfg.heads, vocab_size=cfg.vocab,
-                          max_position_embeddings=max(cfg.seq, 128)).to(cfg.device).train()  # fmt: skip
+    model = (
+        hf.tiny_model(
+            "llama",
+            seed=0,
+            dtype=DTYPES[cfg.dtype],
+            num_hidden_layers=cfg.layers,
+            hidden_size=cfg.hidden,
+            intermediate_size=cfg.hidden * 8 // 3,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.heads,
+            vocab_size=cfg.vocab,
+            max_position_embeddings=max(cfg.seq, 128),
+        )
+        .to(cfg.device)
+        .train()
+    )
     if variant != "hf":
         hf.apply(model, fuse_residual=variant == "fused")
     return model
@@ -151,12 +166,16 @@ def environment(device: str = "cpu") -> dict:
 
 def table(results: dict) -> str:
     base = results["hf"]["median_ms"]
-    rows = ["| variant | median ms | p25 ms | p75 ms | min ms | speedup vs hf (median) |",
-            "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| variant | median ms | p25 ms | p75 ms | min ms | speedup vs hf (median) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for v in VARIANTS:
         r = results[v]
-        rows.append(f"| {v} | {r['median_ms']:.2f} | {r['p25_ms']:.2f} | {r['p75_ms']:.2f} | {r['min_ms']:.2f} "
-                    f"| {base / r['median_ms']:.3f}x |")  # fmt: skip
+        rows.append(
+            f"| {v} | {r['median_ms']:.2f} | {r['p25_ms']:.2f} | {r['p75_ms']:.2f} | {r['min_ms']:.2f} "
+            f"| {base / r['median_ms']:.3f}x |"
+        )
     return "\n".join(rows)
 
 

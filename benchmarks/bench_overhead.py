@@ -105,21 +105,48 @@ def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = F
             if mode == "inference":
                 xi, ri = base[0].clone(), base[1].clone()
                 for b in backends:
-                    cases.append((f"in-place {label(b)}",
-                                  lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b)))
+                    cases.append(
+                        (f"in-place {label(b)}", lambda b=b: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=b))
+                    )
                 out, res, rstd = torch.empty_like(x), torch.empty_like(x), torch.empty(m, device=dev)
                 for b in backends:
                     mod = kernel_module(b) if b in ("cpu", "triton") else None
                     if mod is not None and hasattr(mod, "forward_into"):
-                        cases.append((f"kernel {label(b)}", lambda mod=mod: mod.forward_into(
-                            out, res, None, rstd, x, r, w, None, eps=1e-6, is_rms=True, dropout_p=0.0,
-                            seed=None, zero_centered_weight=False)))  # fmt: skip
+                        cases.append(
+                            (
+                                f"kernel {label(b)}",
+                                lambda mod=mod: mod.forward_into(
+                                    out,
+                                    res,
+                                    None,
+                                    rstd,
+                                    x,
+                                    r,
+                                    w,
+                                    None,
+                                    eps=1e-6,
+                                    is_rms=True,
+                                    dropout_p=0.0,
+                                    seed=None,
+                                    zero_centered_weight=False,
+                                ),
+                            )
+                        )
             with ctx(), _noop_launches(triton_python_only):
                 times = {name: _time(fn, sync, reps, inner) for name, fn in cases}
             base_us = times["eager"][0] * 1e6
             for name, (best, med) in times.items():
-                rows.append(dict(m=m, n=n, mode=mode, contender=name, us=best * 1e6, median_us=med * 1e6,
-                                 x_eager=best * 1e6 / base_us))  # fmt: skip
+                rows.append(
+                    dict(
+                        m=m,
+                        n=n,
+                        mode=mode,
+                        contender=name,
+                        us=best * 1e6,
+                        median_us=med * 1e6,
+                        x_eager=best * 1e6 / base_us,
+                    )
+                )
     env = dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         command=" ".join([Path(sys.executable).name, *sys.argv]),
@@ -143,12 +170,17 @@ def markdown(rows: list[dict], env: dict) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['m']}x{r['n']} | {r['mode']} | {r['contender']} | {r['us']:.1f} | {r['median_us']:.1f} | "
-                     f"{r['x_eager']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['m']}x{r['n']} | {r['mode']} | {r['contender']} | {r['us']:.1f} | {r['median_us']:.1f} | "
+            f"{r['x_eager']:.2f} |"
+        )
     kernel_rows = [r for r in rows if r["contender"] in ("addnorm cpu", "addnorm triton")]  # no-op rows: no target
     if kernel_rows:
-        lines += ["", f"| target: kernel route <= {TARGET:g}x eager | M x N | mode | measured | met |",
-                  "|---|---|---|---:|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"| target: kernel route <= {TARGET:g}x eager | M x N | mode | measured | met |",
+            "|---|---|---|---:|---|",
+        ]
         for r in kernel_rows:
             met = "yes" if r["x_eager"] <= TARGET else "no"
             lines.append(f"| {r['contender']} | {r['m']}x{r['n']} | {r['mode']} | {r['x_eager']:.2f}x | {met} |")
@@ -171,11 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", type=_shapes, default=list(DEFAULT_SHAPES), help="comma-separated MxN (8x64,8x4096)")
     p.add_argument("--reps", type=int, default=7, help="timed samples per row; best and median reported")
     p.add_argument("--inner", type=int, default=300, help="calls per sample")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                   help="directory for overhead.md/overhead.json (default benchmarks/results; '' writes nothing)")
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).parent / "results"),
+        help="directory for overhead.md/overhead.json (default benchmarks/results; '' writes nothing)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a markdown table")
-    p.add_argument("--triton-python-only", action="store_true",
-                   help="CPU only: add the Triton route's rows with every kernel launch a no-op (its Python cost)")
+    p.add_argument(
+        "--triton-python-only",
+        action="store_true",
+        help="CPU only: add the Triton route's rows with every kernel launch a no-op (its Python cost)",
+    )
     a = p.parse_args(argv)
     if a.reps < 1 or a.inner < 1:
         p.error(f"--reps and --inner must be >= 1; got {a.reps}, {a.inner}")
@@ -199,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         suffix = "" if a.device == "cpu" else "_" + a.device.replace(":", "")
-        atomic_write_text(out / f"overhead{suffix}.md", "# Per-call overhead (benchmarks/bench_overhead.py)\n\n"
-                          + table + "\n")  # fmt: skip
+        atomic_write_text(
+            out / f"overhead{suffix}.md", "# Per-call overhead (benchmarks/bench_overhead.py)\n\n" + table + "\n"
+        )
         atomic_write_json(out / f"overhead{suffix}.json", dict(env=env, rows=rows))
     print(json.dumps(dict(env=env, rows=rows), indent=1) if a.json else table)
     return 0

@@ -101,45 +101,72 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
     dev = re.escape('"cuda"')
     if suite == "flash-attn":
         rules = [
-            Rule("import: flash_attn.ops.triton.layer_norm -> addnorm.compat.flash_attn",
-                 r"^from flash_attn\.ops\.triton\.layer_?norm import", "from addnorm.compat.flash_attn import"),
-            Rule(f"bf16 gate is_sm8x: answers for {device}",
-                 r'torch\.cuda\.get_device_capability\("cuda"\)\[0\] >= 8',
-                 _capability(device, 'torch.cuda.get_device_capability("cuda")[0] >= 8')),
-            Rule(f'device = "cuda" -> "{device}"', r'^(\s*)device = ' + dev, rf'\1device = "{device}"'),
-            Rule(f'autocast device_type="cuda" -> "{device}"', r'device_type=' + dev, f'device_type="{device}"',
-                 required=False),
-        ]  # fmt: skip
+            Rule(
+                "import: flash_attn.ops.triton.layer_norm -> addnorm.compat.flash_attn",
+                r"^from flash_attn\.ops\.triton\.layer_?norm import",
+                "from addnorm.compat.flash_attn import",
+            ),
+            Rule(
+                f"bf16 gate is_sm8x: answers for {device}",
+                r'torch\.cuda\.get_device_capability\("cuda"\)\[0\] >= 8',
+                _capability(device, 'torch.cuda.get_device_capability("cuda")[0] >= 8'),
+            ),
+            Rule(f'device = "cuda" -> "{device}"', r"^(\s*)device = " + dev, rf'\1device = "{device}"'),
+            Rule(
+                f'autocast device_type="cuda" -> "{device}"',
+                r"device_type=" + dev,
+                f'device_type="{device}"',
+                required=False,
+            ),
+        ]
         if not have_einops:
             # imported by their file but unused; einops is no dependency of addnorm (checked unused below)
-            rules.append(Rule("drop unused `from einops import rearrange, repeat` (einops not installed)",
-                              r"^from einops import rearrange, repeat\n", "", required=False))  # fmt: skip
+            rules.append(
+                Rule(
+                    "drop unused `from einops import rearrange, repeat` (einops not installed)",
+                    r"^from einops import rearrange, repeat\n",
+                    "",
+                    required=False,
+                )
+            )
         if seqlen is not None:
             rules.append(Rule(f"seqlen = 512 -> {seqlen}", r"^(\s*)seqlen = 512$", rf"\g<1>seqlen = {seqlen}"))
         return rules
     if suite == "liger":
         mark = "  # addnorm compat_suites: device rewrite\n"
-        infer = Rule(f"import: liger_kernel.utils.infer_device -> returns {device!r}",
-                     r"^from liger_kernel\.utils import infer_device$",
-                     f"def infer_device():{mark}    return {device!r}")  # fmt: skip
+        infer = Rule(
+            f"import: liger_kernel.utils.infer_device -> returns {device!r}",
+            r"^from liger_kernel\.utils import infer_device$",
+            f"def infer_device():{mark}    return {device!r}",
+        )
         if path.endswith("test_fused_add_rms_norm.py"):
             return [
-                Rule("import: liger_kernel.* -> addnorm.compat.liger",
-                     r"^from liger_kernel\.[\w.]+ import (LigerFusedAddRMSNormFunction|liger_fused_add_rms_norm"
-                     r"|LigerFusedAddRMSNorm)$", r"from addnorm.compat.liger import \1"),
+                Rule(
+                    "import: liger_kernel.* -> addnorm.compat.liger",
+                    r"^from liger_kernel\.[\w.]+ import (LigerFusedAddRMSNormFunction|liger_fused_add_rms_norm"
+                    r"|LigerFusedAddRMSNorm)$",
+                    r"from addnorm.compat.liger import \1",
+                ),
                 infer,
-                Rule(f"bf16 gate supports_bfloat16: answers for {device}",
-                     r"^from test\.utils import supports_bfloat16$",
-                     "from test.utils import supports_bfloat16" if device == "cuda" else
-                     "def supports_bfloat16():  # addnorm compat_suites: device rewrite (a CPU runs bf16)\n"
-                     "    return True"),
-            ]  # fmt: skip
+                Rule(
+                    f"bf16 gate supports_bfloat16: answers for {device}",
+                    r"^from test\.utils import supports_bfloat16$",
+                    "from test.utils import supports_bfloat16"
+                    if device == "cuda"
+                    else "def supports_bfloat16():  # addnorm compat_suites: device rewrite (a CPU runs bf16)\n"
+                    "    return True",
+                ),
+            ]
         if path == "test/utils.py":
             return [infer]
         if path == "test/conftest.py":
-            return [Rule("import: liger_kernel.utils.is_npu_available -> False",
-                         r"^from liger_kernel\.utils import is_npu_available$",
-                         f"def is_npu_available():{mark}    return False")]  # fmt: skip
+            return [
+                Rule(
+                    "import: liger_kernel.utils.is_npu_available -> False",
+                    r"^from liger_kernel\.utils import is_npu_available$",
+                    f"def is_npu_available():{mark}    return False",
+                )
+            ]
         return []
     raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
 
@@ -169,8 +196,9 @@ def _source_info(folder: Path) -> dict:
         return json.loads(info_path.read_text())
     if (folder / ".git").exists():  # a checkout of the upstream repository (not a folder inside another one)
         try:
-            commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    check=True).stdout.strip()  # fmt: skip
+            commit = subprocess.run(
+                ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
             return {"origin": f"git checkout {folder}", "version": commit}
         except (OSError, subprocess.CalledProcessError):
             pass
@@ -183,8 +211,19 @@ def _source_info(folder: Path) -> dict:
 
 def _fetch_sdist(suite: Suite, dest: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-               suite.pip_spec, "-d", tmp]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--no-build-isolation",
+            suite.pip_spec,
+            "-d",
+            tmp,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         archives = list(Path(tmp).glob("*.tar.gz"))
         if r.returncode != 0 or not archives:
@@ -232,7 +271,7 @@ def get_sources(suite: Suite, cache: Path, source: Path | None) -> tuple[Path, d
 
 # A pytest plugin written next to the rewritten files: filters the collected cases (--hidden, --subsample) and
 # records each case's outcome, skip reason and exception type as JSON (what the summary counts).
-PLUGIN = r'''
+PLUGIN = r"""
 import json, os, time, zlib
 
 _CFG = json.loads(os.environ["ADDNORM_COMPAT_SELECT"])
@@ -310,7 +349,7 @@ def pytest_sessionfinish(session):
         deselected = int(open(_DESELECTED_FILE).read() or 0)
     with open(os.environ["ADDNORM_COMPAT_RESULTS"], "w") as f:
         json.dump({"cases": _RESULTS, "deselected": deselected, "selected": len(_SELECTED)}, f)
-'''
+"""
 
 
 def prepare_run(suite: Suite, src: Path, run_dir: Path, device: str, seqlen: int | None) -> list[str]:
@@ -350,8 +389,13 @@ def summarize(results: dict, upstream_text: str) -> dict:
         elif r["outcome"] in ("failed", "error"):
             failures.append(f"{nodeid}: {r.get('message', '')[:300]}")
             missing_feature += "NotImplementedError" in r.get("message", "")
-    return {"counts": counts, "upstream_skips": own_skips, "other_skips": other_skips,
-            "missing_feature": missing_feature, "failures": failures}  # fmt: skip
+    return {
+        "counts": counts,
+        "upstream_skips": own_skips,
+        "other_skips": other_skips,
+        "missing_feature": missing_feature,
+        "failures": failures,
+    }
 
 
 def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> dict:
@@ -363,23 +407,43 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         results_path = run_dir / "results.json"
         # an outer pytest-xdist run (this repository's tests) must not leak its worker identity into this one
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-        env = dict(env, ADDNORM_BACKEND=args.backend, ADDNORM_COMPAT_RESULTS=str(results_path),
-                   ADDNORM_COMPAT_SELECT=json.dumps({"hidden": args.hidden, "subsample": args.subsample,
-                                                         "max_seconds": args.max_seconds}))  # fmt: skip
+        env = dict(
+            env,
+            ADDNORM_BACKEND=args.backend,
+            ADDNORM_COMPAT_RESULTS=str(results_path),
+            ADDNORM_COMPAT_SELECT=json.dumps(
+                {"hidden": args.hidden, "subsample": args.subsample, "max_seconds": args.max_seconds}
+            ),
+        )
         # addnorm itself: whatever this interpreter imports (an install, or PYTHONPATH=src), made absolute
         import addnorm
 
         paths = [str(Path(addnorm.__file__).parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:rerunfailures",
-               "-p", "_addnorm_compat_plugin",
-               "--rootdir", str(run_dir), *suite.tests, *args.pytest_args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:rerunfailures",
+            "-p",
+            "_addnorm_compat_plugin",
+            "--rootdir",
+            str(run_dir),
+            *suite.tests,
+            *args.pytest_args,
+        ]
         print(f"== {suite.name}: {info['origin']} @ {info['version']}", flush=True)
         for rel, digest in files.items():
             print(f"   {rel}  sha256 {digest}")
         print("   rewrites: " + "; ".join(rewrites))
-        print(f"   ADDNORM_BACKEND={args.backend} device={args.device} TRITON_INTERPRET="
-              f"{os.environ.get('TRITON_INTERPRET', '')} hidden={args.hidden or 'all'} subsample=1/{args.subsample}")
+        print(
+            f"   ADDNORM_BACKEND={args.backend} device={args.device} TRITON_INTERPRET="
+            f"{os.environ.get('TRITON_INTERPRET', '')} hidden={args.hidden or 'all'} subsample=1/{args.subsample}"
+        )
         load_before = os.getloadavg()
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=run_dir, env=env)
@@ -391,12 +455,23 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
     summary = summarize(results["cases"], upstream)
     summary["deselected"] = results["deselected"]
     summary["not_run"] = results["selected"] - len(results["cases"])  # stopped by --max-seconds
-    summary.update(suite=suite.name, origin=info["origin"], version=info["version"], files=files,
-                   rewrites=rewrites, backend=args.backend, device=args.device, seqlen=args.seqlen,
-                   hidden=args.hidden, subsample=args.subsample, pytest_exit=proc.returncode,
-                   wall_s=round(wall, 1), load_before=[round(x, 2) for x in load_before],
-                   load_after=[round(x, 2) for x in os.getloadavg()],
-                   triton_interpret=os.environ.get("TRITON_INTERPRET", ""))  # fmt: skip
+    summary.update(
+        suite=suite.name,
+        origin=info["origin"],
+        version=info["version"],
+        files=files,
+        rewrites=rewrites,
+        backend=args.backend,
+        device=args.device,
+        seqlen=args.seqlen,
+        hidden=args.hidden,
+        subsample=args.subsample,
+        pytest_exit=proc.returncode,
+        wall_s=round(wall, 1),
+        load_before=[round(x, 2) for x in load_before],
+        load_after=[round(x, 2) for x in os.getloadavg()],
+        triton_interpret=os.environ.get("TRITON_INTERPRET", ""),
+    )
     return summary
 
 
@@ -404,9 +479,11 @@ def print_summary(s: dict) -> None:
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items()))
     counts += f" ({s['deselected']} deselected by --hidden/--subsample)" if s["deselected"] else ""
     counts += f"; {s['not_run']} NOT RUN (--max-seconds)" if s["not_run"] else ""
-    print(f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
-          f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
-          f"load {s['load_before']} -> {s['load_after']}")  # fmt: skip
+    print(
+        f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
+        f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
+        f"load {s['load_before']} -> {s['load_after']}"
+    )
     for reason, n in s["upstream_skips"].items():
         print(f"   skipped by the upstream test itself ({n}): {reason}")
     for reason, n in s["other_skips"].items():
@@ -438,23 +515,41 @@ def _source(text: str) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
     p.add_argument("suite", choices=[*SUITES, "all"], help="which upstream test file(s) to run")
-    p.add_argument("--backend", default="cpu", choices=["torch", "reference", "cpu", "triton"],
-                   help="addnorm backend (ADDNORM_BACKEND); triton on CPU needs TRITON_INTERPRET=1")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        default="cpu",
+        choices=["torch", "reference", "cpu", "triton"],
+        help="addnorm backend (ADDNORM_BACKEND); triton on CPU needs TRITON_INTERPRET=1",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="replaces their 'cuda' (default cpu)")
-    p.add_argument("--seqlen", type=_positive, default=None,
-                   help="flash-attention's seqlen (512 upstream; leave unset to keep it)")  # fmt: skip
+    p.add_argument(
+        "--seqlen", type=_positive, default=None, help="flash-attention's seqlen (512 upstream; leave unset to keep it)"
+    )
     p.add_argument("--hidden", type=_hidden, default=[], help="keep only these hidden sizes, e.g. 192,2048")
     p.add_argument("--subsample", type=_positive, default=1, help="keep a deterministic 1-in-K subset of cases")
-    p.add_argument("--max-seconds", type=_positive, default=None,
-                   help="stop starting new cases after this many seconds per suite (the rest is reported not run)")
-    p.add_argument("--source", type=_source, action="append", default=[], metavar="SUITE=DIR",
-                   help="use the upstream files in DIR (offline) instead of fetching them")  # fmt: skip
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
-                   help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)")  # fmt: skip
+    p.add_argument(
+        "--max-seconds",
+        type=_positive,
+        default=None,
+        help="stop starting new cases after this many seconds per suite (the rest is reported not run)",
+    )
+    p.add_argument(
+        "--source",
+        type=_source,
+        action="append",
+        default=[],
+        metavar="SUITE=DIR",
+        help="use the upstream files in DIR (offline) instead of fetching them",
+    )
+    p.add_argument(
+        "--cache", type=Path, default=DEFAULT_CACHE, help=f"where fetched files are kept ({DEFAULT_CACHE.name}/)"
+    )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the summaries as JSON")
     p.epilog += "\n\nExtra pytest arguments go after --, e.g. `... flash-attn -- -x --durations=10`."
     argv = sys.argv[1:] if argv is None else list(argv)

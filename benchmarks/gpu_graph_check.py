@@ -130,9 +130,11 @@ def main() -> int:
         inplace_ok = inplace_ok and torch.equal(xi, exp_out) and torch.equal(ri, exp_res)
         breaks = sum(counters["graph_break"].values())
         ok = len(launched) == 2 and not opaque and not breaks and xl.grad is not None and inplace_ok
-        return ("PASS" if ok else "FAIL"), (f"kernels in the compiled code: {launched}; opaque addnorm op call: "
-                                             f"{opaque}; in-place op compiled to the kernel and equal to eager: "
-                                             f"{inplace_ok}; graph breaks: {breaks}")
+        return ("PASS" if ok else "FAIL"), (
+            f"kernels in the compiled code: {launched}; opaque addnorm op call: "
+            f"{opaque}; in-place op compiled to the kernel and equal to eager: "
+            f"{inplace_ok}; graph breaks: {breaks}"
+        )
 
     def device_guard():
         if torch.cuda.device_count() < 2:
@@ -174,8 +176,20 @@ def main() -> int:
             leaves = [t.float().clone().requires_grad_(True) for t in (x, r, x, w, w)]
             xl, rl, x1l, wl, w1l = leaves
             rs = torch.rand(x.shape[0], device=dev) + 0.5
-            res = add_norm_multi(xl, rl, wl, None, 1e-5, is_rms=True, x1=x1l, weight1=w1l, rowscale=rs,
-                                 dropout_p=0.2, return_dropout_mask=True, backend=backend)  # fmt: skip
+            res = add_norm_multi(
+                xl,
+                rl,
+                wl,
+                None,
+                1e-5,
+                is_rms=True,
+                x1=x1l,
+                weight1=w1l,
+                rowscale=rs,
+                dropout_p=0.2,
+                return_dropout_mask=True,
+                backend=backend,
+            )
             (res.out.square().sum() + res.out1.sum() + res.residual_out.sum()).backward()
             return res, [t.grad for t in leaves]
 
@@ -183,13 +197,17 @@ def main() -> int:
         b, gb = run("torch")
         masks = torch.equal(a.dropout_mask, b.dropout_mask) and torch.equal(a.dropout_mask1, b.dropout_mask1)
         res_equal = torch.equal(a.residual_out, b.residual_out)
-        err = max((u - v).abs().max().item() / (v.abs().max().item() + 1e-6)
-                  for u, v in [(a.out, b.out), (a.out1, b.out1)] + list(zip(ga, gb)))  # fmt: skip
+        err = max(
+            (u - v).abs().max().item() / (v.abs().max().item() + 1e-6)
+            for u, v in [(a.out, b.out), (a.out1, b.out1)] + list(zip(ga, gb))
+        )
         y = fa.rms_norm_fn(x, w, None, residual=r, prenorm=True, residual_in_fp32=True)
         z = liger.liger_fused_add_rms_norm(x, r, w, 1e-6, in_place=False)
         ok = masks and res_equal and err < 1e-4 and all(t.is_cuda for t in (*y, *z))
-        return ("PASS" if ok else "FAIL"), (f"masks bitwise equal: {masks}; residual_out bitwise: {res_equal}; "
-                                            f"max relative difference of outputs and gradients {err:.1e}")
+        return ("PASS" if ok else "FAIL"), (
+            f"masks bitwise equal: {masks}; residual_out bitwise: {res_equal}; "
+            f"max relative difference of outputs and gradients {err:.1e}"
+        )
 
     check("graph capture with dropout", graph_capture)
     check("compile reduce-overhead", reduce_overhead)
@@ -198,8 +216,10 @@ def main() -> int:
     check("shared dresidual, in-place ops", shared_grad_and_inplace)
     check("composed features and compat APIs", composed_features)
     failed = [name for name, verdict, _ in results if verdict == "FAIL"]
-    print(f"graph checks: {len(results) - len(failed)} of {len(results)} passed or skipped"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    print(
+        f"graph checks: {len(results) - len(failed)} of {len(results)} passed or skipped"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -56,8 +56,14 @@ def run(cfg: OverheadConfig) -> dict:
     load_before = os.getloadavg()[0]
     device = torch.device(cfg.device)
     torch.manual_seed(0)
-    mcfg = TransformerConfig.preset(cfg.preset, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                                    vocab_size=cfg.vocab_size, max_seq_len=max(cfg.seq_len, 128))  # fmt: skip
+    mcfg = TransformerConfig.preset(
+        cfg.preset,
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=max(cfg.seq_len, 128),
+    )
     model = TransformerLM(mcfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -124,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = OverheadConfig(**vars(args))
     res = run(cfg)
-    line = (f"{cfg.preset} L={cfg.n_layers} d={cfg.d_model} batch {cfg.batch}x{cfg.seq_len} on {cfg.device}: "
-            f"step {res['plain_ms']:.2f} ms plain, {res['monitor_ms']:.2f} ms with Monitor "
-            f"-> overhead {res['overhead_pct']:+.1f}% (median of {res['steps']} steps each; median paired "
-            f"difference {res['paired_pct']:+.1f}%; "
-            f"mon.step() alone {res['mon_step_ms']:.2f} ms)")  # fmt: skip
+    line = (
+        f"{cfg.preset} L={cfg.n_layers} d={cfg.d_model} batch {cfg.batch}x{cfg.seq_len} on {cfg.device}: "
+        f"step {res['plain_ms']:.2f} ms plain, {res['monitor_ms']:.2f} ms with Monitor "
+        f"-> overhead {res['overhead_pct']:+.1f}% (median of {res['steps']} steps each; median paired "
+        f"difference {res['paired_pct']:+.1f}%; "
+        f"mon.step() alone {res['mon_step_ms']:.2f} ms)"
+    )
     print(line)
     command = "python benchmarks/monitor_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [

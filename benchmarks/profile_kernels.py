@@ -57,8 +57,10 @@ def profile_one(provider: str, mode: str, m: int, n: int, dtype: torch.dtype, ca
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
             kernels[e.name].append(e.device_time)
     total = sum(sum(v) for v in kernels.values()) / calls
-    lines = [f"{provider:8} {'fwd' if not grad else 'fwd+bwd':8} {m}x{n}: device {total:8.1f} us/call, "
-             f"wall {wall_us:8.1f} us/call"]  # fmt: skip
+    lines = [
+        f"{provider:8} {'fwd' if not grad else 'fwd+bwd':8} {m}x{n}: device {total:8.1f} us/call, "
+        f"wall {wall_us:8.1f} us/call"
+    ]
     for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"    {len(times) / calls:4.1f} x {sum(times) / len(times):8.1f} us  {name[:110]}")
     return lines

@@ -45,8 +45,13 @@ KERNELS = ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_r
 SM_COUNT = 132  # H100 SXM / H200
 # Hopper per-SM limits: 64K 32-bit registers, 2048 threads, 32 resident blocks, 227 KB shared memory per block
 REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM, SMEM_PER_SM = 65536, 2048, 32, 228 * 1024
-TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-              torch.int64: "i64"}  # i64: the dropout seed
+TYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+}  # i64: the dropout seed
 DTYPES = {v: k for k, v in TYPE_NAMES.items()}
 BENCH_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -98,17 +103,22 @@ class Report:
 def shapes_for(which: str) -> list[Shape]:
     if which == "test":  # every kernel at least once, small enough to compile in seconds
         return [
-            Shape(dtype=torch.bfloat16, is_rms=False, m=64, n=300, residual_dtype=torch.float32,
-                  options="cast,zc,dropout"),
-            Shape(dtype=torch.bfloat16, is_rms=True, m=2, n=70000, residual_dtype=torch.float32,
-                  options="cast,zc,dropout"),
+            Shape(
+                dtype=torch.bfloat16, is_rms=False, m=64, n=300, residual_dtype=torch.float32, options="cast,zc,dropout"
+            ),
+            Shape(
+                dtype=torch.bfloat16, is_rms=True, m=2, n=70000, residual_dtype=torch.float32, options="cast,zc,dropout"
+            ),
             Shape(dtype=torch.float64, is_rms=False, m=2, n=20000, options="zc,dropout"),
             # RMSNorm's widest one-pass backward (Tuning.max_bwd_block_n_rms_16bit): 16 warps, must not spill
             Shape(dtype=torch.bfloat16, is_rms=True, m=4, n=16384, options="cast,zc,dropout"),
-        ]  # fmt: skip
+        ]
     # the benchmark's shapes: M * N = 2^26 elements, bf16, a residual of x's dtype, weight (and bias for LayerNorm)
-    return [Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n)
-            for is_rms in (True, False) for n in BENCH_SIZES]  # fmt: skip
+    return [
+        Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n)
+        for is_rms in (True, False)
+        for n in BENCH_SIZES
+    ]
 
 
 def record_launches(shapes: list[Shape]) -> list[Launch]:
@@ -121,8 +131,9 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(Launch(kernel=self.kernel, args=args, kw=kw,
-                                                              shape=current["shape"]))  # fmt: skip
+            return lambda *args, **kw: launches.append(
+                Launch(kernel=self.kernel, args=args, kw=kw, shape=current["shape"])
+            )
 
     saved = {name: getattr(T, name) for name in KERNELS}
     saved_programs = T._programs
@@ -140,12 +151,26 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             opts = set(s.options.split(",")) - {""}
             p = 0.1 if "dropout" in opts else 0.0
             seed = torch.empty((), dtype=torch.int64, **meta) if p else None  # a device tensor, as _fwd_impl draws
-            common = dict(is_rms=s.is_rms, dropout_p=p, seed=seed, zero_centered_weight="zc" in opts,
-                          cast_before_weight="cast" in opts)  # fmt: skip
-            out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True,
-                                             **common)  # fmt: skip
-            T.backward(torch.empty_like(out), torch.empty_like(res), res, w, mean, rstd, x_dtype=s.dtype,
-                       residual_dtype=rd, bias_dtype=None if s.is_rms else s.dtype, **common)  # fmt: skip
+            common = dict(
+                is_rms=s.is_rms,
+                dropout_p=p,
+                seed=seed,
+                zero_centered_weight="zc" in opts,
+                cast_before_weight="cast" in opts,
+            )
+            out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True, **common)
+            T.backward(
+                torch.empty_like(out),
+                torch.empty_like(res),
+                res,
+                w,
+                mean,
+                rstd,
+                x_dtype=s.dtype,
+                residual_dtype=rd,
+                bias_dtype=None if s.is_rms else s.dtype,
+                **common,
+            )
     finally:
         for name, kernel in saved.items():
             setattr(T, name, kernel)
@@ -163,8 +188,9 @@ def specialization(launch: Launch) -> tuple[dict, dict, dict]:
         if param.is_constexpr:
             sig[name], const[name] = "constexpr", v
             continue
-        kind, key = native_specialize_impl(CUDABackend, v, param.is_const, not param.do_not_specialize,
-                                           not param.do_not_specialize_on_alignment)  # fmt: skip
+        kind, key = native_specialize_impl(
+            CUDABackend, v, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )
         sig[name] = kind
         if kind == "constexpr":
             const[name] = key
@@ -183,8 +209,11 @@ def compile_sm90(launch: Launch):
     kernel = launch.kernel
     sig, const, attrs = specialization(launch)
     options = {k: v for k, v in launch.kw.items() if k not in kernel.arg_names}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    return triton.compile(
+        ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
+    )
 
 
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
@@ -198,8 +227,12 @@ def ptxas_info(ptx: str) -> tuple[int, int, int]:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
         arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
-        done = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")],
-                              capture_output=True, text=True, check=True)  # fmt: skip
+        done = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     text = done.stdout + done.stderr
     regs = int(_PTXAS_LINE.search(text).group(1))
     spill = _SPILL_LINE.search(text)
@@ -212,40 +245,69 @@ def analyse(launches: list[Launch]) -> list[Report]:
         const = {k: v for k, v in launch.kw.items() if k in launch.kernel.arg_names and isinstance(v, (bool, int))}
         dtypes = tuple(TYPE_NAMES[a.dtype] for a in launch.args if isinstance(a, torch.Tensor))
         sig, spec_const, attrs = specialization(launch)  # the types, constants and 16-divisibility launches see
-        key = (launch.name, tuple(sorted(const.items())), launch.kw.get("num_warps"), dtypes,
-               tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in spec_const.items())),
-               tuple(sorted(attrs)))
+        key = (
+            launch.name,
+            tuple(sorted(const.items())),
+            launch.kw.get("num_warps"),
+            dtypes,
+            tuple(sorted(sig.items())),
+            tuple(sorted((k, str(v)) for k, v in spec_const.items())),
+            tuple(sorted(attrs)),
+        )
         if key not in seen:
             compiled = compile_sm90(launch)
             seen[key] = (*ptxas_info(compiled.asm["ptx"]), int(compiled.metadata.shared))
         divisible = ",".join(launch.kernel.arg_names[i] for (i,) in sorted(attrs) if attrs[(i,)])
         regs, st, ld, shared = seen[key]
         blocks = {k: v for k, v in const.items() if k.startswith("BLOCK_")}
-        reports.append(Report(name=launch.name, n=launch.shape.n, dtype=TYPE_NAMES[launch.shape.dtype],
-                              norm="rms" if launch.shape.is_rms else "layer",
-                              constexprs=" ".join(f"{k}={v}" for k, v in blocks.items()),
-                              num_warps=int(launch.kw.get("num_warps", 4)), registers=regs, spill_stores=st,
-                              spill_loads=ld, shared_bytes=shared, divisible=divisible))  # fmt: skip
+        reports.append(
+            Report(
+                name=launch.name,
+                n=launch.shape.n,
+                dtype=TYPE_NAMES[launch.shape.dtype],
+                norm="rms" if launch.shape.is_rms else "layer",
+                constexprs=" ".join(f"{k}={v}" for k, v in blocks.items()),
+                num_warps=int(launch.kw.get("num_warps", 4)),
+                registers=regs,
+                spill_stores=st,
+                spill_loads=ld,
+                shared_bytes=shared,
+                divisible=divisible,
+            )
+        )
     return reports
 
 
 def table(reports: list[Report]) -> str:
-    lines = ["| norm | N | kernel | blocks | warps | regs/thread | spill st/ld bytes | shared bytes | programs/SM |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| norm | N | kernel | blocks | warps | regs/thread | spill st/ld bytes | shared bytes | programs/SM |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in reports:
-        lines.append(f"| {r.norm} | {r.n} | `{r.name}` | {r.constexprs} | {r.num_warps} | {r.registers} | "
-                     f"{r.spill_stores}/{r.spill_loads} | {r.shared_bytes} | {r.programs_per_sm} |")  # fmt: skip
+        lines.append(
+            f"| {r.norm} | {r.n} | `{r.name}` | {r.constexprs} | {r.num_warps} | {r.registers} | "
+            f"{r.spill_stores}/{r.spill_loads} | {r.shared_bytes} | {r.programs_per_sm} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", choices=("bench", "test"), default="bench",
-                   help="bench: the GPU benchmark's bf16 shapes; test: a small set covering every kernel variant")
+    p.add_argument(
+        "--shapes",
+        choices=("bench", "test"),
+        default="bench",
+        help="bench: the GPU benchmark's bf16 shapes; test: a small set covering every kernel variant",
+    )
     p.add_argument("--out", default=None, help="write the table as Markdown to this file")
     p.add_argument("--json", action="store_true", help="print the rows as JSON (one object per launch) instead")
-    p.add_argument("--tuning", nargs="*", default=[], metavar="KNOB=VALUE",
-                   help="override fields of the launchers' Tuning, e.g. max_bwd_block_n=16384 elems_per_thread=4")
+    p.add_argument(
+        "--tuning",
+        nargs="*",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="override fields of the launchers' Tuning, e.g. max_bwd_block_n=16384 elems_per_thread=4",
+    )
     a = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(T.Tuning)}
     overrides = {}
@@ -263,11 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     if a.out:
         ptxas = get_ptxas(90)
-        head = (f"# Static sm_90 check of the Triton kernels (no GPU)\n\n"
-                f"`python benchmarks/sm90_static.py --out {a.out}`: {datetime.date.today()}, triton "
-                f"{triton.__version__}, ptxas {ptxas.version}. Registers and spills from `ptxas -v` on the PTX "
-                f"Triton generates for sm_90; programs/SM from Hopper's limits (64K registers, 2048 threads, "
-                f"228 KB shared memory per SM). A prediction, not a measurement: see the module docstring.\n\n")  # fmt: skip
+        head = (
+            f"# Static sm_90 check of the Triton kernels (no GPU)\n\n"
+            f"`python benchmarks/sm90_static.py --out {a.out}`: {datetime.date.today()}, triton "
+            f"{triton.__version__}, ptxas {ptxas.version}. Registers and spills from `ptxas -v` on the PTX "
+            f"Triton generates for sm_90; programs/SM from Hopper's limits (64K registers, 2048 threads, "
+            f"228 KB shared memory per SM). A prediction, not a measurement: see the module docstring.\n\n"
+        )
         Path(a.out).write_text(head + text + "\n")
     return 0
 

@@ -73,15 +73,21 @@ def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str, rms_16bit: bool = 
         bwd = path(bwd_limit) if mode != "fwd" else None
         wide = isinstance(bwd, tuple) and bwd[1] > tuning.max_bwd_block_n  # those rows run wide_bwd_elems_per_thread
         per_sm = tuning.programs_per_sm if isinstance(bwd, tuple) else tuning.looped_programs_per_sm
-        return (fwd, bwd, tuning.elems_per_thread, tuning.wide_bwd_elems_per_thread if wide else None,
-                per_sm if mode != "fwd" else None)
+        return (
+            fwd,
+            bwd,
+            tuning.elems_per_thread,
+            tuning.wide_bwd_elems_per_thread if wide else None,
+            per_sm if mode != "fwd" else None,
+        )
     finally:
         T.TUNING = saved
 
 
 def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=print) -> list[dict]:
-    copy_gbps = bench.copy_bandwidth(cfg.device, (1 << 30) if cfg.device.startswith("cuda") else (1 << 24),
-                                     cfg.warmup, max(cfg.reps, 10))  # fmt: skip
+    copy_gbps = bench.copy_bandwidth(
+        cfg.device, (1 << 30) if cfg.device.startswith("cuda") else (1 << 24), cfg.warmup, max(cfg.reps, 10)
+    )
     rows = []
     saved = T.TUNING
     rms_16bit = cfg.norm == "rms" and bench.DTYPES[cfg.dtype].itemsize == 2
@@ -96,13 +102,24 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                         continue
                     T.TUNING = tuning
                     r = bench.bench_one("addnorm", mode, m, n, cfg, copy_gbps)
-                    row = dict(knob=knob, value=value, n=n, m=m, mode=mode, ms=r.ms, gbps=r.gbps,
-                               frac_copy=r.frac_copy, note=r.note)  # fmt: skip
+                    row = dict(
+                        knob=knob,
+                        value=value,
+                        n=n,
+                        m=m,
+                        mode=mode,
+                        ms=r.ms,
+                        gbps=r.gbps,
+                        frac_copy=r.frac_copy,
+                        note=r.note,
+                    )
                     timed[plan, mode] = row
                     rows.append(row)
                     setting = "default" if knob == "default" else f"{knob}={value}"
-                    progress(f"N={n:<7} {mode:<8} {setting:<24} "
-                             + (f"{r.gbps:9.4g} GB/s" if r.gbps is not None else f"   -     {r.note}"))  # fmt: skip
+                    progress(
+                        f"N={n:<7} {mode:<8} {setting:<24} "
+                        + (f"{r.gbps:9.4g} GB/s" if r.gbps is not None else f"   -     {r.note}")
+                    )
     finally:
         T.TUNING = saved
     return rows
@@ -118,8 +135,16 @@ def best_per_size(rows: list[dict]) -> list[dict]:
             continue
         best = max(group, key=lambda r: r["gbps"])
         name = "default" if best["knob"] == "default" else f"{best['knob']}={best['value']}"
-        out.append(dict(n=key[0], mode=key[1], default_gbps=default["gbps"], best=name,
-                        best_gbps=best["gbps"], gain=best["gbps"] / default["gbps"]))  # fmt: skip
+        out.append(
+            dict(
+                n=key[0],
+                mode=key[1],
+                default_gbps=default["gbps"],
+                best=name,
+                best_gbps=best["gbps"],
+                gain=best["gbps"] / default["gbps"],
+            )
+        )
     return out
 
 
@@ -154,9 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         knobs = {k: KNOBS[k] for k in a.knobs.split(",")}
     if a.quick:  # tiny sizes must reach the multi-row and looped paths: shrink the limits with them
         knobs = {"elems_per_thread": (4, 8), "max_fwd_block_n": (128, 16384), "max_bwd_block_n": (128, 8192)}
-    cfg = bench.BenchConfig(device=a.device, dtype=a.dtype, norm=a.norm, sizes=sizes, modes=modes,
-                            providers=("addnorm",), elements=(1 << 12) if a.quick else (1 << 26),
-                            warmup=1 if a.quick else 5, reps=2 if a.quick else a.reps)  # fmt: skip
+    cfg = bench.BenchConfig(
+        device=a.device,
+        dtype=a.dtype,
+        norm=a.norm,
+        sizes=sizes,
+        modes=modes,
+        providers=("addnorm",),
+        elements=(1 << 12) if a.quick else (1 << 26),
+        warmup=1 if a.quick else 5,
+        reps=2 if a.quick else a.reps,
+    )
     log = (lambda s: print(s, file=sys.stderr)) if a.json else print
     rows = sweep(cfg, knobs, progress=log)
     summary = best_per_size(rows)
@@ -165,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\n{'N':>8} {'mode':<8} {'default GB/s':>12} {'best setting':<24} {'GB/s':>8} {'gain':>6}")
         for s in summary:
-            print(f"{s['n']:>8} {s['mode']:<8} {s['default_gbps']:>12.4g} {s['best']:<24} {s['best_gbps']:>8.4g} "
-                  f"{s['gain']:>5.2f}x")  # fmt: skip
+            print(
+                f"{s['n']:>8} {s['mode']:<8} {s['default_gbps']:>12.4g} {s['best']:<24} {s['best_gbps']:>8.4g} "
+                f"{s['gain']:>5.2f}x"
+            )
     if a.out:
         d = Path(a.out)
         d.mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,26 @@ def _skip_unavailable(backend):
         pytest.skip(reason)
 
 
-def multi_oracle(x, residual, weight, bias, *, eps, is_rms, x1=None, weight1=None, bias1=None, rowscale=None,
-                 dropout_p=0.0, mask=None, mask1=None, residual_dtype=None, zero_centered_weight=False,
-                 cast_before_weight=False, out_dtype=None):  # fmt: skip
+def multi_oracle(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    x1=None,
+    weight1=None,
+    bias1=None,
+    rowscale=None,
+    dropout_p=0.0,
+    mask=None,
+    mask1=None,
+    residual_dtype=None,
+    zero_centered_weight=False,
+    cast_before_weight=False,
+    out_dtype=None,
+):
     """The extended contract in float64, written independently of the code under test. Returns the float64 leaves
     (for gradients) and the outputs (out, residual_out, out1), residual_out rounded to residual_dtype as stored."""
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
@@ -103,9 +120,21 @@ def test_forward_and_every_gradient_match_the_float64_oracle(backend, is_rms, ca
     g = torch.Generator().manual_seed(3)
     t = _inputs((2, 3, 40), torch.float32, g, **flags)  # rms gets a bias too: RMSNorm with bias
     eps = 1e-5
-    res = add_norm_multi(t["x"], t["residual"], t["weight"], t["bias"], eps, is_rms=is_rms, x1=t["x1"],
-                         weight1=t["weight1"], bias1=t["bias1"], rowscale=t["rowscale"], return_dropout_mask=True,
-                         backend=backend, **opts)  # fmt: skip
+    res = add_norm_multi(
+        t["x"],
+        t["residual"],
+        t["weight"],
+        t["bias"],
+        eps,
+        is_rms=is_rms,
+        x1=t["x1"],
+        weight1=t["weight1"],
+        bias1=t["bias1"],
+        rowscale=t["rowscale"],
+        return_dropout_mask=True,
+        backend=backend,
+        **opts,
+    )
     p = opts.get("dropout_p", 0.0)
     if p > 0:
         assert res.dropout_mask.dtype == torch.bool and res.dropout_mask.shape == t["x"].shape
@@ -114,10 +143,21 @@ def test_forward_and_every_gradient_match_the_float64_oracle(backend, is_rms, ca
     else:
         assert res.dropout_mask is None and res.dropout_mask1 is None
     leaves, out, res_out, out1 = multi_oracle(
-        t["x"], t["residual"], t["weight"], t["bias"], eps=eps, is_rms=is_rms, x1=t["x1"], weight1=t["weight1"],
-        bias1=t["bias1"], rowscale=t["rowscale"], dropout_p=p, mask=res.dropout_mask, mask1=res.dropout_mask1,
+        t["x"],
+        t["residual"],
+        t["weight"],
+        t["bias"],
+        eps=eps,
+        is_rms=is_rms,
+        x1=t["x1"],
+        weight1=t["weight1"],
+        bias1=t["bias1"],
+        rowscale=t["rowscale"],
+        dropout_p=p,
+        mask=res.dropout_mask,
+        mask1=res.dropout_mask1,
         zero_centered_weight=opts.get("zero_centered_weight", False),
-    )  # fmt: skip
+    )
     assert_close(res.out, out, "out")
     assert_close(res.residual_out, res_out, "residual_out")
     assert (res.out1 is None) == (out1 is None)
@@ -140,12 +180,31 @@ def test_bf16_cast_before_weight_with_weight1_and_fp32_stream(backend):
     g = torch.Generator().manual_seed(5)
     t = _inputs((4, 48), torch.bfloat16, g, weight1=True, x1=True)
     t["residual"] = torch.randn(4, 48, generator=g).requires_grad_(True)  # fp32 residual stream
-    res = add_norm_multi(t["x"], t["residual"], t["weight"], t["bias"], 1e-5, x1=t["x1"], weight1=t["weight1"],
-                         bias1=t["bias1"], cast_before_weight=True, backend=backend)  # fmt: skip
+    res = add_norm_multi(
+        t["x"],
+        t["residual"],
+        t["weight"],
+        t["bias"],
+        1e-5,
+        x1=t["x1"],
+        weight1=t["weight1"],
+        bias1=t["bias1"],
+        cast_before_weight=True,
+        backend=backend,
+    )
     assert res.out.dtype == res.out1.dtype == torch.bfloat16 and res.residual_out.dtype == torch.float32
-    _, out, res_out, out1 = multi_oracle(t["x"], t["residual"], t["weight"], t["bias"], eps=1e-5, is_rms=False,
-                                         x1=t["x1"], weight1=t["weight1"], bias1=t["bias1"],
-                                         cast_before_weight=True)  # fmt: skip
+    _, out, res_out, out1 = multi_oracle(
+        t["x"],
+        t["residual"],
+        t["weight"],
+        t["bias"],
+        eps=1e-5,
+        is_rms=False,
+        x1=t["x1"],
+        weight1=t["weight1"],
+        bias1=t["bias1"],
+        cast_before_weight=True,
+    )
     assert_close(res.residual_out, res_out, "residual_out")
     assert_close(res.out, out, "out")
     assert_close(res.out1, out1, "out1")

@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +84,12 @@ def _fake_liger(monkeypatch, calls, detach_weight=False):
         calls.append({"eps": eps})
         return _norm(X, W, B, eps, rms=False)
 
-    _install(monkeypatch, "liger_kernel.transformers.functional", liger_fused_add_rms_norm=liger_fused_add_rms_norm,
-             liger_layer_norm=liger_layer_norm)
+    _install(
+        monkeypatch,
+        "liger_kernel.transformers.functional",
+        liger_fused_add_rms_norm=liger_fused_add_rms_norm,
+        liger_layer_norm=liger_layer_norm,
+    )
 
 
 def _fake_apex(monkeypatch, calls):
@@ -99,24 +102,57 @@ def _fake_apex(monkeypatch, calls):
         calls.append({"eps": eps, "normalized_shape": normalized_shape})
         return _norm(input, weight, bias, eps, rms=False)
 
-    _install(monkeypatch, "apex.normalization.fused_layer_norm", fused_rms_norm_affine=fused_rms_norm_affine,
-             fused_layer_norm_affine=fused_layer_norm_affine)
+    _install(
+        monkeypatch,
+        "apex.normalization.fused_layer_norm",
+        fused_rms_norm_affine=fused_rms_norm_affine,
+        fused_layer_norm_affine=fused_layer_norm_affine,
+    )
     _install(monkeypatch, "fused_layer_norm_cuda")
 
 
 def _fake_flash_attn(monkeypatch, calls, ignore_prenorm=False):
     # flash_attn.ops.triton.layer_norm, flash-attention 2.8.3: (out, residual_out) only with prenorm=True
-    def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
-                      rowscale=None, prenorm=False, residual_in_fp32=False, is_rms_norm=False,
-                      return_dropout_mask=False, out=None, residual_out=None):
+    def layer_norm_fn(
+        x,
+        weight,
+        bias,
+        residual=None,
+        x1=None,
+        weight1=None,
+        bias1=None,
+        eps=1e-6,
+        dropout_p=0.0,
+        rowscale=None,
+        prenorm=False,
+        residual_in_fp32=False,
+        is_rms_norm=False,
+        return_dropout_mask=False,
+        out=None,
+        residual_out=None,
+    ):
         calls.append({"eps": eps, "is_rms_norm": is_rms_norm})
         h = x if residual is None else x + residual
         y = _norm(h, weight, bias, eps, rms=is_rms_norm)
         return (y, h) if prenorm and not ignore_prenorm else y
 
-    def rms_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
-                    rowscale=None, prenorm=False, residual_in_fp32=False, return_dropout_mask=False, out=None,
-                    residual_out=None):
+    def rms_norm_fn(
+        x,
+        weight,
+        bias,
+        residual=None,
+        x1=None,
+        weight1=None,
+        bias1=None,
+        eps=1e-6,
+        dropout_p=0.0,
+        rowscale=None,
+        prenorm=False,
+        residual_in_fp32=False,
+        return_dropout_mask=False,
+        out=None,
+        residual_out=None,
+    ):
         return layer_norm_fn(x, weight, bias, residual, eps=eps, prenorm=prenorm, is_rms_norm=True)
 
     _install(monkeypatch, "flash_attn.ops.triton.layer_norm", layer_norm_fn=layer_norm_fn, rms_norm_fn=rms_norm_fn)
@@ -124,8 +160,17 @@ def _fake_flash_attn(monkeypatch, calls, ignore_prenorm=False):
 
 def _fake_quack(monkeypatch, calls):
     # quack.rmsnorm, QuACK 0.6.5: with a residual, out alone unless prenorm=True
-    def rmsnorm(x, weight=None, bias=None, residual=None, out_dtype=None, residual_dtype=None, eps=1e-6,
-                prenorm=False, weight_offset=0.0):
+    def rmsnorm(
+        x,
+        weight=None,
+        bias=None,
+        residual=None,
+        out_dtype=None,
+        residual_dtype=None,
+        eps=1e-6,
+        prenorm=False,
+        weight_offset=0.0,
+    ):
         calls.append({"eps": eps})
         h = x if residual is None else x + residual
         y = _norm(h, weight, None, eps, rms=True)
@@ -146,8 +191,15 @@ def _bench(provider, mode, norm="rms", m=8, n=64):
 @pytest.mark.parametrize("mode", bench_add_norm.MODES)
 @pytest.mark.parametrize(
     "provider,norm",
-    [("liger", "rms"), ("liger", "layer"), ("apex", "rms"), ("apex", "layer"), ("flash_attn", "rms"),
-     ("flash_attn", "layer"), ("quack", "rms")],
+    [
+        ("liger", "rms"),
+        ("liger", "layer"),
+        ("apex", "rms"),
+        ("apex", "layer"),
+        ("flash_attn", "rms"),
+        ("flash_attn", "layer"),
+        ("quack", "rms"),
+    ],
 )
 def test_third_party_provider_is_wired_to_its_api(monkeypatch, provider, norm, mode):
     calls = []
@@ -242,14 +294,28 @@ def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
         pytest.skip(T.unavailable_reason(torch.device("cpu")))
     import tune_triton
 
-    cfg = bench_add_norm.BenchConfig(device="cpu", dtype="fp32", norm="rms", sizes=(300,), modes=("fwd", "bwd"),
-                                     providers=("addnorm",), elements=600, warmup=0, reps=1)  # fmt: skip
+    cfg = bench_add_norm.BenchConfig(
+        device="cpu",
+        dtype="fp32",
+        norm="rms",
+        sizes=(300,),
+        modes=("fwd", "bwd"),
+        providers=("addnorm",),
+        elements=600,
+        warmup=0,
+        reps=1,
+    )
     knobs = {"elems_per_thread": (4, 8), "max_fwd_block_n": (128, 16384)}
     rows = tune_triton.sweep(cfg, knobs, progress=lambda line: None)
     timed = {(r["knob"], r["value"], r["mode"]) for r in rows}
     # 16384 is the default (nothing new); max_fwd_block_n only changes the forward's kernels, so bwd is not retimed
-    assert timed == {("default", 0, "fwd"), ("default", 0, "bwd"), ("elems_per_thread", 4, "fwd"),
-                     ("elems_per_thread", 4, "bwd"), ("max_fwd_block_n", 128, "fwd")}  # fmt: skip
+    assert timed == {
+        ("default", 0, "fwd"),
+        ("default", 0, "bwd"),
+        ("elems_per_thread", 4, "fwd"),
+        ("elems_per_thread", 4, "bwd"),
+        ("max_fwd_block_n", 128, "fwd"),
+    }
     assert all(r["gbps"] > 0 and not r["note"] for r in rows), rows
     assert T.TUNING == T.Tuning()
     best = tune_triton.best_per_size(rows)
@@ -301,6 +367,7 @@ def test_tune_triton_plans_tell_the_two_backward_grids_apart():
     import dataclasses
 
     import tune_triton
+
     from addnorm.ops import triton_add_norm as T
 
     base = T.Tuning()

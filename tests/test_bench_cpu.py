@@ -29,8 +29,10 @@ def test_bench_cpu_has_in_place_rows_and_out_empty_writes_nothing(tmp_path, monk
 
 def test_bench_cpu_writes_csv_and_json_with_the_allocator_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
-    assert bench_cpu.main(["--shapes", "4x64", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--out",
-                           str(tmp_path)]) == 0  # fmt: skip
+    assert (
+        bench_cpu.main(["--shapes", "4x64", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--out", str(tmp_path)])
+        == 0
+    )
     data = json.loads((tmp_path / "cpu.json").read_text())
     assert data["env"]["allocator"] == {"MALLOC_MMAP_MAX_": "0"}
     modes = {(r["mode"], r["contender"]) for r in data["rows"]}
@@ -44,8 +46,14 @@ def test_bench_overhead_rows_and_files(tmp_path, capsys):
     assert bench_overhead.main(["--shapes", "2x32", "--reps", "1", "--inner", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "overhead.json").read_text())
     names = {(r["mode"], r["contender"]) for r in data["rows"]}
-    for expected in [("inference", "eager"), ("inference", "addnorm cpu"), ("inference", "in-place cpu"),
-                     ("inference", "kernel cpu"), ("train", "addnorm torch"), ("train", "addnorm cpu")]:  # fmt: skip
+    for expected in [
+        ("inference", "eager"),
+        ("inference", "addnorm cpu"),
+        ("inference", "in-place cpu"),
+        ("inference", "kernel cpu"),
+        ("train", "addnorm torch"),
+        ("train", "addnorm cpu"),
+    ]:
         assert expected in names
     assert all(r["x_eager"] > 0 for r in data["rows"])
     assert next(r for r in data["rows"] if r["contender"] == "eager")["x_eager"] == 1.0
@@ -63,12 +71,19 @@ def test_bench_overhead_triton_python_only_rows_launch_nothing(capsys):
     from addnorm.ops import triton_add_norm as T
 
     real = T._kernel
-    assert bench_overhead.main(["--shapes", "2x32", "--reps", "1", "--inner", "2", "--out", "", "--json",
-                                "--triton-python-only"]) == 0  # fmt: skip
+    assert (
+        bench_overhead.main(
+            ["--shapes", "2x32", "--reps", "1", "--inner", "2", "--out", "", "--json", "--triton-python-only"]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["rows"]
     names = {(r["mode"], r["contender"]) for r in rows}
-    for expected in [("inference", "addnorm triton (no-op kernels)"), ("inference", "kernel triton (no-op kernels)"),
-                     ("train", "addnorm triton (no-op kernels)")]:  # fmt: skip
+    for expected in [
+        ("inference", "addnorm triton (no-op kernels)"),
+        ("inference", "kernel triton (no-op kernels)"),
+        ("train", "addnorm triton (no-op kernels)"),
+    ]:
         assert expected in names
     assert T._kernel is real
     with pytest.raises(SystemExit):
@@ -84,6 +99,7 @@ def test_bench_overhead_rejects_bad_arguments():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_gpu_graph_check_says_it_needs_a_gpu():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_graph_check.py")], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_graph_check.py")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr

@@ -88,11 +88,13 @@ def test_version_and_help_answer_without_importing_torch():
 
 
 def test_import_addnorm_is_lazy_but_the_api_is_there():
-    code = ("import sys, addnorm; assert 'torch' not in sys.modules; "
-            "import torch; x = torch.ones(2, 4); y = addnorm.rms_norm(x, torch.ones(4)); "
-            "assert callable(addnorm.add_layer_norm) and 'add_rms_norm' in dir(addnorm); "
-            "from addnorm import BackendUnavailableError; "
-            "from addnorm.diagnostics import diagnose, Monitor; print('ok')")  # fmt: skip
+    code = (
+        "import sys, addnorm; assert 'torch' not in sys.modules; "
+        "import torch; x = torch.ones(2, 4); y = addnorm.rms_norm(x, torch.ones(4)); "
+        "assert callable(addnorm.add_layer_norm) and 'add_rms_norm' in dir(addnorm); "
+        "from addnorm import BackendUnavailableError; "
+        "from addnorm.diagnostics import diagnose, Monitor; print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

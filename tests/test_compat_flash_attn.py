@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_add_norm_multi import multi_oracle
 
 from addnorm.compat import flash_attn as fa
 from addnorm.ops import backends
 from addnorm.testing import assert_close
-from test_add_norm_multi import multi_oracle
 
 ALL = ["torch", "reference", "cpu", "triton"]
 
@@ -71,11 +71,22 @@ def test_every_feature_matches_the_float64_oracle(backend, is_rms, case):
     if kw.get("dropout_p", 0) > 0:
         assert masks[0].dtype == torch.bool and (masks[1] is not None) == ("x1" in kw)
     leaves, out, res_ref, out1 = multi_oracle(
-        x, kw.get("residual"), w, b, eps=1e-6, is_rms=is_rms, x1=kw.get("x1"), weight1=kw.get("weight1"),
-        bias1=kw.get("bias1"), rowscale=kw.get("rowscale"), dropout_p=kw.get("dropout_p", 0.0), mask=masks[0],
-        mask1=masks[1], residual_dtype=torch.float32 if kw.get("residual_in_fp32") else None,
+        x,
+        kw.get("residual"),
+        w,
+        b,
+        eps=1e-6,
+        is_rms=is_rms,
+        x1=kw.get("x1"),
+        weight1=kw.get("weight1"),
+        bias1=kw.get("bias1"),
+        rowscale=kw.get("rowscale"),
+        dropout_p=kw.get("dropout_p", 0.0),
+        mask=masks[0],
+        mask1=masks[1],
+        residual_dtype=torch.float32 if kw.get("residual_in_fp32") else None,
         zero_centered_weight=kw.get("zero_centered_weight", False),
-    )  # fmt: skip
+    )
     assert_close(y, out, "y")
     pairs = [(y, out)]
     if y1 is not None:
@@ -97,8 +108,15 @@ def test_dtypes_follow_flash_attention():
     x, w = torch.randn(4, 32).bfloat16(), torch.ones(32)
     y, res = fa.layer_norm_fn(x, w, None, prenorm=True, residual_in_fp32=True)
     assert y.dtype == torch.bfloat16 and res.dtype == torch.float32
-    y, res = fa.rms_norm_fn(x, w, None, residual=torch.randn(4, 32, dtype=torch.float64), prenorm=True,
-                            residual_in_fp32=True, out_dtype=torch.float32)  # fmt: skip
+    y, res = fa.rms_norm_fn(
+        x,
+        w,
+        None,
+        residual=torch.randn(4, 32, dtype=torch.float64),
+        prenorm=True,
+        residual_in_fp32=True,
+        out_dtype=torch.float32,
+    )
     assert y.dtype == torch.float32 and res.dtype == torch.float64
     y, res = fa.layer_norm_fn(x, w, None, prenorm=True)
     assert torch.equal(res, x) and res.dtype == x.dtype  # nothing added or cast: residual_out is x
@@ -121,10 +139,35 @@ def test_refs_match_the_oracle_with_given_masks(is_rms):
     w, b, w1 = (torch.randn(24, generator=g, dtype=torch.float64) for _ in range(3))
     mask, mask1 = torch.rand(4, 24, generator=g) > 0.3, torch.rand(4, 24, generator=g) > 0.3
     ref_fn = fa.rms_norm_ref if is_rms else fa.layer_norm_ref
-    y, y1, res = ref_fn(x, w, b, r, x1, w1, None, eps=1e-6, dropout_p=0.3, prenorm=True, dropout_mask=mask,
-                        dropout_mask1=mask1, zero_centered_weight=True)  # fmt: skip
-    _, out, res_ref, out1 = multi_oracle(x, r, w, b, eps=1e-6, is_rms=is_rms, x1=x1, weight1=w1, dropout_p=0.3,
-                                         mask=mask, mask1=mask1, zero_centered_weight=True)  # fmt: skip
+    y, y1, res = ref_fn(
+        x,
+        w,
+        b,
+        r,
+        x1,
+        w1,
+        None,
+        eps=1e-6,
+        dropout_p=0.3,
+        prenorm=True,
+        dropout_mask=mask,
+        dropout_mask1=mask1,
+        zero_centered_weight=True,
+    )
+    _, out, res_ref, out1 = multi_oracle(
+        x,
+        r,
+        w,
+        b,
+        eps=1e-6,
+        is_rms=is_rms,
+        x1=x1,
+        weight1=w1,
+        dropout_p=0.3,
+        mask=mask,
+        mask1=mask1,
+        zero_centered_weight=True,
+    )
     for a, e, what in ((y, out, "y"), (y1, out1, "y1"), (res, res_ref, "res")):
         torch.testing.assert_close(a, e.detach(), msg=what)
 
@@ -138,8 +181,9 @@ def test_layer_norm_linear_fn_forward_and_every_gradient(backend, is_rms, prenor
     x, r = _t(g, 2, 5, 32), _t(g, 2, 5, 32)
     nw, nb = _t(g, 32, scale=0.2, shift=1.0), _t(g, 32, scale=0.1)
     lw, lb = _t(g, 12, 32, scale=0.2), _t(g, 12, scale=0.1)
-    result = fa.layer_norm_linear_fn(x, nw, nb, lw, lb, r, eps=1e-6, prenorm=prenorm, is_rms_norm=is_rms,
-                                     backend=backend)  # fmt: skip
+    result = fa.layer_norm_linear_fn(
+        x, nw, nb, lw, lb, r, eps=1e-6, prenorm=prenorm, is_rms_norm=is_rms, backend=backend
+    )
     out, res = result if prenorm else (result, None)
     leaves, y_ref, res_ref, _ = multi_oracle(x, r, nw, nb, eps=1e-6, is_rms=is_rms)
     lwd, lbd = lw.detach().double().requires_grad_(True), lb.detach().double().requires_grad_(True)
@@ -151,8 +195,13 @@ def test_layer_norm_linear_fn_forward_and_every_gradient(backend, is_rms, prenor
     torch.autograd.backward([e for _, e in pairs], [c.double() for c in cot])
     for name, leaf in leaves.items():
         rows = 10 if name in ("weight", "bias") else 1
-        assert_close({"x": x, "residual": r, "weight": nw, "bias": nb}[name].grad, leaf.grad, f"d{name}",
-                     grad=True, reduced_rows=rows)  # fmt: skip
+        assert_close(
+            {"x": x, "residual": r, "weight": nw, "bias": nb}[name].grad,
+            leaf.grad,
+            f"d{name}",
+            grad=True,
+            reduced_rows=rows,
+        )
     assert_close(lw.grad, lwd.grad, "dlinear_weight", grad=True, reduced_rows=10)
     assert_close(lb.grad, lbd.grad, "dlinear_bias", grad=True, reduced_rows=10)
 

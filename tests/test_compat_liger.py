@@ -82,8 +82,9 @@ def test_inputs_are_not_overwritten_with_in_place():
     assert torch.equal(X, X0) and torch.equal(R, R0)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [(dict(casting_mode="fp8"), "casting_mode"),
-                                               (dict(offset="1"), "offset")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [(dict(casting_mode="fp8"), "casting_mode"), (dict(offset="1"), "offset")]
+)
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         liger_fused_add_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.ones(4), 1e-6, **kwargs)

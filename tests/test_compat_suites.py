@@ -20,7 +20,7 @@ from addnorm.compat import flash_attn as fa  # noqa: E402
 from addnorm.ops.add_norm_multi import add_norm_multi  # noqa: E402
 
 # the lines of flash-attention's test file the rules touch, with a line they must leave alone
-FA_LIKE = '''import torch
+FA_LIKE = """import torch
 from einops import rearrange, repeat
 
 from flash_attn.ops.triton.layer_norm import (
@@ -36,7 +36,7 @@ def test_x():
     other = "cuda"  # not a device line: stays
     with torch.autocast(device_type="cuda", dtype=torch.float16):
         pass
-'''
+"""
 
 
 def test_flash_attn_rules_rewrite_imports_device_and_seqlen_only():
@@ -78,12 +78,14 @@ def test_liger_rules_rewrite_the_imports_and_the_device():
     text, _ = cs.rewrite(test_file, cs.rules_for("liger", rel, "cpu", None, have_einops=True))
     assert text.count("from addnorm.compat.liger import ") == 3 and "liger_kernel" not in text
     ns: dict = {}
-    exec(text.split("from addnorm")[0] + text[text.index("def infer_device"):], ns)  # the two defs run
+    exec(text.split("from addnorm")[0] + text[text.index("def infer_device") :], ns)  # the two defs run
     assert ns["infer_device"]() == "cpu" and ns["supports_bfloat16"]() is True
     on_cuda, _ = cs.rewrite(test_file, cs.rules_for("liger", rel, "cuda", None, have_einops=True))
     assert "from test.utils import supports_bfloat16" in on_cuda and "return 'cuda'" in on_cuda
-    conftest, _ = cs.rewrite("from liger_kernel.utils import is_npu_available\n",
-                             cs.rules_for("liger", "test/conftest.py", "cpu", None, have_einops=True))  # fmt: skip
+    conftest, _ = cs.rewrite(
+        "from liger_kernel.utils import is_npu_available\n",
+        cs.rules_for("liger", "test/conftest.py", "cpu", None, have_einops=True),
+    )
     assert "def is_npu_available():" in conftest and "liger_kernel" not in conftest
 
 
@@ -103,7 +105,7 @@ def test_summary_splits_upstream_skips_from_missing_features():
 
 # a synthetic flash-attention suite: the real calling convention at tiny sizes, an upstream skip, and a skip whose
 # reason is not in the file (what a missing feature in addnorm looks like to the summary)
-SYNTHETIC = '''import pytest
+SYNTHETIC = """import pytest
 import torch
 from flash_attn.ops.triton.layer_norm import layer_norm_fn, layer_norm_ref
 
@@ -133,7 +135,7 @@ def test_feature():
 
 def test_other():
     assert False, "deselected by -k in the run below"
-'''
+"""
 
 
 def _synthetic_source(tmp_path):
@@ -148,8 +150,26 @@ def _synthetic_source(tmp_path):
 def test_end_to_end_on_a_synthetic_suite_from_a_local_folder(tmp_path, capsys):
     src = _synthetic_source(tmp_path)
     out = tmp_path / "summary.json"
-    rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
-                  "torch", "--cache", str(tmp_path / "cache"), "--json", str(out), "--", "-k", "not other"])  # fmt: skip
+    rc = cs.main(
+        [
+            "flash-attn",
+            "--source",
+            f"flash-attn={src}",
+            "--seqlen",
+            "4",
+            "--hidden",
+            "8",
+            "--backend",
+            "torch",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--json",
+            str(out),
+            "--",
+            "-k",
+            "not other",
+        ]
+    )
     assert rc == 1  # the non-upstream skip is a missing feature
     [s] = json.loads(out.read_text())
     assert s["version"] == "abc123" and s["backend"] == "torch"
@@ -237,9 +257,28 @@ def test_end_to_end_under_xdist_counts_the_same(tmp_path):
     pytest.importorskip("xdist")
     src = _synthetic_source(tmp_path)
     out = tmp_path / "summary.json"
-    rc = cs.main(["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend",
-                  "torch", "--cache", str(tmp_path / "cache"), "--json", str(out),
-                  "--", "-k", "not other", "-n", "2"])  # fmt: skip
+    rc = cs.main(
+        [
+            "flash-attn",
+            "--source",
+            f"flash-attn={src}",
+            "--seqlen",
+            "4",
+            "--hidden",
+            "8",
+            "--backend",
+            "torch",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--json",
+            str(out),
+            "--",
+            "-k",
+            "not other",
+            "-n",
+            "2",
+        ]
+    )
     assert rc == 1
     [s] = json.loads(out.read_text())
     assert s["counts"] == {"passed": 1, "skipped": 2} and s["deselected"] == 2

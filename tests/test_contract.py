@@ -55,8 +55,10 @@ def test_eps_default_follows_residual_dtype_argument(backend):
     """residual_dtype=fp32 without a residual: the value normalized is fp32, so is eps; a bf16 stream keeps bf16's."""
     x = (1e-2 * torch.randn(4, 32)).to(torch.bfloat16)
     out, _ = addnorm.add_rms_norm(x, None, None, residual_dtype=torch.float32, backend=backend)
-    assert torch.equal(out, addnorm.add_rms_norm(x, None, None, 1.1920928955078125e-07,
-                                                 residual_dtype=torch.float32, backend=backend)[0])  # fmt: skip
+    assert torch.equal(
+        out,
+        addnorm.add_rms_norm(x, None, None, 1.1920928955078125e-07, residual_dtype=torch.float32, backend=backend)[0],
+    )
     out_bf16 = addnorm.rms_norm(x, None, backend=backend)
     assert torch.equal(out_bf16, addnorm.rms_norm(x, None, torch.finfo(torch.bfloat16).eps, backend=backend))
     assert not torch.equal(out.float(), out_bf16.float())  # the two eps differ enough to show
@@ -117,8 +119,11 @@ SIZES = [(3, 40), (9, 100), (64, 1024)]
 
 
 @pytest.mark.parametrize("mn", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("x_dtype, rd", [(torch.float32, None), (torch.bfloat16, torch.float32),
-                                         (torch.float64, None)], ids=["fp32", "bf16-fp32stream", "fp64"])  # fmt: skip
+@pytest.mark.parametrize(
+    "x_dtype, rd",
+    [(torch.float32, None), (torch.bfloat16, torch.float32), (torch.float64, None)],
+    ids=["fp32", "bf16-fp32stream", "fp64"],
+)
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_same_seed_same_residual_out_bit_for_bit_on_every_backend(mn, x_dtype, rd, is_rms):
     m, n = mn
@@ -228,8 +233,17 @@ def test_cast_before_weight_gradient_is_not_rounded_before_the_norms_backward(ba
     out, _ = _call(is_rms, x, None, w, b, 1e-5, cast_before_weight=True, out_dtype=torch.bfloat16, backend=backend)
     dout = torch.randn(8, 64, generator=g).to(torch.bfloat16)
     out.backward(dout)
-    expected = oracle(x, None, w, None if is_rms else b, eps=1e-5, is_rms=is_rms, cast_before_weight=True,
-                      out_dtype=torch.bfloat16, dout=dout)  # fmt: skip
+    expected = oracle(
+        x,
+        None,
+        w,
+        None if is_rms else b,
+        eps=1e-5,
+        is_rms=is_rms,
+        cast_before_weight=True,
+        out_dtype=torch.bfloat16,
+        dout=dout,
+    )
     assert_close(x.grad, expected["dx"], "dx", grad=True)
 
 
@@ -241,12 +255,14 @@ def test_op_outputs_stay_on_the_inputs_device_seed_included():
     (a CPU tensor in a graph makes Inductor skip CUDA graphs). Checked with meta tensors, whose fake implementation
     is what torch.compile traces."""
     x = torch.empty(4, 8, device="meta")
-    outs = torch.ops.addnorm.add_norm_fwd(x, x.clone(), None, None, 1e-5, True, 0.5, torch.float32, False, True,
-                                          "reference")  # fmt: skip
+    outs = torch.ops.addnorm.add_norm_fwd(
+        x, x.clone(), None, None, 1e-5, True, 0.5, torch.float32, False, True, "reference"
+    )
     assert all(t.device.type == "meta" for t in outs)
     assert outs[4].shape == () and outs[4].dtype == torch.int64
-    no_dropout = torch.ops.addnorm.add_norm_fwd(x, None, None, None, 1e-5, True, 0.0, torch.float32, False, True,
-                                                "reference")  # fmt: skip
+    no_dropout = torch.ops.addnorm.add_norm_fwd(
+        x, None, None, None, 1e-5, True, 0.0, torch.float32, False, True, "reference"
+    )
     assert all(t.device.type == "meta" for t in no_dropout) and no_dropout[4].numel() == 0
 
 
@@ -318,8 +334,15 @@ def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, loop
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
     w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)
-    kw = dict(eps=1e-5, is_rms=is_rms, dropout_p=0.0, seed=None, residual_dtype=torch.float32,
-              zero_centered_weight=False, store_residual_out=True)  # fmt: skip
+    kw = dict(
+        eps=1e-5,
+        is_rms=is_rms,
+        dropout_p=0.0,
+        seed=None,
+        residual_dtype=torch.float32,
+        zero_centered_weight=False,
+        store_residual_out=True,
+    )
     with_stats = mod.forward(x, r, w, b, **kw)
     without = mod.forward(x, r, w, b, store_stats=False, **kw)
     assert without[2] is None and without[3] is None

@@ -32,11 +32,11 @@ def _run_cpu(x, residual, weight, bias, *, is_rms, eps, residual_dtype=None, zc=
     """Forward and backward through the public API with backend='cpu'; returns outputs and leaf gradients."""
     xl, rl, wl, bl = (_leaf(t) for t in (x, residual, weight, bias))
     if is_rms:
-        out, res = add_rms_norm(xl, rl, wl, eps, residual_dtype=residual_dtype, zero_centered_weight=zc,
-                                backend="cpu")  # fmt: skip
+        out, res = add_rms_norm(xl, rl, wl, eps, residual_dtype=residual_dtype, zero_centered_weight=zc, backend="cpu")
     else:
-        out, res = add_layer_norm(xl, rl, wl, bl, eps, residual_dtype=residual_dtype, zero_centered_weight=zc,
-                                  backend="cpu")  # fmt: skip
+        out, res = add_layer_norm(
+            xl, rl, wl, bl, eps, residual_dtype=residual_dtype, zero_centered_weight=zc, backend="cpu"
+        )
     torch.autograd.backward([out, res], [dout, dres_out.to(res.dtype)])
     grads = {"d" + k: t.grad for k, t in (("x", xl), ("residual", rl), ("weight", wl), ("bias", bl)) if t is not None}
     return out.detach(), res.detach(), grads
@@ -47,10 +47,30 @@ def _check(x, residual, weight, bias, *, is_rms, eps=1e-5, residual_dtype=None, 
     dout = torch.randn(x.shape).to(x.dtype)
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     dres_out = torch.randn(x.shape).to(rd)
-    out, res, grads = _run_cpu(x, residual, weight, bias, is_rms=is_rms, eps=eps, residual_dtype=residual_dtype,
-                               zc=zc, dout=dout, dres_out=dres_out)  # fmt: skip
-    exp = oracle(x, residual, weight, bias, eps=eps, is_rms=is_rms,
-                 residual_dtype=residual_dtype, zero_centered_weight=zc, dout=dout, dresidual_out=dres_out)  # fmt: skip
+    out, res, grads = _run_cpu(
+        x,
+        residual,
+        weight,
+        bias,
+        is_rms=is_rms,
+        eps=eps,
+        residual_dtype=residual_dtype,
+        zc=zc,
+        dout=dout,
+        dres_out=dres_out,
+    )
+    exp = oracle(
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        is_rms=is_rms,
+        residual_dtype=residual_dtype,
+        zero_centered_weight=zc,
+        dout=dout,
+        dresidual_out=dres_out,
+    )
     assert out.dtype == x.dtype and res.dtype == rd
     assert_close(out, exp["out"], "out")
     assert_close(res, exp["residual_out"], "residual_out")
@@ -112,9 +132,19 @@ def test_large_offset_keeps_the_variance():
     variance (h^2 ~ 1e8 has an ulp of 8, the variance is ~2); two passes over the cached row keep it."""
     h = (torch.randn(8, 256) * 1.4 + 1e4).double()
     x = h.float()
-    _, _, mean, rstd = cpu.forward(x, None, None, None, eps=1e-5, is_rms=False, dropout_p=0.0, seed=0,
-                                   residual_dtype=torch.float32, zero_centered_weight=False,
-                                   store_residual_out=False)  # fmt: skip
+    _, _, mean, rstd = cpu.forward(
+        x,
+        None,
+        None,
+        None,
+        eps=1e-5,
+        is_rms=False,
+        dropout_p=0.0,
+        seed=0,
+        residual_dtype=torch.float32,
+        zero_centered_weight=False,
+        store_residual_out=False,
+    )
     exact = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
     # fp32's own mean is off by ~|mean| * 2^-24 * a few; that alone limits the relative error to ~1e-4
     torch.testing.assert_close(rstd.double(), exact, rtol=1e-3, atol=0)
@@ -126,8 +156,9 @@ def test_large_offset_keeps_the_variance():
 def test_empty_rows(is_rms):
     x, r = torch.randn(0, 16), torch.randn(0, 16)
     w, b = torch.randn(16), torch.randn(16)
-    out, res, grads = _run_cpu(x, r, w, b, is_rms=is_rms, eps=1e-5, dout=torch.randn(0, 16),
-                               dres_out=torch.randn(0, 16))  # fmt: skip
+    out, res, grads = _run_cpu(
+        x, r, w, b, is_rms=is_rms, eps=1e-5, dout=torch.randn(0, 16), dres_out=torch.randn(0, 16)
+    )
     assert out.shape == (0, 16) and res.shape == (0, 16)
     assert torch.equal(grads["dweight"], torch.zeros(16))
     assert grads["dx"].shape == (0, 16)
@@ -143,11 +174,38 @@ def test_half_rounding_matches_torch(half):
     """residual_out = x rounded to a half type must equal torch's own cast bit for bit: ties to even, overflow,
     subnormals, inf and NaN."""
     fi = torch.finfo(half)
-    special = torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"), float("nan"), fi.max * 1.001, fi.tiny / 3,
-                            1 + fi.eps / 2, 1 + 1.5 * fi.eps, -(1 + fi.eps / 2), 65519.0, 65520.0, 3.4e38])  # fmt: skip
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            fi.max * 1.001,
+            fi.tiny / 3,
+            1 + fi.eps / 2,
+            1 + 1.5 * fi.eps,
+            -(1 + fi.eps / 2),
+            65519.0,
+            65520.0,
+            3.4e38,
+        ]
+    )
     x = torch.cat([special, torch.randn(4082) * torch.logspace(-8, 8, 4082)]).reshape(-1, 32)
-    out, res, _, _ = cpu.forward(x, None, None, None, eps=1e-5, is_rms=True, dropout_p=0.0, seed=0,
-                                 residual_dtype=half, zero_centered_weight=False, store_residual_out=True)  # fmt: skip
+    out, res, _, _ = cpu.forward(
+        x,
+        None,
+        None,
+        None,
+        eps=1e-5,
+        is_rms=True,
+        dropout_p=0.0,
+        seed=0,
+        residual_dtype=half,
+        zero_centered_weight=False,
+        store_residual_out=True,
+    )
     expected = x.to(half)
     same = (res.view(torch.int16) == expected.view(torch.int16)) | (res.isnan() & expected.isnan())
     assert bool(same.all()), f"{int((~same).sum())} elements round differently from torch"
@@ -164,8 +222,15 @@ def test_strided_rows_and_grads_without_copies():
     contig = cpu.forward(x.contiguous(), r.contiguous(), w, b, store_residual_out=True, **kw)
     for a, c in zip(strided, contig):
         assert torch.equal(a, c)
-    bkw = dict(is_rms=False, dropout_p=0.0, seed=0, zero_centered_weight=False, x_dtype=torch.float32,
-               residual_dtype=torch.float32, bias_dtype=torch.float32)  # fmt: skip
+    bkw = dict(
+        is_rms=False,
+        dropout_p=0.0,
+        seed=0,
+        zero_centered_weight=False,
+        x_dtype=torch.float32,
+        residual_dtype=torch.float32,
+        bias_dtype=torch.float32,
+    )
     _, res, mean, rstd = contig
     g1 = cpu.backward(dout, big_x[:, :n], res, w, mean, rstd, **bkw)
     g2 = cpu.backward(dout.contiguous(), big_x[:, :n].contiguous(), res, w, mean, rstd, **bkw)
@@ -200,10 +265,21 @@ def test_dropout_same_mask_as_reference(dtype, is_rms):
     assert torch.equal(alone != 0, keep & (x != 0))
     dout, dres_out = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
     bkw = dict(dropout_p=p, seed=seed, zero_centered_weight=False, x_dtype=dtype)
-    grads = cpu.backward(dout, dres_out, res, w, mean, rstd, residual_dtype=dtype, is_rms=is_rms,
-                         bias_dtype=None if b is None else dtype, **bkw)  # fmt: skip
-    ref = add_norm_bwd_ref(dout, dres_out, res, w, mean, rstd, residual_dtype=dtype,
-                           bias_dtype=None if b is None else dtype, **bkw)  # fmt: skip
+    grads = cpu.backward(
+        dout,
+        dres_out,
+        res,
+        w,
+        mean,
+        rstd,
+        residual_dtype=dtype,
+        is_rms=is_rms,
+        bias_dtype=None if b is None else dtype,
+        **bkw,
+    )
+    ref = add_norm_bwd_ref(
+        dout, dres_out, res, w, mean, rstd, residual_dtype=dtype, bias_dtype=None if b is None else dtype, **bkw
+    )
     assert torch.equal(grads[0] == 0, (ref[0] == 0))  # dx dropped at the same places
     for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref):
         if e is not None:
@@ -213,8 +289,9 @@ def test_dropout_same_mask_as_reference(dtype, is_rms):
 def test_dropout_through_the_custom_op_uses_its_seed():
     m, n, p = 17, 33, 0.25
     x, r, w = torch.randn(m, n), torch.randn(m, n), torch.randn(n)
-    out, res, _, _, seed = torch.ops.addnorm.add_norm_fwd(x, r, w, None, 1e-5, True, p, torch.float32, False, True,
-                                                          "cpu")  # fmt: skip
+    out, res, _, _, seed = torch.ops.addnorm.add_norm_fwd(
+        x, r, w, None, 1e-5, True, p, torch.float32, False, True, "cpu"
+    )
     ref_out, ref_res, _, _ = add_norm_ref(x, r, w, None, eps=1e-5, is_rms=True, dropout_p=p, seed=int(seed))
     assert torch.equal(res, ref_res)
     assert_close(out, ref_out.double(), "out")
@@ -274,8 +351,10 @@ def test_auto_is_cpu_and_reasons():
 
 
 def test_reason_without_numba():
-    code = ("import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
-            "import addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))")
+    code = (
+        "import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
+        "import addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "numba is not installed" in res.stdout
@@ -396,13 +475,22 @@ def test_out_dtype_matches_the_reference_and_gradients_match_the_oracle(is_rms):
     exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, out_dtype=torch.bfloat16, dout=dout, dresidual_out=dres)
     for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
         if t is not None:
-            assert_close(t.grad, exp[name], name, grad=True, dtype=torch.bfloat16,
-                         reduced_rows=37 if name in ("dweight", "dbias") else 1)  # fmt: skip
+            assert_close(
+                t.grad,
+                exp[name],
+                name,
+                grad=True,
+                dtype=torch.bfloat16,
+                reduced_rows=37 if name in ("dweight", "dbias") else 1,
+            )
 
 
 # two cases, not the full product: each new type signature compiles the parallel kernel anew (~20 s)
-@pytest.mark.parametrize("is_rms, dtype, dropout", [(False, torch.float32, True), (True, torch.bfloat16, False)],
-                         ids=["layer-fp32-drop", "rms-bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "is_rms, dtype, dropout",
+    [(False, torch.float32, True), (True, torch.bfloat16, False)],
+    ids=["layer-fp32-drop", "rms-bf16"],
+)
 def test_few_rows_backward_splits_columns_bitwise_like_serial(monkeypatch, is_rms, dtype, dropout):
     """M < 64 (one dweight chunk): the backward runs parallel over column blocks, with the serial kernel's results
     bit for bit (each column still sums its rows in order), dropout mask included."""

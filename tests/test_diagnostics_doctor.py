@@ -12,7 +12,7 @@ from addnorm.cli import main as cli_main
 from addnorm.diagnostics import diagnose
 
 # A nanoGPT-style LM with knobs that plant each bug; written to a file for the CLI tests, exec'd for the rest.
-TOY_SRC = textwrap.dedent('''
+TOY_SRC = textwrap.dedent("""
     import math
     import torch
     import torch.nn.functional as F
@@ -151,7 +151,7 @@ TOY_SRC = textwrap.dedent('''
 
     def raises():
         raise RuntimeError("factory is broken")
-''')
+""")
 
 
 def toy():
@@ -301,9 +301,15 @@ def test_cli_bad_target_exits_2_with_a_message(toy_file, capsys, target, needle)
 def test_cli_hf_config_tiny_llama(tmp_path, capsys):
     pytest.importorskip("transformers")
     config = {
-        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    }  # fmt: skip
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert cli_main(["doctor", "--hf-config", str(path), "--json"]) == 0
@@ -317,8 +323,15 @@ def test_cli_hf_config_tiny_llama(tmp_path, capsys):
 def test_cli_hf_config_encoder_decoder_runs_its_forward(tmp_path, capsys):
     """T5-like models need decoder inputs; without them the doctor reported its own batch as the model's error."""
     pytest.importorskip("transformers")
-    config = {"model_type": "t5", "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
-              "num_heads": 4}  # fmt: skip
+    config = {
+        "model_type": "t5",
+        "vocab_size": 64,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     code = cli_main(["doctor", "--hf-config", str(path), "--json"])
@@ -331,8 +344,15 @@ def test_monitor_on_hf_llama():
     transformers = pytest.importorskip("transformers")
     from addnorm.diagnostics import Monitor
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     ids = torch.randint(0, 64, (2, 7))
     with Monitor(model) as mon:
@@ -349,7 +369,7 @@ def test_monitor_on_hf_llama():
 
 
 # ---- hostile targets: the doctor runs user code, which may exit, print, hang or be interrupted --------------------
-HOSTILE_SRC = textwrap.dedent('''
+HOSTILE_SRC = textwrap.dedent("""
     import sys
     import time
 
@@ -421,7 +441,7 @@ HOSTILE_SRC = textwrap.dedent('''
 
     def deep_failure():
         return helper_that_fails()
-''')
+""")
 
 
 @pytest.fixture
@@ -431,8 +451,9 @@ def hostile_file(toy_file):
     return path
 
 
-@pytest.mark.parametrize("factory, exit_text", [("exits0", "sys.exit(0)"), ("exits3", "sys.exit(3)"),
-                                                ("forward_exits", "sys.exit(0)")])  # fmt: skip
+@pytest.mark.parametrize(
+    "factory, exit_text", [("exits0", "sys.exit(0)"), ("exits3", "sys.exit(3)"), ("forward_exits", "sys.exit(0)")]
+)
 def test_cli_target_that_exits_is_a_load_failure(hostile_file, capsys, factory, exit_text):
     """sys.exit(0) in a factory used to end the doctor silently with status 0, the same as a clean pass."""
     code = cli_main(["doctor", f"{hostile_file}:{factory}", "--json"])
@@ -510,11 +531,15 @@ def test_summary_names_what_the_blocks_do_not_a_misleading_class():
 
     kw = {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64}
     ids = torch.randint(0, 64, (2, 7))
-    (lm,) = [f.message for f in diagnose(TransformerLM(TransformerConfig.preset("llama", **kw)), ids)
-             if f.code == "summary"]  # fmt: skip
+    (lm,) = [
+        f.message for f in diagnose(TransformerLM(TransformerConfig.preset("llama", **kw)), ids) if f.code == "summary"
+    ]
     assert "causal (decoder-only)" in lm and "Encoder" not in lm
-    (enc,) = [f.message for f in diagnose(TransformerEncoder(TransformerConfig.preset("bert", **kw)), ids)
-              if f.code == "summary"]  # fmt: skip
+    (enc,) = [
+        f.message
+        for f in diagnose(TransformerEncoder(TransformerConfig.preset("bert", **kw)), ids)
+        if f.code == "summary"
+    ]
     assert "bidirectional (encoder)" in enc
 
 
@@ -528,12 +553,18 @@ def test_cli_real_ctrl_c_exits_130(tmp_path):
 
     marker = tmp_path / "started"
     target = tmp_path / "slow.py"
-    target.write_text(f"import pathlib, time\ndef make():\n    pathlib.Path({str(marker)!r}).touch()\n"
-                      "    time.sleep(120)\n")  # fmt: skip
+    target.write_text(
+        f"import pathlib, time\ndef make():\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(120)\n"
+    )
     src = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "addnorm", "doctor", f"{target}:make"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "addnorm", "doctor", f"{target}:make"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -559,6 +590,8 @@ def test_cli_json_stays_json_when_the_target_writes_to_fd_1(hostile_file, capfd)
 def test_forward_failure_names_the_line_in_the_users_code(hostile_file, capsys):
     assert cli_main(["doctor", f"{hostile_file}:broken_forward", "--json"]) == 1
     (failed,) = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"] == "forward-failed"]
-    line = HOSTILE_SRC.splitlines().index("        idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is "
-                                          "7)") + 1  # fmt: skip
+    line = (
+        HOSTILE_SRC.splitlines().index("        idx = idx.view(idx.shape[0], 5, -1)  # a bug: the view fails (T is 7)")
+        + 1
+    )
     assert f"(at {hostile_file}:{line} in forward)" in failed["message"], failed["message"]

@@ -361,8 +361,10 @@ def test_tensorboard_event_files_hold_the_records(tmp_path):
         import tensorboard  # noqa: F401
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
-        pytest.skip("tensorboard is not installed (pip install 'addnorm[tensorboard]'); the writer path is covered "
-                    "by test_tensorboard_gets_every_recorded_scalar")  # fmt: skip
+        pytest.skip(
+            "tensorboard is not installed (pip install 'addnorm[tensorboard]'); the writer path is covered "
+            "by test_tensorboard_gets_every_recorded_scalar"
+        )
     model = TinyLM(n_layers=2)
     with Monitor(model, tensorboard=tmp_path / "tb") as mon:
         for s in range(2):

@@ -13,9 +13,30 @@ import torch
 
 from addnorm.train import distributed as D
 
-ARGS = ["train", "--preset", "gpt2", "--set", "d_model=16", "--set", "n_layers=2", "--set", "n_heads=2",
-        "--set", "backend=torch", "--steps", "8", "--batch-size", "8", "--seq-len", "8", "--warmup", "2",
-        "--lr", "1e-2", "--quiet"]  # fmt: skip
+ARGS = [
+    "train",
+    "--preset",
+    "gpt2",
+    "--set",
+    "d_model=16",
+    "--set",
+    "n_layers=2",
+    "--set",
+    "n_heads=2",
+    "--set",
+    "backend=torch",
+    "--steps",
+    "8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "8",
+    "--warmup",
+    "2",
+    "--lr",
+    "1e-2",
+    "--quiet",
+]
 
 
 def _free_port() -> int:
@@ -45,9 +66,24 @@ def test_two_gloo_processes_match_one(tmp_path):
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "addnorm", *ARGS, "--out", str(tmp_path / "two")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "addnorm",
+        *ARGS,
+        "--out",
+        str(tmp_path / "two"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "summary.json").read_text())

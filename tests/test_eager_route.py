@@ -55,8 +55,9 @@ def test_eager_route_equals_the_custom_op_bit_for_bit(backend, is_rms, case):
     # what the public call decides: with nothing to add or round, residual_out is x itself (not stored)
     store = r_in is not None or p > 0 or rd != x_in.dtype
     torch.manual_seed(11)
-    op_out, op_res = torch.ops.addnorm.add_norm_fwd(x_in, r_in, w, b, 1e-5, is_rms, p, rd, False, store, backend,
-                                                    False, x_in.dtype)[:2]  # fmt: skip
+    op_out, op_res = torch.ops.addnorm.add_norm_fwd(
+        x_in, r_in, w, b, 1e-5, is_rms, p, rd, False, store, backend, False, x_in.dtype
+    )[:2]
     op_res = op_res if store else x_in
     assert torch.equal(out, op_out) and torch.equal(res, op_res)
     inputs = (x, r, w, b)
@@ -88,8 +89,9 @@ def test_compiled_graph_still_calls_the_custom_op():
         return gm.forward
 
     x, r, w, _ = _inputs(4, 24, residual=True, bias=False)
-    f = torch.compile(lambda x, r, w: addnorm.add_rms_norm(x, r, w, 1e-6, backend="reference"),
-                      fullgraph=True, backend=capture)  # fmt: skip
+    f = torch.compile(
+        lambda x, r, w: addnorm.add_rms_norm(x, r, w, 1e-6, backend="reference"), fullgraph=True, backend=capture
+    )
     out, res = f(x, r, w)
     want = addnorm.add_rms_norm(x, r, w, 1e-6, backend="reference")
     assert torch.equal(out, want[0]) and torch.equal(res, want[1])

@@ -65,8 +65,9 @@ def test_forward_and_every_gradient_vs_float64_oracle(backend, dtype, case):
     dout = torch.randn(shape, dtype=dtype)
     dres = torch.randn(shape, dtype=want_rd)
     ((out.double() * dout.double()).sum() + (res_out.double() * dres.double()).sum()).backward()
-    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, zero_centered_weight=zc, dout=dout,
-                 dresidual_out=dres)  # fmt: skip
+    exp = oracle(
+        x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, zero_centered_weight=zc, dout=dout, dresidual_out=dres
+    )
     m = math.prod(shape[:-1])
     # the torch backend's autograd rounds gradients through a lower-precision residual stream: allow for it
     low = max((dtype, want_rd), key=lambda d: TOLERANCES[d].rtol)
@@ -100,8 +101,11 @@ def test_residual_out_is_the_stored_sum_and_out_normalizes_it_exactly(backend, i
     out, res_out = _call(is_rms, x, r, w, None, 1e-5, backend=backend)
     assert torch.equal(res_out, (x.float() + r.float()).bfloat16())
     # fused and unfused code agree bit for bit: the value normalized is residual_out as stored
-    unfused = addnorm.rms_norm(res_out, w, 1e-5, backend=backend) if is_rms else addnorm.layer_norm(
-        res_out, w, None, 1e-5, backend=backend)  # fmt: skip
+    unfused = (
+        addnorm.rms_norm(res_out, w, 1e-5, backend=backend)
+        if is_rms
+        else addnorm.layer_norm(res_out, w, None, 1e-5, backend=backend)
+    )
     assert torch.equal(out, unfused)
 
 
@@ -250,8 +254,11 @@ def test_auto_keeps_tiny_cpu_tensors_on_torch(monkeypatch):
 
 
 def test_unavailable_backend_says_why_and_what_to_install(monkeypatch):
-    monkeypatch.setitem(backends.KERNEL_BACKENDS, "cpu",
-                        backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"))  # fmt: skip
+    monkeypatch.setitem(
+        backends.KERNEL_BACKENDS,
+        "cpu",
+        backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"),
+    )
     monkeypatch.setattr(backends, "_modules", {})
     with pytest.raises(backends.BackendUnavailableError, match="pip install numba"):
         addnorm.rms_norm(torch.randn(2, 4), backend="cpu")
@@ -268,8 +275,9 @@ def test_layer_norm_invariant_to_shift_and_positive_scale(shift, scale, n, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, n, dtype=torch.float64, generator=g)
     base = addnorm.layer_norm(x, eps=0.0, backend="torch")
-    torch.testing.assert_close(addnorm.layer_norm(x * scale + shift, eps=0.0, backend="torch"), base,
-                               atol=1e-8, rtol=1e-8)  # fmt: skip
+    torch.testing.assert_close(
+        addnorm.layer_norm(x * scale + shift, eps=0.0, backend="torch"), base, atol=1e-8, rtol=1e-8
+    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -289,8 +297,12 @@ def test_compile_fullgraph_through_the_custom_ops_matches_eager():
         out, res = addnorm.add_layer_norm(x, r, w, b, backend="reference")
         return out * 2 + res
 
-    args = [torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True),
-            torch.randn(24, requires_grad=True), torch.randn(24, requires_grad=True)]  # fmt: skip
+    args = [
+        torch.randn(4, 24, requires_grad=True),
+        torch.randn(4, 24, requires_grad=True),
+        torch.randn(24, requires_grad=True),
+        torch.randn(24, requires_grad=True),
+    ]
     eager = f(*args)
     grads_eager = torch.autograd.grad(eager.square().sum(), args)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
@@ -325,8 +337,9 @@ def test_cast_before_weight_forward_and_every_gradient_vs_oracle(backend, dtype,
     out, res_out = _call(is_rms, x, r, w, b, 1e-5, residual_dtype=rd, cast_before_weight=True, backend=backend)
     dout, dres = torch.randn_like(out), torch.randn_like(res_out)
     torch.autograd.backward((out, res_out), (dout, dres))
-    exp = oracle(x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, cast_before_weight=True, dout=dout,
-                 dresidual_out=dres)  # fmt: skip
+    exp = oracle(
+        x, r, w, b, eps=1e-5, is_rms=is_rms, residual_dtype=rd, cast_before_weight=True, dout=dout, dresidual_out=dres
+    )
     assert_close(out, exp["out"], "out")
     for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
         if t is not None:
@@ -393,8 +406,11 @@ def test_cast_before_weight_dweight_uses_the_rounded_value(backend, is_rms):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                                (torch.float64, torch.float16)], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "x_dtype, out_dtype",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float64, torch.float16)],
+    ids=str,
+)
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_out_dtype_forward_and_every_gradient_vs_oracle(backend, x_dtype, out_dtype, is_rms):
     """e.g. an fp32 residual stream whose normalized output feeds a bf16 matmul: out is written in bf16 directly."""
@@ -412,8 +428,9 @@ def test_out_dtype_forward_and_every_gradient_vs_oracle(backend, x_dtype, out_dt
     for name, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)):
         if t is not None:
             assert t.grad.dtype == t.dtype
-            assert_close(t.grad, exp[name], name, grad=True, dtype=low,
-                         reduced_rows=7 if name in ("dweight", "dbias") else 1)  # fmt: skip
+            assert_close(
+                t.grad, exp[name], name, grad=True, dtype=low, reduced_rows=7 if name in ("dweight", "dbias") else 1
+            )
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference", "cpu", "triton"])
@@ -525,7 +542,9 @@ def test_auto_under_torch_func_transforms_uses_the_torch_backend(n):
 def test_kernel_backend_asked_for_under_vmap_says_so(backend, monkeypatch):
     _skip_unavailable(backend)
     w = torch.randn(8)
-    with pytest.raises(RuntimeError, match=f"'{backend}' backend \\(backend='{backend}'\\) does not support torch.func"):
+    with pytest.raises(
+        RuntimeError, match=f"'{backend}' backend \\(backend='{backend}'\\) does not support torch.func"
+    ):
         torch.func.vmap(lambda x: addnorm.rms_norm(x, w, backend=backend))(torch.randn(2, 3, 8))
     monkeypatch.setenv(backends.ENV_VAR, backend)
     with pytest.raises(RuntimeError, match="ADDNORM_BACKEND"):
@@ -568,5 +587,6 @@ def test_numpy_scalar_eps_and_dropout_p_are_accepted_like_torch(backend):
     x = torch.randn(3, 8)
     got = addnorm.add_layer_norm(x, x, None, None, np.float32(1e-3), dropout_p=np.float32(0.0), backend=backend)[0]
     torch.testing.assert_close(got, F.layer_norm(2 * x, (8,), eps=1e-3))
-    torch.testing.assert_close(addnorm.rms_norm(x, None, np.float32(0.5), backend=backend),
-                               F.rms_norm(x, (8,), eps=0.5))  # fmt: skip
+    torch.testing.assert_close(
+        addnorm.rms_norm(x, None, np.float32(0.5), backend=backend), F.rms_norm(x, (8,), eps=0.5)
+    )

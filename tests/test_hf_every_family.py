@@ -34,8 +34,10 @@ NEW_TOKENS = 3
 def transformers():
     t = pytest.importorskip("transformers")
     if t.__version__ != SURVEY["transformers"]:
-        pytest.skip(f"docs/survey.json is for transformers {SURVEY['transformers']}, installed {t.__version__}: "
-                    "regenerate it with `addnorm survey --docs docs/survey.md --readme README.md`")  # fmt: skip
+        pytest.skip(
+            f"docs/survey.json is for transformers {SURVEY['transformers']}, installed {t.__version__}: "
+            "regenerate it with `addnorm survey --docs docs/survey.md --readme README.md`"
+        )
     t.logging.set_verbosity_error()
     return t
 
@@ -44,9 +46,11 @@ def _generation_auto(transformers, model_type: str):
     """The Auto class of the family's generation head (causal LM, image-text-to-text, seq2seq LM), or None."""
     from transformers.models.auto import modeling_auto as ma
 
-    for names, auto in ((ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForCausalLM),
-                        (ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, transformers.AutoModelForImageTextToText),
-                        (ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForSeq2SeqLM)):  # fmt: skip
+    for names, auto in (
+        (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForCausalLM),
+        (ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, transformers.AutoModelForImageTextToText),
+        (ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForSeq2SeqLM),
+    ):
         if model_type in names:
             return auto
     return None
@@ -116,8 +120,9 @@ def _fused_calls(model) -> list[str]:
     ran: list[str] = []
     model._addnorm_test_hooks = [
         m.register_forward_hook(lambda mod, a, o: ran.append(type(mod).__name__))
-        for m in model.modules() if type(m).__name__.startswith("AddNormFused")
-    ]  # fmt: skip
+        for m in model.modules()
+        if type(m).__name__.startswith("AddNormFused")
+    ]
     return ran
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import dataclasses
 import pickle
 import sys
 
@@ -88,8 +87,13 @@ def test_fp32_logits_match_and_norms_are_swapped(family):
     keys = list(model.state_dict())
     assert hf.apply(model) is model
     # every HF norm is now an addnorm module, holding the very same Parameter objects under the same keys
-    hf_norms = [n for n, m in model.named_modules() if type(m) is nn.LayerNorm or type(m).__name__.endswith("RMSNorm")
-                and type(m).__module__.startswith("transformers.")]  # fmt: skip
+    hf_norms = [
+        n
+        for n, m in model.named_modules()
+        if type(m) is nn.LayerNorm
+        or type(m).__name__.endswith("RMSNorm")
+        and type(m).__module__.startswith("transformers.")
+    ]
     assert hf_norms == []
     assert any(isinstance(m, (LayerNorm, RMSNorm)) for m in model.modules())
     assert all(p is params[name] for name, p in model.named_parameters())
@@ -375,7 +379,7 @@ def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion
     new = hf._cast_before_weight_norm(old)
     x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
     new(x, r)
-    (weight, kwargs), = calls
+    ((weight, kwargs),) = calls
     assert weight is not None and kwargs["cast_before_weight"]  # the weight is applied inside the fused op
     # an fp32 weight with bf16 activations: HF's output is fp32 (type promotion), and so is addnorm's
     old32 = LlamaRMSNorm(32, eps=1e-6)

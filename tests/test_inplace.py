@@ -43,9 +43,16 @@ def _both(is_rms, x, r, w, b, backend, **kw):
 
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
-@pytest.mark.parametrize("x_dtype, r_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
-                         ids=["fp32", "bf16", "bf16-fp32stream", "fp16-fp32stream"])  # fmt: skip
+@pytest.mark.parametrize(
+    "x_dtype, r_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+    ids=["fp32", "bf16", "bf16-fp32stream", "fp16-fp32stream"],
+)
 @pytest.mark.parametrize("shape", [(5, 48), (2, 3, 100), (1, 7)], ids=str)
 def test_in_place_equals_out_of_place_bit_for_bit(backend, is_rms, x_dtype, r_dtype, shape):
     _skip_unavailable(backend)
@@ -103,8 +110,11 @@ def test_non_contiguous_inputs_are_written_in_place_too(backend):
 def test_in_place_under_compile_fullgraph(backend, is_rms):
     _skip_unavailable(backend)
     x, r, w, b = _inputs((4, 32), torch.bfloat16, torch.float32, seed=2)
-    expected = (addnorm.add_rms_norm(x, r, w, None, backend=backend) if is_rms
-                else addnorm.add_layer_norm(x, r, w, b, 1e-5, backend=backend))  # fmt: skip
+    expected = (
+        addnorm.add_rms_norm(x, r, w, None, backend=backend)
+        if is_rms
+        else addnorm.add_layer_norm(x, r, w, b, 1e-5, backend=backend)
+    )
 
     def f(x, r, w, b):
         if is_rms:

@@ -43,8 +43,15 @@ def train_tiny(seed: int, steps: int = 5) -> dict:
 
 def unseeded(i: int) -> list:
     """Forgets to seed: the executor's seeding makes it deterministic anyway (and equal in a worker and here)."""
-    return [torch.rand(3).tolist(), float(np.random.rand()), random.random(), torch.get_num_threads(), i,
-            str(torch.get_default_dtype()), torch.is_grad_enabled()]
+    return [
+        torch.rand(3).tolist(),
+        float(np.random.rand()),
+        random.random(),
+        torch.get_num_threads(),
+        i,
+        str(torch.get_default_dtype()),
+        torch.is_grad_enabled(),
+    ]
 
 
 def touch(directory: str, name: str, value: int) -> int:
@@ -198,8 +205,7 @@ def test_drivers_overlap_while_they_wait_for_tasks(tmp_path, pool2):
     """A's task waits for a file that only B's task creates: it finishes only if B starts while A waits."""
     flag = str(tmp_path / "flag")
     with contextlib.nullcontext(pool2) as ex:
-        calls = [lambda: ex.map(wait_for, [{"path": flag, "timeout": 60.0}]),
-                 lambda: ex.map(create, [{"path": flag}])]  # fmt: skip
+        calls = [lambda: ex.map(wait_for, [{"path": flag, "timeout": 60.0}]), lambda: ex.map(create, [{"path": flag}])]
         start = time.monotonic()
         assert ex.run_concurrently(calls) == [[True], [True]]
     assert time.monotonic() - start < 50
@@ -222,6 +228,7 @@ def test_overlapping_drivers_give_what_serial_drivers_give(pool2):
 
 def test_an_interrupt_in_one_driver_stops_the_pool_and_the_others():
     with Executor(2) as ex:
+
         def interrupted():
             raise KeyboardInterrupt
 
@@ -248,16 +255,22 @@ def _mapping_experiment(name: str, n: int):
         final = [r["losses"][-1] for r in runs]
         ctx.figure_path("fig.png").write_bytes(PNG + json.dumps(final).encode())  # bytes depend on the results
         per_seed = {"final loss": final}
-        return Result(verdict=verdict_from(sum(final) > 0.5), figures=["fig.png"], summary=f"{name} {sum(final)}",
-                      metrics={"per_seed": per_seed, "seeds": list(range(n)), "drawn": drawn},
-                      timings={"wall": time.perf_counter()})  # fmt: skip
+        return Result(
+            verdict=verdict_from(sum(final) > 0.5),
+            figures=["fig.png"],
+            summary=f"{name} {sum(final)}",
+            metrics={"per_seed": per_seed, "seeds": list(range(n)), "drawn": drawn},
+            timings={"wall": time.perf_counter()},
+        )
 
     return Experiment(name=name, claim=f"claim {name}", source="test", run=fn)
 
 
 def mapping_registry() -> dict[str, Experiment]:
-    return {e.name: e for e in (_mapping_experiment("few", 1), _mapping_experiment("many", 5),
-                                _mapping_experiment("some", 3))}  # fmt: skip
+    return {
+        e.name: e
+        for e in (_mapping_experiment("few", 1), _mapping_experiment("many", 5), _mapping_experiment("some", 3))
+    }
 
 
 _TIMING_FIELDS = ("seconds", "timings", "cached")
@@ -310,18 +323,19 @@ def test_a_run_killed_in_the_middle_of_an_experiment_resumes_with_its_finished_t
     script, out, marks = tmp_path / "resume_tasks.py", tmp_path / "out", tmp_path / "marks"
     script.write_text(RESUME_SCRIPT)
     marks.mkdir()
-    env = dict(os.environ, LAB_MARKS=str(marks), LAB_DIE="1",
-               PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    env = dict(
+        os.environ,
+        LAB_MARKS=str(marks),
+        LAB_DIE="1",
+        PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert len(list((out / "runs" / "tasks").glob("*.json"))) == 3  # tasks 0, 1, 2 finished before the kill
     env["LAB_DIE"] = "0"  # the same command again (as __main__: the task cache keys name the task's module)
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert {p.name: p.read_text() for p in marks.iterdir()} == {"t0": "x", "t1": "x", "t2": "x", "t3": "xx",
-                                                                 "t4": "x"}  # fmt: skip
+    assert {p.name: p.read_text() for p in marks.iterdir()} == {"t0": "x", "t1": "x", "t2": "x", "t3": "xx", "t4": "x"}
     doc = json.loads((out / "results.json").read_text())
     assert doc["experiments"][0]["metrics"] == {"sq": [0, 1, 4, 9, 16]}
     assert not list((out / "runs" / "tasks").glob("*.json"))
@@ -403,8 +417,12 @@ def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(
     script.write_text(TORCHRUN_SCRIPT)
     marks.mkdir()
     src = str(Path(runner.__file__).parents[2])
-    env = dict(os.environ, LAB_MARKS=str(marks), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = dict(
+        os.environ,
+        LAB_MARKS=str(marks),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    )
     import importlib
 
     monkeypatch.setenv("LAB_MARKS", str(marks))
@@ -414,8 +432,16 @@ def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(
     run(RunOptions(out=tmp_path / "one", progress=False, device="cpu", jobs=1), module.REGISTRY)
     for p in marks.iterdir():
         p.unlink()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path / "two")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path / "two"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 2 rank 0" in proc.stdout and "world 2 rank 1" in proc.stdout
@@ -427,9 +453,10 @@ def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(
     assert two["meta"]["world_size"] == 2
     # rank 1 wrote nothing into OUT: only rank 0's report, records and figures are there
     files = sorted(str(p.relative_to(tmp_path / "two")) for p in (tmp_path / "two").rglob("*") if p.is_file())
-    assert files == sorted([".lock", "index.html", "report.md", "results.json"]
-                           + [f"runs/{e['name']}-{e['key']}/{f}" for e in two["experiments"]
-                              for f in ("f.png", "result.json")])  # fmt: skip
+    assert files == sorted(
+        [".lock", "index.html", "report.md", "results.json"]
+        + [f"runs/{e['name']}-{e['key']}/{f}" for e in two["experiments"] for f in ("f.png", "result.json")]
+    )
 
 
 def test_warm_up_starts_the_workers_before_the_first_task():

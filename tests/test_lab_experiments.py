@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from addnorm.lab.core import verdict_from
 from addnorm.lab.experiments.init_papers import (
     HEADROOM,
     lemma2_in_bounds,
@@ -25,11 +26,18 @@ from addnorm.lab.experiments.init_time import (
     min_agree,
     stream_growth_verdict,
 )
-from addnorm.lab.core import verdict_from
 from addnorm.lab.experiments.numerics import bn_ln_verdict, half_precision_verdict, ln_rms_verdict
 
-MINE = ["residual-gradient-flow", "xiong-init-gradients", "deepnet-update-size", "admin-output-change",
-        "ln-vs-rms", "half-precision-stats", "batchnorm-vs-layernorm", "residual-stream-growth"]  # fmt: skip
+MINE = [
+    "residual-gradient-flow",
+    "xiong-init-gradients",
+    "deepnet-update-size",
+    "admin-output-change",
+    "ln-vs-rms",
+    "half-precision-stats",
+    "batchnorm-vs-layernorm",
+    "residual-stream-growth",
+]
 
 
 def test_loglog_slope_recovers_a_power_law():
@@ -65,8 +73,14 @@ def _xiong(**over):
     """Six inits that follow the theory; ``over`` replaces arguments."""
     pre = [[(1 + 0.05 * i) * L**-0.5 for L in DEPTHS] for i in range(6)]
     post = [[(1 + 0.05 * i) * (1.0 + 0.01 * j) for j, _ in enumerate(DEPTHS)] for i in range(6)]
-    kw = dict(depths=DEPTHS, pre_last=pre, post_last=post, pre_profile=[0.6, 0.7, 0.8, 0.9, 1.0, 1.1],
-              post_profile=[2.5, 3.0, 4.0, 5.0, 6.0, 7.0], pre_norm_in_bounds=True)  # fmt: skip
+    kw = dict(
+        depths=DEPTHS,
+        pre_last=pre,
+        post_last=post,
+        pre_profile=[0.6, 0.7, 0.8, 0.9, 1.0, 1.1],
+        post_profile=[2.5, 3.0, 4.0, 5.0, 6.0, 7.0],
+        pre_norm_in_bounds=True,
+    )
     kw.update(over)
     return xiong_verdict(**kw)
 
@@ -82,8 +96,7 @@ def test_xiong_criterion_accepts_the_theory_and_rejects_each_violation():
     assert _xiong(post_profile=[1.0, 1.2, 2.0, 2.0, 3.0, 3.0])[0] is False  # decoder rises in 4 of 6 inits only
     assert _xiong(post_profile=[1.0, 2.0, 2.0, 2.0, 3.0, 3.0])[0] is True  # 5 of 6 is enough
     assert _xiong(pre_profile=[0.3, 0.4, 0.8, 0.9, 1.0, 1.1])[0] is False  # Pre-LN decays > 2x in 2 inits
-    assert _xiong(pre_profile=[0.6, 0.7, 0.8, 2.6, 2.7, 2.8], post_profile=[2.5, 3.0, 4.0, 2.5, 2.6, 2.7]
-                  )[0] is False  # fmt: skip
+    assert _xiong(pre_profile=[0.6, 0.7, 0.8, 2.6, 2.7, 2.8], post_profile=[2.5, 3.0, 4.0, 2.5, 2.6, 2.7])[0] is False
 
 
 def test_xiong_criterion_pairs_the_slopes_by_init():
@@ -127,8 +140,14 @@ def test_update_size_criterion():
     assert passed is False and details["inits_agreeing"]["deep_above_shallow_pairs"] == 6
     # growth compares the two samples, not init k's own ratio (seed k does not pair a 6- and a 24-layer model):
     # two inits whose own ratio is < 1.5 do not fail it when the samples separate (the --seed 1 case)
-    post = [[0.36, 0.8, 1.03], [0.4, 0.6, 0.63], [0.28, 0.6, 1.0], [0.29, 0.6, 0.73], [0.42, 0.6, 0.5],
-            [0.39, 0.7, 0.56]]  # fmt: skip
+    post = [
+        [0.36, 0.8, 1.03],
+        [0.4, 0.6, 0.63],
+        [0.28, 0.6, 1.0],
+        [0.29, 0.6, 0.73],
+        [0.42, 0.6, 0.5],
+        [0.39, 0.7, 0.56],
+    ]
     passed, details = _update(post_peak=post)
     assert passed is True and details["inits_agreeing"]["deep_above_shallow_pairs"] == 36
     # DeepNorm only 3x smaller at the largest depth in 2 of 6 inits (paired by init: same draws, same batches)
@@ -164,8 +183,13 @@ def test_output_change_criterion():
 
 
 def test_stream_growth_criterion():
-    good = dict(post_rms=[1.0] * 12, pre_rms=[1.2 + 0.3 * l for l in range(12)], pre_rms_scaled_final=30.0,
-                peri_rms_final=5.0, peri_rms_scaled_final=5.1)  # fmt: skip
+    good = dict(
+        post_rms=[1.0] * 12,
+        pre_rms=[1.2 + 0.3 * l for l in range(12)],
+        pre_rms_scaled_final=30.0,
+        peri_rms_final=5.0,
+        peri_rms_scaled_final=5.1,
+    )
     assert stream_growth_verdict(**good)[0] is True
     assert stream_growth_verdict(**dict(good, post_rms=[1.0] * 11 + [1.5]))[0] is False
     assert stream_growth_verdict(**dict(good, pre_rms=[1.0] * 12))[0] is False
@@ -183,25 +207,49 @@ def test_ln_rms_criterion():
 
 
 def test_half_precision_criterion():
-    good = dict(overflow_predicted=[False, True], overflow_fp16_acc=[False, True], fp32_acc_max_rel_err=1e-6,
-                naive_err_at_max_offset=5.0, stable_max_err=1e-5, fp16_overflows_at_1e5=True,
-                bf16_overflows_at_1e5=False, roundtrip_err_ratio_bf16_over_fp16=8.0)  # fmt: skip
+    good = dict(
+        overflow_predicted=[False, True],
+        overflow_fp16_acc=[False, True],
+        fp32_acc_max_rel_err=1e-6,
+        naive_err_at_max_offset=5.0,
+        stable_max_err=1e-5,
+        fp16_overflows_at_1e5=True,
+        bf16_overflows_at_1e5=False,
+        roundtrip_err_ratio_bf16_over_fp16=8.0,
+    )
     assert half_precision_verdict(**good)[0] is True
-    for bad in (dict(overflow_fp16_acc=[True, True]), dict(fp32_acc_max_rel_err=1.0),
-                dict(naive_err_at_max_offset=1e-3), dict(stable_max_err=0.1), dict(bf16_overflows_at_1e5=True),
-                dict(roundtrip_err_ratio_bf16_over_fp16=1.0)):  # fmt: skip
+    for bad in (
+        dict(overflow_fp16_acc=[True, True]),
+        dict(fp32_acc_max_rel_err=1.0),
+        dict(naive_err_at_max_offset=1e-3),
+        dict(stable_max_err=0.1),
+        dict(bf16_overflows_at_1e5=True),
+        dict(roundtrip_err_ratio_bf16_over_fp16=1.0),
+    ):
         assert half_precision_verdict(**dict(good, **bad))[0] is False, bad
     assert half_precision_verdict(**dict(good, stable_max_err=float("nan")))[0] is None
 
 
 def test_bn_ln_criterion():
-    good = dict(bn_padding_change=2.0, ln_padding_change=0.0, bn_batch_change=1.0, ln_batch_change=0.0,
-                bn_train_eval_gap=0.4, ln_train_eval_gap=0.0, bn_single_token_degenerate=True,
-                ln_single_token_change=0.0)  # fmt: skip
+    good = dict(
+        bn_padding_change=2.0,
+        ln_padding_change=0.0,
+        bn_batch_change=1.0,
+        ln_batch_change=0.0,
+        bn_train_eval_gap=0.4,
+        ln_train_eval_gap=0.0,
+        bn_single_token_degenerate=True,
+        ln_single_token_change=0.0,
+    )
     assert bn_ln_verdict(**good)[0] is True
-    for bad in (dict(bn_padding_change=0.01), dict(ln_padding_change=0.5), dict(bn_batch_change=0.0),
-                dict(bn_train_eval_gap=0.0), dict(bn_single_token_degenerate=False),
-                dict(ln_single_token_change=1.0)):  # fmt: skip
+    for bad in (
+        dict(bn_padding_change=0.01),
+        dict(ln_padding_change=0.5),
+        dict(bn_batch_change=0.0),
+        dict(bn_train_eval_gap=0.0),
+        dict(bn_single_token_degenerate=False),
+        dict(ln_single_token_change=1.0),
+    ):
         assert bn_ln_verdict(**dict(good, **bad))[0] is False, bad
 
 
@@ -248,8 +296,9 @@ def test_kinds_and_sources():
     kinds = {name: EXPERIMENTS[name].kind for name in MINE}
     assert [n for n, k in kinds.items() if k == "empirical"] == EMPIRICAL
     assert kinds["batchnorm-vs-layernorm"] == "sanity"
-    assert {kinds[n] for n in ("residual-gradient-flow", "residual-stream-growth", "ln-vs-rms",
-                               "half-precision-stats")} == {"demonstration"}  # fmt: skip
+    assert {
+        kinds[n] for n in ("residual-gradient-flow", "residual-stream-growth", "ln-vs-rms", "half-precision-stats")
+    } == {"demonstration"}
     for name in MINE:
         assert "seed 0" not in EXPERIMENTS[name].source, name
     for name in EMPIRICAL:
@@ -276,14 +325,15 @@ def test_admin_runs_its_inits_as_plain_ctx_map_tasks(tmp_path):
     exp = EXPERIMENTS["admin-output-change"]
     ctx = Context(quick=True, seed=3, figure_dir=tmp_path, config=dict(exp.config), mapper=mapper)
     result = exp.run(ctx)
-    (fn, tasks, results), = calls
+    ((fn, tasks, results),) = calls
     n, depths = exp.config["quick"]["inits"], exp.config["quick"]["depths"]
     assert len(tasks) == 2 * n * len(depths) and n >= 6
     seeds = sorted({t["seed"] for t in tasks})
     assert seeds == [3000 + k for k in range(n)] == result.metrics["seeds"]
     for placement in ("post", "pre"):  # paired: both arms see every init seed at every depth
         assert sorted((t["seed"], t["depth"]) for t in tasks if t["placement"] == placement) == sorted(
-            (sd, L) for sd in seeds for L in depths)
+            (sd, L) for sd in seeds for L in depths
+        )
     assert fn(**tasks[0]) == results[0]
     assert all(len(v) == n for v in result.metrics["per_seed"].values())
 

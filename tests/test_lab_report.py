@@ -11,34 +11,81 @@ import pytest
 
 from addnorm.lab.core import Context, Experiment, Result
 from addnorm.lab.docs import MACHINE_NOTE, render_results_doc
-from addnorm.lab.report import (by_kind, per_seed_table, render_html, render_markdown, results_document,
-                                terminal_table, timing_text)  # fmt: skip
+from addnorm.lab.report import (
+    by_kind,
+    per_seed_table,
+    render_html,
+    render_markdown,
+    results_document,
+    terminal_table,
+    timing_text,
+)
 from addnorm.lab.runner import RunOptions, run
 
 
 def record(name, verdict="reproduced", kind="empirical", **kw):
-    base = {"name": name, "claim": f"claim of {name}", "source": "A. Author et al. 2020, Title, arXiv:2002.04745",
-            "criterion": f"rule of {name}", "kind": kind, "precondition": "", "verdict": verdict, "reason": "",
-            "metrics": {}, "timings": {}, "figures": [], "summary": f"finding of {name}", "seconds": 2.0,
-            "cached": False, "key": "k", "index": 0}  # fmt: skip
+    base = {
+        "name": name,
+        "claim": f"claim of {name}",
+        "source": "A. Author et al. 2020, Title, arXiv:2002.04745",
+        "criterion": f"rule of {name}",
+        "kind": kind,
+        "precondition": "",
+        "verdict": verdict,
+        "reason": "",
+        "metrics": {},
+        "timings": {},
+        "figures": [],
+        "summary": f"finding of {name}",
+        "seconds": 2.0,
+        "cached": False,
+        "key": "k",
+        "index": 0,
+    }
     base.update(kw)
     return base
 
 
 RECORDS = [
-    record("depth", metrics={"per_seed": {"post excess L=48": [1.03, 0.98, 1.1], "pre excess L=48": [0.2, 0.19, 0.21]},
-                             "seeds": [0, 1, 2], "agree": 3},
-           precondition="the 6-layer Post-LN run trains (excess < 0.5)", timings={"step_ms": 12.5}),
-    record("zloss", "inconclusive", precondition="the run without z-loss shows the instability",
-           reason="the control failed: log Z never drifted below -2 without z-loss"),
+    record(
+        "depth",
+        metrics={
+            "per_seed": {"post excess L=48": [1.03, 0.98, 1.1], "pre excess L=48": [0.2, 0.19, 0.21]},
+            "seeds": [0, 1, 2],
+            "agree": 3,
+        },
+        precondition="the 6-layer Post-LN run trains (excess < 0.5)",
+        timings={"step_ms": 12.5},
+    ),
+    record(
+        "zloss",
+        "inconclusive",
+        precondition="the run without z-loss shows the instability",
+        reason="the control failed: log Z never drifted below -2 without z-loss",
+    ),
     record("warm", "not reproduced"),
     record("ln-rms-identity", kind="sanity", summary="RMS of an LN output is 1 by construction"),
     record("gradient-highway", "not reproduced", kind="demonstration"),
     record("old-record", verdict="reproduced", kind=None),  # written before kinds: empirical
-]  # fmt: skip
-META = {"addnorm": "0.1.0", "torch": "2.13.0", "python": "3.11", "date": "2026-11-30", "device": "cpu", "seed": 0,
-        "quick": False, "cpu": "Test CPU 9000", "cpu_count": 2, "jobs": 2, "world_size": 1, "seconds": 171.0,
-        "computed_seconds": 300.0, "cached": 0, "platform": "Linux", "code": "abc"}  # fmt: skip
+]
+META = {
+    "addnorm": "0.1.0",
+    "torch": "2.13.0",
+    "python": "3.11",
+    "date": "2026-11-30",
+    "device": "cpu",
+    "seed": 0,
+    "quick": False,
+    "cpu": "Test CPU 9000",
+    "cpu_count": 2,
+    "jobs": 2,
+    "world_size": 1,
+    "seconds": 171.0,
+    "computed_seconds": 300.0,
+    "cached": 0,
+    "platform": "Linux",
+    "code": "abc",
+}
 
 
 def doc(records=RECORDS, **meta):
@@ -60,8 +107,11 @@ def test_terminal_table_groups_kinds_and_has_a_header_for_every_column():
     lines = terminal_table(doc()).splitlines()
     assert lines[0].split() == ["experiment", "verdict", "time", "ran/cached"]
     text = "\n".join(lines)
-    empirical, sanity, demo = (text.index("[Empirical claims (counted)]"), text.index("[Sanity checks (not counted)]"),
-                               text.index("[Demonstrations (not counted)]"))  # fmt: skip
+    empirical, sanity, demo = (
+        text.index("[Empirical claims (counted)]"),
+        text.index("[Sanity checks (not counted)]"),
+        text.index("[Demonstrations (not counted)]"),
+    )
     assert empirical < text.index("zloss") < sanity < text.index("ln-rms-identity") < demo < text.index("gradient-h")
 
 
@@ -69,10 +119,21 @@ def test_terminal_table_groups_kinds_and_has_a_header_for_every_column():
 def test_sections_show_kind_control_reason_per_seed_numbers_and_timings(tmp_path, render):
     d = doc()
     page = render_markdown(d) if render == "md" else render_html(d, tmp_path)
-    for text in ("the 6-layer Post-LN run trains (excess &lt; 0.5)" if render == "html" else
-                 "the 6-layer Post-LN run trains (excess < 0.5)",
-                 "the control failed: log Z never drifted below -2 without z-loss", "Sanity checks", "Demonstrations",
-                 "post excess L=48", "seed 2", "1.1", "0.21", "step_ms", "12.5", "sanity, not counted"):  # fmt: skip
+    for text in (
+        "the 6-layer Post-LN run trains (excess &lt; 0.5)"
+        if render == "html"
+        else "the 6-layer Post-LN run trains (excess < 0.5)",
+        "the control failed: log Z never drifted below -2 without z-loss",
+        "Sanity checks",
+        "Demonstrations",
+        "post excess L=48",
+        "seed 2",
+        "1.1",
+        "0.21",
+        "step_ms",
+        "12.5",
+        "sanity, not counted",
+    ):
         assert text in page, text
     assert page.index("Empirical claims") < page.index("Sanity checks") < page.index("Demonstrations")
     # the per-seed numbers are a table of their own, not repeated in the metrics table
@@ -89,11 +150,15 @@ def test_per_seed_table_and_its_fallbacks():
 
 def test_cached_rerun_says_cached_and_how_long_the_computation_took():
     assert timing_text({"seconds": 0.0, "computed_seconds": 171.4, "cached": 6, "jobs": 2}, 6) == (
-        "all 6 results were cached (computing them took 2 min 51 s, summed over the experiments; this run 0.0 s)")
+        "all 6 results were cached (computing them took 2 min 51 s, summed over the experiments; this run 0.0 s)"
+    )
     assert timing_text({"seconds": 95.0, "computed_seconds": 171.4, "cached": 2, "jobs": 2}, 6).startswith(
-        "run took 1 min 35 s (2 of 6 results from the cache")  # fmt: skip
-    assert timing_text({"seconds": 12.0, "cached": 0, "jobs": 4, "world_size": 2}, 6) == \
-        "run took 12.0 s with --jobs 4 on each of 2 torchrun ranks"  # fmt: skip
+        "run took 1 min 35 s (2 of 6 results from the cache"
+    )
+    assert (
+        timing_text({"seconds": 12.0, "cached": 0, "jobs": 4, "world_size": 2}, 6)
+        == "run took 12.0 s with --jobs 4 on each of 2 torchrun ranks"
+    )
 
 
 def test_a_real_cached_rerun_reports_cached_not_run_took_zero(tmp_path):
@@ -118,11 +183,21 @@ def test_quick_note_in_every_output(tmp_path):
 
 def test_docs_page_from_a_results_document():
     text = render_results_doc(doc())
-    for needle in ("Test CPU 9000, 2 cores", "torch 2.13.0", "2026-11-30", "wall time 2 min 51 s with --jobs 2",
-                   "Empirical claims: 2 reproduced, 1 not reproduced, 1 inconclusive.", MACHINE_NOTE,
-                   "### depth: reproduced", "| post excess L=48 | 1.03 | 0.98 | 1.1 |",
-                   "Why inconclusive: the control failed", "Control (precondition): the run without z-loss",
-                   "Finding: finding of warm", "## Sanity checks", "## Demonstrations"):  # fmt: skip
+    for needle in (
+        "Test CPU 9000, 2 cores",
+        "torch 2.13.0",
+        "2026-11-30",
+        "wall time 2 min 51 s with --jobs 2",
+        "Empirical claims: 2 reproduced, 1 not reproduced, 1 inconclusive.",
+        MACHINE_NOTE,
+        "### depth: reproduced",
+        "| post excess L=48 | 1.03 | 0.98 | 1.1 |",
+        "Why inconclusive: the control failed",
+        "Control (precondition): the run without z-loss",
+        "Finding: finding of warm",
+        "## Sanity checks",
+        "## Demonstrations",
+    ):
         assert needle in text, needle
     assert text.index("## Empirical claims") < text.index("### old-record") < text.index("## Sanity checks")
     assert text.index("## Sanity checks") < text.index("### ln-rms-identity") < text.index("## Demonstrations")

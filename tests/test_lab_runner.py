@@ -37,8 +37,12 @@ def make_registry(calls: dict[str, int], *, fail: set[str] = frozenset(), n: int
                 raise RuntimeError(f"{name} broke")
             ctx.figure_path("fig.png").write_bytes(PNG)
             value = ctx.seed * 10 + len(name) + (0.5 if ctx.quick else 0) + ctx.config["offset"]
-            return Result(verdict=verdict_from(value > 3), metrics={"value": value, "criterion": "value > 3"},
-                          figures=["fig.png"], summary=f"value {value}")  # fmt: skip
+            return Result(
+                verdict=verdict_from(value > 3),
+                metrics={"value": value, "criterion": "value > 3"},
+                figures=["fig.png"],
+                summary=f"value {value}",
+            )
 
         return fn
 
@@ -113,9 +117,14 @@ def test_missing_figure_invalidates_the_cached_result(tmp_path):
 
 def test_threads_option_applies_during_the_run_and_is_restored(tmp_path):
     seen = []
-    reg = {"t": Experiment(name="t", claim="c", source="s",
-                           run=lambda ctx: seen.append(torch.get_num_threads()) or Result(verdict="reproduced",
-                                                                                           metrics={}))}  # fmt: skip
+    reg = {
+        "t": Experiment(
+            name="t",
+            claim="c",
+            source="s",
+            run=lambda ctx: seen.append(torch.get_num_threads()) or Result(verdict="reproduced", metrics={}),
+        )
+    }
     before = torch.get_num_threads()
     s = run(opts(tmp_path, threads=1), reg)
     assert seen == [1] and s.meta["torch_threads"] == 1 and torch.get_num_threads() == before
@@ -185,8 +194,7 @@ def test_run_killed_by_os_exit_in_a_subprocess_resumes(tmp_path, monkeypatch):
     counts, out = tmp_path / "counts", tmp_path / "out"
     counts.mkdir()
     env = dict(os.environ, LAB_COUNT_DIR=str(counts), LAB_DIE="1")
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert len(list((out / "runs").glob("a-*/result.json"))) == 1
     assert not list((out / "runs").glob("b-*/result.json"))
@@ -255,20 +263,38 @@ def test_report_files_schema_and_self_contained_html(tmp_path):
 
 
 def test_html_escapes_text(tmp_path):
-    doc = {"experiments": [{"name": "x", "claim": "<script>alert(1)</script>", "source": "s", "verdict":
-                            "reproduced", "metrics": {"a<b": 1.0}, "figures": []}], "meta": {}, "counts": {}}  # fmt: skip
+    doc = {
+        "experiments": [
+            {
+                "name": "x",
+                "claim": "<script>alert(1)</script>",
+                "source": "s",
+                "verdict": "reproduced",
+                "metrics": {"a<b": 1.0},
+                "figures": [],
+            }
+        ],
+        "meta": {},
+        "counts": {},
+    }
     page = render_html(doc, tmp_path)
     assert "<script>" not in page and "&lt;script&gt;" in page and "a&lt;b" in page
 
 
-@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
-                    reason="no headless browser installed")  # fmt: skip
+@pytest.mark.skipif(
+    not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+    reason="no headless browser installed",
+)
 def test_page_renders_in_a_headless_browser(tmp_path):
     reg = make_registry({}, n=2)
     run(opts(tmp_path), reg)
     browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b))
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                           (tmp_path / "index.html").as_uri()], capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", (tmp_path / "index.html").as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0
     assert all(f'id="{n}"' in proc.stdout for n in reg) and "data:image/png;base64," in proc.stdout
 
@@ -339,8 +365,10 @@ def test_cli_run_json_shard_and_merge(tmp_path, fake_cli, capsys):
     assert [e["name"] for e in doc["experiments"]] == ["fake-0", "fake-1", "fake-2"]
     assert "fake-0" in err and "reproduced" in err  # the verdict table goes to stderr with --json
     for k in (1, 2):
-        assert main(["lab", "--shard", f"{k}/2", "--out", str(tmp_path / f"s{k}"), "--no-progress",
-                     "--device", "cpu"]) == 0  # fmt: skip
+        assert (
+            main(["lab", "--shard", f"{k}/2", "--out", str(tmp_path / f"s{k}"), "--no-progress", "--device", "cpu"])
+            == 0
+        )
     capsys.readouterr()
     assert main(["lab", "merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "m")]) == 0
     out = capsys.readouterr().out
@@ -378,8 +406,16 @@ def test_cli_list_names_every_registered_experiment(capsys):
 
     assert main(["lab", "--list"]) == 0
     out = capsys.readouterr().out
-    mine = ["residual-gradient-flow", "xiong-init-gradients", "deepnet-update-size", "admin-output-change",
-            "ln-vs-rms", "half-precision-stats", "batchnorm-vs-layernorm", "residual-stream-growth"]  # fmt: skip
+    mine = [
+        "residual-gradient-flow",
+        "xiong-init-gradients",
+        "deepnet-update-size",
+        "admin-output-change",
+        "ln-vs-rms",
+        "half-precision-stats",
+        "batchnorm-vs-layernorm",
+        "residual-stream-growth",
+    ]
     for name in set(mine) | set(EXPERIMENTS):
         assert name in out
         assert EXPERIMENTS[name].claim[:30] in out
@@ -391,8 +427,22 @@ def test_cli_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["lab", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--list", "--only", "--quick", "--out", "--seed", "--device", "--fresh", "--json", "--shard",
-                 "--threads", "--jobs", "torchrun", "addnorm-report-quick", "doc"):
+    for flag in (
+        "--list",
+        "--only",
+        "--quick",
+        "--out",
+        "--seed",
+        "--device",
+        "--fresh",
+        "--json",
+        "--shard",
+        "--threads",
+        "--jobs",
+        "torchrun",
+        "addnorm-report-quick",
+        "doc",
+    ):
         assert flag in text
     with pytest.raises(SystemExit):
         main(["lab", "merge", "--help"])
@@ -419,8 +469,14 @@ def test_cli_out_that_is_a_file_is_an_error_naming_out(tmp_path, fake_cli, capsy
     assert "--out" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content, needle", [("{", "not a readable results file"), ("[]", "not an `addnorm lab`"),
-                                              ('{"experiments": [{"x": 1}]}', "not an `addnorm lab`")])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{", "not a readable results file"),
+        ("[]", "not an `addnorm lab`"),
+        ('{"experiments": [{"x": 1}]}', "not an `addnorm lab`"),
+    ],
+)
 def test_cli_merge_names_a_corrupt_results_file(tmp_path, capsys, content, needle):
     from addnorm.cli import main
 
@@ -460,8 +516,11 @@ def test_results_are_strict_json_with_non_finite_values_kept_as_strings(tmp_path
     from addnorm.cli import main
 
     def overflow(ctx: Context) -> Result:
-        return Result(verdict="reproduced", summary="inf",
-                      metrics={"var": float("inf"), "pair": [float("nan"), 1.5], "t": torch.tensor([-math.inf])})
+        return Result(
+            verdict="reproduced",
+            summary="inf",
+            metrics={"var": float("inf"), "pair": [float("nan"), 1.5], "t": torch.tensor([-math.inf])},
+        )
 
     reg = {"overflow": Experiment(name="overflow", claim="c", source="s", run=overflow)}
     monkeypatch.setattr(runner, "load_experiments", lambda: reg)
@@ -475,7 +534,7 @@ def test_results_are_strict_json_with_non_finite_values_kept_as_strings(tmp_path
         json.loads((tmp_path / "results.json").read_text(), parse_constant=no_constants)
         assert doc["experiments"][0]["metrics"] == {"var": "inf", "pair": ["nan", 1.5], "t": ["-inf"]}
         assert doc["experiments"][0]["cached"] is bool(attempt)
-    assert "<td class=\"v\">inf</td>" in (tmp_path / "index.html").read_text()
+    assert '<td class="v">inf</td>' in (tmp_path / "index.html").read_text()
 
 
 def test_a_cuda_index_beyond_the_devices_is_an_error(monkeypatch):
@@ -516,16 +575,31 @@ def _record_edits():
         return lambda r: dict(r, **{field: value})
 
     return {
-        "list": lambda r: [], "null": lambda r: None, "number": lambda r: 42, "string": lambda r: "record",
-        "figures=5": put("figures", 5), "figures=[null]": put("figures", [None]),
-        "figures outside": put("figures", ["runs/../../../etc/passwd"]), "figures absolute": put("figures", ["/x"]),
-        "verdict=42": put("verdict", 42), "verdict=totally": put("verdict", "totally"),
-        "metrics=oops": put("metrics", "oops"), "metrics=null": put("metrics", None), "no verdict": drop("verdict"),
-        "no metrics": drop("metrics"), "no figures": drop("figures"), "no key": drop("key"),
-        "another name": put("name", "fake-9"), "seconds=x": put("seconds", "x"), "seconds=-1": put("seconds", -1),
-        "timings=[]": put("timings", []), "summary=7": put("summary", 7), "reason=[]": put("reason", []),
-        "kind=bogus": put("kind", "bogus"), "an error": put("error", "RuntimeError: x"),
-    }  # fmt: skip
+        "list": lambda r: [],
+        "null": lambda r: None,
+        "number": lambda r: 42,
+        "string": lambda r: "record",
+        "figures=5": put("figures", 5),
+        "figures=[null]": put("figures", [None]),
+        "figures outside": put("figures", ["runs/../../../etc/passwd"]),
+        "figures absolute": put("figures", ["/x"]),
+        "verdict=42": put("verdict", 42),
+        "verdict=totally": put("verdict", "totally"),
+        "metrics=oops": put("metrics", "oops"),
+        "metrics=null": put("metrics", None),
+        "no verdict": drop("verdict"),
+        "no metrics": drop("metrics"),
+        "no figures": drop("figures"),
+        "no key": drop("key"),
+        "another name": put("name", "fake-9"),
+        "seconds=x": put("seconds", "x"),
+        "seconds=-1": put("seconds", -1),
+        "timings=[]": put("timings", []),
+        "summary=7": put("summary", 7),
+        "reason=[]": put("reason", []),
+        "kind=bogus": put("kind", "bogus"),
+        "an error": put("error", "RuntimeError: x"),
+    }
 
 
 @pytest.mark.parametrize("edit", list(_record_edits()))
@@ -590,10 +664,17 @@ SLOW_SCRIPT = textwrap.dedent(
 def test_two_concurrent_runs_on_one_out_the_second_is_refused_and_the_first_completes(tmp_path, fake_cli, capsys):
     script, started, out = tmp_path / "slow_lab.py", tmp_path / "started", tmp_path / "out"
     script.write_text(SLOW_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]),
-                                                       os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    first = subprocess.Popen([sys.executable, str(script), str(out), str(started), "4"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(runner.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
+    first = subprocess.Popen(
+        [sys.executable, str(script), str(out), str(started), "4"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not started.exists():
@@ -613,8 +694,9 @@ def test_two_concurrent_runs_on_one_out_the_second_is_refused_and_the_first_comp
 # ------------------------------------------------------------------------------------------------- merge
 def test_merge_ignores_timings_and_seconds_but_not_metrics_or_reason(tmp_path):
     def timed(ctx: Context) -> Result:
-        return Result(verdict="inconclusive", metrics={"v": 1}, reason="control failed",
-                      timings={"step_ms": time.perf_counter()})  # fmt: skip
+        return Result(
+            verdict="inconclusive", metrics={"v": 1}, reason="control failed", timings={"step_ms": time.perf_counter()}
+        )
 
     reg = {"timed": Experiment(name="timed", claim="c", source="s", run=timed)}
     run(opts(tmp_path / "a", jobs=1), reg)
@@ -631,8 +713,9 @@ def test_merge_ignores_timings_and_seconds_but_not_metrics_or_reason(tmp_path):
         merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m2")
 
 
-@pytest.mark.parametrize("figures, needle", [(["../../secret.png"], "outside"), ([3], "list of file names"),
-                                             (["/etc/passwd"], "outside")])  # fmt: skip
+@pytest.mark.parametrize(
+    "figures, needle", [(["../../secret.png"], "outside"), ([3], "list of file names"), (["/etc/passwd"], "outside")]
+)
 def test_merge_refuses_figures_outside_the_runs_folder(tmp_path, figures, needle):
     run(opts(tmp_path / "a", jobs=1), make_registry({}, n=1))
     doc = json.loads((tmp_path / "a" / "results.json").read_text())
@@ -664,8 +747,10 @@ def test_cli_quick_writes_to_its_own_folder_and_says_it_is_a_smoke_run(tmp_path,
     assert not (tmp_path / "addnorm-report").exists()
     assert "smoke run" in out and "not evidence" in out
     for name in ("index.html", "report.md"):
-        assert "smoke run for checking the installation, not evidence" in (
-            tmp_path / "addnorm-report-quick" / name).read_text()  # fmt: skip
+        assert (
+            "smoke run for checking the installation, not evidence"
+            in (tmp_path / "addnorm-report-quick" / name).read_text()
+        )
     assert main_lab(["--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
     assert (tmp_path / "addnorm-report" / "results.json").is_file()
     assert "smoke run" not in capsys.readouterr().out

@@ -214,9 +214,20 @@ def test_cached_batches_are_the_languages_batches():
 
 
 def test_train_task_is_deterministic_and_json_ready():
-    task = {"model": {"n_layers": 1, "record_logits": True}, "lang_seed": 0, "init_record": True,
-            "train": {"steps": 4, "lr": 1e-3, "warmup": 2, "schedule": "constant", "seed": 1, "monitor": True,
-                      "monitor_every": 1}}  # fmt: skip
+    task = {
+        "model": {"n_layers": 1, "record_logits": True},
+        "lang_seed": 0,
+        "init_record": True,
+        "train": {
+            "steps": 4,
+            "lr": 1e-3,
+            "warmup": 2,
+            "schedule": "constant",
+            "seed": 1,
+            "monitor": True,
+            "monitor_every": 1,
+        },
+    }
     a = C.train_task(**task)
     assert a == C.train_task(**task)
     json.dumps(a)
@@ -309,8 +320,12 @@ def test_depth_sweep_figure_shows_only_the_swept_depths_as_tick_labels(tmp_path,
     def keep(plt, fig, ctx, name):
         ax = fig.axes[0]
         fig.canvas.draw()
-        seen.append(([t.get_text() for t in ax.get_xticklabels()], [t.get_text() for t in
-                                                                   ax.get_xticklabels(minor=True) if t.get_text()]))
+        seen.append(
+            (
+                [t.get_text() for t in ax.get_xticklabels()],
+                [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()],
+            )
+        )
         return real_save(plt, fig, ctx, name)
 
     monkeypatch.setattr(T, "save", keep)

@@ -46,13 +46,18 @@ def test_preset_builds_runs_and_backprops(name):
 def test_preset_shapes_follow_the_families():
     """Seed 000 section 6: norm kind, placement, block shape per family."""
     expect = {
-        "original": ("layernorm", "post", False), "bert": ("layernorm", "post", False),
-        "gpt2": ("layernorm", "pre", False), "gpt3": ("layernorm", "pre", False),
-        "palm": ("layernorm", "pre", True), "llama": ("rmsnorm", "pre", False),
-        "mistral": ("rmsnorm", "pre", False), "qwen": ("rmsnorm", "pre", False),
-        "deepseek": ("rmsnorm", "pre", False), "gemma": ("rmsnorm", "pre", False),
+        "original": ("layernorm", "post", False),
+        "bert": ("layernorm", "post", False),
+        "gpt2": ("layernorm", "pre", False),
+        "gpt3": ("layernorm", "pre", False),
+        "palm": ("layernorm", "pre", True),
+        "llama": ("rmsnorm", "pre", False),
+        "mistral": ("rmsnorm", "pre", False),
+        "qwen": ("rmsnorm", "pre", False),
+        "deepseek": ("rmsnorm", "pre", False),
+        "gemma": ("rmsnorm", "pre", False),
         "deepnet": ("layernorm", "deepnorm", False),
-    }  # fmt: skip
+    }
     assert set(expect) == set(PRESETS)
     for name, (norm, placement, parallel) in expect.items():
         c = TransformerConfig.preset(name)
@@ -389,8 +394,9 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error(model_cls):
     """torch's own error was a bare `IndexError: index out of range in self`."""
     import addnorm.nn as addnorm_nn
 
-    model = getattr(addnorm_nn, model_cls)(TransformerConfig.preset("gpt2", n_layers=1, d_model=16, n_heads=2,
-                                                                    vocab_size=50))  # fmt: skip
+    model = getattr(addnorm_nn, model_cls)(
+        TransformerConfig.preset("gpt2", n_layers=1, d_model=16, n_heads=2, vocab_size=50)
+    )
     with pytest.raises(ValueError, match=r"vocab_size=50\): the largest is 57 \(ids range over \[0, 57\]\)"):
         model(torch.tensor([[0, 57, 3], [1, 2, 49]]))
     with pytest.raises(ValueError, match=r"vocab_size=50\): the smallest is -1"):
@@ -401,7 +407,8 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error(model_cls):
 def test_token_ids_outside_the_vocabulary_in_an_encoder_decoder():
     from addnorm.nn import TransformerEncoderDecoder
 
-    model = TransformerEncoderDecoder(TransformerConfig.preset("original", n_layers=1, d_model=16, n_heads=2,
-                                                               vocab_size=20))  # fmt: skip
+    model = TransformerEncoderDecoder(
+        TransformerConfig.preset("original", n_layers=1, d_model=16, n_heads=2, vocab_size=20)
+    )
     with pytest.raises(ValueError, match="the largest is 20"):
         model(torch.tensor([[1, 2]]), torch.tensor([[3, 20]]))

@@ -121,8 +121,14 @@ def test_residual_works_with_every_norm_kind(norm):
 
 
 def test_make_norm_builds_each_kind():
-    expected = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "scalenorm": ScaleNorm, "dyt": DyT,
-                "batchnorm": SequenceBatchNorm, "none": NoNorm}  # fmt: skip
+    expected = {
+        "layernorm": LayerNorm,
+        "rmsnorm": RMSNorm,
+        "scalenorm": ScaleNorm,
+        "dyt": DyT,
+        "batchnorm": SequenceBatchNorm,
+        "none": NoNorm,
+    }
     assert set(expected) == set(NORM_KINDS)
     for kind, cls in expected.items():
         assert type(make_norm(kind, D)) is cls

@@ -56,11 +56,15 @@ def test_readme_python_block_runs_as_written(line, code, tmp_path):
     for needle, module in _NEEDS.items():
         if needle in code and importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "MPLBACKEND": "Agg",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     # a fresh process in an empty directory: nothing defined or imported beforehand, files it writes land there
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"README.md block at line {line} failed:\n{r.stderr[-3000:]}"
 
 
@@ -78,7 +82,7 @@ def test_readme_timings_are_measured_ones():
     lab's time is the wall time of the run docs/lab-results.md was generated from, so the two cannot drift apart."""
     text = README.read_text(encoding="utf-8")
     start = text.index("## Quick start")
-    quick_start = text[start:text.index("\n## ", start + 1)]
+    quick_start = text[start : text.index("\n## ", start + 1)]
     assert "TODO" not in text and "about N " not in text
     assert "2-core" in quick_start and "install takes about" in quick_start and "--quick` " in quick_start
     doc = (README.parent / "docs" / "lab-results.md").read_text(encoding="utf-8")

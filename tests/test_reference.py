@@ -58,17 +58,30 @@ def test_backward_refs_match_autograd(zero_centered):
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_add_norm_bwd_ref_matches_autograd_with_dropout(is_rms):
     m, n, p, seed = 5, 17, 0.3, 1234
-    x, r, w, b = (_rand(m, n).requires_grad_(), _rand(m, n).requires_grad_(), _rand(n).requires_grad_(),
-                  _rand(n).requires_grad_())  # fmt: skip
-    out, res_out, mean, rstd = ref.add_norm_ref(x, r, w, None if is_rms else b, eps=1e-5, is_rms=is_rms,
-                                                dropout_p=p, seed=seed)  # fmt: skip
+    x, r, w, b = (
+        _rand(m, n).requires_grad_(),
+        _rand(m, n).requires_grad_(),
+        _rand(n).requires_grad_(),
+        _rand(n).requires_grad_(),
+    )
+    out, res_out, mean, rstd = ref.add_norm_ref(
+        x, r, w, None if is_rms else b, eps=1e-5, is_rms=is_rms, dropout_p=p, seed=seed
+    )
     dout, dres = _rand(m, n), _rand(m, n)
     ((out * dout).sum() + (res_out * dres).sum()).backward()
     dx, dr, dw, db = ref.add_norm_bwd_ref(
-        dout, dres, res_out.detach(), w.detach(), None if is_rms else mean.detach(), rstd.detach(),
-        bias_dtype=None if is_rms else torch.float64, dropout_p=p, seed=seed, x_dtype=torch.float64,
+        dout,
+        dres,
+        res_out.detach(),
+        w.detach(),
+        None if is_rms else mean.detach(),
+        rstd.detach(),
+        bias_dtype=None if is_rms else torch.float64,
+        dropout_p=p,
+        seed=seed,
+        x_dtype=torch.float64,
         residual_dtype=torch.float64,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(dx, x.grad)
     torch.testing.assert_close(dr, r.grad)
     torch.testing.assert_close(dw, w.grad)
@@ -114,8 +127,12 @@ def test_naive_variance_cancels_with_large_offset_but_welford_and_two_pass_do_no
     x = 1e4 + torch.randn(4, 1024, dtype=torch.float64)
     true_var = x.var(-1, unbiased=False)
     err = {}
-    for name, fn in (("naive", ref.stats_naive), ("two_pass", ref.stats_two_pass), ("welford", ref.stats_welford),
-                     ("chan", ref.stats_welford_chan)):  # fmt: skip
+    for name, fn in (
+        ("naive", ref.stats_naive),
+        ("two_pass", ref.stats_two_pass),
+        ("welford", ref.stats_welford),
+        ("chan", ref.stats_welford_chan),
+    ):
         _, v = fn(x, torch.float32)
         err[name] = ((v.double() - true_var).abs() / true_var).max().item()
     assert err["naive"] > 0.1  # E[x^2] - E[x]^2 in fp32 loses the variance entirely at offset 1e4

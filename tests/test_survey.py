@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from addnorm.integrations import layer_match, norm_probe
-from addnorm.integrations.survey import trace
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,18 +94,21 @@ def _analyse(model):
     return analyse(model, {"x": torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))})
 
 
-@pytest.mark.parametrize("kind, label, sublayers", [
-    ("pre", "pre", ["pre", "pre"]),
-    ("post", "post", ["post", "post"]),
-    ("sandwich", "sandwich", ["sandwich", "sandwich"]),
-    ("branch-output", "branch-output", ["branch-output", "branch-output"]),
-    ("parallel", "parallel", ["parallel"]),
-    ("parallel-two-adds", "parallel", ["pre", "parallel"]),
-    ("pre-moe", "pre", ["pre", "pre"]),
-    ("pre-then-post", "mixed", ["pre", "post"]),
-    ("deepnorm", "post", ["post", "post"]),
-    ("none", "none", ["none", "none"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, label, sublayers",
+    [
+        ("pre", "pre", ["pre", "pre"]),
+        ("post", "post", ["post", "post"]),
+        ("sandwich", "sandwich", ["sandwich", "sandwich"]),
+        ("branch-output", "branch-output", ["branch-output", "branch-output"]),
+        ("parallel", "parallel", ["parallel"]),
+        ("parallel-two-adds", "parallel", ["pre", "parallel"]),
+        ("pre-moe", "pre", ["pre", "pre"]),
+        ("pre-then-post", "mixed", ["pre", "post"]),
+        ("deepnorm", "post", ["post", "post"]),
+        ("none", "none", ["none", "none"]),
+    ],
+)
 def test_tracer_labels_each_placement(kind, label, sublayers):
     row = _analyse(_Model([kind, kind]))
     assert row["placement"] == label
@@ -161,8 +163,13 @@ class _NotANorm(nn.Module):
 
 def test_norm_probe_reads_what_a_module_computes():
     ln = norm_probe.probe(nn.LayerNorm(24, eps=1e-6))
-    assert (ln.kind, ln.eps, ln.bias, ln.zero_centered_weight, ln.addnorm) == ("layernorm", 1e-6, True, False,
-                                                                             "layernorm")  # fmt: skip
+    assert (ln.kind, ln.eps, ln.bias, ln.zero_centered_weight, ln.addnorm) == (
+        "layernorm",
+        1e-6,
+        True,
+        False,
+        "layernorm",
+    )
     rms = norm_probe.probe(_Rms(24))
     assert (rms.kind, rms.eps, rms.bias, rms.addnorm) == ("rmsnorm", 3e-6, False, "rmsnorm-cast-before-weight")
     assert norm_probe.probe(_NotANorm(24)) is None
@@ -183,8 +190,7 @@ def test_norm_probe_on_transformers_norms():
     assert (llama.eps, llama.addnorm) == (2e-5, "rmsnorm-cast-before-weight")
     # OLMo's norm has no parameters and its eps is a literal 1e-5 in forward: measured from the output
     olmo = norm_probe.probe(OlmoLayerNorm(32))
-    assert (olmo.kind, olmo.eps, olmo.weight, olmo.bias, olmo.addnorm) == ("layernorm", 1e-5, False, False,
-                                                                         "layernorm")  # fmt: skip
+    assert (olmo.kind, olmo.eps, olmo.weight, olmo.bias, olmo.addnorm) == ("layernorm", 1e-5, False, False, "layernorm")
 
 
 # ---- the layer matcher -------------------------------------------------------------------------------------------
@@ -196,29 +202,36 @@ def test_layer_match_recognises_structure_not_names():
 
     m = layer_match.match(LlamaDecoderLayer)
     assert m.template == "pre"
-    assert m.roles == {"norm1": "input_layernorm", "attn": "self_attn", "norm2": "post_attention_layernorm",
-                       "mlp": "mlp"}  # fmt: skip
+    assert m.roles == {
+        "norm1": "input_layernorm",
+        "attn": "self_attn",
+        "norm2": "post_attention_layernorm",
+        "mlp": "mlp",
+    }
     g = layer_match.match(GraniteDecoderLayer)  # residual + hidden_states * self.residual_multiplier
     assert g.template == "pre-scaled" and g.roles["scale"] == "residual_multiplier"
     assert layer_match.match(CohereDecoderLayer) is None  # parallel: residual + attention + mlp
 
     # Llama's layer with other attribute and local names: still "pre", roles found by position
-    src = ("import torch.nn as nn\n"
-           "class Renamed(nn.Module):\n"
-           "    def forward(self, hidden_states, attention_mask=None, use_cache=False, **kw):\n"
-           "        r = hidden_states\n"
-           "        hidden_states = self.ln_a(hidden_states)\n"
-           "        hidden_states, w = self.mixer(hidden_states=hidden_states, use_cache=use_cache,\n"
-           "                                      attention_mask=attention_mask, **kw)\n"
-           "        hidden_states = r + hidden_states\n"
-           "        r = hidden_states\n"
-           "        hidden_states = self.ffn(self.ln_b(hidden_states))\n"
-           "        hidden_states = r + hidden_states\n"
-           "        return hidden_states\n")  # fmt: skip
+    src = (
+        "import torch.nn as nn\n"
+        "class Renamed(nn.Module):\n"
+        "    def forward(self, hidden_states, attention_mask=None, use_cache=False, **kw):\n"
+        "        r = hidden_states\n"
+        "        hidden_states = self.ln_a(hidden_states)\n"
+        "        hidden_states, w = self.mixer(hidden_states=hidden_states, use_cache=use_cache,\n"
+        "                                      attention_mask=attention_mask, **kw)\n"
+        "        hidden_states = r + hidden_states\n"
+        "        r = hidden_states\n"
+        "        hidden_states = self.ffn(self.ln_b(hidden_states))\n"
+        "        hidden_states = r + hidden_states\n"
+        "        return hidden_states\n"
+    )
     assert _compile(src) is None  # ffn(ln_b(h)) in one line is another statement structure: no match (strict)
-    src = src.replace("        hidden_states = self.ffn(self.ln_b(hidden_states))\n",
-                      "        hidden_states = self.ln_b(hidden_states)\n"
-                      "        hidden_states = self.ffn(hidden_states)\n")
+    src = src.replace(
+        "        hidden_states = self.ffn(self.ln_b(hidden_states))\n",
+        "        hidden_states = self.ln_b(hidden_states)\n        hidden_states = self.ffn(hidden_states)\n",
+    )
     m = _compile(src)
     assert m is not None and m.template == "pre"
     assert m.roles == {"norm1": "ln_a", "attn": "mixer", "norm2": "ln_b", "mlp": "ffn"}
@@ -239,17 +252,39 @@ def _compile(src: str):
 # ---- transformers families pinned to their modeling files ---------------------------------------------------------
 # Each row: model_type, config overrides, what the survey must find, and the modeling-file lines behind it.
 PINNED = [
-    ("llama", {}, dict(norm="rmsnorm", placement="pre", eps=1e-6, zero_centered_weight=False, bias=False,
-                       final_norm=True, qk_norm=False, residual_scale=None, role="decoder", hf_apply="fused")),
+    (
+        "llama",
+        {},
+        dict(
+            norm="rmsnorm",
+            placement="pre",
+            eps=1e-6,
+            zero_centered_weight=False,
+            bias=False,
+            final_norm=True,
+            qk_norm=False,
+            residual_scale=None,
+            role="decoder",
+            hf_apply="fused",
+        ),
+    ),
     # residual = hidden_states; hidden_states = self.input_layernorm(...); ...; hidden_states = residual + hidden_states
     ("llama", {"rms_norm_eps": 3e-5}, dict(eps=3e-5)),
-    ("bert", {}, dict(norm="layernorm", placement="post", eps=1e-12, bias=True, final_norm=False, role="encoder",
-                      hf_apply="fused")),
+    (
+        "bert",
+        {},
+        dict(
+            norm="layernorm", placement="post", eps=1e-12, bias=True, final_norm=False, role="encoder", hf_apply="fused"
+        ),
+    ),
     # BertSelfOutput/BertOutput: hidden_states = self.LayerNorm(hidden_states + input_tensor)
     ("gpt2", {}, dict(norm="layernorm", placement="pre", eps=1e-5, bias=True, final_norm=True, hf_apply="fused")),
     # hidden_states = self.ln_1(hidden_states) ... hidden_states = attn_output + residual; self.ln_f after the blocks
-    ("gemma2", {}, dict(norm="rmsnorm", placement="sandwich", zero_centered_weight=True, final_norm=True,
-                        hf_apply="fused")),
+    (
+        "gemma2",
+        {},
+        dict(norm="rmsnorm", placement="sandwich", zero_centered_weight=True, final_norm=True, hf_apply="fused"),
+    ),
     # post_attention_layernorm on the attention output before "residual + hidden_states"; (1.0 + self.weight.float())
     ("olmo2", {}, dict(norm="rmsnorm", placement="branch-output", qk_norm=True, final_norm=True, hf_apply="norms")),
     # hidden_states = self.post_attention_layernorm(self_attn(...)); residual + hidden_states; q_norm/k_norm
@@ -262,13 +297,11 @@ PINNED = [
     ("gpt_neox", {"use_parallel_residual": True}, dict(placement="parallel")),
     ("gpt_neox", {"use_parallel_residual": False}, dict(placement="pre")),
     # if self.use_parallel_residual: mlp_output + attn_output + hidden_states, else attn_output + hidden_states ...
-    ("granite", {"residual_multiplier": 0.25}, dict(placement="pre", residual_scale="branch*0.25",
-                                                    hf_apply="fused")),
+    ("granite", {"residual_multiplier": 0.25}, dict(placement="pre", residual_scale="branch*0.25", hf_apply="fused")),
     # hidden_states = residual + hidden_states * self.residual_multiplier
     ("qwen3", {}, dict(norm="rmsnorm", placement="pre", qk_norm=True, hf_apply="fused")),
     # query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
-    ("t5", {}, dict(norm="rmsnorm", placement="pre", eps=1e-6, bias=False, role="encoder-decoder",
-                    final_norm=True)),
+    ("t5", {}, dict(norm="rmsnorm", placement="pre", eps=1e-6, bias=False, role="encoder-decoder", final_norm=True)),
     # T5LayerFF: forwarded_states = self.layer_norm(hidden_states); hidden_states + self.dropout(forwarded)
     ("mixtral", {}, dict(norm="rmsnorm", placement="pre", hf_apply="fused")),
     ("phi", {}, dict(norm="layernorm", placement="parallel", bias=True)),
@@ -281,11 +314,14 @@ PINNED = [
 ]
 
 
-@pytest.mark.parametrize("model_type, overrides, expected", PINNED,
-                         ids=[f"{t}-{'-'.join(map(str, o.values())) or 'default'}" for t, o, _ in PINNED])
+@pytest.mark.parametrize(
+    "model_type, overrides, expected",
+    PINNED,
+    ids=[f"{t}-{'-'.join(map(str, o.values())) or 'default'}" for t, o, _ in PINNED],
+)
 def test_pinned_families(model_type, overrides, expected):
     pytest.importorskip("transformers")
-    from addnorm.integrations.survey import analyse, build, _hf_apply
+    from addnorm.integrations.survey import _hf_apply, analyse, build
 
     built = build(model_type, **overrides)
     row = {"role": built.role, **analyse(built.model, built.batch)}
@@ -353,14 +389,37 @@ def test_cli_bad_input(capsys):
 
 def _rows_result():
     rows = [
-        {"model_type": "a", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
-         "hf_apply": "fused", "hf_fused_layers": ["ALayer"], "doctor": []},
-        {"model_type": "b", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
-         "hf_apply": "fused", "hf_fused_layers": ["BLayer"], "doctor": []},
-        {"model_type": "c", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
-         "hf_apply": "norms", "doctor": []},
+        {
+            "model_type": "a",
+            "status": "ok",
+            "role": "decoder",
+            "norm": "rmsnorm",
+            "placement": "pre",
+            "hf_apply": "fused",
+            "hf_fused_layers": ["ALayer"],
+            "doctor": [],
+        },
+        {
+            "model_type": "b",
+            "status": "ok",
+            "role": "decoder",
+            "norm": "rmsnorm",
+            "placement": "pre",
+            "hf_apply": "fused",
+            "hf_fused_layers": ["BLayer"],
+            "doctor": [],
+        },
+        {
+            "model_type": "c",
+            "status": "ok",
+            "role": "encoder",
+            "norm": "layernorm",
+            "placement": "post",
+            "hf_apply": "norms",
+            "doctor": [],
+        },
         {"model_type": "d", "status": "skipped", "reason": "needs input_values"},
-    ]  # fmt: skip
+    ]
     return {"transformers": "9.9", "torch": "2.x", "seconds": 125.0, "models": rows}
 
 
@@ -377,8 +436,10 @@ def test_report_json_round_trip_and_readme_blocks(tmp_path):
         path.write_text(bad)
         with pytest.raises(ValueError, match="survey.json"):
             report.load(path)
-    readme = ("# x\n<!-- survey:hf-fused -->\nold list\n<!-- /survey:hf-fused -->\nmiddle\n"
-              "<!-- survey:summary -->\n<!-- /survey:summary -->\nend\n")  # fmt: skip
+    readme = (
+        "# x\n<!-- survey:hf-fused -->\nold list\n<!-- /survey:hf-fused -->\nmiddle\n"
+        "<!-- survey:summary -->\n<!-- /survey:summary -->\nend\n"
+    )
     new = report.update_readme(readme, result)
     fused = " ".join(new.split("<!-- survey:hf-fused -->\n")[1].split("<!-- /survey:hf-fused -->")[0].split())
     assert "old list" not in new and "fuses the residual add and norm in 2 architectures" in fused
@@ -398,17 +459,20 @@ def test_cli_from_saved_rows(tmp_path, capsys):
     saved = tmp_path / "survey.json"
     saved.write_text(report.dumps(_rows_result()))
     readme = tmp_path / "README.md"
-    readme.write_text("<!-- survey:hf-fused -->\n<!-- /survey:hf-fused -->\n<!-- survey:summary -->\n"
-                      "<!-- /survey:summary -->\n")  # fmt: skip
+    readme.write_text(
+        "<!-- survey:hf-fused -->\n<!-- /survey:hf-fused -->\n<!-- survey:summary -->\n<!-- /survey:summary -->\n"
+    )
     docs = tmp_path / "docs" / "s.md"
     assert main(["survey", "--from", str(saved), "--readme", str(readme), "--docs", str(docs), "--no-progress"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert "`a`, `b`." in readme.read_text() and "| c | encoder | layernorm | post |" in docs.read_text()
     assert report.load(docs.with_suffix(".json")) == _rows_result()
     # bad input: a clear message and exit status 2, no traceback
-    cases = [(["--from", str(tmp_path / "missing.json")], "--from: "),
-             (["--from", str(saved), "--only", "llama"], "--from and --only cannot be combined"),
-             (["--from", str(saved), "--readme", str(saved)], "--readme " + str(saved) + ": no '<!-- survey:")]  # fmt: skip
+    cases = [
+        (["--from", str(tmp_path / "missing.json")], "--from: "),
+        (["--from", str(saved), "--only", "llama"], "--from and --only cannot be combined"),
+        (["--from", str(saved), "--readme", str(saved)], "--readme " + str(saved) + ": no '<!-- survey:"),
+    ]
     for args, message in cases:
         assert main(["survey", *args, "--no-progress"]) == 2
         assert message in capsys.readouterr().err
@@ -420,8 +484,9 @@ def test_tiny_inputs_follow_the_config():
 
     t5 = tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)
     assert t5["input_ids"].shape == (1, 5) and torch.equal(t5["decoder_input_ids"], t5["input_ids"])
-    assert torch.equal(tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)["input_ids"],
-                       t5["input_ids"])  # fmt: skip
+    assert torch.equal(
+        tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)["input_ids"], t5["input_ids"]
+    )
     vit = tiny.inputs(tiny.tiny_config("vit"), "pixel_values", batch_size=2)
     assert vit["pixel_values"].shape == (2, 3, 32, 32)
     with pytest.raises(tiny.SkipModel, match="needs input_values"):
@@ -464,16 +529,35 @@ def test_report_summary_counts_and_page():
     from addnorm.integrations.survey import report
 
     rows = [
-        {"model_type": "a", "status": "ok", "role": "decoder", "norm": "rmsnorm", "placement": "pre",
-         "hf_apply": "fused", "hf_fused_layers": ["ALayer"],
-         "doctor": [{"code": "residual-growth", "severity": "warning", "module": "layers"}]},
-        {"model_type": "b", "status": "ok", "role": "encoder", "norm": "layernorm", "placement": "post",
-         "hf_apply": "norms", "doctor": []},
+        {
+            "model_type": "a",
+            "status": "ok",
+            "role": "decoder",
+            "norm": "rmsnorm",
+            "placement": "pre",
+            "hf_apply": "fused",
+            "hf_fused_layers": ["ALayer"],
+            "doctor": [{"code": "residual-growth", "severity": "warning", "module": "layers"}],
+        },
+        {
+            "model_type": "b",
+            "status": "ok",
+            "role": "encoder",
+            "norm": "layernorm",
+            "placement": "post",
+            "hf_apply": "norms",
+            "doctor": [],
+        },
         {"model_type": "c<script>", "status": "skipped", "reason": "needs pixel_values (not text)"},
-        {"model_type": "e", "status": "ok", "role": "encoder", "hf_apply": "norms",
-         "doctor_error": "_Timeout: over the survey's limit of 20 CPU seconds per architecture"},
+        {
+            "model_type": "e",
+            "status": "ok",
+            "role": "encoder",
+            "hf_apply": "norms",
+            "doctor_error": "_Timeout: over the survey's limit of 20 CPU seconds per architecture",
+        },
         {"model_type": "f", "status": "ok", "role": "encoder", "hf_apply": "norms", "doctor_error": "KeyError: 'x'"},
-    ]  # fmt: skip
+    ]
     result = {"transformers": "9.9", "models": rows}
     s = report.summary(result)
     assert (s["architectures"], s["analysed"], s["skipped"], s["decoder_lms"]) == (5, 4, 1, 1)

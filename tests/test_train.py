@@ -63,8 +63,15 @@ def test_scheduler_drives_optimizer_lr():
     assert lrs[0] == pytest.approx(1.0) and lrs[1] == pytest.approx(2.0) and lrs[-1] == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize("kw, match", [(dict(schedule="linear"), "schedule"), (dict(warmup=-1), "warmup"),
-                                       (dict(total=0), "total"), (dict(min_lr_ratio=2.0), "min_lr_ratio")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(schedule="linear"), "schedule"),
+        (dict(warmup=-1), "warmup"),
+        (dict(total=0), "total"),
+        (dict(min_lr_ratio=2.0), "min_lr_ratio"),
+    ],
+)
 def test_schedule_bad_input(kw, match):
     args = {**dict(schedule="cosine", warmup=1, total=10), **kw}
     with pytest.raises(ValueError, match=match):
@@ -160,9 +167,16 @@ def test_batches_are_a_function_of_the_step():
     assert not torch.equal(LANG.batch(5, 4, 8, split="val")[0], a[0])
 
 
-@pytest.mark.parametrize("kw, match", [(dict(vocab_size=1), "vocab_size"), (dict(order=0), "order"),
-                                       (dict(branching=99), "branching"), (dict(smoothing=1.0), "smoothing"),
-                                       (dict(seed=-1), "seed")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(vocab_size=1), "vocab_size"),
+        (dict(order=0), "order"),
+        (dict(branching=99), "branching"),
+        (dict(smoothing=1.0), "smoothing"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_language_bad_input(kw, match):
     with pytest.raises(ValueError, match=match):
         MarkovLanguage(**kw)
@@ -243,8 +257,25 @@ def test_resume_with_dropout_restores_rng(tmp_path):
 
 # ---- the CLI --------------------------------------------------------------------------------------------------
 
-CLI_SMALL = ["--set", "d_model=16", "--set", "n_layers=1", "--set", "n_heads=2", "--set", "backend=torch",
-             "--steps", "6", "--batch-size", "4", "--seq-len", "8", "--warmup", "2", "--quiet"]  # fmt: skip
+CLI_SMALL = [
+    "--set",
+    "d_model=16",
+    "--set",
+    "n_layers=1",
+    "--set",
+    "n_heads=2",
+    "--set",
+    "backend=torch",
+    "--steps",
+    "6",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "8",
+    "--warmup",
+    "2",
+    "--quiet",
+]
 
 
 def test_cli_train_json(tmp_path, capsys):
@@ -318,13 +349,16 @@ def test_resume_onto_other_settings_or_another_model_is_a_clear_error(tmp_path):
         train(tiny_model(n_layers=2), LANG, TrainConfig(**base, resume=True))
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--set", "lr=abc"], "TrainConfig.lr must be a number"),
-    (["--set", "independent_wd=maybe"], "independent_wd"),
-    (["--device", "nonsense"], "TrainConfig.device"),
-    (["--data-seed", "-1"], "--data-seed"),
-    (["--seed", str(2**64)], "TrainConfig.seed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--set", "lr=abc"], "TrainConfig.lr must be a number"),
+        (["--set", "independent_wd=maybe"], "independent_wd"),
+        (["--device", "nonsense"], "TrainConfig.device"),
+        (["--data-seed", "-1"], "--data-seed"),
+        (["--seed", str(2**64)], "TrainConfig.seed"),
+    ],
+)
 def test_cli_bad_values_name_the_argument(capsys, argv, needle):
     from addnorm.cli import main
 
@@ -355,8 +389,12 @@ def test_text_data_too_short_or_empty_fails_before_the_first_step(tmp_path):
     f.write_bytes(b"x" * 300)  # train split 270 bytes: enough for seq_len 64; validation split 30: not enough
     steps = []
     with pytest.raises(ValueError, match="val split"):
-        train(tiny_model(vocab_size=256, max_seq_len=64), TextData(f), tiny_cfg(steps=3, seq_len=64),
-              callback=steps.append)
+        train(
+            tiny_model(vocab_size=256, max_seq_len=64),
+            TextData(f),
+            tiny_cfg(steps=3, seq_len=64),
+            callback=steps.append,
+        )
     assert steps == []  # refused up front, not after training
 
 
@@ -477,7 +515,7 @@ def test_cli_corrupt_checkpoints_are_clear_errors(tmp_path, capsys):
         "curve too short": (save({**state, "result": {**state["result"], "losses": []}}), "one value per step"),
         "bad rng": (save({**state, "rng": {**state["rng"], "torch": torch.zeros(3)}}), "cannot restore it"),
         "runs code": (save({**state, "model": _Runs(marker)}), "refuses: loading them could run code"),
-    }  # fmt: skip
+    }
     for name, (corrupt, needle) in corruptions.items():
         corrupt()
         code = main(["train", "--out", str(out), "--resume", "--quiet"])
@@ -516,8 +554,11 @@ def test_damaged_log_line_before_the_last_is_an_error_naming_it(tmp_path):
 
 def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     """A kill during a checkpoint write left `.checkpoint.pt.tmp-<pid>` behind forever."""
-    stale = [tmp_path / ".checkpoint.pt.tmp-12345", tmp_path / ".checkpoint.pt.k2j3h4.tmp",
-             tmp_path / ".log.jsonl.abcd.tmp"]  # fmt: skip
+    stale = [
+        tmp_path / ".checkpoint.pt.tmp-12345",
+        tmp_path / ".checkpoint.pt.k2j3h4.tmp",
+        tmp_path / ".log.jsonl.abcd.tmp",
+    ]
     for p in stale:
         p.write_bytes(b"x" * 100)
     keep = tmp_path / "notes.tmp"

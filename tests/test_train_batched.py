@@ -41,24 +41,30 @@ def _model(seed: int, **kw) -> TransformerLM:
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**{"steps": STEPS, "batch_size": 4, "seq_len": 16, "warmup": 2, "eval_batches": 2,
-                          "eval_every": 3, **kw})  # fmt: skip
+    return TrainConfig(
+        **{"steps": STEPS, "batch_size": 4, "seq_len": 16, "warmup": 2, "eval_batches": 2, "eval_every": 3, **kw}
+    )
 
 
 def _close(a, b) -> bool:
-    return all(math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL) or (math.isnan(x) and math.isnan(y))
-               for x, y in zip(a, b, strict=True))  # fmt: skip
+    return all(
+        math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL) or (math.isnan(x) and math.isnan(y))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _assert_same(ref, got, label=""):
     assert len(ref.losses) == len(got.losses), label
     for name in ("losses", "lrs", "grad_norms", "logz"):
-        assert _close(getattr(ref, name), getattr(got, name)), f"{label} {name}: {getattr(ref, name)} vs " \
-                                                               f"{getattr(got, name)}"  # fmt: skip
+        assert _close(getattr(ref, name), getattr(got, name)), (
+            f"{label} {name}: {getattr(ref, name)} vs {getattr(got, name)}"
+        )
     assert [s for s, _ in ref.evals] == [s for s, _ in got.evals], label
     assert _close([v for _, v in ref.evals], [v for _, v in got.evals]), label
-    assert _close([ref.initial_loss, ref.final_loss, ref.best_loss, ref.max_grad_norm],
-                  [got.initial_loss, got.final_loss, got.best_loss, got.max_grad_norm]), label  # fmt: skip
+    assert _close(
+        [ref.initial_loss, ref.final_loss, ref.best_loss, ref.max_grad_norm],
+        [got.initial_loss, got.final_loss, got.best_loss, got.max_grad_norm],
+    ), label
     assert ref.diverged == got.diverged and ref.steps_done == got.steps_done, label
     assert ref.optimum == got.optimum and ref.eval_optimum == got.eval_optimum, label
     assert len(got.step_times) == got.steps_done
@@ -73,15 +79,18 @@ MEMBERS = [
 ]
 
 
-@pytest.mark.parametrize("arch", [
-    dict(),
-    dict(placement="post", norm="rmsnorm", n_layers=3),
-    dict(placement="sandwich", qk_norm=True),
-    dict(placement="deepnorm"),
-    dict(placement="mix", n_layers=4),
-    dict(placement="dyt", qk_norm=True),  # QK-norm is LayerNorm in a DyT model
-    dict(ffn="swiglu", tie_embeddings=False, bias=False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch",
+    [
+        dict(),
+        dict(placement="post", norm="rmsnorm", n_layers=3),
+        dict(placement="sandwich", qk_norm=True),
+        dict(placement="deepnorm"),
+        dict(placement="mix", n_layers=4),
+        dict(placement="dyt", qk_norm=True),  # QK-norm is LayerNorm in a DyT model
+        dict(ffn="swiglu", tie_embeddings=False, bias=False),
+    ],
+)
 def test_each_member_matches_unbatched_train(arch):
     data = language(0)
     cfgs = [_cfg(**m) for m in MEMBERS]
@@ -200,8 +209,12 @@ def test_benchmark_script_runs(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "table.md"
-    assert bench.main(["--layers", "1", "--ks", "2", "--steps", "2", "--rounds", "1", "--engines", "stacked",
-                       "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        bench.main(
+            ["--layers", "1", "--ks", "2", "--steps", "2", "--rounds", "1", "--engines", "stacked", "--out", str(out)]
+        )
+        == 0
+    )
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 | 2 |")]
     assert len(rows) == 1 and rows[0].count("x") >= 2
     with pytest.raises(SystemExit):
@@ -210,10 +223,17 @@ def test_benchmark_script_runs(tmp_path):
         bench.main(["--record-logits", "--engines", "vmap"])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("norm", "batchnorm"), ("placement", "post-noskip"), ("positional", "rope"), ("parallel", True),
-    ("dropout", 0.1), ("embed_norm", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("norm", "batchnorm"),
+        ("placement", "post-noskip"),
+        ("positional", "rope"),
+        ("parallel", True),
+        ("dropout", 0.1),
+        ("embed_norm", True),
+    ],
+)
 def test_unsupported_architecture_is_named(field, value):
     kw = {field: value}
     if field == "parallel":

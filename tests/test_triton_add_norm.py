@@ -60,10 +60,19 @@ def check_against_oracle(is_rms, x, r, w, b, *, eps=1e-5, dresidual_out=True, **
     dres_out = torch.randn_like(res_out) if dresidual_out else None
     torch.autograd.backward((out, res_out) if dresidual_out else (out,), (dout, dres_out) if dresidual_out else (dout,))
     ref = oracle(
-        x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres_out,
-        residual_dtype=kw.get("residual_dtype"), zero_centered_weight=kw.get("zero_centered_weight", False),
-        cast_before_weight=kw.get("cast_before_weight", False), out_dtype=kw.get("out_dtype"),
-    )  # fmt: skip
+        x,
+        r,
+        w,
+        None if is_rms else b,
+        eps=eps,
+        is_rms=is_rms,
+        dout=dout,
+        dresidual_out=dres_out,
+        residual_dtype=kw.get("residual_dtype"),
+        zero_centered_weight=kw.get("zero_centered_weight", False),
+        cast_before_weight=kw.get("cast_before_weight", False),
+        out_dtype=kw.get("out_dtype"),
+    )
     m = x.shape[0]
     assert out.dtype == kw.get("out_dtype", x.dtype)
     assert_close(out, ref["out"], "out")
@@ -145,9 +154,18 @@ class _Launches:
 def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual_dtype, is_rms, one_pass):
     """Tuning.max_bwd_block_n_rms_16bit, scaled down (64 -> 256 here, 8192 -> 16384 as shipped): which kernels the
     backward launches, with how many warps, and that both routes still match the oracle."""
-    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=256,
-                                              wide_bwd_elems_per_thread=2, rows_block_elems=256,
-                                              loop_block_n=32))  # fmt: skip
+    monkeypatch.setattr(
+        T,
+        "TUNING",
+        T.Tuning(
+            max_fwd_block_n=64,
+            max_bwd_block_n=64,
+            max_bwd_block_n_rms_16bit=256,
+            wide_bwd_elems_per_thread=2,
+            rows_block_elems=256,
+            loop_block_n=32,
+        ),
+    )
     seen = []
     for name in ("_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel"):
         monkeypatch.setattr(T, name, _Launches(getattr(T, name), seen, name))
@@ -212,8 +230,7 @@ def test_out_dtype(device, path, monkeypatch):
     if path == "looped":
         monkeypatch.setattr(T, "TUNING", TINY)
     check_against_oracle(RMS, *_inputs(5, 100, torch.float32, device), out_dtype=torch.bfloat16)
-    check_against_oracle(LN, *_inputs(3, 90, torch.bfloat16, device), out_dtype=torch.float32,
-                         cast_before_weight=True)  # fmt: skip
+    check_against_oracle(LN, *_inputs(3, 90, torch.bfloat16, device), out_dtype=torch.float32, cast_before_weight=True)
 
 
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
@@ -272,8 +289,19 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
     if path == "looped":
         monkeypatch.setattr(T, "TUNING", TINY)
     x = (1e4 + torch.randn(2, 200, dtype=torch.float64)).float().to(device)
-    _, _, _, rstd = T.forward(x, None, None, None, eps=1e-5, is_rms=False, dropout_p=0.0, seed=0,
-                              residual_dtype=x.dtype, zero_centered_weight=False, store_residual_out=False)  # fmt: skip
+    _, _, _, rstd = T.forward(
+        x,
+        None,
+        None,
+        None,
+        eps=1e-5,
+        is_rms=False,
+        dropout_p=0.0,
+        seed=0,
+        residual_dtype=x.dtype,
+        zero_centered_weight=False,
+        store_residual_out=False,
+    )
     var64 = x.double().var(dim=-1, unbiased=False)
     rstd64 = torch.rsqrt(var64 + 1e-5)
     torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-4, atol=0)
@@ -433,12 +461,22 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sm90_static.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile from scratch, leave no cache behind
-    done = subprocess.run([sys.executable, str(script), "--shapes", "test", "--json"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), "--shapes", "test", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
-    assert {r["name"] for r in rows} == {"_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel",
-                                         "_bwd_row_sums_kernel", "_bwd_tiles_kernel"}  # fmt: skip
+    assert {r["name"] for r in rows} == {
+        "_fwd_rows_kernel",
+        "_fwd_looped_kernel",
+        "_bwd_rows_kernel",
+        "_bwd_row_sums_kernel",
+        "_bwd_tiles_kernel",
+    }
     # A tile that no longer fits in registers spills hundreds of bytes per thread and costs bandwidth on every element;
     # a register or two is noise (Triton 3.6's ptxas spills 8 bytes in _bwd_tiles_kernel, 3.9's none). bf16 kernels
     # must stay under 4 registers' worth, and every kernel must fit on an SM.

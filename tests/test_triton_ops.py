@@ -227,12 +227,34 @@ def test_opcheck_triton_ops(device, is_rms, p):
     torch.library.opcheck(torch.ops.addnorm.triton_add_norm_fwd.default, args, test_utils=tests)
     out = torch.ops.addnorm.triton_add_norm_fwd(*args)
     dout = torch.randn_like(out[0])
-    bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, p, False, torch.bfloat16,
-           torch.float32, None if is_rms else torch.bfloat16, False)  # fmt: skip
+    bwd = (
+        dout,
+        None,
+        out[1].detach(),
+        w.detach(),
+        out[2],
+        out[3],
+        out[4],
+        is_rms,
+        p,
+        False,
+        torch.bfloat16,
+        torch.float32,
+        None if is_rms else torch.bfloat16,
+        False,
+    )
     torch.library.opcheck(torch.ops.addnorm.triton_add_norm_bwd.default, bwd)
     if p == 0:  # the in-place serving op (no dropout of its own): the same inputs, written in place
-        inplace = (x.detach().clone(), r.detach().clone(), w.detach(), None if b is None else b.detach(), 1e-5,
-                   is_rms, False, False)  # fmt: skip
+        inplace = (
+            x.detach().clone(),
+            r.detach().clone(),
+            w.detach(),
+            None if b is None else b.detach(),
+            1e-5,
+            is_rms,
+            False,
+            False,
+        )
         torch.library.opcheck(torch.ops.addnorm.triton_add_norm_.default, inplace)
 
 
@@ -245,11 +267,35 @@ def test_opcheck_add_norm_ops_in_the_interpreter(device, is_rms):
     torch.library.opcheck(torch.ops.addnorm.add_norm_fwd.default, args)
     out = torch.ops.addnorm.add_norm_fwd(*args)
     dout = torch.randn_like(out[0])
-    bwd = (dout, None, out[1].detach(), w.detach(), out[2], out[3], out[4], is_rms, 0.0, False, torch.float32,
-           torch.float32, None if is_rms else torch.float32, "triton", False)  # fmt: skip
+    bwd = (
+        dout,
+        None,
+        out[1].detach(),
+        w.detach(),
+        out[2],
+        out[3],
+        out[4],
+        is_rms,
+        0.0,
+        False,
+        torch.float32,
+        torch.float32,
+        None if is_rms else torch.float32,
+        "triton",
+        False,
+    )
     torch.library.opcheck(torch.ops.addnorm.add_norm_bwd.default, bwd)
-    inplace = (x.detach().clone(), r.detach().clone(), w.detach(), None if b is None else b.detach(), 1e-5, is_rms,
-               False, False, "triton")  # fmt: skip
+    inplace = (
+        x.detach().clone(),
+        r.detach().clone(),
+        w.detach(),
+        None if b is None else b.detach(),
+        1e-5,
+        is_rms,
+        False,
+        False,
+        "triton",
+    )
     torch.library.opcheck(torch.ops.addnorm.add_norm_.default, inplace)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Callable, Iterator, NoReturn
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 
 @contextlib.contextmanager

@@ -19,10 +19,14 @@ import addnorm  # cheap: the package imports torch only when a public function i
 COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("addnorm.lab.cli", "run the stability lab experiments and write an HTML/Markdown/JSON report"),
     "train": ("addnorm.train.cli", "train one model configuration and report loss curves and stability metrics"),
-    "doctor": ("addnorm.diagnostics.doctor_cli",
-               "check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)"),
-    "survey": ("addnorm.integrations.survey.cli",
-               "where every transformers architecture puts its norms, measured from the running model"),
+    "doctor": (
+        "addnorm.diagnostics.doctor_cli",
+        "check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)",
+    ),
+    "survey": (
+        "addnorm.integrations.survey.cli",
+        "where every transformers architecture puts its norms, measured from the running model",
+    ),
 }
 
 
@@ -99,13 +103,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"addnorm {addnorm.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
-        "info", help="versions, devices and which backends run here (and why not the others)",
+        "info",
+        help="versions, devices and which backends run here (and why not the others)",
         description="Print the versions of addnorm and its dependencies, the CPU and CUDA devices, and for each "
-                    "device which kernel backends can run here (and why not the others) and what backend='auto' "
-                    "picks. --json prints the same as one JSON object (keys: addnorm, python, platform, torch, "
-                    "triton, numba, numpy, transformers, matplotlib, cpu_count, torch_threads, cuda, cuda_device, "
-                    "backend_env, backends, auto).",
-    )  # fmt: skip
+        "device which kernel backends can run here (and why not the others) and what backend='auto' "
+        "picks. --json prints the same as one JSON object (keys: addnorm, python, platform, torch, "
+        "triton, numba, numpy, transformers, matplotlib, cpu_count, torch_threads, cuda, cuda_device, "
+        "backend_env, backends, auto).",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_info)
     for name, (module, summary) in COMMANDS.items():

@@ -296,12 +296,27 @@ def add_norm_ref(
     # y is rounded once, from the compute dtype straight to out_dtype (not through the residual dtype)
     od = out_dtype or x.dtype
     if is_rms:
-        y, rstd = rms_norm_ref(residual_out, weight, eps, zero_centered_weight, compute_dtype=cd, out_dtype=od,
-                               cast_before_weight=cast_before_weight)  # fmt: skip
+        y, rstd = rms_norm_ref(
+            residual_out,
+            weight,
+            eps,
+            zero_centered_weight,
+            compute_dtype=cd,
+            out_dtype=od,
+            cast_before_weight=cast_before_weight,
+        )
         mean = None
     else:
-        y, mean, rstd = layer_norm_ref(residual_out, weight, bias, eps, zero_centered_weight, compute_dtype=cd,
-                                       out_dtype=od, cast_before_weight=cast_before_weight)  # fmt: skip
+        y, mean, rstd = layer_norm_ref(
+            residual_out,
+            weight,
+            bias,
+            eps,
+            zero_centered_weight,
+            compute_dtype=cd,
+            out_dtype=od,
+            cast_before_weight=cast_before_weight,
+        )
     return y, residual_out, mean, rstd
 
 
@@ -329,8 +344,9 @@ def add_norm_bwd_ref(
     """
     cd = mean.dtype if mean is not None else rstd.dtype
     # dout arrives in out's dtype: the dtype the forward rounded xhat to with cast_before_weight
-    dh, dw, db = _norm_bwd(dout, residual_out, weight, mean, rstd, zero_centered_weight, cd,
-                           dout.dtype if cast_before_weight else None)  # fmt: skip
+    dh, dw, db = _norm_bwd(
+        dout, residual_out, weight, mean, rstd, zero_centered_weight, cd, dout.dtype if cast_before_weight else None
+    )
     if dresidual_out is not None:
         dh = dh + dresidual_out.to(cd)
     dres = dh.to(residual_dtype) if residual_dtype is not None else None

@@ -43,8 +43,15 @@ def tol(dtype: torch.dtype, *, grad: bool = False, reduced_rows: int = 1) -> tup
     return t.atol * f * math.sqrt(max(reduced_rows, 1)), t.rtol * f
 
 
-def assert_close(actual: Tensor, expected: Tensor, what: str, *, grad: bool = False, reduced_rows: int = 1,
-                 dtype: torch.dtype | None = None) -> None:
+def assert_close(
+    actual: Tensor,
+    expected: Tensor,
+    what: str,
+    *,
+    grad: bool = False,
+    reduced_rows: int = 1,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Compare ``actual`` (any dtype) against a float64 ``expected`` with the tolerance of actual's dtype (or of
     ``dtype``, when a lower precision took part, e.g. an fp32 residual stream between fp64 tensors).
 
@@ -89,8 +96,11 @@ def oracle(
     passing straight through.
     """
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
-    leaves = {k: v.detach().double().requires_grad_(True) for k, v in
-              (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)) if v is not None}  # fmt: skip
+    leaves = {
+        k: v.detach().double().requires_grad_(True)
+        for k, v in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias))
+        if v is not None
+    }
     h = leaves["x"]
     if dropout_p > 0:
         h = torch.where(keep, h / (1 - dropout_p), torch.zeros((), dtype=torch.float64))

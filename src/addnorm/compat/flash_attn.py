@@ -48,21 +48,50 @@ def _into(buffer: Tensor | None, value: Tensor, name: str) -> Tensor:
 
 
 def layer_norm_fn(
-    x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0, rowscale=None,
-    prenorm=False, residual_in_fp32=False, zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
-    out_dtype=None, out=None, residual_out=None, *, backend="auto",
-):  # fmt: skip
+    x,
+    weight,
+    bias,
+    residual=None,
+    x1=None,
+    weight1=None,
+    bias1=None,
+    eps=1e-6,
+    dropout_p=0.0,
+    rowscale=None,
+    prenorm=False,
+    residual_in_fp32=False,
+    zero_centered_weight=False,
+    is_rms_norm=False,
+    return_dropout_mask=False,
+    out_dtype=None,
+    out=None,
+    residual_out=None,
+    *,
+    backend="auto",
+):
     """flash-attention's ``layer_norm_fn``:
     ``residual_out = dropout(x * rowscale) + dropout(x1) + residual``, ``y = norm(residual_out) * weight + bias``,
     ``y1 = norm(residual_out) * weight1 + bias1``. Returns ``y``, ``(y, y1)``, with ``residual_out`` appended
     when ``prenorm`` and ``(dropout_mask, dropout_mask1)`` appended when ``return_dropout_mask``."""
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
     r = add_norm_multi(
-        x, residual, weight, bias, eps, is_rms=is_rms_norm, x1=x1, weight1=weight1, bias1=bias1,
-        rowscale=rowscale, dropout_p=dropout_p, residual_dtype=residual_dtype,
-        zero_centered_weight=zero_centered_weight, out_dtype=out_dtype,
-        return_dropout_mask=bool(return_dropout_mask), backend=backend,
-    )  # fmt: skip
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms=is_rms_norm,
+        x1=x1,
+        weight1=weight1,
+        bias1=bias1,
+        rowscale=rowscale,
+        dropout_p=dropout_p,
+        residual_dtype=residual_dtype,
+        zero_centered_weight=zero_centered_weight,
+        out_dtype=out_dtype,
+        return_dropout_mask=bool(return_dropout_mask),
+        backend=backend,
+    )
     y = _into(out, r.out, "out")
     outs = (y,) if weight1 is None else (y, r.out1)
     if prenorm:
@@ -73,37 +102,93 @@ def layer_norm_fn(
 
 
 def rms_norm_fn(
-    x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0, rowscale=None,
-    prenorm=False, residual_in_fp32=False, zero_centered_weight=False, return_dropout_mask=False, out_dtype=None,
-    out=None, residual_out=None, *, backend="auto",
-):  # fmt: skip
+    x,
+    weight,
+    bias,
+    residual=None,
+    x1=None,
+    weight1=None,
+    bias1=None,
+    eps=1e-6,
+    dropout_p=0.0,
+    rowscale=None,
+    prenorm=False,
+    residual_in_fp32=False,
+    zero_centered_weight=False,
+    return_dropout_mask=False,
+    out_dtype=None,
+    out=None,
+    residual_out=None,
+    *,
+    backend="auto",
+):
     """flash-attention's ``rms_norm_fn``: :func:`layer_norm_fn` with RMSNorm (a bias is allowed)."""
     return layer_norm_fn(
-        x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm, residual_in_fp32,
-        zero_centered_weight, True, return_dropout_mask, out_dtype, out, residual_out, backend=backend,
-    )  # fmt: skip
+        x,
+        weight,
+        bias,
+        residual,
+        x1,
+        weight1,
+        bias1,
+        eps,
+        dropout_p,
+        rowscale,
+        prenorm,
+        residual_in_fp32,
+        zero_centered_weight,
+        True,
+        return_dropout_mask,
+        out_dtype,
+        out,
+        residual_out,
+        backend=backend,
+    )
 
 
-def _norm_ref(is_rms, x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
-              zero_centered_weight, dropout_mask, dropout_mask1, upcast):  # fmt: skip
+def _norm_ref(
+    is_rms,
+    x,
+    weight,
+    bias,
+    residual,
+    x1,
+    weight1,
+    bias1,
+    eps,
+    dropout_p,
+    rowscale,
+    prenorm,
+    zero_centered_weight,
+    dropout_mask,
+    dropout_mask1,
+    upcast,
+):
     """flash-attention's plain-PyTorch references, in the input dtype unless ``upcast`` (what its tests compare
     against, with and without upcast)."""
     dtype = x.dtype
     if upcast:
         x, weight = x.float(), weight.float()
-        bias, residual, x1, weight1, bias1 = (None if t is None else t.float()
-                                              for t in (bias, residual, x1, weight1, bias1))  # fmt: skip
+        bias, residual, x1, weight1, bias1 = (
+            None if t is None else t.float() for t in (bias, residual, x1, weight1, bias1)
+        )
     if zero_centered_weight:
         weight = weight + 1.0
         weight1 = weight1 + 1.0 if weight1 is not None else None
     if rowscale is not None:
         x = x * rowscale[..., None]
     if dropout_p > 0.0:
-        x = (x.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p) if dropout_mask is not None
-             else F.dropout(x, dropout_p))  # fmt: skip
+        x = (
+            x.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+            if dropout_mask is not None
+            else F.dropout(x, dropout_p)
+        )
         if x1 is not None:
-            x1 = (x1.masked_fill(~dropout_mask1, 0.0) / (1.0 - dropout_p) if dropout_mask1 is not None
-                  else F.dropout(x1, dropout_p))  # fmt: skip
+            x1 = (
+                x1.masked_fill(~dropout_mask1, 0.0) / (1.0 - dropout_p)
+                if dropout_mask1 is not None
+                else F.dropout(x1, dropout_p)
+            )
     if x1 is not None:
         x = x + x1
     if residual is not None:
@@ -123,22 +208,94 @@ def _norm_ref(is_rms, x, weight, bias, residual, x1, weight1, bias1, eps, dropou
     return (out, out1, x) if prenorm else (out, out1)
 
 
-def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
-                   rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None, dropout_mask1=None,
-                   upcast=False):  # fmt: skip
-    return _norm_ref(False, x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
-                     zero_centered_weight, dropout_mask, dropout_mask1, upcast)  # fmt: skip
+def layer_norm_ref(
+    x,
+    weight,
+    bias,
+    residual=None,
+    x1=None,
+    weight1=None,
+    bias1=None,
+    eps=1e-6,
+    dropout_p=0.0,
+    rowscale=None,
+    prenorm=False,
+    zero_centered_weight=False,
+    dropout_mask=None,
+    dropout_mask1=None,
+    upcast=False,
+):
+    return _norm_ref(
+        False,
+        x,
+        weight,
+        bias,
+        residual,
+        x1,
+        weight1,
+        bias1,
+        eps,
+        dropout_p,
+        rowscale,
+        prenorm,
+        zero_centered_weight,
+        dropout_mask,
+        dropout_mask1,
+        upcast,
+    )
 
 
-def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
-                 rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None, dropout_mask1=None,
-                 upcast=False):  # fmt: skip
-    return _norm_ref(True, x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
-                     zero_centered_weight, dropout_mask, dropout_mask1, upcast)  # fmt: skip
+def rms_norm_ref(
+    x,
+    weight,
+    bias,
+    residual=None,
+    x1=None,
+    weight1=None,
+    bias1=None,
+    eps=1e-6,
+    dropout_p=0.0,
+    rowscale=None,
+    prenorm=False,
+    zero_centered_weight=False,
+    dropout_mask=None,
+    dropout_mask1=None,
+    upcast=False,
+):
+    return _norm_ref(
+        True,
+        x,
+        weight,
+        bias,
+        residual,
+        x1,
+        weight1,
+        bias1,
+        eps,
+        dropout_p,
+        rowscale,
+        prenorm,
+        zero_centered_weight,
+        dropout_mask,
+        dropout_mask1,
+        upcast,
+    )
 
 
-def layer_norm_linear_fn(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-6,
-                         prenorm=False, residual_in_fp32=False, is_rms_norm=False, *, backend="auto"):  # fmt: skip
+def layer_norm_linear_fn(
+    x,
+    norm_weight,
+    norm_bias,
+    linear_weight,
+    linear_bias,
+    residual=None,
+    eps=1e-6,
+    prenorm=False,
+    residual_in_fp32=False,
+    is_rms_norm=False,
+    *,
+    backend="auto",
+):
     """flash-attention's ``layer_norm_linear_fn``: ``linear(norm(x + residual))``, plus residual_out with
     ``prenorm``; the norm's output is recomputed in the backward, not stored."""
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
@@ -147,16 +304,35 @@ def layer_norm_linear_fn(x, norm_weight, norm_bias, linear_weight, linear_bias, 
         # add_norm_linear casts to autocast's dtype
         linear_weight = linear_weight.to(x.dtype)
         linear_bias = linear_bias.to(x.dtype) if linear_bias is not None else None
-    out, res = add_norm_linear(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps,
-                               is_rms=is_rms_norm, residual_dtype=residual_dtype, backend=backend)  # fmt: skip
+    out, res = add_norm_linear(
+        x,
+        residual,
+        norm_weight,
+        norm_bias,
+        linear_weight,
+        linear_bias,
+        eps,
+        is_rms=is_rms_norm,
+        residual_dtype=residual_dtype,
+        backend=backend,
+    )
     return (out, res) if prenorm else out
 
 
 class RMSNorm(nn.Module):
     """flash-attention's ``RMSNorm`` module: ``forward(x, residual=None, prenorm=False, residual_in_fp32=False)``."""
 
-    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False, device=None, dtype=None,
-                 *, backend="auto"):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size,
+        eps=1e-5,
+        dropout_p=0.0,
+        zero_centered_weight=False,
+        device=None,
+        dtype=None,
+        *,
+        backend="auto",
+    ):
         super().__init__()
         self.eps, self.zero_centered_weight, self.backend = eps, zero_centered_weight, backend
         self.drop = nn.Dropout(dropout_p) if dropout_p > 0.0 else None
@@ -169,18 +345,34 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
         return rms_norm_fn(
-            x, self.weight, self.bias, residual=residual, eps=self.eps,
-            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0, prenorm=prenorm,
-            residual_in_fp32=residual_in_fp32, zero_centered_weight=self.zero_centered_weight, backend=self.backend,
-        )  # fmt: skip
+            x,
+            self.weight,
+            self.bias,
+            residual=residual,
+            eps=self.eps,
+            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0,
+            prenorm=prenorm,
+            residual_in_fp32=residual_in_fp32,
+            zero_centered_weight=self.zero_centered_weight,
+            backend=self.backend,
+        )
 
 
 class LayerNorm(nn.LayerNorm):
     """flash-attention's ``LayerNorm`` module: ``torch.nn.LayerNorm`` whose forward takes
     ``(x, residual=None, prenorm=False, residual_in_fp32=False)``."""
 
-    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False, device=None, dtype=None,
-                 *, backend="auto"):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size,
+        eps=1e-5,
+        dropout_p=0.0,
+        zero_centered_weight=False,
+        device=None,
+        dtype=None,
+        *,
+        backend="auto",
+    ):
         self.zero_centered_weight = zero_centered_weight
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
         self.backend = backend
@@ -193,7 +385,14 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
         return layer_norm_fn(
-            x, self.weight, self.bias, residual=residual, eps=self.eps,
-            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0, prenorm=prenorm,
-            residual_in_fp32=residual_in_fp32, zero_centered_weight=self.zero_centered_weight, backend=self.backend,
-        )  # fmt: skip
+            x,
+            self.weight,
+            self.bias,
+            residual=residual,
+            eps=self.eps,
+            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0,
+            prenorm=prenorm,
+            residual_in_fp32=residual_in_fp32,
+            zero_centered_weight=self.zero_centered_weight,
+            backend=self.backend,
+        )

@@ -45,9 +45,16 @@ def _fused_add_rms_norm(X, R, W, eps, offset, casting_mode, backend):
     if offset not in (0, 1):
         W = W.float() + float(offset) if W.dtype != torch.float64 else W + float(offset)
     return add_rms_norm(
-        X, R, W, eps, residual_dtype=X.dtype, out_dtype=X.dtype, zero_centered_weight=zero_centered,
-        cast_before_weight=casting_mode == "llama", backend=backend,
-    )  # fmt: skip
+        X,
+        R,
+        W,
+        eps,
+        residual_dtype=X.dtype,
+        out_dtype=X.dtype,
+        zero_centered_weight=zero_centered,
+        cast_before_weight=casting_mode == "llama",
+        backend=backend,
+    )
 
 
 class LigerFusedAddRMSNormFunction:
@@ -55,15 +62,33 @@ class LigerFusedAddRMSNormFunction:
     offset=0.0, casting_mode="llama", in_place=False)`` returns ``(Y, S)``; gradients reach X, R and W."""
 
     @staticmethod
-    def apply(X: Tensor, R: Tensor, W: Tensor, eps: float, offset: float = 0.0, casting_mode: str = "llama",
-              in_place: bool = False, row_mode=None, *, backend: str = "auto") -> tuple[Tensor, Tensor]:  # fmt: skip
+    def apply(
+        X: Tensor,
+        R: Tensor,
+        W: Tensor,
+        eps: float,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        in_place: bool = False,
+        row_mode=None,
+        *,
+        backend: str = "auto",
+    ) -> tuple[Tensor, Tensor]:
         # in_place and row_mode tune Liger's own kernels (backward memory, launch shape); see the module docstring
         return _fused_add_rms_norm(X, R, W, eps, offset, casting_mode, backend)
 
 
-def liger_fused_add_rms_norm(X: Tensor, R: Tensor, W: Tensor, eps: float, offset: float = 0.0,
-                             casting_mode: str = "llama", in_place: bool = True, *,
-                             backend: str = "auto") -> tuple[Tensor, Tensor]:  # fmt: skip
+def liger_fused_add_rms_norm(
+    X: Tensor,
+    R: Tensor,
+    W: Tensor,
+    eps: float,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    in_place: bool = True,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """Liger's functional form: ``(Y, S)`` with ``S = X + R``, ``Y = RMSNorm(S) * (offset + W)``."""
     return _fused_add_rms_norm(X, R, W, eps, offset, casting_mode, backend)
 
@@ -71,8 +96,17 @@ def liger_fused_add_rms_norm(X: Tensor, R: Tensor, W: Tensor, eps: float, offset
 class LigerFusedAddRMSNorm(nn.Module):
     """Liger's module: ``forward(hidden_states, residual) -> (normed, hidden_states + residual)``."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
-                 init_fn: str = "ones", in_place: bool = False, *, backend: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        init_fn: str = "ones",
+        in_place: bool = False,
+        *,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
         if init_fn not in ("ones", "zeros"):
             raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
@@ -84,9 +118,12 @@ class LigerFusedAddRMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, hidden_states: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        return _fused_add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, self.offset,
-                                   self.casting_mode, self.backend)  # fmt: skip
+        return _fused_add_rms_norm(
+            hidden_states, residual, self.weight, self.variance_epsilon, self.offset, self.casting_mode, self.backend
+        )
 
     def extra_repr(self) -> str:
-        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
-                f"casting_mode={self.casting_mode}, in_place={self.in_place}")  # fmt: skip
+        return (
+            f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
+            f"casting_mode={self.casting_mode}, in_place={self.in_place}"
+        )

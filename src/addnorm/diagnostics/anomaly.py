@@ -211,8 +211,9 @@ class Jump:
     reference: float
 
 
-def localize_jump(history: Sequence[dict], key: str = "residual_rms", factor: float = 3.0, *, window: int = 8,
-                  min_history: int = 3) -> Jump | None:  # fmt: skip
+def localize_jump(
+    history: Sequence[dict], key: str = "residual_rms", factor: float = 3.0, *, window: int = 8, min_history: int = 3
+) -> Jump | None:
     """The first layer whose ``key`` jumped against its own history, or None.
 
     For each record in order and each layer in order, the reference is the median of that layer's previous
@@ -237,8 +238,14 @@ def localize_jump(history: Sequence[dict], key: str = "residual_rms", factor: fl
             if len(seen) >= min_history:
                 ref = sorted(seen)[len(seen) // 2]
                 if not math.isfinite(v) or v > factor * ref:
-                    return Jump(record=r, step=rec.get("step", r), layer=i, name=entry.get("name", str(i)),
-                                value=float(v), reference=float(ref))  # fmt: skip
+                    return Jump(
+                        record=r,
+                        step=rec.get("step", r),
+                        layer=i,
+                        name=entry.get("name", str(i)),
+                        value=float(v),
+                        reference=float(ref),
+                    )
             if math.isfinite(v):
                 seen.append(float(v))
     return None

@@ -43,10 +43,10 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.diagnostics.anomaly import NonFiniteSentinel
-from addnorm.diagnostics.monitor import call_model, find_blocks, first_tensor, is_norm_module, output_logits
 
 # Loading targets lived here before the command moved to doctor_cli; the names stay importable from here.
 from addnorm.diagnostics.doctor_cli import TargetError, build_hf_model, load_target  # noqa: E402, F401
+from addnorm.diagnostics.monitor import call_model, find_blocks, first_tensor, is_norm_module, output_logits
 
 __all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES", "TargetError", "build_hf_model", "load_target"]
 
@@ -163,8 +163,9 @@ def _trusted_norm(m: nn.Module) -> bool:
     return any(type(m).forward is cls.forward for cls in trusted)
 
 
-_REDUCTIONS = frozenset({"mean", "var", "var_mean", "std", "std_mean", "sum", "norm", "vector_norm",
-                         "linalg_vector_norm", "nanmean"})  # fmt: skip
+_REDUCTIONS = frozenset(
+    {"mean", "var", "var_mean", "std", "std_mean", "sum", "norm", "vector_norm", "linalg_vector_norm", "nanmean"}
+)
 
 
 def _half_reductions(fn) -> list[str]:
@@ -255,9 +256,8 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
                 shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
                 if tuple(x.shape[x.dim() - len(shape) :]) != shape:
                     tr.shape_errors.setdefault(
-                        path, f"normalized_shape {shape} does not match the trailing dims of its input "
-                        f"{tuple(x.shape)}"
-                    )  # fmt: skip
+                        path, f"normalized_shape {shape} does not match the trailing dims of its input {tuple(x.shape)}"
+                    )
 
         return hook
 
@@ -272,45 +272,65 @@ def _run(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) ->
         try:
             out = call_model(model, batch)
         except Exception as e:  # noqa: BLE001 - any failure of the user's forward is a finding
-            findings.append(Finding(
-                code="forward-failed", severity="error", module="<root>",
-                message=f"the example forward raised {type(e).__name__}: {e}{_where(e)}; runtime checks were "
-                "skipped",
-                fix="make FACTORY's example batch run through the model (see the norm-dimension finding, if any)",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="forward-failed",
+                    severity="error",
+                    module="<root>",
+                    message=f"the example forward raised {type(e).__name__}: {e}{_where(e)}; runtime checks were "
+                    "skipped",
+                    fix="make FACTORY's example batch run through the model (see the norm-dimension finding, if any)",
+                )
+            )
             tr.failed = True
             return tr
         if sentinel.first_forward is not None:
-            findings.append(Finding(
-                code="non-finite", severity="error", module=sentinel.first_forward,
-                message="the example forward produced NaN/Inf; this module's output was the first non-finite one",
-                fix="check this module's init and inputs (log of zero, division by a zero norm, overflow in fp16)",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="non-finite",
+                    severity="error",
+                    module=sentinel.first_forward,
+                    message="the example forward produced NaN/Inf; this module's output was the first non-finite one",
+                    fix="check this module's init and inputs (log of zero, division by a zero norm, overflow in fp16)",
+                )
+            )
         y = output_logits(out)
         if y is None:
             y = first_tensor(out)
         if y is None or not y.requires_grad:
-            findings.append(Finding(
-                code="backward-skipped", severity="info", module="<root>",
-                message="the model's output has no floating-point tensor that requires grad; no backward was run",
-                fix="return logits (or a loss) from forward to let the doctor check gradients",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="backward-skipped",
+                    severity="info",
+                    module="<root>",
+                    message="the model's output has no floating-point tensor that requires grad; no backward was run",
+                    fix="return logits (or a loss) from forward to let the doctor check gradients",
+                )
+            )
             return tr
         try:
             y.float().pow(2).mean().backward()
         except Exception as e:  # noqa: BLE001
-            findings.append(Finding(
-                code="backward-failed", severity="error", module="<root>",
-                message=f"backward of mean(output^2) raised {type(e).__name__}: {e}{_where(e)}",
-                fix="look for in-place updates of tensors autograd saved, or detached parts of the residual stream",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="backward-failed",
+                    severity="error",
+                    module="<root>",
+                    message=f"backward of mean(output^2) raised {type(e).__name__}: {e}{_where(e)}",
+                    fix="look for in-place updates of tensors autograd saved, or detached parts of the residual stream",
+                )
+            )
             return tr
         if sentinel.first_backward is not None and sentinel.first_forward is None:
-            findings.append(Finding(
-                code="non-finite", severity="error", module=sentinel.first_backward,
-                message="backward produced NaN/Inf gradients; this module produced the first non-finite one",
-                fix="look for sqrt/rsqrt/division at zero in this module (a norm with eps=0 on a zero row)",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="non-finite",
+                    severity="error",
+                    module=sentinel.first_backward,
+                    message="backward produced NaN/Inf gradients; this module produced the first non-finite one",
+                    fix="look for sqrt/rsqrt/division at zero in this module (a norm with eps=0 on a zero row)",
+                )
+            )
         return tr
     finally:
         sentinel.detach()
@@ -323,8 +343,9 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
     features = _feature_sizes(model) | ({d_model} if d_model else set())
     seq_len = batch_shape[1] if batch_shape and len(batch_shape) >= 2 else None
     batch_size = batch_shape[0] if batch_shape else None
-    norm_fix = ("normalize each position over its features: LayerNorm(d_model)/RMSNorm(d_model) on a "
-                "(..., d_model) input")
+    norm_fix = (
+        "normalize each position over its features: LayerNorm(d_model)/RMSNorm(d_model) on a (..., d_model) input"
+    )
     for path, (args, _) in tr.norm_calls.items():
         m = modules.get("" if path == "<root>" else path)
         x = args[0] if args and isinstance(args[0], Tensor) else None
@@ -332,24 +353,35 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
             continue
         flagged = True
         if path in tr.shape_errors:
-            findings.append(Finding(code="norm-dimension", severity="error", module=path,
-                                    message=tr.shape_errors[path], fix=norm_fix))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="norm-dimension", severity="error", module=path, message=tr.shape_errors[path], fix=norm_fix
+                )
+            )
         elif _is_batch_norm(m) and x.dim() != 4:  # BatchNorm2d on (N, C, H, W): a CNN's norm, not a sequence's
-            findings.append(Finding(
-                code="norm-dimension", severity="error", module=path,
-                message=f"{type(m).__name__} in a sequence model: its statistics run over the batch (and "
-                f"sequence) axis, so outputs depend on other samples and on padding, and differ between "
-                f"training and inference (input {tuple(x.shape)})",
-                fix="use LayerNorm or RMSNorm over the feature dim",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="norm-dimension",
+                    severity="error",
+                    module=path,
+                    message=f"{type(m).__name__} in a sequence model: its statistics run over the batch (and "
+                    f"sequence) axis, so outputs depend on other samples and on padding, and differ between "
+                    f"training and inference (input {tuple(x.shape)})",
+                    fix="use LayerNorm or RMSNorm over the feature dim",
+                )
+            )
         elif x.dim() >= 2 and x.shape[-1] not in features and x.shape[-1] in (seq_len, batch_size):
             axis = "sequence" if x.shape[-1] == seq_len else "batch"
-            findings.append(Finding(
-                code="norm-dimension", severity="error", module=path,
-                message=f"normalizes over the last dim of its input {tuple(x.shape)}, which has the {axis} "
-                f"length {x.shape[-1]}, not a feature size (d_model={d_model}): a transpose is missing or extra",
-                fix=norm_fix,
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="norm-dimension",
+                    severity="error",
+                    module=path,
+                    message=f"normalizes over the last dim of its input {tuple(x.shape)}, which has the {axis} "
+                    f"length {x.shape[-1]}, not a feature size (d_model={d_model}): a transpose is missing or extra",
+                    fix=norm_fix,
+                )
+            )
         else:
             flagged = False
         if not flagged and x.dim() >= 2 and x.numel() > x.shape[-1]:
@@ -357,25 +389,33 @@ def _check_norms(model, tr: _Trace, batch_shape, d_model, findings, cfg: DoctorC
             if coupled:
                 shape = getattr(m, "normalized_shape", None)
                 what = f" (normalized_shape {tuple(shape)})" if shape is not None else ""
-                findings.append(Finding(
-                    code="norm-dimension", severity="error", module=path,
-                    message=f"changing one position's features changed the norm's output at other positions"
-                    f"{what}, input {tuple(x.shape)}: statistics are shared across the sequence or batch axis",
-                    fix=norm_fix,
-                ))  # fmt: skip
+                findings.append(
+                    Finding(
+                        code="norm-dimension",
+                        severity="error",
+                        module=path,
+                        message=f"changing one position's features changed the norm's output at other positions"
+                        f"{what}, input {tuple(x.shape)}: statistics are shared across the sequence or batch axis",
+                        fix=norm_fix,
+                    )
+                )
         if not _trusted_norm(m):
             low = _low_precision(m, args)
             if low:
                 sev, ops = low
-                findings.append(Finding(
-                    code="low-precision-stats", severity=sev, module=path,
-                    message=f"{type(m).__name__} computes its statistics in half precision "
-                    f"({', '.join(sorted(set(ops)))} return fp16/bf16)"
-                    + (" on its input in this model" if sev == "error" else " when fed fp16/bf16 input")
-                    + ": squares overflow fp16 above |x| = 256 and the statistics keep only 3-4 significant digits",
-                    fix="upcast before the statistics (x.float()), normalize, then cast back; "
-                    "or use torch.nn.RMSNorm/LayerNorm or addnorm.nn norms",
-                ))  # fmt: skip
+                findings.append(
+                    Finding(
+                        code="low-precision-stats",
+                        severity=sev,
+                        module=path,
+                        message=f"{type(m).__name__} computes its statistics in half precision "
+                        f"({', '.join(sorted(set(ops)))} return fp16/bf16)"
+                        + (" on its input in this model" if sev == "error" else " when fed fp16/bf16 input")
+                        + ": squares overflow fp16 above |x| = 256 and the statistics keep only 3-4 significant digits",
+                        fix="upcast before the statistics (x.float()), normalize, then cast back; "
+                        "or use torch.nn.RMSNorm/LayerNorm or addnorm.nn norms",
+                    )
+                )
 
 
 def _couples_positions(m: nn.Module, args: tuple, cfg: DoctorConfig) -> bool:
@@ -452,11 +492,15 @@ def _classify_blocks(blocks, tr: _Trace, findings, cfg: DoctorConfig) -> list[st
                     _reset_norm_affine(m)
                 out = first_tensor(c(*args, **kwargs))
         except Exception as e:  # noqa: BLE001
-            findings.append(Finding(
-                code="residual-check-skipped", severity="info", module=name,
-                message=f"could not re-run a zeroed copy of this block ({type(e).__name__}: {e})",
-                fix="none needed; the skip-path check did not run for this block",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="residual-check-skipped",
+                    severity="info",
+                    module=name,
+                    message=f"could not re-run a zeroed copy of this block ({type(e).__name__}: {e})",
+                    fix="none needed; the skip-path check did not run for this block",
+                )
+            )
             kinds.append(None)
             continue
         if out is None or x is None or out.shape != x.shape:
@@ -473,21 +517,27 @@ def _classify_blocks(blocks, tr: _Trace, findings, cfg: DoctorConfig) -> list[st
         if resid < 1e-2:
             what = f"multiplies the skip path by {scale:.4g}"
         else:
-            what = (f"applies a non-identity map to the skip path (output RMS / input RMS = "
-                    f"{_rms(out) / max(_rms(x), 1e-30):.3g}, distance from x {_rel(out, x):.3g})")  # fmt: skip
-        findings.append(Finding(
-            code="residual-not-identity", severity="error", module=name,
-            message=f"with its sublayers' weights set to zero the block should return x (Pre-Norm) or Norm(x) "
-            f"(Post-Norm), but it {what}: gradients no longer pass through unchanged",
-            fix="write the residual as x = x + sublayer(norm(x)) (Pre-Norm) or x = norm(x + sublayer(x)); "
-            "move projections and scales into the sublayer branch",
-        ))  # fmt: skip
+            what = (
+                f"applies a non-identity map to the skip path (output RMS / input RMS = "
+                f"{_rms(out) / max(_rms(x), 1e-30):.3g}, distance from x {_rel(out, x):.3g})"
+            )
+        findings.append(
+            Finding(
+                code="residual-not-identity",
+                severity="error",
+                module=name,
+                message=f"with its sublayers' weights set to zero the block should return x (Pre-Norm) or Norm(x) "
+                f"(Post-Norm), but it {what}: gradients no longer pass through unchanged",
+                fix="write the residual as x = x + sublayer(norm(x)) (Pre-Norm) or x = norm(x + sublayer(x)); "
+                "move projections and scales into the sublayer branch",
+            )
+        )
         kinds.append("bad")
     return kinds
 
 
 def _direction(block: nn.Module, call: tuple | None) -> str | None:
-    """"causal" when changing the block's input at the last position leaves its output at every earlier position
+    """ "causal" when changing the block's input at the last position leaves its output at every earlier position
     unchanged, "bidirectional" when it does not, None when that cannot be tried (no (B, T, d) input, T < 2, the
     block fails on the changed input)."""
     if call is None:
@@ -530,8 +580,9 @@ def _uses_deepnorm(blocks) -> bool:
     return False
 
 
-def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config: DoctorConfig | None = None
-             ) -> list[Finding]:  # fmt: skip
+def diagnose(
+    model: nn.Module, example_batch: Any, *, blocks: Any = None, config: DoctorConfig | None = None
+) -> list[Finding]:
     """Run every check on ``model`` with ``example_batch`` (tensor, tuple or dict of inputs); returns the findings,
     errors first. The model is deep-copied first, so its state (grads, BatchNorm statistics) is left untouched."""
     if not isinstance(model, nn.Module):
@@ -547,13 +598,27 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
         found = find_blocks(model, blocks)
     except ValueError as e:
         found = []
-        findings.append(Finding(code="no-blocks", severity="info", module="<root>", message=str(e),
-                                fix="pass blocks= to diagnose() to enable the per-block checks"))  # fmt: skip
+        findings.append(
+            Finding(
+                code="no-blocks",
+                severity="info",
+                module="<root>",
+                message=str(e),
+                fix="pass blocks= to diagnose() to enable the per-block checks",
+            )
+        )
     tr = _run(model, example_batch, found, findings)
     if tr.failed:  # only what the hooks saw before the failure can be reported
         for path, msg in tr.shape_errors.items():
-            findings.append(Finding(code="norm-dimension", severity="error", module=path, message=msg,
-                                    fix="give the norm normalized_shape=(d_model,), the feature dim of its input"))
+            findings.append(
+                Finding(
+                    code="norm-dimension",
+                    severity="error",
+                    module=path,
+                    message=msg,
+                    fix="give the norm normalized_shape=(d_model,), the feature dim of its input",
+                )
+            )
         return _sorted(findings)
     outs = [tr.block_out[i] for i in sorted(tr.block_out)]
     d_model = max({d for _, d in outs}, key=[d for _, d in outs].count) if outs else None
@@ -567,46 +632,61 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
     L = len(found)
 
     if n_post >= cfg.post_norm_depth and not _uses_deepnorm(found):
-        findings.append(Finding(
-            code="post-norm-deep", severity="warning", module=container,
-            message=f"{n_post} Post-Norm blocks: at this depth Post-Norm's gradients at init grow with the layer "
-            "index, and Adam without warmup often diverges or stalls (Xiong et al. 2020)",
-            fix="use a learning-rate warmup, switch to Pre-Norm (with a final norm), or use DeepNorm "
-            "(x = LN(alpha x + f(x)), alpha = (2N)^(1/4), branch init scaled by beta = (8N)^(-1/4))",
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                code="post-norm-deep",
+                severity="warning",
+                module=container,
+                message=f"{n_post} Post-Norm blocks: at this depth Post-Norm's gradients at init grow with the layer "
+                "index, and Adam without warmup often diverges or stalls (Xiong et al. 2020)",
+                fix="use a learning-rate warmup, switch to Pre-Norm (with a final norm), or use DeepNorm "
+                "(x = LN(alpha x + f(x)), alpha = (2N)^(1/4), branch init scaled by beta = (8N)^(-1/4))",
+            )
+        )
 
     if n_pre > L // 2:
         last_end = tr.block_end.get(len(found) - 1)
         block_ids = {id(m) for _, b in found for m in b.modules()}
         modules = dict(model.named_modules())
         # a norm module may run before the blocks and again after them (NanoChat's self.norm): its last call counts
-        after = [p for p, order in tr.norm_last.items()
-                 if last_end is not None and order > last_end
-                 and id(modules.get("" if p == "<root>" else p)) not in block_ids]  # fmt: skip
+        after = [
+            p
+            for p, order in tr.norm_last.items()
+            if last_end is not None
+            and order > last_end
+            and id(modules.get("" if p == "<root>" else p)) not in block_ids
+        ]
         if last_end is not None and not after:
-            findings.append(Finding(
-                code="missing-final-norm", severity="error", module=container,
-                message="Pre-Norm blocks but no norm runs after the last block: the head reads the raw residual "
-                "stream, whose scale grows with depth",
-                fix="apply a final LayerNorm/RMSNorm to the output of the last block, before the head",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="missing-final-norm",
+                    severity="error",
+                    module=container,
+                    message="Pre-Norm blocks but no norm runs after the last block: the head reads the raw residual "
+                    "stream, whose scale grows with depth",
+                    fix="apply a final LayerNorm/RMSNorm to the output of the last block, before the head",
+                )
+            )
 
     if n_post <= L // 2 and L >= 2 and 0 in tr.block_out and (L - 1) in tr.block_out:
         first, last = tr.block_out[0][0], tr.block_out[L - 1][0]
         limit = cfg.growth_factor * math.sqrt((1 + 1.5 * L) / 1.5)
         if first > 0 and last / first > limit:
             per_layer = ", ".join(f"{tr.block_out[i][0]:.3g}" for i in sorted(tr.block_out))
-            findings.append(Finding(
-                code="residual-growth", severity="warning", module=container,
-                message=f"at init the residual stream's RMS grows {last / first:.3g}x from the first block's "
-                f"output to the last one's ({first:.3g} -> {last:.3g}; limit {limit:.3g} = "
-                f"{cfg.growth_factor:g} * sqrt((1 + 3L/2) / (3/2)), L={L}); per block: {per_layer}",
-                fix="normalize each branch's input (Pre-Norm) and scale the init of each branch's output "
-                "projection down with depth (std 0.02/sqrt(2L) as GPT-2, or a 1/sqrt(2L) branch scale)",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    code="residual-growth",
+                    severity="warning",
+                    module=container,
+                    message=f"at init the residual stream's RMS grows {last / first:.3g}x from the first block's "
+                    f"output to the last one's ({first:.3g} -> {last:.3g}; limit {limit:.3g} = "
+                    f"{cfg.growth_factor:g} * sqrt((1 + 3L/2) / (3/2)), L={L}); per block: {per_layer}",
+                    fix="normalize each branch's input (Pre-Norm) and scale the init of each branch's output "
+                    "projection down with depth (std 0.02/sqrt(2L) as GPT-2, or a 1/sqrt(2L) branch scale)",
+                )
+            )
 
-    label = {"pre": "Pre-Norm", "post": "Post-Norm", "none": "no norm", "bad": "non-identity skip",
-             None: "not checked"}  # fmt: skip
+    label = {"pre": "Pre-Norm", "post": "Post-Norm", "none": "no norm", "bad": "non-identity skip", None: "not checked"}
     counts = {k: kinds.count(k) for k in label if kinds.count(k)}
     if len(counts) == 1:
         placement = label[next(iter(counts))]
@@ -617,14 +697,19 @@ def diagnose(model: nn.Module, example_batch: Any, *, blocks: Any = None, config
     # a class name that contradicts what the block does (addnorm's EncoderLayer with causal=True is a decoder-only
     # block) is left out rather than repeated
     misleading = ("encoder" in name.lower() and direction == "causal") or (
-        "decoder" in name.lower() and direction == "bidirectional")
+        "decoder" in name.lower() and direction == "bidirectional"
+    )
     what = f"{L} blocks" if misleading else f"{L} blocks of {name}"
     attention = {"causal": ", causal (decoder-only)", "bidirectional": ", bidirectional (encoder)"}.get(direction, "")
-    findings.append(Finding(
-        code="summary", severity="info", module=container,
-        message=f"{what} at '{container}'{attention}, placement {placement}, d_model {d_model}",
-        fix="none needed",
-    ))  # fmt: skip
+    findings.append(
+        Finding(
+            code="summary",
+            severity="info",
+            module=container,
+            message=f"{what} at '{container}'{attention}, placement {placement}, d_model {d_model}",
+            fix="none needed",
+        )
+    )
     return _sorted(findings)
 
 

@@ -67,8 +67,7 @@ def load_target(target: str) -> tuple[Any, Any]:
     try:
         spec.loader.exec_module(module)
     except SystemExit as e:
-        raise TargetError(f"importing {path_str} called {_exit_text(e)}: a target that exits cannot be "
-                          "checked") from e  # fmt: skip
+        raise TargetError(f"importing {path_str} called {_exit_text(e)}: a target that exits cannot be checked") from e
     except Exception as e:  # noqa: BLE001
         raise TargetError(f"importing {path_str} failed: {type(e).__name__}: {e}") from e
     finally:
@@ -99,8 +98,11 @@ def _check_model_type(model_type: str, where: str) -> None:
     if model_type in known:
         return
     close = difflib.get_close_matches(model_type, known, n=5, cutoff=0.6)
-    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
-            else f"no model type of transformers {transformers.__version__} is close to it")  # fmt: skip
+    hint = (
+        f"did you mean {' or '.join(repr(c) for c in close)}?"
+        if close
+        else f"no model type of transformers {transformers.__version__} is close to it"
+    )
     raise TargetError(f"--hf-config: {where} has model_type {model_type!r}, which transformers does not know; {hint}")
 
 
@@ -217,8 +219,10 @@ def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
         try:
             findings = diagnose(model, batch)
         except SystemExit as e:  # the model's forward/backward exited: not a clean pass
-            raise TargetError(f"the model called {_exit_text(e)} during the example forward/backward: a target "
-                              "that exits cannot be checked") from e  # fmt: skip
+            raise TargetError(
+                f"the model called {_exit_text(e)} during the example forward/backward: a target "
+                "that exits cannot be checked"
+            ) from e
         except Exception as e:  # noqa: BLE001 - a bug in the doctor itself should still say what happened
             raise _CheckFailed(e) from e
     return findings, title
@@ -244,8 +248,11 @@ def _print_human(findings: list, title: str) -> None:
             continue
         print(f"\n{sev.upper()}S ({counts[sev]})" if counts[sev] > 1 else f"\n{sev.upper()} (1)")
         for (code, message, fix), modules in groups.items():
-            where = modules[0] if len(modules) == 1 else f"{', '.join(modules[:4])}" + (
-                f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+            where = (
+                modules[0]
+                if len(modules) == 1
+                else f"{', '.join(modules[:4])}" + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+            )
             print(f"  [{code}] {where}")
             print(f"      {message}")
             if fix and fix != "none needed":
@@ -275,8 +282,11 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"addnorm doctor: the checks themselves failed: {type(cause).__name__}: {cause}{hint}", file=sys.stderr)
         return 2
     except DoctorTimeout:
-        print(f"addnorm doctor: the target did not finish loading and checking within --timeout {args.timeout:g} s; "
-              "give a longer --timeout (0: none) or a smaller model", file=sys.stderr)  # fmt: skip
+        print(
+            f"addnorm doctor: the target did not finish loading and checking within --timeout {args.timeout:g} s; "
+            "give a longer --timeout (0: none) or a smaller model",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("\naddnorm doctor: interrupted", file=sys.stderr)
@@ -306,17 +316,27 @@ def register(subparsers) -> None:
         "target prints goes to stderr (stdout carries only the report). Exit status: 1 if an error was found (a "
         "forward or backward that raises is one), 2 if the target could not be loaded or checked (importing it or "
         "FACTORY() raised, it called sys.exit, or it ran past --timeout), 130 on Ctrl-C, else 0.",
-    )  # fmt: skip
+    )
     p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_batch)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...]} as JSON')
-    p.add_argument("--hf-config", metavar="CONFIG.json",
-                   help="build a random-init Hugging Face model from a local config.json (or its folder)")
-    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up when loading and checking the target takes longer (default {DEFAULT_TIMEOUT_S:g}; "
-                        "0: no limit)")  # fmt: skip
-    p.add_argument("--traceback", action="store_true",
-                   help="when the target fails to load (or the checks fail), print the Python traceback: where in "
-                        "your file it failed")  # fmt: skip
+    p.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="build a random-init Hugging Face model from a local config.json (or its folder)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"give up when loading and checking the target takes longer (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        help="when the target fails to load (or the checks fail), print the Python traceback: where in "
+        "your file it failed",
+    )
     p.set_defaults(func=_doctor)
 
 

@@ -218,9 +218,18 @@ class Monitor:
             log-sum-exp over (B*T, V) logits costs about as much as the loss itself on CPU); None: all positions.
     """
 
-    def __init__(self, model: nn.Module, *, blocks: Any = None, probe: Any = None,
-                 jsonl: str | os.PathLike | None = None, tensorboard: str | os.PathLike | None = None,
-                 record_every: int = 1, probe_every: int = 10, logz_rows: int | None = 256) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        blocks: Any = None,
+        probe: Any = None,
+        jsonl: str | os.PathLike | None = None,
+        tensorboard: str | os.PathLike | None = None,
+        record_every: int = 1,
+        probe_every: int = 10,
+        logz_rows: int | None = 256,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(record_every, int) or record_every < 1:
@@ -268,8 +277,11 @@ class Monitor:
                     self._handles.append(m.register_forward_hook(self._make_norm_hook(i)))
             attn = [m for m in block.modules() if any(hasattr(m, a) for a in MAX_ATTN_LOGIT_ATTRS)]
             if not attn:  # the attribute may appear only after a forward: remember attention-looking modules
-                attn = [m for m in block.modules() if "attn" in type(m).__name__.lower()
-                        or "attention" in type(m).__name__.lower()]  # fmt: skip
+                attn = [
+                    m
+                    for m in block.modules()
+                    if "attn" in type(m).__name__.lower() or "attention" in type(m).__name__.lower()
+                ]
             self._attn_modules.append(attn)
         self._handles.append(model.register_forward_pre_hook(self._model_pre_hook))
         self._handles.append(model.register_forward_hook(self._model_hook))

@@ -37,15 +37,23 @@ def _matrix(history: Sequence[dict], key: str) -> tuple[list[int], list[list[flo
     steps, rows = layer_series(history, key)
     n = max(len(r) for r in rows)
     # Missing or non-finite values become NaN, which matplotlib leaves blank.
-    grid = [[float(v) if v is not None and math.isfinite(v) else math.nan for v in r] + [math.nan] * (n - len(r))
-            for r in rows]  # fmt: skip
+    grid = [
+        [float(v) if v is not None and math.isfinite(v) else math.nan for v in r] + [math.nan] * (n - len(r))
+        for r in rows
+    ]
     if all(math.isnan(v) for r in grid for v in r):
         raise ValueError(f"key={key!r}: no layer has a value for it in this history")
     return steps, grid
 
 
-def plot_layer_heatmap(history: Sequence[dict], key: str = "grad_norm", path: str | os.PathLike | None = None, *,
-                       log: bool = True, title: str | None = None):  # fmt: skip
+def plot_layer_heatmap(
+    history: Sequence[dict],
+    key: str = "grad_norm",
+    path: str | os.PathLike | None = None,
+    *,
+    log: bool = True,
+    title: str | None = None,
+):
     """Heatmap of ``record["layers"][i][key]``: layers on the y axis (first layer at the bottom), records on x,
     log colour scale (values <= 0 are left blank on it). Returns the matplotlib Figure."""
     Figure, LogNorm, Normalize = _matplotlib()
@@ -61,8 +69,15 @@ def plot_layer_heatmap(history: Sequence[dict], key: str = "grad_norm", path: st
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     x0, x1 = steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1
-    image = ax.imshow(layers, aspect="auto", origin="lower", interpolation="nearest", norm=norm, cmap="viridis",
-                      extent=(x0, x1, -0.5, len(layers) - 0.5))  # fmt: skip
+    image = ax.imshow(
+        layers,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        norm=norm,
+        cmap="viridis",
+        extent=(x0, x1, -0.5, len(layers) - 0.5),
+    )
     fig.colorbar(image, ax=ax, label=key + (" (log scale)" if log else ""))
     ax.set_xlabel("step")
     ax.set_ylabel("layer")
@@ -72,8 +87,15 @@ def plot_layer_heatmap(history: Sequence[dict], key: str = "grad_norm", path: st
     return fig
 
 
-def plot_layer_curves(history: Sequence[dict], key: str = "residual_rms", path: str | os.PathLike | None = None, *,
-                      layers: Sequence[int] | None = None, log: bool = True, title: str | None = None):  # fmt: skip
+def plot_layer_curves(
+    history: Sequence[dict],
+    key: str = "residual_rms",
+    path: str | os.PathLike | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+    log: bool = True,
+    title: str | None = None,
+):
     """One line per layer of ``key`` against the step (log y axis by default). Returns the matplotlib Figure."""
     Figure, _, _ = _matplotlib()
     steps, grid = _matrix(history, key)

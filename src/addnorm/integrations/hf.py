@@ -53,8 +53,18 @@ from addnorm.integrations import layer_match, norm_probe
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.add_norm import add_rms_norm
 
-__all__ = ["apply", "revert", "is_applied", "apply_status", "fused_layer_classes", "tiny_config", "tiny_model",
-           "FAMILIES", "CastBeforeWeightRMSNorm", "HFRMSNorm"]
+__all__ = [
+    "apply",
+    "revert",
+    "is_applied",
+    "apply_status",
+    "fused_layer_classes",
+    "tiny_config",
+    "tiny_model",
+    "FAMILIES",
+    "CastBeforeWeightRMSNorm",
+    "HFRMSNorm",
+]
 
 _INSTALL_HINT = "pip install 'addnorm[hf]'"
 _PATCH_ATTR = "_addnorm_hf_patch"
@@ -142,8 +152,13 @@ def _zero_centered_norm(old: nn.Module) -> nn.Module:
 
 
 def _layer_norm(old: nn.LayerNorm) -> nn.Module:
-    new = LayerNorm(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine,
-                    bias=old.bias is not None, device="meta")  # fmt: skip
+    new = LayerNorm(
+        old.normalized_shape,
+        eps=old.eps,
+        elementwise_affine=old.elementwise_affine,
+        bias=old.bias is not None,
+        device="meta",
+    )
     return _share_params(new, old)
 
 
@@ -254,9 +269,12 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
             )
         hidden_states, residual = self.ln_cross_attn(branch, residual)
         branch, _ = self.crossattention(
-            hidden_states, cache=cache, attention_mask=mask, encoder_hidden_states=encoder_hidden_states,
+            hidden_states,
+            cache=cache,
+            attention_mask=mask,
+            encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_mask,
-        )  # fmt: skip
+        )
     hidden_states, residual = self.ln_2(branch, residual)
     return residual + self.mlp(hidden_states)
 
@@ -281,10 +299,22 @@ _TEMPLATE_RULES = {
 
 # GPT-2's block (self- and cross-attention, several return paths) is matched by the lines the fused forward rewrites
 # and its exact parameters; the attribute names are GPT-2's own.
-_GPT2_LINES = ("hidden_states = attn_output + residual", "hidden_states = self.ln_2(hidden_states)",
-               "hidden_states = residual + cross_attn_output", "hidden_states = residual + feed_forward_hidden_states")
-_GPT2_PARAMS = ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-                "use_cache", "kwargs")  # fmt: skip
+_GPT2_LINES = (
+    "hidden_states = attn_output + residual",
+    "hidden_states = self.ln_2(hidden_states)",
+    "hidden_states = residual + cross_attn_output",
+    "hidden_states = residual + feed_forward_hidden_states",
+)
+_GPT2_PARAMS = (
+    "self",
+    "hidden_states",
+    "cache",
+    "attention_mask",
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "use_cache",
+    "kwargs",
+)
 _GPT2_ROLES = {"norm1": "ln_1", "attn": "attn", "norm2": "ln_2", "mlp": "mlp"}
 
 
@@ -331,10 +361,17 @@ def _fused_class(cls: type, rule: _LayerRule, roles: dict[str, str]) -> type:
     a layer class, e.g. GradientCheckpointingLayer wraps a subclass's forward."""
     if cls not in _FUSED_CLASSES:
         name = f"AddNormFused{cls.__name__}"
-        sub = type(name, (cls,), {
-            "forward": rule.forward, "__module__": __name__, "__qualname__": name,
-            "_addnorm_signature": _Signature.of(cls.forward), "_addnorm_roles": dict(roles),
-        })  # fmt: skip
+        sub = type(
+            name,
+            (cls,),
+            {
+                "forward": rule.forward,
+                "__module__": __name__,
+                "__qualname__": name,
+                "_addnorm_signature": _Signature.of(cls.forward),
+                "_addnorm_roles": dict(roles),
+            },
+        )
         globals()[name] = sub
         _FUSED_CLASSES[cls] = sub
     return _FUSED_CLASSES[cls]
@@ -392,8 +429,10 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             if info is not None:
                 swaps.append((parent, name, child, info))
     if not swaps:
-        raise ValueError(f"model: {type(model).__name__} has no norm module that addnorm reproduces exactly "
-                         "(LayerNorm, RMSNorm in Llama's or Gemma's cast order); nothing to apply")  # fmt: skip
+        raise ValueError(
+            f"model: {type(model).__name__} has no norm module that addnorm reproduces exactly "
+            "(LayerNorm, RMSNorm in Llama's or Gemma's cast order); nothing to apply"
+        )
     for parent, name, old, info in swaps:
         new = norm_probe.make_addnorm(old, info)
         setattr(parent, name, new)
@@ -412,16 +451,18 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             module.__class__ = _fused_class(cls, rule, roles)
             patch.classes.append((module, cls))
         if not patch.classes:
-            warnings.warn(f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
-                          "sandwich, post-output, GPT-2 block); its norms were swapped, its adds left as they are",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
+                "sandwich, post-output, GPT-2 block); its norms were swapped, its adds left as they are",
+                stacklevel=2,
+            )
 
     object.__setattr__(model, _PATCH_ATTR, patch)
     return model
 
 
 def apply_status(model: nn.Module) -> str:
-    """"fused" (some residual add runs fused with its norm), "norms" (norms swapped only) or "none" (not applied)."""
+    """ "fused" (some residual add runs fused with its norm), "norms" (norms swapped only) or "none" (not applied)."""
     if not is_applied(model):
         return "none"
     return "fused" if getattr(model, _PATCH_ATTR).classes else "norms"
@@ -460,8 +501,15 @@ def revert(model: nn.Module) -> nn.Module:
 # Tiny random models, for tests, benchmarks and docs (nothing is downloaded)
 # --------------------------------------------------------------------------------------------------------------
 
-_DECODER_SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+_DECODER_SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 # Families with hand-sized tiny configs (tests, benchmarks, docs); tiny_config builds any other model_type too.
@@ -472,10 +520,21 @@ def _config_classes():
     import transformers as t
 
     return {
-        "gpt2": (t.GPT2Config, dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1,
-                                    eos_token_id=2)),  # fmt: skip
-        "bert": (t.BertConfig, dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=128, max_position_embeddings=128)),  # fmt: skip
+        "gpt2": (
+            t.GPT2Config,
+            dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2),
+        ),
+        "bert": (
+            t.BertConfig,
+            dict(
+                vocab_size=128,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=128,
+            ),
+        ),
         "llama": (t.LlamaConfig, _DECODER_SIZES),
         "mistral": (t.MistralConfig, _DECODER_SIZES),
         "qwen2": (t.Qwen2Config, _DECODER_SIZES),
@@ -498,8 +557,9 @@ def tiny_config(family: str, **overrides):
     from addnorm.integrations.survey import tiny
 
     if not isinstance(family, str) or family not in tiny.config_names():
-        raise ValueError(f"family must be a model_type of the installed transformers (e.g. {', '.join(classes)}), "
-                         f"got {family!r}")  # fmt: skip
+        raise ValueError(
+            f"family must be a model_type of the installed transformers (e.g. {', '.join(classes)}), got {family!r}"
+        )
     try:
         return tiny.tiny_config(family, **overrides)
     except tiny.SkipModel as e:

@@ -92,8 +92,9 @@ class _Canon(ast.NodeTransformer):
         if isinstance(node.value, ast.Name) and node.value.id == "self":
             if node.attr not in self.attrs:
                 self.attrs.append(node.attr)
-            return ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=f"A{self.attrs.index(node.attr)}",
-                                 ctx=node.ctx)  # fmt: skip
+            return ast.Attribute(
+                value=ast.Name(id="self", ctx=ast.Load()), attr=f"A{self.attrs.index(node.attr)}", ctx=node.ctx
+            )
         return self.generic_visit(node)
 
     def visit_Name(self, node):
@@ -108,8 +109,13 @@ class _Canon(ast.NodeTransformer):
         rest = set(self.named[1:])
         passed = {k.arg for k in node.keywords if k.arg and isinstance(k.value, ast.Name) and k.value.id == k.arg}
         var = [k for k in node.keywords if k.arg is None]
-        if self.var_kw and rest <= passed and len(var) == 1 and isinstance(var[0].value, ast.Name) \
-                and var[0].value.id == self.var_kw:  # fmt: skip
+        if (
+            self.var_kw
+            and rest <= passed
+            and len(var) == 1
+            and isinstance(var[0].value, ast.Name)
+            and var[0].value.id == self.var_kw
+        ):
             keep = [k for k in node.keywords if k.arg is not None and k.arg not in rest]
             node.keywords = keep + [ast.keyword(arg=None, value=ast.Name(id=_ALL, ctx=ast.Load()))]
         return self.generic_visit(node)
@@ -128,8 +134,12 @@ def _canonical(source: str) -> tuple[str, list[str]] | None:
     var_kw = args.kwarg.arg if args.kwarg else None
     params = named + ([var_kw] if var_kw else []) + ([args.vararg.arg] if args.vararg else [])
     body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):  # fmt: skip
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], "value", None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     canon = _Canon(params, named, var_kw)
     body = [canon.visit(stmt) for stmt in body]

@@ -130,8 +130,13 @@ def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     elif info.addnorm == "rmsnorm-cast-before-weight":
         new = CastBeforeWeightRMSNorm(n, eps=eps, device=device)
     elif info.addnorm in ("rmsnorm", "rmsnorm-zero-centered"):
-        new = HFRMSNorm(n, eps=eps, elementwise_affine=info.weight, device=device,
-                      zero_centered_weight=info.addnorm == "rmsnorm-zero-centered")  # fmt: skip
+        new = HFRMSNorm(
+            n,
+            eps=eps,
+            elementwise_affine=info.weight,
+            device=device,
+            zero_centered_weight=info.addnorm == "rmsnorm-zero-centered",
+        )
     else:
         raise ValueError(f"no addnorm module reproduces {type(m).__name__}")
     for name in ("weight", "bias"):
@@ -154,8 +159,9 @@ def _exact(m: nn.Module, info: NormInfo, x: Tensor) -> bool:
             scale = ya.abs().max().item()
             if dtype == torch.float32 and (ya - yb).abs().max().item() > 1e-6 * scale:
                 return False
-            if dtype == torch.bfloat16 and ((ya != yb).float().mean().item() > 0.01
-                                            or (ya - yb).abs().max().item() > 2**-7 * scale):
+            if dtype == torch.bfloat16 and (
+                (ya != yb).float().mean().item() > 0.01 or (ya - yb).abs().max().item() > 2**-7 * scale
+            ):
                 return False
         return True
     except Exception:  # noqa: BLE001 - a module that does not run like a norm is not reproduced
@@ -202,7 +208,7 @@ def _probe(m: nn.Module, params: dict, n: int) -> NormInfo | None:
     w, b = params.get("weight") is not None, params.get("bias") is not None
     wt = unit.weight.detach() if w else None
     bt = unit.bias.detach() if b else None
-    for zc in ((False, True) if w else (False,)):
+    for zc in (False, True) if w else (False,):
         gain = copy.deepcopy(unit)
         _set_gain(gain, zc)
         eps = _attr_eps(m)

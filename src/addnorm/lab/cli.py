@@ -32,59 +32,93 @@ QUICK_OUT = "addnorm-report-quick"  # a smoke run must not overwrite the default
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "lab", help="run the stability lab experiments and write an HTML/Markdown/JSON report",
-        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "lab",
+        help="run the stability lab experiments and write an HTML/Markdown/JSON report",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--list", action="store_true", help="list the experiments (name, claim, source) and exit")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments (see --list)")
-    p.add_argument("--quick", action="store_true",
-                   help="smaller sizes: a smoke run that checks the installation, not evidence (its verdicts can "
-                        "differ from the default sizes'); written to addnorm-report-quick/ unless --out is "
-                        "given")  # fmt: skip
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory for the report, figures and cache (default: addnorm-report/, or "
-                        "addnorm-report-quick/ with --quick); one run at a time per directory")  # fmt: skip
-    p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="worker processes for the experiments' tasks, one torch thread each (default: the number of "
-                        "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process); the "
-                        "results are the same for any N")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed every experiment starts from, 0 <= SEED < 2**32 (default: 0)")  # fmt: skip
-    p.add_argument("--device", default="auto",
-                   help="torch device to run on: auto (cuda if present, else cpu), cpu, cuda, cuda:N")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes: a smoke run that checks the installation, not evidence (its verdicts can "
+        "differ from the default sizes'); written to addnorm-report-quick/ unless --out is "
+        "given",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output directory for the report, figures and cache (default: addnorm-report/, or "
+        "addnorm-report-quick/ with --quick); one run at a time per directory",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes for the experiments' tasks, one torch thread each (default: the number of "
+        "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process); the "
+        "results are the same for any N",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="random seed every experiment starts from, 0 <= SEED < 2**32 (default: 0)"
+    )
+    p.add_argument(
+        "--device", default="auto", help="torch device to run on: auto (cuda if present, else cpu), cpu, cuda, cuda:N"
+    )
     p.add_argument("--fresh", action="store_true", help="ignore cached results and recompute everything selected")
-    p.add_argument("--json", action="store_true",
-                   help="print results.json to stdout at the end (the verdict table then goes to stderr)")  # fmt: skip
-    p.add_argument("--shard", metavar="K/N",
-                   help="run only part K of N of the selected experiments (a fixed split, K in 1..N); combine the "
-                        "parts with `addnorm lab merge`")  # fmt: skip
-    p.add_argument("--threads", type=int, metavar="N", default=1,
-                   help="torch intra-op threads for the run (default 1: the experiments' tensors are tiny, and "
-                        "threads waiting on each other made the suite several times slower on 2 cores; 0 keeps "
-                        "torch's own setting)")  # fmt: skip
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print results.json to stdout at the end (the verdict table then goes to stderr)",
+    )
+    p.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run only part K of N of the selected experiments (a fixed split, K in 1..N); combine the "
+        "parts with `addnorm lab merge`",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        default=1,
+        help="torch intra-op threads for the run (default 1: the experiments' tensors are tiny, and "
+        "threads waiting on each other made the suite several times slower on 2 cores; 0 keeps "
+        "torch's own setting)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_lab)
 
     sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc}")
     m = sub.add_parser(
-        "merge", help="combine the output directories of `addnorm lab --shard K/N` runs into one report",
+        "merge",
+        help="combine the output directories of `addnorm lab --shard K/N` runs into one report",
         description="Combine shard output directories into one report. Fails if two directories disagree on an "
-                    "experiment's result, or were run with different --quick/--seed/--device or addnorm versions.",
-    )  # fmt: skip
+        "experiment's result, or were run with different --quick/--seed/--device or addnorm versions.",
+    )
     m.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of the shard runs")
     m.add_argument("--out", required=True, metavar="DIR", help="directory for the merged report")
     m.add_argument("--json", action="store_true", help="print the merged results.json to stdout")
     m.set_defaults(func=_merge)
 
     d = sub.add_parser(
-        "doc", help="render a run's results.json as the Markdown of docs/lab-results.md",
+        "doc",
+        help="render a run's results.json as the Markdown of docs/lab-results.md",
         description="Render the results of a lab run (OUT/results.json) as Markdown: the machine (CPU, cores), torch "
-                    "version, date, wall time and --jobs, the empirical verdicts with each experiment's summary and "
-                    "per-seed numbers, and the sanity checks and demonstrations apart. Prints it, or writes it to "
-                    "--output.",
-    )  # fmt: skip
-    d.add_argument("dir", nargs="?", default=DEFAULT_OUT, metavar="OUT",
-                   help=f"the output directory of an `addnorm lab` run (default: {DEFAULT_OUT}/)")  # fmt: skip
+        "version, date, wall time and --jobs, the empirical verdicts with each experiment's summary and "
+        "per-seed numbers, and the sanity checks and demonstrations apart. Prints it, or writes it to "
+        "--output.",
+    )
+    d.add_argument(
+        "dir",
+        nargs="?",
+        default=DEFAULT_OUT,
+        metavar="OUT",
+        help=f"the output directory of an `addnorm lab` run (default: {DEFAULT_OUT}/)",
+    )
     d.add_argument("--output", metavar="FILE", help="write the Markdown here (e.g. docs/lab-results.md), not to stdout")
     d.set_defaults(func=_doc)
 
@@ -125,9 +159,18 @@ def _lab(args: argparse.Namespace) -> int:
         shard = parse_shard(args.shard) if args.shard else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-        options = RunOptions(out=args.out, only=args.only, quick=args.quick, seed=args.seed, device=args.device,
-                             fresh=args.fresh, shard=shard, progress=not args.no_progress,
-                             threads=args.threads or None, jobs=args.jobs)  # fmt: skip
+        options = RunOptions(
+            out=args.out,
+            only=args.only,
+            quick=args.quick,
+            seed=args.seed,
+            device=args.device,
+            fresh=args.fresh,
+            shard=shard,
+            progress=not args.no_progress,
+            threads=args.threads or None,
+            jobs=args.jobs,
+        )
         summary = run(options)
     except ValueError as err:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
@@ -137,8 +180,11 @@ def _lab(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
-        print(f"\naddnorm lab: interrupted; finished experiments and tasks are kept in {Path(args.out) / 'runs'}; "
-              "run the same command again to resume", file=sys.stderr)  # fmt: skip
+        print(
+            f"\naddnorm lab: interrupted; finished experiments and tasks are kept in {Path(args.out) / 'runs'}; "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
         return 130
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
         return 1 if summary.failed else 0

@@ -31,9 +31,10 @@ seed determine (merge compares them across machines); timings differ on every ru
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -115,8 +116,14 @@ EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def experiment(
-    name: str, *, claim: str, source: str, config: dict[str, Any] | None = None, criterion: str = "",
-    kind: str = "empirical", precondition: str = "",
+    name: str,
+    *,
+    claim: str,
+    source: str,
+    config: dict[str, Any] | None = None,
+    criterion: str = "",
+    kind: str = "empirical",
+    precondition: str = "",
 ):
     """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule,
     ``precondition`` the control, ``kind`` whether it is evidence (see the module docstring)."""
@@ -125,8 +132,14 @@ def experiment(
         if name in EXPERIMENTS:
             raise ValueError(f"experiment {name!r} is registered twice")
         EXPERIMENTS[name] = Experiment(
-            name=name, claim=claim, source=source, run=fn, config=dict(config or {}), criterion=criterion,
-            kind=kind, precondition=precondition,
+            name=name,
+            claim=claim,
+            source=source,
+            run=fn,
+            config=dict(config or {}),
+            criterion=criterion,
+            kind=kind,
+            precondition=precondition,
         )
         return fn
 

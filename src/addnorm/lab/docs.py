@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from addnorm.lab.report import (KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, md_table,
-                                per_seed_table)  # fmt: skip
+from addnorm.lab.report import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, md_table, per_seed_table
 
 MACHINE_NOTE = (
     "Each machine repeats its own numbers exactly (same code, seed and torch version), but high-LR training runs "
@@ -30,15 +29,20 @@ def _machine(meta: dict[str, Any]) -> str:
 def _wall(meta: dict[str, Any], total: int) -> str:
     seconds, computed, cached = meta.get("seconds"), meta.get("computed_seconds"), meta.get("cached") or 0
     jobs, world = meta.get("jobs"), meta.get("world_size") or 1
-    how = (f"--jobs {jobs}" if jobs else "--jobs not recorded") + (f" on each of {world} torchrun ranks"
-                                                                    if world > 1 else "")  # fmt: skip
+    how = (f"--jobs {jobs}" if jobs else "--jobs not recorded") + (
+        f" on each of {world} torchrun ranks" if world > 1 else ""
+    )
     if seconds is None:
-        return f"merged from {len(meta.get('merged_from') or [])} shard runs; computing the results took " \
-               f"{fmt_seconds(computed)}"  # fmt: skip
+        return (
+            f"merged from {len(meta.get('merged_from') or [])} shard runs; computing the results took "
+            f"{fmt_seconds(computed)}"
+        )
     if cached and cached >= total:
-        return (f"every result came from the cache of an earlier run (computing them took {fmt_seconds(computed)} "
-                "of experiment time; that run's wall time and --jobs are not recorded here: regenerate from a fresh "
-                "run for them)")  # fmt: skip
+        return (
+            f"every result came from the cache of an earlier run (computing them took {fmt_seconds(computed)} "
+            "of experiment time; that run's wall time and --jobs are not recorded here: regenerate from a fresh "
+            "run for them)"
+        )
     text = f"wall time {fmt_seconds(seconds)} with {how}"
     if cached:
         text += f" ({cached} of {total} results from the cache of an earlier run)"
@@ -73,8 +77,9 @@ def render_results_doc(doc: dict[str, Any]) -> str:
             continue
         title, what = KIND_TITLES[kind]
         lines += [f"## {title}", "", f"{what[0].upper()}{what[1:]}.", ""]
-        lines += md_table(["experiment", "verdict", "summary"],
-                          [[r["name"], r["verdict"], r.get("summary") or ""] for r in records]) + [""]  # fmt: skip
+        lines += md_table(
+            ["experiment", "verdict", "summary"], [[r["name"], r["verdict"], r.get("summary") or ""] for r in records]
+        ) + [""]
         for r in records:
             lines += _section(r)
     return "\n".join(lines).rstrip() + "\n"
@@ -82,8 +87,12 @@ def render_results_doc(doc: dict[str, Any]) -> str:
 
 def _section(r: dict[str, Any]) -> list[str]:
     lines = [f"### {r['name']}: {r['verdict']}", ""]
-    for label, field in (("Claim", "claim"), ("Source", "source"), ("Criterion", "criterion"),
-                         ("Control (precondition)", "precondition")):  # fmt: skip
+    for label, field in (
+        ("Claim", "claim"),
+        ("Source", "source"),
+        ("Criterion", "criterion"),
+        ("Control (precondition)", "precondition"),
+    ):
         if r.get(field):
             lines += [f"{label}: {r[field]}", ""]
     if r.get("reason"):

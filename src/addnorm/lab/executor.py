@@ -44,12 +44,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-from concurrent.futures.process import BrokenProcessPool
 
 from addnorm.io import atomic_write_text, json_default
 
@@ -116,8 +117,12 @@ def _isolated_globals():
 
 def _save_globals() -> tuple:
     np = sys.modules.get("numpy")
-    return (torch.random.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None,
-            torch.get_default_dtype())  # fmt: skip
+    return (
+        torch.random.get_rng_state(),
+        random.getstate(),
+        np.random.get_state() if np is not None else None,
+        torch.get_default_dtype(),
+    )
 
 
 def _restore_globals(saved: tuple) -> None:
@@ -136,8 +141,10 @@ def run_task(fn: Callable[..., Any], task: dict[str, Any]) -> str:
     try:
         return json.dumps(result, allow_nan=True, default=json_default)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"task {task_name(fn)} returned data that is not JSON-serializable ({err}); ctx.map tasks "
-                        "must return dicts, lists, numbers, strings or None") from None  # fmt: skip
+        raise TypeError(
+            f"task {task_name(fn)} returned data that is not JSON-serializable ({err}); ctx.map tasks "
+            "must return dicts, lists, numbers, strings or None"
+        ) from None
 
 
 def _init_worker(lifeline: Any) -> None:
@@ -169,8 +176,10 @@ def _check_picklable(fn: Callable[..., Any], task: dict[str, Any]) -> None:
     try:
         pickle.dumps((fn, task))
     except Exception as err:  # noqa: BLE001 - pickle raises many types
-        raise TypeError(f"ctx.map needs a module-level function and picklable task arguments, so tasks can run in "
-                        f"worker processes; {task_name(fn)} with {sorted(task)}: {err}") from None  # fmt: skip
+        raise TypeError(
+            f"ctx.map needs a module-level function and picklable task arguments, so tasks can run in "
+            f"worker processes; {task_name(fn)} with {sorted(task)}: {err}"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------- task cache
@@ -190,11 +199,12 @@ class TaskCache:
 
     def key(self, salt: str, fn: Callable[..., Any], task: dict[str, Any]) -> str:
         try:
-            blob = json.dumps({"fn": task_name(fn), "task": task, "salt": salt}, sort_keys=True,
-                              default=_key_default)  # fmt: skip
+            blob = json.dumps({"fn": task_name(fn), "task": task, "salt": salt}, sort_keys=True, default=_key_default)
         except (TypeError, ValueError) as err:
-            raise TypeError(f"ctx.map task arguments of {task_name(fn)} must be JSON-like values (numbers, strings, "
-                            f"lists, dicts) so a finished task can be found again: {err}") from None  # fmt: skip
+            raise TypeError(
+                f"ctx.map task arguments of {task_name(fn)} must be JSON-like values (numbers, strings, "
+                f"lists, dicts) so a finished task can be found again: {err}"
+            ) from None
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
     def path(self, key: str) -> Path | None:
@@ -285,8 +295,15 @@ _MISSING = object()
 class Executor:
     """Runs tasks for ``ctx.map`` (see the module docstring). Use as a context manager: it owns a process pool."""
 
-    def __init__(self, jobs: int = 1, *, cache_dir: Path | None = None, read_cache: bool = True,
-                 group: Group | None = None, on_tasks: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        jobs: int = 1,
+        *,
+        cache_dir: Path | None = None,
+        read_cache: bool = True,
+        group: Group | None = None,
+        on_tasks: Callable[[int, int], None] | None = None,
+    ) -> None:
         if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
             raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
         self.jobs = jobs
@@ -308,7 +325,7 @@ class Executor:
         self._saved_state: dict[int, tuple] = {}  # a waiting driver's RNG states and default dtype
 
     # -- lifecycle
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -355,8 +372,9 @@ class Executor:
                     ctx.set_forkserver_preload(["torch", "addnorm.lab.executor"])
                 # Only this process holds the write end: the workers see EOF when it dies (_exit_with_parent).
                 lifeline, self._lifeline = ctx.Pipe(duplex=False)
-                self._pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_init_worker,
-                                                    initargs=(lifeline,))  # fmt: skip
+                self._pool = cf.ProcessPoolExecutor(
+                    max_workers=self.jobs, mp_context=ctx, initializer=_init_worker, initargs=(lifeline,)
+                )
             return self._pool
 
     def warm_up(self) -> None:
@@ -410,6 +428,7 @@ class Executor:
         if self.group.enabled:
             self._map_ranks(fn, tasks, keys, missing, results)
         else:
+
             def store(i: int, text: str) -> None:
                 self.cache.store(keys[i], fn, text)
                 results[i] = json.loads(text)
@@ -417,8 +436,9 @@ class Executor:
             self._compute(fn, tasks, missing, store)
         return results
 
-    def _compute(self, fn: Callable[..., Any], tasks: list[dict[str, Any]], indices: list[int],
-                 done: Callable[[int, str], None]) -> None:  # fmt: skip
+    def _compute(
+        self, fn: Callable[..., Any], tasks: list[dict[str, Any]], indices: list[int], done: Callable[[int, str], None]
+    ) -> None:
         """Run ``tasks[i]`` for ``i`` in ``indices``; ``done(i, json_text)`` as each finishes. Raises the first
         task error (after cancelling this call's other tasks)."""
         if self.jobs == 1:
@@ -488,17 +508,23 @@ class Executor:
         if failures:
             raise failures[0]
 
-    def _map_ranks(self, fn: Callable[..., Any], tasks: list[dict[str, Any]], keys: list[str], missing: list[int],
-                   results: list[Any]) -> None:  # fmt: skip
+    def _map_ranks(
+        self,
+        fn: Callable[..., Any],
+        tasks: list[dict[str, Any]],
+        keys: list[str],
+        missing: list[int],
+        results: list[Any],
+    ) -> None:
         """torchrun: in rounds, each rank computes its share of the missing tasks; everyone gets all results."""
         world, rank = self.group.world_size, self.group.rank
         per_round = world * self.jobs * ROUND_TASKS_PER_WORKER
         for start in range(0, len(missing), per_round):
-            chunk = missing[start:start + per_round]
+            chunk = missing[start : start + per_round]
             mine: dict[int, tuple[str, str]] = {}
             error = None
             try:
-                self._compute(fn, tasks, chunk[rank::world], lambda i, text: mine.__setitem__(i, ("ok", text)))
+                self._compute(fn, tasks, chunk[rank::world], lambda i, text: mine.__setitem__(i, ("ok", text)))  # noqa: B023 - called in this iteration
             except Exception as err:  # noqa: BLE001 - sent to every rank, so all raise together
                 import traceback
 
@@ -537,8 +563,9 @@ class Executor:
             self._holder = me
         _restore_globals(saved)
 
-    def run_concurrently(self, calls: Sequence[Callable[[], Any]],
-                         on_done: Callable[[int, Any], None] = lambda i, r: None) -> list[Any]:  # fmt: skip
+    def run_concurrently(
+        self, calls: Sequence[Callable[[], Any]], on_done: Callable[[int, Any], None] = lambda i, r: None
+    ) -> list[Any]:
         """``[call() for call in calls]``, overlapping calls while they wait for tasks (module docstring).
 
         A new call starts only when no driver holds the baton or waits for it, and the pool has fewer pending tasks
@@ -584,8 +611,12 @@ class Executor:
                         break
                     idle = self._holder is None and self._waiting_for_baton == 0 and self._pending < self.jobs
                     if next_call < len(calls) and idle:
-                        thread = threading.Thread(target=drive, args=(next_call, calls[next_call]), daemon=True,
-                                                  name=f"addnorm-lab-driver-{next_call}")  # fmt: skip
+                        thread = threading.Thread(
+                            target=drive,
+                            args=(next_call, calls[next_call]),
+                            daemon=True,
+                            name=f"addnorm-lab-driver-{next_call}",
+                        )
                         thread.start()
                         self._holder = thread.ident  # handed over before anyone else can take it
                         threads.append(thread)

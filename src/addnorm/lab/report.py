@@ -22,8 +22,9 @@ import base64
 import html
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from addnorm.lab.core import KINDS, VERDICTS
 
@@ -31,19 +32,44 @@ RESULTS_FILE = "results.json"
 MARKDOWN_FILE = "report.md"
 HTML_FILE = "index.html"
 
-_PUBLIC_FIELDS = ("name", "claim", "source", "criterion", "kind", "precondition", "verdict", "reason", "metrics",
-                  "timings", "figures", "summary", "seconds", "cached", "key", "config", "index", "error")  # fmt: skip
+_PUBLIC_FIELDS = (
+    "name",
+    "claim",
+    "source",
+    "criterion",
+    "kind",
+    "precondition",
+    "verdict",
+    "reason",
+    "metrics",
+    "timings",
+    "figures",
+    "summary",
+    "seconds",
+    "cached",
+    "key",
+    "config",
+    "index",
+    "error",
+)
 
 # How each kind is headed, and what it is (shown under the heading).
 KIND_TITLES = {
     "empirical": ("Empirical claims", "what a paper says happens, tested here; these are the counted verdicts"),
-    "sanity": ("Sanity checks", "numerics and identities that must hold if the code is right; not evidence, "
-                                "not counted"),
-    "demonstration": ("Demonstrations", "an article's exercise illustrated with figures; the verdict says whether "
-                                        "it showed what it should; not counted"),
-}  # fmt: skip
-QUICK_NOTE = ("Quick sizes (--quick): a smoke run for checking the installation, not evidence; verdicts at quick "
-              "sizes can differ from the default sizes'.")  # fmt: skip
+    "sanity": (
+        "Sanity checks",
+        "numerics and identities that must hold if the code is right; not evidence, not counted",
+    ),
+    "demonstration": (
+        "Demonstrations",
+        "an article's exercise illustrated with figures; the verdict says whether "
+        "it showed what it should; not counted",
+    ),
+}
+QUICK_NOTE = (
+    "Quick sizes (--quick): a smoke run for checking the installation, not evidence; verdicts at quick "
+    "sizes can differ from the default sizes'."
+)
 
 
 def kind_of(record: dict) -> str:
@@ -69,8 +95,12 @@ def by_kind(records: Iterable[dict]) -> dict[str, list[dict]]:
 def results_document(records: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
     experiments = [{k: r[k] for k in _PUBLIC_FIELDS if k in r} for r in records]
     groups = by_kind(experiments)
-    return {"experiments": experiments, "meta": meta, "counts": counts(groups["empirical"]),
-            "counts_by_kind": {k: counts(g) for k, g in groups.items()}}  # fmt: skip
+    return {
+        "experiments": experiments,
+        "meta": meta,
+        "counts": counts(groups["empirical"]),
+        "counts_by_kind": {k: counts(g) for k, g in groups.items()},
+    }
 
 
 def write_report(out: Path, records: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
@@ -130,15 +160,19 @@ def timing_text(meta: dict[str, Any], total: int | None = None) -> str:
     the cache and how long computing them took (the records' stored seconds), not "run took 0.0 s"."""
     seconds, computed, cached = meta.get("seconds"), meta.get("computed_seconds"), meta.get("cached") or 0
     if seconds is None:  # merged: no single run
-        return f"computing the results took {fmt_seconds(computed)}, summed over the experiments" \
-            if computed is not None else ""  # fmt: skip
+        return (
+            f"computing the results took {fmt_seconds(computed)}, summed over the experiments"
+            if computed is not None
+            else ""
+        )
     summed = f"{fmt_seconds(computed)}, summed over the experiments"
     if total and cached >= total:
         return f"all {total} results were cached (computing them took {summed}; this run {fmt_seconds(seconds)})"
     text = f"run took {fmt_seconds(seconds)}"
     if cached:
         text += f" ({cached} of {total} results from the cache, computed earlier" + (
-            f"; computing all of them took {summed})" if computed is not None else ")")
+            f"; computing all of them took {summed})" if computed is not None else ")"
+        )
     jobs, world = meta.get("jobs"), meta.get("world_size") or 1
     if jobs:
         text += f" with --jobs {jobs}" + (f" on each of {world} torchrun ranks" if world > 1 else "")
@@ -149,8 +183,10 @@ def headline(doc: dict[str, Any]) -> str:
     """The counted verdicts (empirical claims), and what else was shown without being counted."""
     c = doc.get("counts") or {}
     groups = by_kind(doc["experiments"])
-    text = (f"Empirical claims: {c.get('reproduced', 0)} reproduced, {c.get('not reproduced', 0)} not reproduced, "
-            f"{c.get('inconclusive', 0)} inconclusive.")  # fmt: skip
+    text = (
+        f"Empirical claims: {c.get('reproduced', 0)} reproduced, {c.get('not reproduced', 0)} not reproduced, "
+        f"{c.get('inconclusive', 0)} inconclusive."
+    )
     nouns = {"sanity": ("sanity check", "sanity checks"), "demonstration": ("demonstration", "demonstrations")}
     extra = [f"{len(groups[k])} {nouns[k][len(groups[k]) != 1]}" for k in nouns if groups[k]]
     if extra:
@@ -171,8 +207,10 @@ def per_seed_table(metrics: Any) -> tuple[list[str], list[list[str]]] | None:
     if not isinstance(seeds, list) or len(seeds) != width:
         seeds = list(range(width))
     header = ["", *[f"seed {fmt_value(s)}" for s in seeds]]
-    rows = [[str(label), *[fmt_value(x) for x in values], *[""] * (width - len(values))]
-            for label, values in per_seed.items()]  # fmt: skip
+    rows = [
+        [str(label), *[fmt_value(x) for x in values], *[""] * (width - len(values))]
+        for label, values in per_seed.items()
+    ]
     return header, rows
 
 
@@ -229,8 +267,14 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def md_experiment_body(r: dict, *, figures: bool = True) -> list[str]:
     """An experiment's section after its heading: verdict, claim, source, criterion, control, reason, finding,
     per-seed numbers, metrics, timings (and figures)."""
-    lines = [f"**Verdict: {r['verdict']}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
-             "", f"Claim: {r['claim']}", "", f"Source: {r['source']}", ""]  # fmt: skip
+    lines = [
+        f"**Verdict: {r['verdict']}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
+        "",
+        f"Claim: {r['claim']}",
+        "",
+        f"Source: {r['source']}",
+        "",
+    ]
     if r.get("criterion"):
         lines += [f"Criterion: {r['criterion']}", ""]
     if r.get("precondition"):
@@ -249,8 +293,9 @@ def md_experiment_body(r: dict, *, figures: bool = True) -> list[str]:
         lines += md_table(["metric", "value"], [[k, fmt_value(v)] for k, v in rows]) + [""]
     timings = flatten_metrics(r["timings"]) if isinstance(r.get("timings"), dict) else []
     if timings:
-        lines += md_table(["timing (wall clock, differs per run)", "value"],
-                          [[k, fmt_value(v)] for k, v in timings]) + [""]  # fmt: skip
+        lines += md_table(
+            ["timing (wall clock, differs per run)", "value"], [[k, fmt_value(v)] for k, v in timings]
+        ) + [""]
     if figures:
         lines += [f"![{Path(f).stem}]({f})" for f in r.get("figures", [])]
     return lines
@@ -277,9 +322,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
             continue
         title, what = KIND_TITLES[kind]
         lines += [f"**{title}** ({what})", ""]
-        lines += md_table(["experiment", "verdict", "summary"],
-                          [[f"[{r['name']}](#{r['name']})", r["verdict"], r.get("summary") or ""]
-                           for r in records]) + [""]  # fmt: skip
+        lines += md_table(
+            ["experiment", "verdict", "summary"],
+            [[f"[{r['name']}](#{r['name']})", r["verdict"], r.get("summary") or ""] for r in records],
+        ) + [""]
     for kind, records in groups.items():
         if records:
             lines += ["", f"# {KIND_TITLES[kind][0]}"]
@@ -321,8 +367,13 @@ def _html_table(header: list[str], rows: list[list[str]], value_class: str = "v"
     e = html.escape
     parts = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
     for row in rows:
-        parts.append("<tr><td>" + e(row[0]) + "</td>"
-                     + "".join(f'<td class="{value_class}">{e(c)}</td>' for c in row[1:]) + "</tr>")  # fmt: skip
+        parts.append(
+            "<tr><td>"
+            + e(row[0])
+            + "</td>"
+            + "".join(f'<td class="{value_class}">{e(c)}</td>' for c in row[1:])
+            + "</tr>"
+        )
     parts.append("</table>")
     return parts
 
@@ -349,22 +400,26 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
     ]
     if meta.get("quick"):
         parts.append(f'<p class="quick"><b>{e(QUICK_NOTE)}</b></p>')
-    parts.append(f"<p>{e(headline(doc))} Each verdict follows a criterion fixed in the experiment's code before it "
-                 "runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>")  # fmt: skip
+    parts.append(
+        f"<p>{e(headline(doc))} Each verdict follows a criterion fixed in the experiment's code before it "
+        "runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>"
+    )
     groups = by_kind(doc["experiments"])
     for kind, records in groups.items():
         if not records:
             continue
         title, what = KIND_TITLES[kind]
-        parts += [f'<h3>{e(title)}</h3><p class="meta">{e(what)}</p>',
-                  "<table><tr><th>experiment</th><th>verdict</th><th>summary</th><th>time</th></tr>"]  # fmt: skip
+        parts += [
+            f'<h3>{e(title)}</h3><p class="meta">{e(what)}</p>',
+            "<table><tr><th>experiment</th><th>verdict</th><th>summary</th><th>time</th></tr>",
+        ]
         for r in records:
             secs = r.get("seconds")
             t = f"{secs:.1f} s" if isinstance(secs, (int, float)) else "-"
             t += " (cached)" if r.get("cached") else ""
             parts.append(
                 f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(r["verdict"])}</td>'
-                f"<td>{e(r.get('summary') or '')}</td><td class=\"t\">{e(t)}</td></tr>"
+                f'<td>{e(r.get("summary") or "")}</td><td class="t">{e(t)}</td></tr>'
             )
         parts.append("</table>")
     for kind, records in groups.items():
@@ -396,8 +451,9 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
                 parts += _html_table(["metric", "value"], [[k, fmt_value(v)] for k, v in rows])
             timings = flatten_metrics(r["timings"]) if isinstance(r.get("timings"), dict) else []
             if timings:
-                parts += _html_table(["timing (wall clock, differs per run)", "value"],
-                                     [[k, fmt_value(v)] for k, v in timings])  # fmt: skip
+                parts += _html_table(
+                    ["timing (wall clock, differs per run)", "value"], [[k, fmt_value(v)] for k, v in timings]
+                )
             parts += [_embed(out, f) for f in r.get("figures", [])]
             parts.append("</section>")
     parts.append(
@@ -418,17 +474,20 @@ def read_results(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable results file: {err}") from None
     records = data.get("experiments") if isinstance(data, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and {"name", "verdict"} <= r.keys()
-                                                for r in records):  # fmt: skip
-        raise ValueError(f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a "
-                         "name and a verdict)")  # fmt: skip
+    if not isinstance(records, list) or not all(
+        isinstance(r, dict) and {"name", "verdict"} <= r.keys() for r in records
+    ):
+        raise ValueError(
+            f"{path} is not an `addnorm lab` results file (no 'experiments' list of records with a name and a verdict)"
+        )
     if not isinstance(data.get("meta", {}), dict):
         raise ValueError(f"{path} is not an `addnorm lab` results file ('meta' is not an object)")
     for r in records:
         problem = _record_problem(r)
         if problem:
-            raise ValueError(f"{path} is not a valid `addnorm lab` results file: experiment {r.get('name')!r} "
-                             f"{problem}")  # fmt: skip
+            raise ValueError(
+                f"{path} is not a valid `addnorm lab` results file: experiment {r.get('name')!r} {problem}"
+            )
     return data
 
 

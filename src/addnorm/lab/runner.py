@@ -35,9 +35,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -105,8 +106,11 @@ def load_experiments() -> dict[str, Experiment]:
     return EXPERIMENTS
 
 
-def select(only: Sequence[str] | None = None, shard: tuple[int, int] | None = None,
-           registry: dict[str, Experiment] | None = None) -> list[tuple[int, Experiment]]:  # fmt: skip
+def select(
+    only: Sequence[str] | None = None,
+    shard: tuple[int, int] | None = None,
+    registry: dict[str, Experiment] | None = None,
+) -> list[tuple[int, Experiment]]:
     """The experiments to run, as (position in the whole selection, experiment).
 
     ``only`` keeps the named ones (unknown names raise ValueError listing the known ones); ``shard=(K, N)`` then
@@ -216,8 +220,7 @@ def valid_record(record: Any, *, name: str, key: str) -> bool:
     if any(not isinstance(record.get(f, ""), str) for f in _OPTIONAL_TEXT):
         return False
     seconds = record.get("seconds", 0.0)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-            or seconds < 0:  # fmt: skip
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
         return False
     figures = record.get("figures")
     if not isinstance(figures, list):
@@ -250,8 +253,10 @@ def out_lock(out: Path, flag: str = "--out"):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-            raise ValueError(f"{flag} {str(out)!r} is in use by another `addnorm lab` run ({holder}); wait for it "
-                             "to finish, or give another --out") from None  # fmt: skip
+            raise ValueError(
+                f"{flag} {str(out)!r} is in use by another `addnorm lab` run ({holder}); wait for it "
+                "to finish, or give another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         yield
@@ -314,9 +319,17 @@ def _base_record(exp: Experiment, index: int, key: str) -> dict:
     }
 
 
-def run_one(exp: Experiment, *, index: int, out: Path, quick: bool, seed: int, device: torch.device,
-            progress: Callable[[str], None] = lambda message: None,
-            mapper: Callable[..., list] | None = None) -> dict:  # fmt: skip
+def run_one(
+    exp: Experiment,
+    *,
+    index: int,
+    out: Path,
+    quick: bool,
+    seed: int,
+    device: torch.device,
+    progress: Callable[[str], None] = lambda message: None,
+    mapper: Callable[..., list] | None = None,
+) -> dict:
     """Run ``exp`` and store its record (atomically) unless it raised. Returns the record. ``mapper`` runs its
     ``ctx.map`` tasks (the executor's; serial in this process when None)."""
     key = cache_key(exp, quick=quick, seed=seed, device=device)
@@ -341,10 +354,15 @@ def run_one(exp: Experiment, *, index: int, out: Path, quick: bool, seed: int, d
         json.dumps([result.metrics, result.timings], default=_json_default)  # fail here, not in the report
     except Exception as err:  # noqa: BLE001 - any failure of one experiment is recorded, the run goes on
         record.update(
-            verdict="inconclusive", metrics={}, figures=[], summary=f"error: {type(err).__name__}: {err}",
-            error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8),
-            seconds=round(time.perf_counter() - start, 3), cached=False,
-        )  # fmt: skip
+            verdict="inconclusive",
+            metrics={},
+            figures=[],
+            summary=f"error: {type(err).__name__}: {err}",
+            error=f"{type(err).__name__}: {err}",
+            traceback=traceback.format_exc(limit=8),
+            seconds=round(time.perf_counter() - start, 3),
+            cached=False,
+        )
         return record
     record.update(
         verdict=result.verdict,
@@ -481,15 +499,16 @@ class _Progress:
             self.bar.close()
 
 
-def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor, key: str,
-           **run_kw: Any) -> dict:  # fmt: skip
+def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor, key: str, **run_kw: Any) -> dict:
     progress.start(exp.name)
-    return run_one(exp, index=index, progress=functools.partial(progress.message, exp.name),
-                   mapper=executor.mapper(key), **run_kw)  # fmt: skip
+    return run_one(
+        exp, index=index, progress=functools.partial(progress.message, exp.name), mapper=executor.mapper(key), **run_kw
+    )
 
 
-def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path,
-                  group: Group) -> RunSummary:  # fmt: skip
+def _run_selected(
+    options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path, group: Group
+) -> RunSummary:
     from addnorm.lab.report import write_report
 
     jobs = options.jobs or default_jobs()
@@ -510,8 +529,14 @@ def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], dev
     progress.finish(n=len(cached))
     run_kw = dict(out=out, quick=options.quick, seed=options.seed, device=device)
     try:
-        with Executor(jobs, cache_dir=out / "runs" / TASKS_DIR, read_cache=not options.fresh, group=group,
-                      on_tasks=progress.count_tasks) as executor:  # fmt: skip
+        with Executor(
+            jobs,
+            cache_dir=out / "runs" / TASKS_DIR,
+            read_cache=not options.fresh,
+            group=group,
+            on_tasks=progress.count_tasks,
+        ) as executor:
+
             def finished(j: int, record: dict) -> None:
                 index, exp = todo[j]
                 records[index] = record
@@ -519,8 +544,10 @@ def _run_selected(options: RunOptions, chosen: list[tuple[int, Experiment]], dev
                     executor.forget(keys[exp.name])
                 progress.finish(exp.name)
 
-            calls = [functools.partial(_drive, exp, index, progress, executor, keys[exp.name], **run_kw)
-                     for index, exp in todo]  # fmt: skip
+            calls = [
+                functools.partial(_drive, exp, index, progress, executor, keys[exp.name], **run_kw)
+                for index, exp in todo
+            ]
             if todo:
                 executor.warm_up()
             executor.run_concurrently(calls, finished)
@@ -574,9 +601,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
         else:
             for k in _META_MUST_AGREE:
                 if m.get(k) != meta.get(k):
-                    raise MergeConflictError(
-                        f"{d} was run with {k}={m.get(k)!r} but {dirs[0]} with {meta.get(k)!r}"
-                    )
+                    raise MergeConflictError(f"{d} was run with {k}={m.get(k)!r} but {dirs[0]} with {meta.get(k)!r}")
         for rec in data.get("experiments", []):
             name = rec["name"]
             if name in by_name:
@@ -594,8 +619,9 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
         return _write_merged(out, dirs, by_name, origin, meta)
 
 
-def _write_merged(out: Path, dirs: Sequence[Path], by_name: dict[str, dict], origin: dict[str, Path],
-                  meta: dict[str, Any] | None) -> RunSummary:  # fmt: skip
+def _write_merged(
+    out: Path, dirs: Sequence[Path], by_name: dict[str, dict], origin: dict[str, Path], meta: dict[str, Any] | None
+) -> RunSummary:
     from addnorm.lab.report import write_report
 
     for name, rec in by_name.items():
@@ -614,8 +640,15 @@ def _write_merged(out: Path, dirs: Sequence[Path], by_name: dict[str, dict], ori
                 dst_rec.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src_rec, dst_rec)
     records = sorted(by_name.values(), key=lambda r: (r.get("index", 1 << 30), r["name"]))
-    meta = dict(meta or {}, shard=None, seconds=None, merged_from=[str(d) for d in dirs], cached=None,
-                computed_seconds=round(sum(r.get("seconds") or 0.0 for r in records
-                                           if isinstance(r.get("seconds"), (int, float))), 1))  # fmt: skip
+    meta = dict(
+        meta or {},
+        shard=None,
+        seconds=None,
+        merged_from=[str(d) for d in dirs],
+        cached=None,
+        computed_seconds=round(
+            sum(r.get("seconds") or 0.0 for r in records if isinstance(r.get("seconds"), (int, float))), 1
+        ),
+    )
     write_report(out, records, meta)
     return RunSummary(records=records, meta=meta)

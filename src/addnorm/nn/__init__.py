@@ -1,13 +1,13 @@
 """Modules: drop-in norms (and, built on them, residual placements, layers, models and presets)."""
 
-from addnorm.nn.norms import LayerNorm, RMSNorm
-from addnorm.nn.norm_kinds import NORM_KINDS, DyT, NoNorm, ScaleNorm, SequenceBatchNorm, make_norm
-from addnorm.nn.residual import PLACEMENTS, DeepNormCoefficients, Residual, deepnorm_coefficients
 from addnorm.nn.attention import MultiHeadAttention, RotaryEmbedding, max_attention_logits, record_attention_logits
-from addnorm.nn.ffn import FFN_KINDS, FeedForward
 from addnorm.nn.config import PRESETS, TransformerConfig
+from addnorm.nn.ffn import FFN_KINDS, FeedForward
 from addnorm.nn.layers import DecoderLayer, EncoderLayer, ParallelBlock, make_block, residual_chain
 from addnorm.nn.models import TransformerEncoder, TransformerEncoderDecoder, TransformerLM
+from addnorm.nn.norm_kinds import NORM_KINDS, DyT, NoNorm, ScaleNorm, SequenceBatchNorm, make_norm
+from addnorm.nn.norms import LayerNorm, RMSNorm
+from addnorm.nn.residual import PLACEMENTS, DeepNormCoefficients, Residual, deepnorm_coefficients
 
 __all__ = [
     "LayerNorm",

@@ -52,10 +52,20 @@ class MultiHeadAttention(nn.Module):
     keys (self-attention only). ``qk_norm`` is a norm kind ("layernorm", "rmsnorm", ...) or None.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, causal: bool = False, bias: bool = True,
-                 dropout: float = 0.0, qk_norm: str | None = None, eps: float | None = None,
-                 rotary: RotaryEmbedding | None = None, record_logits: bool = False,
-                 norm_kwargs: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        causal: bool = False,
+        bias: bool = True,
+        dropout: float = 0.0,
+        qk_norm: str | None = None,
+        eps: float | None = None,
+        rotary: RotaryEmbedding | None = None,
+        record_logits: bool = False,
+        norm_kwargs: dict | None = None,
+    ):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
@@ -91,8 +101,9 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool:
                 # an int mask is ambiguous (Hugging Face's attention_mask uses 1 for *real* tokens): insist on bool
-                raise TypeError(f"key_padding_mask must be a bool tensor, True at padded positions; got "
-                                f"{key_padding_mask.dtype}")  # fmt: skip
+                raise TypeError(
+                    f"key_padding_mask must be a bool tensor, True at padded positions; got {key_padding_mask.dtype}"
+                )
             if key_padding_mask.shape != (b, s):
                 raise ValueError(f"key_padding_mask must have shape {(b, s)}, got {tuple(key_padding_mask.shape)}")
             keep = ~key_padding_mask[:, None, None, :]
@@ -152,5 +163,8 @@ def record_attention_logits(model: nn.Module, enabled: bool = True) -> list[Mult
 
 def max_attention_logits(model: nn.Module) -> dict[str, float]:
     """``{module name: max attention logit of its last forward}`` for every attention module that recorded one."""
-    return {name: float(m.max_logit) for name, m in model.named_modules()
-            if isinstance(m, MultiHeadAttention) and m.max_logit is not None}  # fmt: skip
+    return {
+        name: float(m.max_logit)
+        for name, m in model.named_modules()
+        if isinstance(m, MultiHeadAttention) and m.max_logit is not None
+    }

@@ -39,25 +39,64 @@ _LLAMA = dict(norm="rmsnorm", placement="pre", ffn="swiglu", bias=False, positio
 
 # name -> (fields, one-line description)
 PRESETS: dict[str, tuple[dict, str]] = {
-    "original": (dict(norm="layernorm", placement="post", ffn="relu", final_norm=False, positional="sinusoidal",
-                      init="xavier", embed_scale=True), "Vaswani et al. 2017: LayerNorm, Post-LN"),
-    "bert": (dict(norm="layernorm", placement="post", ffn="gelu", final_norm=False, embed_norm=True),
-             "BERT 2018: LayerNorm, Post-LN, LayerNorm on the embeddings"),
-    "gpt2": (dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
-             "GPT-2 2019: LayerNorm, Pre-LN, final LayerNorm"),
-    "gpt3": (dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
-             "GPT-3 2020: as GPT-2"),
-    "palm": (dict(norm="layernorm", placement="pre", ffn="swiglu", final_norm=True, parallel=True, bias=False,
-                  positional="rope"), "PaLM 2022: LayerNorm, Pre-LN, parallel attention + FFN"),
+    "original": (
+        dict(
+            norm="layernorm",
+            placement="post",
+            ffn="relu",
+            final_norm=False,
+            positional="sinusoidal",
+            init="xavier",
+            embed_scale=True,
+        ),
+        "Vaswani et al. 2017: LayerNorm, Post-LN",
+    ),
+    "bert": (
+        dict(norm="layernorm", placement="post", ffn="gelu", final_norm=False, embed_norm=True),
+        "BERT 2018: LayerNorm, Post-LN, LayerNorm on the embeddings",
+    ),
+    "gpt2": (
+        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
+        "GPT-2 2019: LayerNorm, Pre-LN, final LayerNorm",
+    ),
+    "gpt3": (
+        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
+        "GPT-3 2020: as GPT-2",
+    ),
+    "palm": (
+        dict(
+            norm="layernorm",
+            placement="pre",
+            ffn="swiglu",
+            final_norm=True,
+            parallel=True,
+            bias=False,
+            positional="rope",
+        ),
+        "PaLM 2022: LayerNorm, Pre-LN, parallel attention + FFN",
+    ),
     "llama": (dict(_LLAMA, final_norm=True), "LLaMA 2023: RMSNorm, Pre-LN, SwiGLU"),
     "mistral": (dict(_LLAMA, final_norm=True), "Mistral 2023: as LLaMA"),
     "qwen": (dict(_LLAMA, final_norm=True), "Qwen 2023: as LLaMA"),
     "deepseek": (dict(_LLAMA, final_norm=True), "DeepSeek 2024: as LLaMA"),
-    "gemma": (dict(norm="rmsnorm", placement="pre", ffn="geglu", final_norm=True, bias=False, positional="rope",
-                   zero_centered_weight=True, tie_embeddings=True, embed_scale=True),
-              "Gemma 2024: RMSNorm (1 + w), Pre-LN"),
-    "deepnet": (dict(norm="layernorm", placement="deepnorm", ffn="gelu", final_norm=False, init="xavier"),
-                "DeepNet 2022: DeepNorm, Norm(alpha x + F(x)), beta-scaled init"),
+    "gemma": (
+        dict(
+            norm="rmsnorm",
+            placement="pre",
+            ffn="geglu",
+            final_norm=True,
+            bias=False,
+            positional="rope",
+            zero_centered_weight=True,
+            tie_embeddings=True,
+            embed_scale=True,
+        ),
+        "Gemma 2024: RMSNorm (1 + w), Pre-LN",
+    ),
+    "deepnet": (
+        dict(norm="layernorm", placement="deepnorm", ffn="gelu", final_norm=False, init="xavier"),
+        "DeepNet 2022: DeepNorm, Norm(alpha x + F(x)), beta-scaled init",
+    ),
 }
 
 
@@ -75,13 +114,13 @@ def _positive_int(name: str, value) -> None:
 class TransformerConfig:
     """Shape, Add & Norm choices and init of a Transformer; validated on construction.
 
-    ``d_ff=None``: 4 * d_model, or for gated FFNs (swiglu/geglu) 8/3 * d_model rounded up to a multiple of 8
-    (same parameter count). ``embed_scale``: multiply token embeddings by sqrt(d_model) (original Transformer,
-Gemma). ``final_norm=None``: on for placements whose stream leaves the last layer
-    unnormalized (pre, sandwich, mix, pre-noskip, parallel). ``placement="mix"``: Post-LN for the first
-    ``floor(mix_ln_fraction * n_layers)`` layers, Pre-LN after (Mix-LN). ``deepnorm_alpha/beta``: override the
-    values :func:`deepnorm_coefficients` derives from the depth. ``fuse_add_norm``: run each pre-norm residual
-    add together with the next norm as one fused call (same numbers, fewer memory passes).
+        ``d_ff=None``: 4 * d_model, or for gated FFNs (swiglu/geglu) 8/3 * d_model rounded up to a multiple of 8
+        (same parameter count). ``embed_scale``: multiply token embeddings by sqrt(d_model) (original Transformer,
+    Gemma). ``final_norm=None``: on for placements whose stream leaves the last layer
+        unnormalized (pre, sandwich, mix, pre-noskip, parallel). ``placement="mix"``: Post-LN for the first
+        ``floor(mix_ln_fraction * n_layers)`` layers, Pre-LN after (Mix-LN). ``deepnorm_alpha/beta``: override the
+        values :func:`deepnorm_coefficients` derives from the depth. ``fuse_add_norm``: run each pre-norm residual
+        add together with the next norm as one fused call (same numbers, fewer memory passes).
     """
 
     vocab_size: int = 256
@@ -189,15 +228,16 @@ Gemma). ``final_norm=None``: on for placements whose stream leaves the last laye
 
     def norm_factory_kwargs(self) -> dict:
         """Keywords for :func:`make_norm` that this config implies (bias, zero-centered weight, backend, extras)."""
-        return dict(bias=self.bias, zero_centered_weight=self.zero_centered_weight, backend=self.backend,
-                    **self.norm_kwargs)  # fmt: skip
+        return dict(
+            bias=self.bias, zero_centered_weight=self.zero_centered_weight, backend=self.backend, **self.norm_kwargs
+        )
 
-    def replace(self, **overrides) -> "TransformerConfig":
+    def replace(self, **overrides) -> TransformerConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **overrides)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "TransformerConfig":
+    def preset(cls, name: str, **overrides) -> TransformerConfig:
         """The config of model family ``name`` (see :data:`PRESETS`) at tiny size; ``overrides`` set any field."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")

@@ -1,7 +1,7 @@
 """Position-wise feed-forward networks.
 
-    relu / gelu:      fc_out(act(fc_in(x)))                       original Transformer (ReLU), BERT/GPT (GELU)
-    swiglu / geglu:   fc_out(act(fc_gate(x)) * fc_in(x))          act = SiLU (LLaMA family) or GELU (Gemma)
+relu / gelu:      fc_out(act(fc_in(x)))                       original Transformer (ReLU), BERT/GPT (GELU)
+swiglu / geglu:   fc_out(act(fc_gate(x)) * fc_in(x))          act = SiLU (LLaMA family) or GELU (Gemma)
 """
 
 from __future__ import annotations

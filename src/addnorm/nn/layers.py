@@ -25,7 +25,8 @@ Residual's forward.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -40,8 +41,9 @@ __all__ = ["residual_chain", "EncoderLayer", "DecoderLayer", "ParallelBlock", "m
 Step = tuple[Residual, tuple, dict]
 
 
-def residual_chain(x: Tensor, steps: Sequence[Step], *, fused: bool = True, padding_mask: Tensor | None = None
-                   ) -> Tensor:  # fmt: skip
+def residual_chain(
+    x: Tensor, steps: Sequence[Step], *, fused: bool = True, padding_mask: Tensor | None = None
+) -> Tensor:
     """Run ``x`` through Residual steps ``(residual, args, kwargs)`` in order; adjacent add -> norm pairs fused.
 
     ``padding_mask`` (True at padded positions) reaches the norms that use one (batchnorm).
@@ -65,9 +67,15 @@ def residual_chain(x: Tensor, steps: Sequence[Step], *, fused: bool = True, padd
 
 def _residual(config: TransformerConfig, sublayer: nn.Module, placement: str, alpha: float | None) -> Residual:
     return Residual(
-        sublayer, config.d_model, placement=placement, norm=config.norm, eps=config.eps, dropout=config.dropout,
-        alpha=alpha if placement == "deepnorm" else None, norm_kwargs=config.norm_factory_kwargs(),
-    )  # fmt: skip
+        sublayer,
+        config.d_model,
+        placement=placement,
+        norm=config.norm,
+        eps=config.eps,
+        dropout=config.dropout,
+        alpha=alpha if placement == "deepnorm" else None,
+        norm_kwargs=config.norm_factory_kwargs(),
+    )
 
 
 def _attention(config: TransformerConfig, *, causal: bool, rotary: RotaryEmbedding | None) -> MultiHeadAttention:
@@ -76,10 +84,17 @@ def _attention(config: TransformerConfig, *, causal: bool, rotary: RotaryEmbeddi
         # normalize q and k with the model's norm when it is a real one (LayerNorm/RMSNorm), else LayerNorm
         qk = config.norm if config.norm in ("layernorm", "rmsnorm") else "layernorm"
     return MultiHeadAttention(
-        config.d_model, config.n_heads, causal=causal, bias=config.bias, dropout=config.dropout, qk_norm=qk,
-        eps=config.eps, rotary=rotary, record_logits=config.record_logits,
+        config.d_model,
+        config.n_heads,
+        causal=causal,
+        bias=config.bias,
+        dropout=config.dropout,
+        qk_norm=qk,
+        eps=config.eps,
+        rotary=rotary,
+        record_logits=config.record_logits,
         norm_kwargs=dict(backend=config.backend, bias=config.bias),
-    )  # fmt: skip
+    )
 
 
 def _ffn(config: TransformerConfig) -> FeedForward:
@@ -94,15 +109,21 @@ class EncoderLayer(nn.Module):
     ``forward(x, padding_mask=None)``: x (B, T, d); padding_mask (B, T), True at padded positions.
     """
 
-    def __init__(self, config: TransformerConfig, layer_idx: int = 0, *, causal: bool = False,
-                 deepnorm_alpha: float | None = None, n_layers: int | None = None,
-                 rotary: RotaryEmbedding | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_idx: int = 0,
+        *,
+        causal: bool = False,
+        deepnorm_alpha: float | None = None,
+        n_layers: int | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.placement = config.layer_placement(layer_idx, n_layers)
         self.fused = config.fuse_add_norm
-        self.attn = _residual(config, _attention(config, causal=causal, rotary=rotary), self.placement,
-                              deepnorm_alpha)  # fmt: skip
+        self.attn = _residual(config, _attention(config, causal=causal, rotary=rotary), self.placement, deepnorm_alpha)
         self.ffn = _residual(config, _ffn(config), self.placement, deepnorm_alpha)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -117,8 +138,15 @@ class DecoderLayer(nn.Module):
     ``forward(x, memory, padding_mask=None, memory_padding_mask=None)``.
     """
 
-    def __init__(self, config: TransformerConfig, layer_idx: int = 0, *, deepnorm_alpha: float | None = None,
-                 n_layers: int | None = None, rotary: RotaryEmbedding | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_idx: int = 0,
+        *,
+        deepnorm_alpha: float | None = None,
+        n_layers: int | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.placement = config.layer_placement(layer_idx, n_layers)
@@ -129,8 +157,9 @@ class DecoderLayer(nn.Module):
         self.cross_attn = _residual(config, _attention(config, causal=False, rotary=None), p, a)
         self.ffn = _residual(config, _ffn(config), p, a)
 
-    def forward(self, x: Tensor, memory: Tensor, padding_mask: Tensor | None = None,
-                memory_padding_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self, x: Tensor, memory: Tensor, padding_mask: Tensor | None = None, memory_padding_mask: Tensor | None = None
+    ) -> Tensor:
         steps = [
             (self.self_attn, (), {"key_padding_mask": padding_mask}),
             (self.cross_attn, (memory,), {"key_padding_mask": memory_padding_mask}),
@@ -146,8 +175,15 @@ class ParallelBlock(nn.Module):
     hardware that benefits; here they are separate modules (``self.attn``, ``self.ffn``, ``self.norm``).
     """
 
-    def __init__(self, config: TransformerConfig, layer_idx: int = 0, *, causal: bool = True,
-                 rotary: RotaryEmbedding | None = None, **_unused):  # fmt: skip
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_idx: int = 0,
+        *,
+        causal: bool = True,
+        rotary: RotaryEmbedding | None = None,
+        **_unused,
+    ):
         super().__init__()
         if config.placement != "pre":
             raise ValueError(f"ParallelBlock supports placement 'pre' only, got {config.placement!r}")
@@ -164,8 +200,15 @@ class ParallelBlock(nn.Module):
         return x + self.attn_dropout(self.attn(h, key_padding_mask=padding_mask)) + self.ffn_dropout(self.ffn(h))
 
 
-def make_block(config: TransformerConfig, layer_idx: int, *, causal: bool, deepnorm_alpha: float | None = None,
-               n_layers: int | None = None, rotary: RotaryEmbedding | None = None) -> nn.Module:  # fmt: skip
+def make_block(
+    config: TransformerConfig,
+    layer_idx: int,
+    *,
+    causal: bool,
+    deepnorm_alpha: float | None = None,
+    n_layers: int | None = None,
+    rotary: RotaryEmbedding | None = None,
+) -> nn.Module:
     """The self-attention block the config describes: :class:`ParallelBlock` or :class:`EncoderLayer`."""
     kw: dict[str, Any] = dict(causal=causal, rotary=rotary)
     if config.parallel:

@@ -54,8 +54,11 @@ class Embeddings(nn.Module):
             self.register_buffer("sinusoid", _sinusoidal(config.max_seq_len, config.d_model), persistent=False)
         else:
             self.sinusoid = None
-        self.norm = (make_norm(config.norm, config.d_model, config.eps, **config.norm_factory_kwargs())
-                     if config.embed_norm else None)  # fmt: skip
+        self.norm = (
+            make_norm(config.norm, config.d_model, config.eps, **config.norm_factory_kwargs())
+            if config.embed_norm
+            else None
+        )
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: Tensor, padding_mask: Tensor | None = None) -> Tensor:
@@ -84,7 +87,6 @@ class Embeddings(nn.Module):
             x = call_norm(self.norm, x, padding_mask=padding_mask)
         return self.dropout(x)
 
-
     def _bad_ids(self, ids: Tensor) -> str | None:
         """What is wrong with ``ids`` for this vocabulary, or None."""
         if ids.numel() == 0:
@@ -94,8 +96,10 @@ class Embeddings(nn.Module):
         if 0 <= lo and hi < vocab:
             return None
         bad = f"the largest is {hi}" if hi >= vocab else f"the smallest is {lo}"
-        return (f"token ids must be in [0, vocab_size={vocab}): {bad} (ids range over [{lo}, {hi}]); give a "
-                "vocab_size that covers the tokenizer's ids")
+        return (
+            f"token ids must be in [0, vocab_size={vocab}): {bad} (ids range over [{lo}, {hi}]); give a "
+            "vocab_size that covers the tokenizer's ids"
+        )
 
 
 def _rotary(config: TransformerConfig) -> RotaryEmbedding | None:
@@ -108,8 +112,9 @@ def _final_norm(config: TransformerConfig) -> nn.Module | None:
     return make_norm(config.norm, config.d_model, config.eps, **config.norm_factory_kwargs())
 
 
-def _deepnorm(config: TransformerConfig, n_enc: int, n_dec: int) -> tuple[float | None, float | None,
-                                                                          float | None, float | None]:  # fmt: skip
+def _deepnorm(
+    config: TransformerConfig, n_enc: int, n_dec: int
+) -> tuple[float | None, float | None, float | None, float | None]:
     """(encoder alpha, encoder beta, decoder alpha, decoder beta), config overrides applied; Nones if unused."""
     if config.placement != "deepnorm":
         return None, None, None, None
@@ -253,8 +258,13 @@ class TransformerEncoderDecoder(nn.Module):
             x = call_norm(self.encoder_final_norm, x, padding_mask=src_padding_mask)
         return x
 
-    def decode(self, tgt_ids: Tensor, memory: Tensor, tgt_padding_mask: Tensor | None = None,
-               src_padding_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    def decode(
+        self,
+        tgt_ids: Tensor,
+        memory: Tensor,
+        tgt_padding_mask: Tensor | None = None,
+        src_padding_mask: Tensor | None = None,
+    ) -> Tensor:
         x = self.embed(tgt_ids, tgt_padding_mask)
         for block in self.decoder_blocks:
             x = block(x, memory, tgt_padding_mask, src_padding_mask)
@@ -262,7 +272,12 @@ class TransformerEncoderDecoder(nn.Module):
             x = call_norm(self.decoder_final_norm, x, padding_mask=tgt_padding_mask)
         return self.lm_head(x)
 
-    def forward(self, src_ids: Tensor, tgt_ids: Tensor, src_padding_mask: Tensor | None = None,
-                tgt_padding_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        src_ids: Tensor,
+        tgt_ids: Tensor,
+        src_padding_mask: Tensor | None = None,
+        tgt_padding_mask: Tensor | None = None,
+    ) -> Tensor:
         memory = self.encode(src_ids, src_padding_mask)
         return self.decode(tgt_ids, memory, tgt_padding_mask, src_padding_mask)

@@ -100,8 +100,9 @@ class SequenceBatchNorm(nn.Module):
     running averages.
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-5, *, momentum: float = 0.1, bias: bool = True,
-                 mask_padding: bool = True):  # fmt: skip
+    def __init__(
+        self, d_model: int, eps: float = 1e-5, *, momentum: float = 0.1, bias: bool = True, mask_padding: bool = True
+    ):
         super().__init__()
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
@@ -127,8 +128,9 @@ class SequenceBatchNorm(nn.Module):
             flat = h.reshape(-1, self.d_model)
             if padding_mask is not None and self.mask_padding:
                 if padding_mask.dtype != torch.bool:
-                    raise TypeError(f"padding_mask must be a bool tensor, True at padded positions; got "
-                                    f"{padding_mask.dtype}")  # fmt: skip
+                    raise TypeError(
+                        f"padding_mask must be a bool tensor, True at padded positions; got {padding_mask.dtype}"
+                    )
                 if padding_mask.shape != h.shape[:-1]:
                     raise ValueError(
                         f"padding_mask must have the input's leading shape {tuple(h.shape[:-1])}, "
@@ -166,8 +168,16 @@ class NoNorm(nn.Module):
         return h, h
 
 
-def make_norm(kind: str, d_model: int, eps: float | None = None, *, bias: bool = True,
-              zero_centered_weight: bool = False, backend: str = "auto", **kw) -> nn.Module:  # fmt: skip
+def make_norm(
+    kind: str,
+    d_model: int,
+    eps: float | None = None,
+    *,
+    bias: bool = True,
+    zero_centered_weight: bool = False,
+    backend: str = "auto",
+    **kw,
+) -> nn.Module:
     """Build a norm of ``kind`` (one of :data:`NORM_KINDS`) over ``d_model`` features.
 
     ``eps=None`` takes each kind's default (LayerNorm/BatchNorm/ScaleNorm 1e-5, RMSNorm the dtype's machine
@@ -185,8 +195,14 @@ def make_norm(kind: str, d_model: int, eps: float | None = None, *, bias: bool =
     if zero_centered_weight and kind not in ("layernorm", "rmsnorm"):
         raise ValueError(f"zero_centered_weight applies to layernorm and rmsnorm only, not to norm kind {kind!r}")
     if kind == "layernorm":
-        return LayerNorm(d_model, 1e-5 if eps is None else eps, bias=bias,
-                         zero_centered_weight=zero_centered_weight, backend=backend, **kw)  # fmt: skip
+        return LayerNorm(
+            d_model,
+            1e-5 if eps is None else eps,
+            bias=bias,
+            zero_centered_weight=zero_centered_weight,
+            backend=backend,
+            **kw,
+        )
     if kind == "rmsnorm":
         return RMSNorm(d_model, eps, zero_centered_weight=zero_centered_weight, backend=backend, **kw)
     if kind == "scalenorm":

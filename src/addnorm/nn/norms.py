@@ -28,8 +28,9 @@ def _flatten_normalized(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
 class _AddNormMixin:
     """Shared forward: flatten the normalized dims, call the fused op, restore the shape."""
 
-    def _extra_init(self, zero_centered_weight: bool, cast_before_weight: bool, residual_dtype: torch.dtype | None,
-                    backend: str) -> None:  # fmt: skip
+    def _extra_init(
+        self, zero_centered_weight: bool, cast_before_weight: bool, residual_dtype: torch.dtype | None, backend: str
+    ) -> None:
         self.zero_centered_weight = zero_centered_weight
         self.cast_before_weight = cast_before_weight
         self.residual_dtype = residual_dtype
@@ -47,10 +48,16 @@ class _AddNormMixin:
         # torch.nn's fields, then addnorm's options where they differ from the default: a Gemma norm (1 + weight) or
         # an fp32 residual stream must be visible when printing a model
         # (getattr: a module pickled by an older addnorm may lack an option, as _forward allows for)
-        extras = [f"{k}={v!r}" for k, default in (
-            ("zero_centered_weight", False), ("cast_before_weight", False), ("residual_dtype", None),
-            ("backend", "auto"),
-        ) if (v := getattr(self, k, default)) != default]  # fmt: skip
+        extras = [
+            f"{k}={v!r}"
+            for k, default in (
+                ("zero_centered_weight", False),
+                ("cast_before_weight", False),
+                ("residual_dtype", None),
+                ("backend", "auto"),
+            )
+            if (v := getattr(self, k, default)) != default
+        ]
         return ", ".join([super().extra_repr(), *extras])
 
     def _norm_params(self):
@@ -63,9 +70,14 @@ class _AddNormMixin:
         xf = _flatten_normalized(x, self.normalized_shape)
         rf = _flatten_normalized(residual, self.normalized_shape) if residual is not None else None
         out, res_out = fn(
-            xf, rf, *params, residual_dtype=self.residual_dtype, zero_centered_weight=self.zero_centered_weight,
-            cast_before_weight=getattr(self, "cast_before_weight", False), backend=self.backend,
-        )  # fmt: skip
+            xf,
+            rf,
+            *params,
+            residual_dtype=self.residual_dtype,
+            zero_centered_weight=self.zero_centered_weight,
+            cast_before_weight=getattr(self, "cast_before_weight", False),
+            backend=self.backend,
+        )
         out = out.reshape(shape)
         return out if residual is None else (out, res_out.reshape(shape))
 
@@ -78,9 +90,20 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
     order), ``residual_dtype`` (dtype of the residual stream returned with a residual), ``backend``.
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, *, zero_centered_weight: bool = False, cast_before_weight: bool = False,
-                 residual_dtype: torch.dtype | None = None, backend: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        zero_centered_weight: bool = False,
+        cast_before_weight: bool = False,
+        residual_dtype: torch.dtype | None = None,
+        backend: str = "auto",
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
@@ -93,9 +116,19 @@ class RMSNorm(_AddNormMixin, nn.RMSNorm):
     """``torch.nn.RMSNorm`` with addnorm's kernels and an optional fused residual add (eps=None: finfo eps).
     Extra keyword options as :class:`LayerNorm`."""
 
-    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
-                 dtype=None, *, zero_centered_weight: bool = False, cast_before_weight: bool = False,
-                 residual_dtype: torch.dtype | None = None, backend: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        zero_centered_weight: bool = False,
+        cast_before_weight: bool = False,
+        residual_dtype: torch.dtype | None = None,
+        backend: str = "auto",
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 

@@ -26,8 +26,8 @@ beta multiplies the Xavier init of the FFN weights and the value and output proj
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -64,9 +64,18 @@ class Residual(nn.Module):
     ``norm_out`` (sandwich only), ``alpha`` (deepnorm only).
     """
 
-    def __init__(self, sublayer: nn.Module, d_model: int, *, placement: str = "pre", norm: str = "layernorm",
-                 eps: float | None = None, dropout: float = 0.0, alpha: float | None = None,
-                 norm_kwargs: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        sublayer: nn.Module,
+        d_model: int,
+        *,
+        placement: str = "pre",
+        norm: str = "layernorm",
+        eps: float | None = None,
+        dropout: float = 0.0,
+        alpha: float | None = None,
+        norm_kwargs: dict | None = None,
+    ):
         super().__init__()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")

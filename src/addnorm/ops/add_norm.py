@@ -63,7 +63,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -160,8 +159,19 @@ def draw_seed(device: torch.device) -> Tensor:
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
 
 
-def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                    cast_before_weight, out_dtype):  # fmt: skip
+def _torch_add_norm(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    cast_before_weight,
+    out_dtype,
+):
     cd = stats_dtype(x.dtype, residual_dtype)
     h = _as(x, cd)
     if dropout_p > 0.0:
@@ -198,6 +208,7 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_
 # Custom ops around the kernel backends
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _unaliased(outputs, inputs):
     """Custom ops may not return inputs, or one tensor twice. A backend that returns, say, the same tensor as dx
     and dresidual (possible when no rounding separates them) gets one of them copied here; absent outputs (None)
@@ -219,26 +230,50 @@ def _unaliased(outputs, inputs):
     return tuple(result)
 
 
-def _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-             store_residual_out, backend, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
+def _fwd_raw(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    store_residual_out,
+    backend,
+    cast_before_weight=False,
+    out_dtype=None,
+    store_stats=True,
+):
     """The kernel forward: (out, residual_out | None, mean | None, rstd, seed | None). The seed is drawn here, on
     x's device from its generator (:func:`draw_seed`), so the op stays traceable, CUDA inputs keep every tensor on
     the GPU (graph-safe), and the backward can regenerate the dropout mask."""
     seed = draw_seed(x.device) if dropout_p > 0 else None
     out, res_out, mean, rstd = kernel_module(backend).forward(
-        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
-        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        is_rms=is_rms,
+        dropout_p=dropout_p,
+        seed=seed,
+        residual_dtype=residual_dtype,
+        zero_centered_weight=zero_centered_weight,
+        store_residual_out=store_residual_out,
+        cast_before_weight=cast_before_weight,
+        out_dtype=out_dtype,
         store_stats=store_stats,
-    )  # fmt: skip
+    )
     return out, res_out, mean, rstd, seed
 
 
 def _fwd_impl(
     x: Tensor,
-    residual: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
     eps: float,
     is_rms: bool,
     dropout_p: float,
@@ -247,13 +282,25 @@ def _fwd_impl(
     store_residual_out: bool,
     backend: str,
     cast_before_weight: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, residual_out or empty, mean or empty, rstd, seed or empty): :func:`_fwd_raw`'s results as a
     custom op may return them."""
-    out, res_out, mean, rstd, seed = _fwd_raw(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
-                                              zero_centered_weight, store_residual_out, backend, cast_before_weight,
-                                              out_dtype)  # fmt: skip
+    out, res_out, mean, rstd, seed = _fwd_raw(
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        store_residual_out,
+        backend,
+        cast_before_weight,
+        out_dtype,
+    )
     outputs = (out, res_out, mean if mean is not None else x.new_empty(0, dtype=rstd.dtype), rstd)
     seed_out = seed if seed is not None else x.new_empty(0, dtype=torch.int64)
     return (*_unaliased(outputs, (x, residual, weight, bias)), seed_out)
@@ -263,8 +310,21 @@ _add_norm_fwd = torch.library.custom_op("addnorm::add_norm_fwd", _fwd_impl, muta
 
 
 @_add_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store_residual_out,
-      backend, cast_before_weight=False, out_dtype=None):  # fmt: skip
+def _(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    store_residual_out,
+    backend,
+    cast_before_weight=False,
+    out_dtype=None,
+):
     m, n = x.shape
     sd = stats_dtype(x.dtype, residual_dtype)
     return (
@@ -278,9 +338,9 @@ def _(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_ce
 
 def _bwd_impl(
     dout: Tensor,
-    dresidual_out: Optional[Tensor],
+    dresidual_out: Tensor | None,
     h: Tensor,
-    weight: Optional[Tensor],
+    weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     seed: Tensor,
@@ -288,18 +348,28 @@ def _bwd_impl(
     dropout_p: float,
     zero_centered_weight: bool,
     x_dtype: torch.dtype,
-    residual_dtype: Optional[torch.dtype],
-    bias_dtype: Optional[torch.dtype],
+    residual_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
     backend: str,
     cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dresidual, dweight, dbias), an empty tensor standing for each absent gradient."""
     dx, dres, dw, db = kernel_module(backend).backward(
-        dout, dresidual_out, h, weight, None if is_rms else mean, rstd, is_rms=is_rms, dropout_p=dropout_p,
-        seed=seed if dropout_p > 0 else None, zero_centered_weight=zero_centered_weight,
-        x_dtype=x_dtype, residual_dtype=residual_dtype, bias_dtype=bias_dtype,
+        dout,
+        dresidual_out,
+        h,
+        weight,
+        None if is_rms else mean,
+        rstd,
+        is_rms=is_rms,
+        dropout_p=dropout_p,
+        seed=seed if dropout_p > 0 else None,
+        zero_centered_weight=zero_centered_weight,
+        x_dtype=x_dtype,
+        residual_dtype=residual_dtype,
+        bias_dtype=bias_dtype,
         cast_before_weight=cast_before_weight,
-    )  # fmt: skip
+    )
     return _unaliased((dx, dres, dw, db), (dout, dresidual_out, h, weight, mean, rstd))
 
 
@@ -307,8 +377,23 @@ _add_norm_bwd = torch.library.custom_op("addnorm::add_norm_bwd", _bwd_impl, muta
 
 
 @_add_norm_bwd.register_fake
-def _(dout, dresidual_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zero_centered_weight, x_dtype,
-      residual_dtype, bias_dtype, backend, cast_before_weight=False):  # fmt: skip
+def _(
+    dout,
+    dresidual_out,
+    h,
+    weight,
+    mean,
+    rstd,
+    seed,
+    is_rms,
+    dropout_p,
+    zero_centered_weight,
+    x_dtype,
+    residual_dtype,
+    bias_dtype,
+    backend,
+    cast_before_weight=False,
+):
     n = dout.shape[-1]
     return (
         dout.new_empty(dout.shape, dtype=x_dtype),
@@ -325,8 +410,16 @@ def _setup_context(ctx, inputs, output, *, eager: bool = False, bwd_op=None):
     cbw = bool(rest and rest[0])  # the op's last arguments have defaults: called positionally, they may be absent
     out, res_out, mean, rstd, seed = output
     ctx.save_for_backward(res_out if store else x, weight, mean, rstd, seed)
-    ctx.opts = (is_rms, dropout_p, zc, cbw, x.dtype, residual.dtype if residual is not None else None,
-                bias.dtype if bias is not None else None, backend)  # fmt: skip
+    ctx.opts = (
+        is_rms,
+        dropout_p,
+        zc,
+        cbw,
+        x.dtype,
+        residual.dtype if residual is not None else None,
+        bias.dtype if bias is not None else None,
+        backend,
+    )
     ctx.has_residual_out = store
     ctx.out_dtype = out.dtype
     ctx.eager = eager
@@ -353,16 +446,37 @@ def _backward_saved(ctx, saved, dout, dres_out):
     shared = residual_dtype == x_dtype and dropout_p == 0
     bwd = _bwd_impl if ctx.eager else ctx.bwd_op or torch.ops.addnorm.add_norm_bwd
     dx, dres, dw, db = bwd(
-        dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype,
-        None if shared else residual_dtype, bias_dtype, backend, cbw,
-    )  # fmt: skip
+        dout,
+        dres_out,
+        h,
+        weight,
+        mean,
+        rstd,
+        seed,
+        is_rms,
+        dropout_p,
+        zc,
+        x_dtype,
+        None if shared else residual_dtype,
+        bias_dtype,
+        backend,
+        cbw,
+    )
     return (
         dx,
         dx if shared else dres if residual_dtype is not None else None,
         dw if weight is not None else None,
         db if bias_dtype is not None else None,
-        None, None, None, None, None, None, None, None, None,
-    )  # fmt: skip
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 torch.library.register_autograd("addnorm::add_norm_fwd", _backward, setup_context=_setup_context)
@@ -422,8 +536,21 @@ class _EagerAddNorm(torch.autograd.Function):
 _eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _EagerAddNorm.apply)
 
 
-def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, out_dtype, backend, compiling=False):  # fmt: skip
+def _kernel_add_norm(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    cast_before_weight,
+    out_dtype,
+    backend,
+    compiling=False,
+):
     # eps and dropout_p arrive as Python floats (_add_norm converted them, once)
     shape = x.shape
     n = shape[-1]
@@ -438,8 +565,21 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
             r2 = r2.contiguous()
     # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
     store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
-    args = (x2, r2, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight, store,
-            backend, cast_before_weight, out_dtype)  # fmt: skip
+    args = (
+        x2,
+        r2,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        store,
+        backend,
+        cast_before_weight,
+        out_dtype,
+    )
     if compiling:
         if backend == "triton" and _triton_op_usable(x.device.type):
             # the triton op: Inductor sees (and can graph) the kernels themselves, not an opaque call
@@ -458,8 +598,12 @@ def _kernel_add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual
 
 def _any_requires_grad(x, residual, weight, bias) -> bool:
     # spelled out: a generator over the four costs about a microsecond more, on every call
-    return (x.requires_grad or (residual is not None and residual.requires_grad)
-            or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
+    return (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
 
 
 def _triton_op_usable(device_type: str) -> bool:
@@ -480,8 +624,20 @@ _triton_op_usable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-              cast_before_weight, out_dtype, backend):  # fmt: skip
+def _add_norm(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    cast_before_weight,
+    out_dtype,
+    backend,
+):
     if is_rms and eps is None:
         eps = _default_rms_eps(x, residual, residual_dtype)
     _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
@@ -501,8 +657,19 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
     # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
     cast_before_weight = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
     cast_before_weight = cast_before_weight and out_dtype != stats_dtype(x.dtype, residual_dtype)
-    args = (x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zero_centered_weight,
-            cast_before_weight, out_dtype)
+    args = (
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+    )
     if name == "torch":
         return _torch_add_norm(*args)
     return _kernel_add_norm(*args, name, compiling)
@@ -556,8 +723,20 @@ def add_layer_norm(
     ``zero_centered_weight`` scales by ``1 + weight`` (Gemma); ``cast_before_weight`` rounds the normalized value to
     x's dtype before the weight and bias (Hugging Face Llama's order; see the module docstring).
     """
-    return _add_norm(x, residual, weight, bias, eps, False, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, out_dtype, backend)  # fmt: skip
+    return _add_norm(
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        False,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+        backend,
+    )
 
 
 def add_rms_norm(
@@ -579,8 +758,20 @@ def add_rms_norm(
     residual's dtype, else x's), as ``torch.nn.functional.rms_norm`` takes its input's. The other options are those
     of :func:`add_layer_norm`.
     """
-    return _add_norm(x, residual, weight, None, eps, True, dropout_p, residual_dtype, zero_centered_weight,
-                     cast_before_weight, out_dtype, backend)  # fmt: skip
+    return _add_norm(
+        x,
+        residual,
+        weight,
+        None,
+        eps,
+        True,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+        backend,
+    )
 
 
 def layer_norm(
@@ -594,15 +785,24 @@ def layer_norm(
     backend: str = "auto",
 ) -> Tensor:
     """LayerNorm over the last dimension, statistics in fp32 (fp64 for fp64 input)."""
-    return add_layer_norm(x, None, weight, bias, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
-                          backend=backend)[0]  # fmt: skip
+    return add_layer_norm(
+        x, None, weight, bias, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype, backend=backend
+    )[0]
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None, *, cast_before_weight: bool = False,
-             out_dtype: torch.dtype | None = None, backend: str = "auto") -> Tensor:  # fmt: skip
+def rms_norm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    cast_before_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> Tensor:
     """RMSNorm over the last dimension; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
-    return add_rms_norm(x, None, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
-                        backend=backend)[0]  # fmt: skip
+    return add_rms_norm(
+        x, None, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype, backend=backend
+    )[0]
 
 
 # Re-exported for kernel backends that want the same statistics dtype rule.

@@ -14,8 +14,6 @@ Inductor sees: :mod:`addnorm.ops.triton_ops`).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -48,8 +46,10 @@ def _check_inplace(x, residual, weight, bias) -> None:
                     "under torch.no_grad() or torch.inference_mode() (or use add_rms_norm/add_layer_norm to train)"
                 )
     # (eager only: dynamo cannot read storage pointers; a compiled graph sees aliasing among its inputs itself)
-    if not torch.compiler.is_compiling() and x.numel() and (
-        x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr()
+    if (
+        not torch.compiler.is_compiling()
+        and x.numel()
+        and (x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
     ):
         raise ValueError("x and residual must not share memory: both are written")
 
@@ -62,8 +62,8 @@ def _rows(t: Tensor) -> Tensor | None:
 def _inplace_impl(
     x: Tensor,
     residual: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     eps: float,
     is_rms: bool,
     zero_centered_weight: bool,
@@ -74,22 +74,56 @@ def _inplace_impl(
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write
         if backend == "torch":
-            out, res = _torch_add_norm(x, residual, weight, bias, eps, is_rms, 0.0, residual.dtype,
-                                       zero_centered_weight, cast_before_weight, x.dtype)  # fmt: skip
+            out, res = _torch_add_norm(
+                x,
+                residual,
+                weight,
+                bias,
+                eps,
+                is_rms,
+                0.0,
+                residual.dtype,
+                zero_centered_weight,
+                cast_before_weight,
+                x.dtype,
+            )
         else:
             n = x.shape[-1]
             out, res, _, _ = kernel_module(backend).forward(
-                x.reshape(-1, n), residual.reshape(-1, n), weight, bias, eps=eps, is_rms=is_rms, dropout_p=0.0,
-                seed=None, residual_dtype=residual.dtype, zero_centered_weight=zero_centered_weight,
-                store_residual_out=True, cast_before_weight=cast_before_weight, out_dtype=x.dtype, store_stats=False,
-            )  # fmt: skip
+                x.reshape(-1, n),
+                residual.reshape(-1, n),
+                weight,
+                bias,
+                eps=eps,
+                is_rms=is_rms,
+                dropout_p=0.0,
+                seed=None,
+                residual_dtype=residual.dtype,
+                zero_centered_weight=zero_centered_weight,
+                store_residual_out=True,
+                cast_before_weight=cast_before_weight,
+                out_dtype=x.dtype,
+                store_stats=False,
+            )
         residual.copy_(res.view(residual.shape))
         x.copy_(out.view(x.shape))
         return
     kernel_module(backend).forward_into(
-        x2, r2, None, None, x2, r2, weight, bias, eps=eps, is_rms=is_rms, dropout_p=0.0, seed=None,
-        zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight,
-    )  # fmt: skip
+        x2,
+        r2,
+        None,
+        None,
+        x2,
+        r2,
+        weight,
+        bias,
+        eps=eps,
+        is_rms=is_rms,
+        dropout_p=0.0,
+        seed=None,
+        zero_centered_weight=zero_centered_weight,
+        cast_before_weight=cast_before_weight,
+    )
 
 
 _add_norm_inplace = torch.library.custom_op("addnorm::add_norm_", _inplace_impl, mutates_args=("x", "residual"))

@@ -25,16 +25,46 @@ __all__ = ["add_norm_linear"]
 
 class _AddNormLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps, is_rms, residual_dtype,
-                out_dtype, zero_centered_weight, backend):  # fmt: skip
-        y, res = add_norm_multi(x, residual, norm_weight, norm_bias, eps, is_rms=is_rms,
-                                residual_dtype=residual_dtype, out_dtype=out_dtype,
-                                zero_centered_weight=zero_centered_weight, backend=backend)[:2]  # fmt: skip
+    def forward(
+        ctx,
+        x,
+        residual,
+        norm_weight,
+        norm_bias,
+        linear_weight,
+        linear_bias,
+        eps,
+        is_rms,
+        residual_dtype,
+        out_dtype,
+        zero_centered_weight,
+        backend,
+    ):
+        y, res = add_norm_multi(
+            x,
+            residual,
+            norm_weight,
+            norm_bias,
+            eps,
+            is_rms=is_rms,
+            residual_dtype=residual_dtype,
+            out_dtype=out_dtype,
+            zero_centered_weight=zero_centered_weight,
+            backend=backend,
+        )[:2]
         out = F.linear(y.to(linear_weight.dtype), linear_weight, linear_bias)
         ctx.save_for_backward(res, norm_weight, norm_bias, linear_weight)  # y is not saved
-        ctx.opts = (eps, is_rms, out_dtype, zero_centered_weight, backend, x.dtype,
-                    None if residual is None else residual.dtype, linear_bias is not None,
-                    stats_dtype(x.dtype, res.dtype))  # fmt: skip
+        ctx.opts = (
+            eps,
+            is_rms,
+            out_dtype,
+            zero_centered_weight,
+            backend,
+            x.dtype,
+            None if residual is None else residual.dtype,
+            linear_bias is not None,
+            stats_dtype(x.dtype, res.dtype),
+        )
         if res is x:  # nothing was added or rounded: residual_out is x itself; autograd needs its own tensor
             res = x.view_as(x)
         return out, res
@@ -44,8 +74,18 @@ class _AddNormLinear(torch.autograd.Function):
         res, nw, nb, lw = ctx.saved_tensors
         eps, is_rms, od, zc, backend, x_dtype, r_dtype, has_lb, cd = ctx.opts
         h = res.to(cd)  # exact upcast: the same value the forward normalized
-        y = add_norm_multi(h, None, nw, nb, eps, is_rms=is_rms, residual_dtype=cd, out_dtype=od,
-                           zero_centered_weight=zc, backend=backend).out  # fmt: skip
+        y = add_norm_multi(
+            h,
+            None,
+            nw,
+            nb,
+            eps,
+            is_rms=is_rms,
+            residual_dtype=cd,
+            out_dtype=od,
+            zero_centered_weight=zc,
+            backend=backend,
+        ).out
         d2 = dout.reshape(-1, dout.shape[-1])
         y2 = y.to(lw.dtype).reshape(-1, y.shape[-1])
         dlw = (d2.t() @ y2).to(lw.dtype) if ctx.needs_input_grad[4] else None
@@ -96,13 +136,13 @@ def add_norm_linear(
     it first for mixed precision). Under autocast, norm output and linear weight take autocast's dtype."""
     _check_float("linear_weight", linear_weight)
     if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear_weight must have shape (out_features, {x.shape[-1]}), got "
-                         f"{tuple(linear_weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"linear_weight must have shape (out_features, {x.shape[-1]}), got {tuple(linear_weight.shape)}"
+        )
     if linear_bias is not None:
         _check_float("linear_bias", linear_bias)
         if tuple(linear_bias.shape) != (linear_weight.shape[0],):
-            raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},), got "
-                             f"{tuple(linear_bias.shape)}")  # fmt: skip
+            raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},), got {tuple(linear_bias.shape)}")
     if is_rms and eps is None:
         eps = _default_rms_eps(x, residual, residual_dtype)
     if torch.is_autocast_enabled(x.device.type):
@@ -111,5 +151,17 @@ def add_norm_linear(
         linear_weight = linear_weight.to(dt)  # differentiable: the gradient reaches the fp32 weight
         linear_bias = linear_bias.to(dt) if linear_bias is not None else None
     with torch.autocast(x.device.type, enabled=False):
-        return _AddNormLinear.apply(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps, is_rms,
-                                    residual_dtype, out_dtype or x.dtype, zero_centered_weight, backend)  # fmt: skip
+        return _AddNormLinear.apply(
+            x,
+            residual,
+            norm_weight,
+            norm_bias,
+            linear_weight,
+            linear_bias,
+            eps,
+            is_rms,
+            residual_dtype,
+            out_dtype or x.dtype,
+            zero_centered_weight,
+            backend,
+        )

@@ -32,8 +32,15 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.add_norm import (
-    _add_norm, _as, _check_affine, _check_float, _check_like_x, _default_rms_eps, draw_seed, stats_dtype,
-)  # fmt: skip
+    _add_norm,
+    _as,
+    _check_affine,
+    _check_float,
+    _check_like_x,
+    _default_rms_eps,
+    draw_seed,
+    stats_dtype,
+)
 from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["AddNormOutputs", "add_norm_multi"]
@@ -129,8 +136,20 @@ def add_norm_multi(
         raise TypeError(f"return_dropout_mask must be a bool, got {return_dropout_mask!r}")
     fused = x1 is None and rowscale is None and weight1 is None and not (is_rms and bias is not None)
     if fused and not return_dropout_mask:
-        out, res = _add_norm(x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype,
-                             zero_centered_weight, cast_before_weight, out_dtype, backend)  # fmt: skip
+        out, res = _add_norm(
+            x,
+            residual,
+            weight,
+            bias,
+            eps,
+            is_rms,
+            dropout_p,
+            residual_dtype,
+            zero_centered_weight,
+            cast_before_weight,
+            out_dtype,
+            backend,
+        )
         return AddNormOutputs(out, res)
 
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
@@ -154,8 +173,20 @@ def add_norm_multi(
             branch = branch + b1
         kernel_p = 0.0
     if fused:
-        out, res = _add_norm(branch, residual, weight, bias, eps, is_rms, kernel_p, rd, zero_centered_weight,
-                             cast_before_weight, od, backend)  # fmt: skip
+        out, res = _add_norm(
+            branch,
+            residual,
+            weight,
+            bias,
+            eps,
+            is_rms,
+            kernel_p,
+            rd,
+            zero_centered_weight,
+            cast_before_weight,
+            od,
+            backend,
+        )
         return AddNormOutputs(out, res, None, mask, mask1)
     # xhat from the kernel (no affine step, kept in the statistics dtype), then each affine output composed
     xhat, res = _add_norm(branch, residual, None, None, eps, is_rms, kernel_p, rd, False, False, cd, backend)

@@ -296,14 +296,40 @@ def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
 
 
 @njit(**_JIT)
-def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-             seed_key, threshold, scale, eps, cast, zero):  # fmt: skip
+def _fwd_row(
+    i,
+    X,
+    sx,
+    R,
+    sr,
+    W,
+    B,
+    Out,
+    H,
+    sh,
+    Mean,
+    Rstd,
+    n,
+    has_res,
+    has_w,
+    has_b,
+    store,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    eps,
+    cast,
+    zero,
+):
     # X: x rows; R: residual rows (stride sr); W, B: weight, bias in the statistics dtype; Out: (M, N) output;
     # H: residual_out rows (stride sh; H is X itself when nothing is stored); Mean, Rstd: (M,) statistics
     h = H[i * sh : i * sh + n]
     if store:  # rounded once; everything below normalizes the stored value
-        _residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_key,
-                      threshold, scale, zero)  # fmt: skip
+        _residual_row(
+            X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_key, threshold, scale, zero
+        )
     nf = _cast(n, zero)
     if is_rms:
         mean = zero
@@ -321,25 +347,123 @@ def _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, h
 # microseconds of waking a thread pool would dominate. Two functions, not one compiled twice: numba's cache keys
 # entries by function, not by the parallel flag.
 @njit(parallel=True, **_JIT)
-def _fwd_parallel(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                  seed_key, threshold, scale, eps, cast):  # fmt: skip
+def _fwd_parallel(
+    X,
+    sx,
+    R,
+    sr,
+    W,
+    B,
+    Out,
+    H,
+    sh,
+    Mean,
+    Rstd,
+    m,
+    n,
+    has_res,
+    has_w,
+    has_b,
+    store,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    eps,
+    cast,
+):
     zero = _zero_of(Rstd)
     seed_key, threshold = np.uint64(seed_key), np.uint64(threshold)
     scale, eps = _cast(scale, zero), _cast(eps, zero)
     for i in prange(m):
-        _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_key, threshold, scale, eps, cast, zero)  # fmt: skip
+        _fwd_row(
+            i,
+            X,
+            sx,
+            R,
+            sr,
+            W,
+            B,
+            Out,
+            H,
+            sh,
+            Mean,
+            Rstd,
+            n,
+            has_res,
+            has_w,
+            has_b,
+            store,
+            is_rms,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            eps,
+            cast,
+            zero,
+        )
 
 
 @njit(**_JIT)
-def _fwd_serial(X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, m, n, has_res, has_w, has_b, store, is_rms, dropout,
-                seed_key, threshold, scale, eps, cast):  # fmt: skip
+def _fwd_serial(
+    X,
+    sx,
+    R,
+    sr,
+    W,
+    B,
+    Out,
+    H,
+    sh,
+    Mean,
+    Rstd,
+    m,
+    n,
+    has_res,
+    has_w,
+    has_b,
+    store,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    eps,
+    cast,
+):
     zero = _zero_of(Rstd)  # the scalars arrive as python floats and ints (cheap to pass), typed here
     seed_key, threshold = np.uint64(seed_key), np.uint64(threshold)
     scale, eps = _cast(scale, zero), _cast(eps, zero)
     for i in range(m):
-        _fwd_row(i, X, sx, R, sr, W, B, Out, H, sh, Mean, Rstd, n, has_res, has_w, has_b, store, is_rms, dropout,
-                 seed_key, threshold, scale, eps, cast, zero)  # fmt: skip
+        _fwd_row(
+            i,
+            X,
+            sx,
+            R,
+            sr,
+            W,
+            B,
+            Out,
+            H,
+            sh,
+            Mean,
+            Rstd,
+            n,
+            has_res,
+            has_w,
+            has_b,
+            store,
+            is_rms,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            eps,
+            cast,
+            zero,
+        )
 
 
 @njit(fastmath=_FAST, **_JIT)
@@ -360,8 +484,28 @@ def _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero):
 # The per-row loops live in small functions of their own: LLVM vectorizes each simple loop, where one long loop body
 # full of flags stayed scalar (several times slower).
 @njit(**_JIT)
-def _bwd_dx_row(base, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, proj, has_dro, has_w, has_dres, dropout,
-                seed_key, threshold, scale, zero):  # fmt: skip
+def _bwd_dx_row(
+    base,
+    dy,
+    h,
+    dro,
+    dx,
+    dres,
+    W,
+    n,
+    mean,
+    rstd,
+    mean_g,
+    proj,
+    has_dro,
+    has_w,
+    has_dres,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    zero,
+):
     # base: the element index (i * N + first column) of dy[0], for the dropout mask
     for j in range(n):
         xhat = (_cast(_load(h, j), zero) - mean) * rstd
@@ -393,8 +537,36 @@ def _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero):
 
 
 @njit(**_JIT)
-def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-               has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero):  # fmt: skip
+def _bwd_chunk(
+    c,
+    chunks,
+    m,
+    DY,
+    sdy,
+    DRO,
+    sdro,
+    H,
+    sh,
+    W,
+    Mean,
+    Rstd,
+    DX,
+    DRes,
+    DWp,
+    DBp,
+    n,
+    has_dro,
+    has_w,
+    has_dres,
+    has_db,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    cast,
+    zero,
+):
     # DY: dout rows; DRO: dresidual_out rows; H: the normalized input as stored; W: effective weight (stats
     # dtype); DX, DRes: (M, N) outputs; DWp, DBp: (chunks, N) partial sums of this chunk's rows
     nf = _cast(n, zero)
@@ -410,8 +582,28 @@ def _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
         mean = zero if is_rms else Mean[i]
         sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
-        _bwd_dx_row(i * n, dy, h, dro, dx, dres, W, n, mean, rstd, mean_g, sgx / nf, has_dro, has_w, has_dres,
-                    dropout, seed_key, threshold, scale, zero)  # fmt: skip
+        _bwd_dx_row(
+            i * n,
+            dy,
+            h,
+            dro,
+            dx,
+            dres,
+            W,
+            n,
+            mean,
+            rstd,
+            mean_g,
+            sgx / nf,
+            has_dro,
+            has_w,
+            has_dres,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            zero,
+        )
         if has_w or has_db:
             _bwd_dw_row(dy, h, dwp, dbp, n, mean, rstd, has_w, has_db, cast, zero)
 
@@ -427,13 +619,69 @@ def _sum_chunks(P, chunks, n, Out):
 
 
 @njit(parallel=True, **_JIT)
-def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                  has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
+def _bwd_parallel(
+    chunks,
+    m,
+    DY,
+    sdy,
+    DRO,
+    sdro,
+    H,
+    sh,
+    W,
+    Mean,
+    Rstd,
+    DX,
+    DRes,
+    DWp,
+    DBp,
+    DW,
+    DB,
+    n,
+    has_dro,
+    has_w,
+    has_dres,
+    has_db,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    cast,
+):
     zero = _zero_of(Rstd)
     seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), _cast(scale, zero)
     for c in prange(chunks):
-        _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero)  # fmt: skip
+        _bwd_chunk(
+            c,
+            chunks,
+            m,
+            DY,
+            sdy,
+            DRO,
+            sdro,
+            H,
+            sh,
+            W,
+            Mean,
+            Rstd,
+            DX,
+            DRes,
+            DWp,
+            DBp,
+            n,
+            has_dro,
+            has_w,
+            has_dres,
+            has_db,
+            is_rms,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            cast,
+            zero,
+        )
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -441,13 +689,69 @@ def _bwd_parallel(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes,
 
 
 @njit(**_JIT)
-def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n, has_dro,
-                has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
+def _bwd_serial(
+    chunks,
+    m,
+    DY,
+    sdy,
+    DRO,
+    sdro,
+    H,
+    sh,
+    W,
+    Mean,
+    Rstd,
+    DX,
+    DRes,
+    DWp,
+    DBp,
+    DW,
+    DB,
+    n,
+    has_dro,
+    has_w,
+    has_dres,
+    has_db,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    cast,
+):
     zero = _zero_of(Rstd)
     seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), _cast(scale, zero)
     for c in range(chunks):
-        _bwd_chunk(c, chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, n, has_dro, has_w,
-                   has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast, zero)  # fmt: skip
+        _bwd_chunk(
+            c,
+            chunks,
+            m,
+            DY,
+            sdy,
+            DRO,
+            sdro,
+            H,
+            sh,
+            W,
+            Mean,
+            Rstd,
+            DX,
+            DRes,
+            DWp,
+            DBp,
+            n,
+            has_dro,
+            has_w,
+            has_dres,
+            has_db,
+            is_rms,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            cast,
+            zero,
+        )
     if has_w:
         _sum_chunks(DWp, chunks, n, DW)
     if has_db:
@@ -455,8 +759,36 @@ def _bwd_serial(chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, D
 
 
 @njit(parallel=True, **_JIT)
-def _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, SG, SGX, DW, DB, n, has_dro,
-                       has_w, has_dres, has_db, is_rms, dropout, seed_key, threshold, scale, cast):  # fmt: skip
+def _bwd_cols_parallel(
+    block,
+    m,
+    DY,
+    sdy,
+    DRO,
+    sdro,
+    H,
+    sh,
+    W,
+    Mean,
+    Rstd,
+    DX,
+    DRes,
+    SG,
+    SGX,
+    DW,
+    DB,
+    n,
+    has_dro,
+    has_w,
+    has_dres,
+    has_db,
+    is_rms,
+    dropout,
+    seed_key,
+    threshold,
+    scale,
+    cast,
+):
     """Few rows (one dweight chunk): parallel over column blocks instead. The row sums come first (parallel over
     rows); then each block of columns walks every row, rows in order, so a column's dweight/dbias is summed in the
     same order as the serial one-chunk kernel: bitwise the same result."""
@@ -465,8 +797,7 @@ def _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, D
     nf = _cast(n, zero)
     for i in prange(m):
         mean = zero if is_rms else Mean[i]
-        SG[i], SGX[i] = _bwd_sums(DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n], W, has_w, mean, Rstd[i], n,
-                                  zero)  # fmt: skip
+        SG[i], SGX[i] = _bwd_sums(DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n], W, has_w, mean, Rstd[i], n, zero)
     for c in prange((n + block - 1) // block):
         j0 = c * block
         k = min(n, j0 + block) - j0
@@ -479,11 +810,42 @@ def _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, D
             rstd = Rstd[i]
             mean = zero if is_rms else Mean[i]
             mean_g = zero if is_rms else SG[i] / nf
-            _bwd_dx_row(i * n + j0, dy, h, dro, DX[i * n + j0 : i * n + j0 + k], dres, w, k, mean, rstd, mean_g,
-                        SGX[i] / nf, has_dro, has_w, has_dres, dropout, seed_key, threshold, scale, zero)  # fmt: skip
+            _bwd_dx_row(
+                i * n + j0,
+                dy,
+                h,
+                dro,
+                DX[i * n + j0 : i * n + j0 + k],
+                dres,
+                w,
+                k,
+                mean,
+                rstd,
+                mean_g,
+                SGX[i] / nf,
+                has_dro,
+                has_w,
+                has_dres,
+                dropout,
+                seed_key,
+                threshold,
+                scale,
+                zero,
+            )
             if has_w or has_db:
-                _bwd_dw_row(dy, h, DW[j0 : j0 + k] if has_w else DW, DB[j0 : j0 + k] if has_db else DB, k, mean,
-                            rstd, has_w, has_db, cast, zero)  # fmt: skip
+                _bwd_dw_row(
+                    dy,
+                    h,
+                    DW[j0 : j0 + k] if has_w else DW,
+                    DB[j0 : j0 + k] if has_db else DB,
+                    k,
+                    mean,
+                    rstd,
+                    has_w,
+                    has_db,
+                    cast,
+                    zero,
+                )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -614,8 +976,23 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
-def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
+def forward(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    dropout_p,
+    seed,
+    residual_dtype,
+    zero_centered_weight,
+    store_residual_out,
+    cast_before_weight=False,
+    out_dtype=None,
+    store_stats=True,
+):
     """Kernel contract forward (see :mod:`addnorm.ops.add_norm`): (out, residual_out | None, mean | None,
     rstd | None)."""
     m, n = x.shape
@@ -625,14 +1002,42 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
     mean = None if is_rms or not store_stats else torch.empty(m, dtype=sd)
     rstd = torch.empty(m, dtype=sd) if store_stats else None
     if m > 0:
-        forward_into(out, res_out, mean, rstd, x, residual, weight, bias, eps=eps, is_rms=is_rms,
-                     dropout_p=dropout_p, seed=seed, zero_centered_weight=zero_centered_weight,
-                     cast_before_weight=cast_before_weight)  # fmt: skip
+        forward_into(
+            out,
+            res_out,
+            mean,
+            rstd,
+            x,
+            residual,
+            weight,
+            bias,
+            eps=eps,
+            is_rms=is_rms,
+            dropout_p=dropout_p,
+            seed=seed,
+            zero_centered_weight=zero_centered_weight,
+            cast_before_weight=cast_before_weight,
+        )
     return out, res_out, mean, rstd
 
 
-def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is_rms, dropout_p, seed,
-                 zero_centered_weight, cast_before_weight=False):  # fmt: skip
+def forward_into(
+    out,
+    res_out,
+    mean,
+    rstd,
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    dropout_p,
+    seed,
+    zero_centered_weight,
+    cast_before_weight=False,
+):
     """The forward kernel writing into given outputs (out and res_out contiguous; res_out None: normalize x; mean
     None for RMSNorm; mean and rstd None: statistics not kept). ``forward`` allocates and calls this; benchmarks
     call it to time the kernel without the cost of faulting in fresh output pages."""
@@ -658,9 +1063,32 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is
     B = _vector(bias, sd, False, Rstd)
     dropout = dropout_p > 0.0
     seed_key, threshold, scale = _dropout_args(seed, dropout_p, sd) if dropout else (0, 0, 1.0)
-    args = (X, sx, R, sr, W, B, _np(out).reshape(-1), H, sh, Mean, Rstd, m, n, residual is not None,
-            weight is not None, bias is not None and not is_rms, store, is_rms, dropout,
-            seed_key, threshold, scale, float(eps), bool(cast_before_weight))  # fmt: skip
+    args = (
+        X,
+        sx,
+        R,
+        sr,
+        W,
+        B,
+        _np(out).reshape(-1),
+        H,
+        sh,
+        Mean,
+        Rstd,
+        m,
+        n,
+        residual is not None,
+        weight is not None,
+        bias is not None and not is_rms,
+        store,
+        is_rms,
+        dropout,
+        seed_key,
+        threshold,
+        scale,
+        float(eps),
+        bool(cast_before_weight),
+    )
     if _use_parallel(m * n):
         with _parallel_lock:
             _fwd_parallel(*args)
@@ -672,8 +1100,23 @@ def _chunks(m: int) -> int:
     return max(1, min(_MAX_CHUNKS, m // _CHUNK_ROWS))
 
 
-def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
+def backward(
+    dout,
+    dresidual_out,
+    h,
+    weight,
+    mean,
+    rstd,
+    *,
+    is_rms,
+    dropout_p,
+    seed,
+    zero_centered_weight,
+    x_dtype,
+    residual_dtype,
+    bias_dtype,
+    cast_before_weight=False,
+):
     """Kernel contract backward: (dx, dresidual | None, dweight | None, dbias | None)."""
     m, n = dout.shape
     sd = rstd.dtype
@@ -697,9 +1140,36 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         DBp, DB = (Rstd, Rstd) if db is None else (dbp.numpy().reshape(-1), db.numpy())
         dropout = dropout_p > 0.0
         seed_key, threshold, scale = _dropout_args(seed, dropout_p, sd) if dropout else (0, 0, 1.0)
-        args = (chunks, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, DWp, DBp, DW, DB, n,
-                dresidual_out is not None, weight is not None, dres is not None, db is not None, is_rms, dropout,
-                seed_key, threshold, scale, bool(cast_before_weight))  # fmt: skip
+        args = (
+            chunks,
+            m,
+            DY,
+            sdy,
+            DRO,
+            sdro,
+            H,
+            sh,
+            W,
+            Mean,
+            Rstd,
+            DX,
+            DRes,
+            DWp,
+            DBp,
+            DW,
+            DB,
+            n,
+            dresidual_out is not None,
+            weight is not None,
+            dres is not None,
+            db is not None,
+            is_rms,
+            dropout,
+            seed_key,
+            threshold,
+            scale,
+            bool(cast_before_weight),
+        )
         if chunks > 1 and _use_parallel(m * n):
             with _parallel_lock:
                 _bwd_parallel(*args)
@@ -707,8 +1177,9 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
             block = max(COLS_BLOCK_MIN, -(-n // (4 * _threads())))
             sg, sgx = np.empty(m, Rstd.dtype), np.empty(m, Rstd.dtype)
             with _parallel_lock:
-                _bwd_cols_parallel(block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, DW, DB,
-                                   *args[17:])  # fmt: skip
+                _bwd_cols_parallel(
+                    block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, DW, DB, *args[17:]
+                )
         else:
             _bwd_serial(*args)
     dweight = dw.to(weight.dtype) if dw is not None else None

@@ -15,22 +15,71 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True):  # fmt: skip
+def forward(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    dropout_p,
+    seed,
+    residual_dtype,
+    zero_centered_weight,
+    store_residual_out,
+    cast_before_weight=False,
+    out_dtype=None,
+    store_stats=True,
+):
     out, res_out, mean, rstd = add_norm_ref(
-        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
-        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        cast_before_weight=cast_before_weight, out_dtype=out_dtype,
-    )  # fmt: skip
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        is_rms=is_rms,
+        dropout_p=dropout_p,
+        seed=seed,
+        residual_dtype=residual_dtype,
+        zero_centered_weight=zero_centered_weight,
+        cast_before_weight=cast_before_weight,
+        out_dtype=out_dtype,
+    )
     if not store_stats:
         mean = rstd = None
     return out.contiguous(), (res_out.contiguous() if store_residual_out else None), mean, rstd
 
 
-def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype, cast_before_weight=False):  # fmt: skip
+def backward(
+    dout,
+    dresidual_out,
+    h,
+    weight,
+    mean,
+    rstd,
+    *,
+    is_rms,
+    dropout_p,
+    seed,
+    zero_centered_weight,
+    x_dtype,
+    residual_dtype,
+    bias_dtype,
+    cast_before_weight=False,
+):
     return add_norm_bwd_ref(
-        dout, dresidual_out, h, weight, mean, rstd, bias_dtype=bias_dtype, dropout_p=dropout_p, seed=seed,
-        zero_centered_weight=zero_centered_weight, cast_before_weight=cast_before_weight, x_dtype=x_dtype,
+        dout,
+        dresidual_out,
+        h,
+        weight,
+        mean,
+        rstd,
+        bias_dtype=bias_dtype,
+        dropout_p=dropout_p,
+        seed=seed,
+        zero_centered_weight=zero_centered_weight,
+        cast_before_weight=cast_before_weight,
+        x_dtype=x_dtype,
         residual_dtype=residual_dtype,
-    )  # fmt: skip
+    )

@@ -26,8 +26,13 @@ from torch import Tensor
 
 from addnorm.ops.add_norm import stats_dtype
 from addnorm.ops.triton_kernels import (  # the kernels stay reachable here (tests, benchmarks, triton_ops)
-    _bwd_row_sums_kernel, _bwd_rows_kernel, _bwd_tiles_kernel, _fwd_looped_kernel, _fwd_rows_kernel, triton,
-)  # fmt: skip
+    _bwd_row_sums_kernel,
+    _bwd_rows_kernel,
+    _bwd_tiles_kernel,
+    _fwd_looped_kernel,
+    _fwd_rows_kernel,
+    triton,
+)
 from addnorm.reference import dropout_threshold
 
 __all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "forward_into", "backward"]
@@ -169,20 +174,30 @@ def _kernel(kernel, traceable: bool):
     return wrap_triton(kernel)
 
 
-def _fwd_config(m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast,
-                store_stats):  # fmt: skip
+def _fwd_config(
+    m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast, store_stats
+):
     """(rows path?, grid, constexprs and launch options) of the forward for one shape and flag set. The kernel is
     named by a flag, not held: the cache below would otherwise keep a kernel object that a test has replaced."""
     meta = dict(
-        HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, IS_RMS=is_rms, ZERO_CENTERED=zc,
-        HAS_DROPOUT=has_dropout, STORE_RESIDUAL_OUT=store_residual_out, CAST_BEFORE_WEIGHT=cast,
+        HAS_RESIDUAL=has_residual,
+        HAS_WEIGHT=has_weight,
+        HAS_BIAS=has_bias,
+        IS_RMS=is_rms,
+        ZERO_CENTERED=zc,
+        HAS_DROPOUT=has_dropout,
+        STORE_RESIDUAL_OUT=store_residual_out,
+        CAST_BEFORE_WEIGHT=cast,
         STORE_STATS=store_stats,
-    )  # fmt: skip
+    )
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
         block_m, block_n = blocks
-        return True, (_cdiv(m, block_m),), dict(meta, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                num_warps=_warps(block_m * block_n))  # fmt: skip
+        return (
+            True,
+            (_cdiv(m, block_m),),
+            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n)),
+        )
     block_n = _loop_block(TUNING.max_fwd_block_n)
     return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=_warps(block_n))
 
@@ -208,8 +223,9 @@ def _cached_config(make, key):
     return config
 
 
-def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast,
-                traceable=False):  # fmt: skip
+def _fwd_launch(
+    x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast, traceable=False
+):
     """rstd None: the statistics are not stored (mean must be None too)."""
     m, n = x.shape
     eps_hi, eps_lo = _split(eps)
@@ -218,13 +234,35 @@ def _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropou
         rstd = _scratch(x.device, stats_dtype(x.dtype, res_out.dtype if res_out is not None else x.dtype))
     dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
     args = (
-        x, residual if residual is not None else dummy, weight if weight is not None else dummy,
-        bias if bias is not None else dummy, out, res_out if res_out is not None else dummy,
-        mean if mean is not None else dummy, rstd, x.stride(0), _row_stride(residual), m, n,
-        eps_hi, eps_lo, *_dropout_args(dropout_p, seed, dummy),
-    )  # fmt: skip
-    key = (m, n, residual is not None, weight is not None, bias is not None, is_rms, zc, dropout_p > 0,
-           res_out is not None, cast, store_stats)  # fmt: skip
+        x,
+        residual if residual is not None else dummy,
+        weight if weight is not None else dummy,
+        bias if bias is not None else dummy,
+        out,
+        res_out if res_out is not None else dummy,
+        mean if mean is not None else dummy,
+        rstd,
+        x.stride(0),
+        _row_stride(residual),
+        m,
+        n,
+        eps_hi,
+        eps_lo,
+        *_dropout_args(dropout_p, seed, dummy),
+    )
+    key = (
+        m,
+        n,
+        residual is not None,
+        weight is not None,
+        bias is not None,
+        is_rms,
+        zc,
+        dropout_p > 0,
+        res_out is not None,
+        cast,
+        store_stats,
+    )
     rows, grid, meta = _fwd_config(*key) if traceable else _cached_config(_fwd_config, ("fwd", *key))
     _kernel(_fwd_rows_kernel if rows else _fwd_looped_kernel, traceable)[grid](*args, **meta)
 
@@ -249,9 +287,15 @@ def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_
     the rows kernel, or (False, tiles, groups, the row-sums kernel's, the tiles kernel's) for the looped path.
     ``narrow``: h and dout are 2-byte types (the RMSNorm backward keeps wider rows in one pass then)."""
     flags = dict(
-        HAS_DRES_OUT=has_dres_out, HAS_WEIGHT=has_weight, HAS_DB=has_db, IS_RMS=is_rms, ZERO_CENTERED=zc,
-        HAS_DROPOUT=has_dropout, STORE_DRES=store_dres, CAST_BEFORE_WEIGHT=cast,
-    )  # fmt: skip
+        HAS_DRES_OUT=has_dres_out,
+        HAS_WEIGHT=has_weight,
+        HAS_DB=has_db,
+        IS_RMS=is_rms,
+        ZERO_CENTERED=zc,
+        HAS_DROPOUT=has_dropout,
+        STORE_DRES=store_dres,
+        CAST_BEFORE_WEIGHT=cast,
+    )
     max_block_n = TUNING.max_bwd_block_n
     if is_rms and narrow:
         max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
@@ -261,8 +305,11 @@ def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_
         elems = block_m * block_n
         warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
         programs = min(_programs(device, TUNING.programs_per_sm), _cdiv(m, block_m))
-        return True, programs, dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m,
-                                    BLOCK_N=block_n, num_warps=warps)  # fmt: skip
+        return (
+            True,
+            programs,
+            dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps),
+        )
     block_n = _loop_block(TUNING.max_bwd_block_n)
     tiles = _cdiv(n, block_n)
     groups = max(1, min(m, _cdiv(_programs(device, TUNING.looped_programs_per_sm), tiles)))
@@ -270,8 +317,9 @@ def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_
     return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
-def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast,
-                traceable=False):  # fmt: skip
+def _bwd_launch(
+    dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout_p, seed, is_rms, zc, cast, traceable=False
+):
     m, n = h.shape
     acc = rstd.dtype
     dummy = rstd
@@ -280,30 +328,84 @@ def _bwd_launch(dout, dres_out, h, weight, mean, rstd, dx, dres, has_db, dropout
     mean_ = mean if mean is not None else dummy
     dres_ = dres if dres is not None else dummy
     drop = _dropout_args(dropout_p, seed, dummy)
-    key = (m, n, h.element_size() <= 2 and dout.element_size() <= 2, dres_out is not None, weight is not None, has_db,
-           is_rms, zc, dropout_p > 0, dres is not None, cast, h.device)  # fmt: skip
+    key = (
+        m,
+        n,
+        h.element_size() <= 2 and dout.element_size() <= 2,
+        dres_out is not None,
+        weight is not None,
+        has_db,
+        is_rms,
+        zc,
+        dropout_p > 0,
+        dres is not None,
+        cast,
+        h.device,
+    )
     plan = _bwd_config(*key) if traceable else _cached_config(_bwd_config, ("bwd", *key))
     if plan[0]:
         _, programs, meta = plan
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
         _kernel(_bwd_rows_kernel, traceable)[(programs,)](
-            dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part,
-            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop, **meta,
-        )  # fmt: skip
+            dout,
+            dres_out_,
+            h,
+            weight_,
+            mean_,
+            rstd,
+            dx,
+            dres_,
+            dw_part,
+            db_part,
+            dout.stride(0),
+            _row_stride(dres_out),
+            h.stride(0),
+            m,
+            n,
+            *drop,
+            **meta,
+        )
     else:
         _, tiles, groups, sums, meta = plan
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
         _kernel(_bwd_row_sums_kernel, traceable)[(m,)](
-            dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n, **sums,
-        )  # fmt: skip
+            dout,
+            h,
+            weight_,
+            mean_,
+            rstd,
+            c1,
+            c2,
+            dout.stride(0),
+            h.stride(0),
+            n,
+            **sums,
+        )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
         _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
-            dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part,
-            dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop, **meta,
-        )  # fmt: skip
+            dout,
+            dres_out_,
+            h,
+            weight_,
+            mean_,
+            rstd,
+            c1,
+            c2,
+            dx,
+            dres_,
+            dw_part,
+            db_part,
+            dout.stride(0),
+            _row_stride(dres_out),
+            h.stride(0),
+            m,
+            n,
+            *drop,
+            **meta,
+        )
     return dw_part, db_part
 
 
@@ -355,9 +457,24 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"Triton kernels run on CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), not on {device.type}"
 
 
-def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,
-            store_residual_out, cast_before_weight=False, out_dtype=None, store_stats=True,
-            traceable=False):  # fmt: skip
+def forward(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    dropout_p,
+    seed,
+    residual_dtype,
+    zero_centered_weight,
+    store_residual_out,
+    cast_before_weight=False,
+    out_dtype=None,
+    store_stats=True,
+    traceable=False,
+):
     m, n = x.shape
     device = x.device
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=device)
@@ -369,13 +486,44 @@ def forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual
         rstd = torch.empty(m, dtype=sd, device=device)
     if m > 0:  # forward_into's body, without its keyword call: this runs on every eager call
         with _device_guard(x):
-            _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
-                        zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
+            _fwd_launch(
+                x,
+                residual,
+                _vec(weight),
+                _vec(bias),
+                out,
+                res_out,
+                mean,
+                rstd,
+                eps,
+                dropout_p,
+                seed,
+                is_rms,
+                zero_centered_weight,
+                cast_before_weight,
+                traceable,
+            )
     return out, res_out, mean, rstd
 
 
-def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is_rms, dropout_p, seed,
-                 zero_centered_weight, cast_before_weight=False, traceable=False):  # fmt: skip
+def forward_into(
+    out,
+    res_out,
+    mean,
+    rstd,
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    is_rms,
+    dropout_p,
+    seed,
+    zero_centered_weight,
+    cast_before_weight=False,
+    traceable=False,
+):
     """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None
     for RMSNorm; mean and rstd None: statistics not stored, the serving case). out may be x and res_out the
     residual (the in-place ops): each element is read before it is written, by the thread that writes it, and out
@@ -383,12 +531,43 @@ def forward_into(out, res_out, mean, rstd, x, residual, weight, bias, *, eps, is
     ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
     if x.shape[0] > 0:
         with _device_guard(x):
-            _fwd_launch(x, residual, _vec(weight), _vec(bias), out, res_out, mean, rstd, eps, dropout_p, seed,
-                        is_rms, zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
+            _fwd_launch(
+                x,
+                residual,
+                _vec(weight),
+                _vec(bias),
+                out,
+                res_out,
+                mean,
+                rstd,
+                eps,
+                dropout_p,
+                seed,
+                is_rms,
+                zero_centered_weight,
+                cast_before_weight,
+                traceable,
+            )
 
 
-def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight, x_dtype,
-             residual_dtype, bias_dtype, cast_before_weight=False, traceable=False):  # fmt: skip
+def backward(
+    dout,
+    dresidual_out,
+    h,
+    weight,
+    mean,
+    rstd,
+    *,
+    is_rms,
+    dropout_p,
+    seed,
+    zero_centered_weight,
+    x_dtype,
+    residual_dtype,
+    bias_dtype,
+    cast_before_weight=False,
+    traceable=False,
+):
     m, n = h.shape
     # incoming gradients can be broadcast views (stride 0); the kernels want unit stride along the row
     if dout.stride(-1) != 1:
@@ -403,9 +582,23 @@ def backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, s
         db = torch.zeros(n, dtype=bias_dtype, device=h.device) if has_db else None
         return dx, dres, dw, db
     with _device_guard(h):
-        dw_part, db_part = _bwd_launch(dout, dresidual_out, h, _vec(weight), mean, rstd, dx, dres, has_db,
-                                       dropout_p, seed, is_rms, zero_centered_weight, cast_before_weight,
-                                       traceable)  # fmt: skip
+        dw_part, db_part = _bwd_launch(
+            dout,
+            dresidual_out,
+            h,
+            _vec(weight),
+            mean,
+            rstd,
+            dx,
+            dres,
+            has_db,
+            dropout_p,
+            seed,
+            is_rms,
+            zero_centered_weight,
+            cast_before_weight,
+            traceable,
+        )
     # second stage: a fixed-shape sum over the partial rows (no atomics: bitwise reproducible)
     dw = dw_part.sum(dim=0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(dim=0).to(bias_dtype) if has_db else None

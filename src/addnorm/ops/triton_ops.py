@@ -20,8 +20,6 @@ both routes (this one on a GPU), and benchmarks/gpu_graph_check.py checks it und
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -38,9 +36,9 @@ def usable(device_type: str) -> bool:
 
 def _fwd(
     x: Tensor,
-    residual: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
     eps: float,
     is_rms: bool,
     dropout_p: float,
@@ -48,17 +46,27 @@ def _fwd(
     zero_centered_weight: bool,
     store_residual_out: bool,
     cast_before_weight: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """add_norm_fwd on the Triton kernels: (out, residual_out or empty, mean or empty, rstd, seed or empty). Fresh
     outputs only (a custom op may not alias its inputs): the launchers allocate every result."""
     seed = draw_seed(x.device) if dropout_p > 0 else None
     out, res_out, mean, rstd = T.forward(
-        x, residual, weight, bias, eps=eps, is_rms=is_rms, dropout_p=dropout_p, seed=seed,
-        residual_dtype=residual_dtype, zero_centered_weight=zero_centered_weight,
-        store_residual_out=store_residual_out, cast_before_weight=cast_before_weight, out_dtype=out_dtype,
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        is_rms=is_rms,
+        dropout_p=dropout_p,
+        seed=seed,
+        residual_dtype=residual_dtype,
+        zero_centered_weight=zero_centered_weight,
+        store_residual_out=store_residual_out,
+        cast_before_weight=cast_before_weight,
+        out_dtype=out_dtype,
         traceable=True,
-    )  # fmt: skip
+    )
     return (
         out,
         res_out if res_out is not None else x.new_empty(0),
@@ -70,9 +78,9 @@ def _fwd(
 
 def _bwd(
     dout: Tensor,
-    dresidual_out: Optional[Tensor],
+    dresidual_out: Tensor | None,
     h: Tensor,
-    weight: Optional[Tensor],
+    weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     seed: Tensor,
@@ -80,24 +88,36 @@ def _bwd(
     dropout_p: float,
     zero_centered_weight: bool,
     x_dtype: torch.dtype,
-    residual_dtype: Optional[torch.dtype],
-    bias_dtype: Optional[torch.dtype],
+    residual_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
     cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """add_norm_bwd on the Triton kernels: (dx, dresidual, dweight, dbias), an empty tensor for each absent one."""
     grads = T.backward(
-        dout, dresidual_out, h, weight, None if is_rms else mean, rstd, is_rms=is_rms, dropout_p=dropout_p,
-        seed=seed if dropout_p > 0 else None, zero_centered_weight=zero_centered_weight, x_dtype=x_dtype,
-        residual_dtype=residual_dtype, bias_dtype=bias_dtype, cast_before_weight=cast_before_weight, traceable=True,
-    )  # fmt: skip
+        dout,
+        dresidual_out,
+        h,
+        weight,
+        None if is_rms else mean,
+        rstd,
+        is_rms=is_rms,
+        dropout_p=dropout_p,
+        seed=seed if dropout_p > 0 else None,
+        zero_centered_weight=zero_centered_weight,
+        x_dtype=x_dtype,
+        residual_dtype=residual_dtype,
+        bias_dtype=bias_dtype,
+        cast_before_weight=cast_before_weight,
+        traceable=True,
+    )
     return tuple(g if g is not None else dout.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
 def _inplace(
     x: Tensor,
     residual: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     eps: float,
     is_rms: bool,
     zero_centered_weight: bool,
@@ -107,8 +127,14 @@ def _inplace(
     residual, x <- norm(residual), written in place; inputs the kernels cannot write (not contiguous) are computed
     out of place and copied back."""
     n = x.shape[-1]
-    opts = dict(eps=eps, dropout_p=0.0, seed=None, zero_centered_weight=zero_centered_weight,
-                cast_before_weight=cast_before_weight, traceable=True)  # fmt: skip
+    opts = dict(
+        eps=eps,
+        dropout_p=0.0,
+        seed=None,
+        zero_centered_weight=zero_centered_weight,
+        cast_before_weight=cast_before_weight,
+        traceable=True,
+    )
     if x.is_contiguous() and residual.is_contiguous():
         x2, r2 = x.view(-1, n), residual.view(-1, n)
         sd = stats_dtype(x.dtype, residual.dtype)
@@ -116,9 +142,17 @@ def _inplace(
         mean = None if is_rms else torch.empty(x2.shape[0], dtype=sd, device=x.device)
         T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
         return
-    out, res, _, _ = T.forward(x.reshape(-1, n), residual.reshape(-1, n), weight, bias, is_rms=is_rms,
-                               residual_dtype=residual.dtype, store_residual_out=True, out_dtype=x.dtype,
-                               **opts)  # fmt: skip
+    out, res, _, _ = T.forward(
+        x.reshape(-1, n),
+        residual.reshape(-1, n),
+        weight,
+        bias,
+        is_rms=is_rms,
+        residual_dtype=residual.dtype,
+        store_residual_out=True,
+        out_dtype=x.dtype,
+        **opts,
+    )
     residual.copy_(res.view(residual.shape))
     x.copy_(out.view(x.shape))
 
@@ -128,11 +162,40 @@ _bwd_op = torch.library.triton_op("addnorm::triton_add_norm_bwd", _bwd, mutates_
 _inplace_op = torch.library.triton_op("addnorm::triton_add_norm_", _inplace, mutates_args=("x", "residual"))
 
 
-def _bwd_call(dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc, x_dtype, residual_dtype,
-              bias_dtype, backend, cast_before_weight):  # fmt: skip
+def _bwd_call(
+    dout,
+    dres_out,
+    h,
+    weight,
+    mean,
+    rstd,
+    seed,
+    is_rms,
+    dropout_p,
+    zc,
+    x_dtype,
+    residual_dtype,
+    bias_dtype,
+    backend,
+    cast_before_weight,
+):
     """add_norm_bwd's arguments (the shared autograd code passes them) to triton_add_norm_bwd, which has no backend."""
-    return torch.ops.addnorm.triton_add_norm_bwd(dout, dres_out, h, weight, mean, rstd, seed, is_rms, dropout_p, zc,
-                                                 x_dtype, residual_dtype, bias_dtype, cast_before_weight)  # fmt: skip
+    return torch.ops.addnorm.triton_add_norm_bwd(
+        dout,
+        dres_out,
+        h,
+        weight,
+        mean,
+        rstd,
+        seed,
+        is_rms,
+        dropout_p,
+        zc,
+        x_dtype,
+        residual_dtype,
+        bias_dtype,
+        cast_before_weight,
+    )
 
 
 def _setup(ctx, inputs, output):

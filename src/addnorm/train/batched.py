@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,21 @@ _PLACEMENTS = ("pre", "post", "deepnorm", "sandwich", "none")
 
 # TrainConfig fields every member must share: they shape the batched computation itself (one schedule of steps,
 # one batch shape, one Adam state layout) or are not supported in batched training.
-_SHARED = ("steps", "batch_size", "seq_len", "beta1", "beta2", "adam_eps", "eval_every", "eval_batches", "monitor",
-           "monitor_every", "device", "spike_window", "spike_sigma")  # fmt: skip
+_SHARED = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "eval_every",
+    "eval_batches",
+    "monitor",
+    "monitor_every",
+    "device",
+    "spike_window",
+    "spike_sigma",
+)
 
 
 def check_batchable(config) -> None:
@@ -66,8 +79,10 @@ def check_batchable(config) -> None:
     ]
     for name, ok, want in checks:
         if not ok:
-            raise ValueError(f"batched training supports TransformerConfig.{name} = {want}, got "
-                             f"{getattr(config, name)!r}; train this model with addnorm.train.loop.train")  # fmt: skip
+            raise ValueError(
+                f"batched training supports TransformerConfig.{name} = {want}, got "
+                f"{getattr(config, name)!r}; train this model with addnorm.train.loop.train"
+            )
 
 
 def _norm_kind(module: nn.Module) -> str | None:
@@ -99,8 +114,10 @@ class StackedLM:
         config = getattr(models[0], "config", None)
         for i, m in enumerate(models):
             if getattr(m, "config", None) != config:
-                raise ValueError(f"models[{i}] has another config than models[0]: batched members share one "
-                                 "architecture (their weights, seeds and learning rates may differ)")  # fmt: skip
+                raise ValueError(
+                    f"models[{i}] has another config than models[0]: batched members share one "
+                    "architecture (their weights, seeds and learning rates may differ)"
+                )
         from addnorm.nn import TransformerLM
 
         if not all(isinstance(m, TransformerLM) for m in models):
@@ -143,8 +160,8 @@ class StackedLM:
         self.params, start = {}, 0
         for n in self.names:
             size = math.prod(self._shapes[n])
-            p = flat[:, start:start + size].view(flat.shape[0], *self._shapes[n]).requires_grad_(True)
-            p.grad = self.grad[:, start:start + size].view_as(p)
+            p = flat[:, start : start + size].view(flat.shape[0], *self._shapes[n]).requires_grad_(True)
+            p.grad = self.grad[:, start : start + size].view_as(p)
             self.params[n] = p
             start += size
 
@@ -162,8 +179,9 @@ class StackedLM:
     def block_grad_norms(self) -> Tensor:
         """(K, n_layers): the L2 norm of each block's parameter gradients, per member."""
         k = self.size
-        return torch.stack([sum(self.params[n].grad.pow(2).reshape(k, -1).sum(1) for n in names)
-                            for names in self._block_names], dim=1).sqrt()  # fmt: skip
+        return torch.stack(
+            [sum(self.params[n].grad.pow(2).reshape(k, -1).sum(1) for n in names) for names in self._block_names], dim=1
+        ).sqrt()
 
     def check_grads(self) -> None:
         """Autograd accumulates into an existing ``.grad`` in place; should a torch version replace it instead, the
@@ -225,8 +243,9 @@ class StackedLM:
             self._logits.append(scores.detach().amax(dim=(1, 2, 3, 4)))
             y = torch.softmax(scores, dim=-1) @ v
         else:
-            y = F.scaled_dot_product_attention(q.reshape(k_ * b, h, t, dh), k.reshape(k_ * b, h, t, dh),
-                                               v.reshape(k_ * b, h, t, dh), is_causal=t > 1)  # fmt: skip
+            y = F.scaled_dot_product_attention(
+                q.reshape(k_ * b, h, t, dh), k.reshape(k_ * b, h, t, dh), v.reshape(k_ * b, h, t, dh), is_causal=t > 1
+            )
         y = y.reshape(k_, b, h, t, dh).transpose(2, 3).reshape(k_, b, t, d)
         return self._linear(f"{prefix}.out_proj", y)
 
@@ -253,8 +272,7 @@ class StackedLM:
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dim() != 3 or ids.shape[0] != self.size or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be an integer tensor (K={self.size}, B, T), got {ids.dtype} "
-                             f"{tuple(ids.shape)}")  # fmt: skip
+            raise ValueError(f"ids must be an integer tensor (K={self.size}, B, T), got {ids.dtype} {tuple(ids.shape)}")
         k_, b, t = ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
@@ -348,12 +366,16 @@ def _check_configs(cfgs: Sequence[TrainConfig]) -> None:
             raise TypeError(f"cfgs[{i}] must be a TrainConfig, got {type(c).__name__}")
         # checkpoint_every alone does nothing without an out_dir (train() checkpoints only into out_dir)
         if c.out_dir or c.resume:
-            raise ValueError(f"cfgs[{i}]: batched training writes no logs or checkpoints (out_dir and resume must "
-                             "be unset); train this run with addnorm.train.loop.train")
+            raise ValueError(
+                f"cfgs[{i}]: batched training writes no logs or checkpoints (out_dir and resume must "
+                "be unset); train this run with addnorm.train.loop.train"
+            )
         for name in _SHARED:
             if getattr(c, name) != getattr(cfgs[0], name):
-                raise ValueError(f"cfgs[{i}].{name} = {getattr(c, name)!r} differs from cfgs[0].{name} = "
-                                 f"{getattr(cfgs[0], name)!r}; batched members share {', '.join(_SHARED)}")
+                raise ValueError(
+                    f"cfgs[{i}].{name} = {getattr(c, name)!r} differs from cfgs[0].{name} = "
+                    f"{getattr(cfgs[0], name)!r}; batched members share {', '.join(_SHARED)}"
+                )
 
 
 def _batches(data, step: int, cfgs: Sequence[TrainConfig], split: str, device) -> tuple[Tensor, Tensor]:
@@ -385,8 +407,14 @@ def _evaluate(model: StackedLM, data, cfgs: Sequence[TrainConfig], device) -> li
 ENGINES = {"stacked": StackedLM, "vmap": VmapLM}
 
 
-def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig], *, engine: str = "stacked",
-                  callback: Callable[[dict], None] | None = None) -> list[TrainResult]:  # fmt: skip
+def train_batched(
+    models: Sequence[nn.Module],
+    data,
+    cfgs: Sequence[TrainConfig],
+    *,
+    engine: str = "stacked",
+    callback: Callable[[dict], None] | None = None,
+) -> list[TrainResult]:
     """Train ``models[k]`` with ``cfgs[k]`` on ``data`` for every k, as one batched computation.
 
     models: TransformerLMs of one config (each initialised by the caller, e.g. under ``torch.manual_seed``);
@@ -402,8 +430,9 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     models, cfgs = list(models), list(cfgs)
     if len(models) != len(cfgs):
-        raise ValueError(f"train_batched needs one TrainConfig per model, got {len(models)} models and "
-                         f"{len(cfgs)} configs")  # fmt: skip
+        raise ValueError(
+            f"train_batched needs one TrainConfig per model, got {len(models)} models and {len(cfgs)} configs"
+        )
     if not cfgs:
         raise ValueError("train_batched needs at least one model")
     _check_configs(cfgs)
@@ -464,19 +493,30 @@ def train_batched(models: Sequence[nn.Module], data, cfgs: Sequence[TrainConfig]
             res.logz.append(logz_v[row])
             res.steps_done = step + 1
             if monitoring:
-                layers = [{"index": i, "grad_norm": g, "residual_rms": r}
-                          for i, (g, r) in enumerate(zip(block_norms[row], stream_rms[row]))]  # fmt: skip
+                layers = [
+                    {"index": i, "grad_norm": g, "residual_rms": r}
+                    for i, (g, r) in enumerate(zip(block_norms[row], stream_rms[row]))
+                ]
                 if attn_logits is not None:
                     for layer, v in zip(layers, attn_logits[row]):
                         layer["max_attn_logit"] = v
-                res.records.append({"step": step, "loss": ce_v[row], "grad_norm": gn_v[row],
-                                    "output_logz": logz_v[row], "layers": layers})  # fmt: skip
+                res.records.append(
+                    {
+                        "step": step,
+                        "loss": ce_v[row],
+                        "grad_norm": gn_v[row],
+                        "output_logz": logz_v[row],
+                        "layers": layers,
+                    }
+                )
         if diverged:  # train() stops such a run before its optimizer step: hand back the weights it diverged with
             stacked.write_back([models[active[r]] for r in diverged], diverged)
         lr_t = torch.tensor(lrs, device=device)
         # decay per step: lr(t) * wd, or with independent_wd wd * m(t) = lr(t) * (wd / lr) (see loop.py)
-        decay = torch.tensor([lr * (c.weight_decay / c.lr if c.independent_wd else c.weight_decay)
-                              for lr, c in zip(lrs, run)], device=device)  # fmt: skip
+        decay = torch.tensor(
+            [lr * (c.weight_decay / c.lr if c.independent_wd else c.weight_decay) for lr, c in zip(lrs, run)],
+            device=device,
+        )
         adam.step(stacked, lr_t, decay, shared.beta1, shared.beta2, shared.adam_eps)
         if diverged:  # they leave the batch (their update above is dropped with them)
             keep = [row for row in range(len(active)) if row not in diverged]

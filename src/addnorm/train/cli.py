@@ -67,8 +67,10 @@ def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | N
     tfields = TrainConfig.field_names()
     unknown = sorted(set(sets) - model_fields - tfields)
     if unknown:
-        raise ValueError(f"--set: unknown field(s) {unknown}; model fields: {sorted(model_fields)}; "
-                         f"training fields: {sorted(tfields)}")  # fmt: skip
+        raise ValueError(
+            f"--set: unknown field(s) {unknown}; model fields: {sorted(model_fields)}; "
+            f"training fields: {sorted(tfields)}"
+        )
     tkw = {**train_fields, **{k: v for k, v in sets.items() if k in tfields and k not in model_fields}}
     cfg = TrainConfig(**tkw)
     data = TextData(data_file) if data_file else MarkovLanguage(seed=data_seed)
@@ -141,8 +143,10 @@ def _check_something_to_resume(out: str | None) -> None:
     if not path.is_dir():
         raise ValueError(f"--resume: nothing to resume: {out} is a file, not a run directory")
     if not (path / ARGS_FILE).is_file() and not (path / CHECKPOINT).is_file():
-        raise ValueError(f"--resume: nothing to resume in {out}: it holds neither {CHECKPOINT} nor {ARGS_FILE} "
-                         "of an `addnorm train` run (start the run without --resume)")  # fmt: skip
+        raise ValueError(
+            f"--resume: nothing to resume in {out}: it holds neither {CHECKPOINT} nor {ARGS_FILE} "
+            "of an `addnorm train` run (start the run without --resume)"
+        )
 
 
 def resolve_run_args(args: argparse.Namespace) -> None:
@@ -160,8 +164,10 @@ def resolve_run_args(args: argparse.Namespace) -> None:
             elif (parse_sets(given) != parse_sets(old)) if key == "set" else given != old:
                 conflicts.append(f"--{key.replace('_', '-')} {given!r} (the run in {args.out} used {old!r})")
         if conflicts:
-            raise ValueError(f"--resume continues the run in {args.out} with its own settings, but got "
-                             f"{'; '.join(conflicts)}: drop these flags, or train into a new --out")  # fmt: skip
+            raise ValueError(
+                f"--resume continues the run in {args.out} with its own settings, but got "
+                f"{'; '.join(conflicts)}: drop these flags, or train into a new --out"
+            )
         args.monitor = args.monitor or bool(saved.get("monitor"))
     for key, value in _DEFAULTS.items():
         if getattr(args, key) is None:
@@ -203,14 +209,24 @@ def run_training(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
-    flags = {"steps": args.steps, "lr": args.lr, "warmup": args.warmup, "batch_size": args.batch_size,
-             "seq_len": args.seq_len, "seed": args.seed, "device": args.device, "monitor": args.monitor,
-             "out_dir": args.out, "resume": args.resume}  # fmt: skip
+    flags = {
+        "steps": args.steps,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "device": args.device,
+        "monitor": args.monitor,
+        "out_dir": args.out,
+        "resume": args.resume,
+    }
     flags = {k: v for k, v in flags.items() if v is not None and v is not False}
     try:
         sets = parse_sets(args.set)
-        model, data, cfg, mcfg = build_run(preset=args.preset, sets=sets, train_fields=flags, data_file=args.data,
-                                           data_seed=args.data_seed)  # fmt: skip
+        model, data, cfg, mcfg = build_run(
+            preset=args.preset, sets=sets, train_fields=flags, data_file=args.data, data_seed=args.data_seed
+        )
     except (ValueError, TypeError) as e:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
@@ -248,18 +264,27 @@ def run_training(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
-        where = (f"the last checkpoint in {args.out} (written {every}; --set checkpoint_every=N to change)"
-                 if args.out else "nothing (no --out, nothing saved)")  # fmt: skip
+        where = (
+            f"the last checkpoint in {args.out} (written {every}; --set checkpoint_every=N to change)"
+            if args.out
+            else "nothing (no --out, nothing saved)"
+        )
         print(f"\naddnorm train: interrupted; --resume would continue from {where}", file=sys.stderr)
         return 130
     if not info.is_main:
         return 0
     summary = result.summary()
     report = {
-        "preset": args.preset, "summary": summary, "data": data.describe(cfg.seq_len),
-        "model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(cfg), "world_size": info.world_size,
-        "losses": [x if math.isfinite(x) else None for x in result.losses], "evals": result.evals, "figures": [],
-    }  # fmt: skip
+        "preset": args.preset,
+        "summary": summary,
+        "data": data.describe(cfg.seq_len),
+        "model": dataclasses.asdict(mcfg),
+        "train": dataclasses.asdict(cfg),
+        "world_size": info.world_size,
+        "losses": [x if math.isfinite(x) else None for x in result.losses],
+        "evals": result.evals,
+        "figures": [],
+    }
     if cfg.out_dir:
         out = Path(cfg.out_dir)
         png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
@@ -297,12 +322,20 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="train one model configuration and report loss curves and stability metrics",
-        description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.replace("``", "`"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", help="model preset, a TransformerConfig.preset name such as gpt2, llama or deepnet "
-                   "(default gpt2; an unknown name lists them all)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="set a model or training field (repeatable), e.g. --set n_layers=6 --set z_loss=1e-4")
+    p.add_argument(
+        "--preset",
+        help="model preset, a TransformerConfig.preset name such as gpt2, llama or deepnet "
+        "(default gpt2; an unknown name lists them all)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a model or training field (repeatable), e.g. --set n_layers=6 --set z_loss=1e-4",
+    )
     p.add_argument("--steps", type=int, help="training steps (default 200)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     p.add_argument("--warmup", type=int, help="warmup steps (default 20)")
@@ -314,9 +347,12 @@ def register(subparsers) -> None:
     p.add_argument("--device", help="cpu or cuda (default cpu)")
     p.add_argument("--monitor", action="store_true", help="record per-layer telemetry every step into the log")
     p.add_argument("--out", metavar="DIR", help="write log.jsonl, checkpoint.pt, summary.json, loss.png here")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out DIR from DIR/checkpoint.pt, with the flags it was started with "
-                        "(saved in DIR/args.json; a flag given again must agree)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out DIR from DIR/checkpoint.pt, with the flags it was started with "
+        "(saved in DIR/args.json; a flag given again must agree)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_training)

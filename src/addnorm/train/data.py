@@ -57,8 +57,9 @@ class MarkovLanguage:
     most significant.
     """
 
-    def __init__(self, *, vocab_size: int = 64, order: int = 1, branching: int = 4, smoothing: float = 0.01,
-                 seed: int = 0):  # fmt: skip
+    def __init__(
+        self, *, vocab_size: int = 64, order: int = 1, branching: int = 4, smoothing: float = 0.01, seed: int = 0
+    ):
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         if order < 1:
@@ -178,9 +179,13 @@ class MarkovLanguage:
 
     def describe(self, seq_len: int) -> dict:
         return {
-            "kind": "markov", "vocab_size": self.vocab_size, "order": self.order, "seed": self.seed,
-            "entropy_rate": self.entropy_rate, "optimum": self.optimum(seq_len),
-        }  # fmt: skip
+            "kind": "markov",
+            "vocab_size": self.vocab_size,
+            "order": self.order,
+            "seed": self.seed,
+            "entropy_rate": self.entropy_rate,
+            "optimum": self.optimum(seq_len),
+        }
 
 
 class TextData:
@@ -219,6 +224,12 @@ class TextData:
         return x[:, :-1], x[:, 1:]
 
     def describe(self, seq_len: int) -> dict:
-        return {"kind": "text", "path": str(self.path), "vocab_size": 256, "train_bytes": len(self.train_data),
-                "val_bytes": len(self.val_data), "entropy_rate": None, "optimum": None}  # fmt: skip
-
+        return {
+            "kind": "text",
+            "path": str(self.path),
+            "vocab_size": 256,
+            "train_bytes": len(self.train_data),
+            "val_bytes": len(self.val_data),
+            "entropy_rate": None,
+            "optimum": None,
+        }

@@ -36,8 +36,11 @@ class DistInfo:
 def current() -> DistInfo:
     """This process's place in the process group (rank 0 of 1 when none is initialized)."""
     if dist.is_available() and dist.is_initialized():
-        return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                        local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())))  # fmt: skip
+        return DistInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+        )
     return DistInfo()
 
 

@@ -27,9 +27,10 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,8 +41,18 @@ from addnorm.io import atomic_write, atomic_write_text
 from addnorm.train import distributed as D
 from addnorm.train.schedules import SCHEDULES, lr_multiplier, make_scheduler
 
-__all__ = ["TrainConfig", "TrainResult", "train", "z_loss", "build_optimizer", "detect_spikes", "evaluate",
-           "CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "z_loss",
+    "build_optimizer",
+    "detect_spikes",
+    "evaluate",
+    "CheckpointError",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.jsonl"
@@ -83,8 +94,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # Types first: a value from `--set lr=abc` must fail here, naming the field, not deep in a comparison.
-        for name in ("lr", "min_lr_ratio", "beta1", "beta2", "adam_eps", "weight_decay", "z_loss", "diverge_factor",
-                     "spike_sigma") + (("clip",) if self.clip is not None else ()):  # fmt: skip
+        for name in (
+            "lr",
+            "min_lr_ratio",
+            "beta1",
+            "beta2",
+            "adam_eps",
+            "weight_decay",
+            "z_loss",
+            "diverge_factor",
+            "spike_sigma",
+        ) + (("clip",) if self.clip is not None else ()):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
                 raise TypeError(f"TrainConfig.{name} must be a number, got {v!r}")
@@ -98,13 +118,15 @@ class TrainConfig:
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"TrainConfig.device must be a torch device such as 'cpu' or 'cuda', got "
-                             f"{self.device!r}") from None  # fmt: skip
+            raise ValueError(
+                f"TrainConfig.device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}"
+            ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TrainConfig.device is {self.device!r} but torch.cuda.is_available() is False")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"TrainConfig.device is {self.device!r} but this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
+            raise ValueError(
+                f"TrainConfig.device is {self.device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
         positive = ("steps", "batch_size", "seq_len", "eval_batches", "monitor_every")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -169,13 +191,19 @@ class TrainResult:
 
         times = self.step_times[1:] or self.step_times  # the first step pays one-off costs
         return {
-            "steps": self.steps_done, "final_loss": num(self.final_loss), "best_loss": num(self.best_loss),
-            "initial_loss": num(self.initial_loss), "optimum": num(self.optimum),
+            "steps": self.steps_done,
+            "final_loss": num(self.final_loss),
+            "best_loss": num(self.best_loss),
+            "initial_loss": num(self.initial_loss),
+            "optimum": num(self.optimum),
             "eval_optimum": num(self.eval_optimum) if self.eval_optimum is not None else None,
             "excess_loss": num(self.excess_loss) if self.excess_loss is not None else None,
-            "spikes": len(self.spikes), "spike_steps": list(self.spikes), "max_grad_norm": num(self.max_grad_norm),
-            "diverged": self.diverged, "step_time_s": num(float(np.median(times))) if times else None,
-        }  # fmt: skip
+            "spikes": len(self.spikes),
+            "spike_steps": list(self.spikes),
+            "max_grad_norm": num(self.max_grad_norm),
+            "diverged": self.diverged,
+            "step_time_s": num(float(np.median(times))) if times else None,
+        }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -241,8 +269,10 @@ def reference_eval_loss(data, cfg: TrainConfig) -> float | None:
     """The data's own best loss on the batches :func:`evaluate` uses (None when the data cannot score them)."""
     if not hasattr(data, "reference_loss"):
         return None
-    vals = [data.reference_loss(*data.batch(i, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val"))
-            for i in range(cfg.eval_batches)]  # fmt: skip
+    vals = [
+        data.reference_loss(*data.batch(i, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val"))
+        for i in range(cfg.eval_batches)
+    ]
     return sum(vals) / len(vals)
 
 
@@ -264,8 +294,13 @@ def _jsonable(obj):
 def _rng_state() -> dict:
     """Every RNG's state as tensors, ints and tuples only: what ``torch.load(weights_only=True)`` accepts."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    numpy_state = {
+        "kind": str(kind),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -276,8 +311,9 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))  # fmt: skip
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -295,8 +331,15 @@ class CheckpointError(ValueError):
 
 
 # key -> the type its value must have, checked before anything is restored from it
-_CHECKPOINT_KEYS = {"model": dict, "optimizer": dict, "scheduler": dict, "step": int, "rng": dict, "result": dict,
-                    "config": dict}  # fmt: skip
+_CHECKPOINT_KEYS = {
+    "model": dict,
+    "optimizer": dict,
+    "scheduler": dict,
+    "step": int,
+    "rng": dict,
+    "result": dict,
+    "config": dict,
+}
 
 
 def load_checkpoint(path: Path, cfg: TrainConfig, device: torch.device | str = "cpu") -> dict:
@@ -315,9 +358,12 @@ def load_checkpoint(path: Path, cfg: TrainConfig, device: torch.device | str = "
         text = str(e)
         if "Unsupported global" in text:  # a class or function reference: what a pickle runs code through
             name = re.search(r"GLOBAL (\S+)", text)
-            raise CheckpointError(path, "it holds objects other than tensors and plain data"
-                                  f"{f' ({name.group(1)})' if name else ''}, which torch.load(weights_only=True) "
-                                  "refuses: loading them could run code") from None  # fmt: skip
+            raise CheckpointError(
+                path,
+                "it holds objects other than tensors and plain data"
+                f"{f' ({name.group(1)})' if name else ''}, which torch.load(weights_only=True) "
+                "refuses: loading them could run code",
+            ) from None
         # torch's weights-only message is a page long; its one informative line follows "WeightsUnpickler error:"
         detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
         first = detail.group(1) if detail else (text.strip().splitlines() or [""])[0]
@@ -395,8 +441,9 @@ def train(
     if info.enabled and not isinstance(model, nn.parallel.DistributedDataParallel):
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = build_optimizer(raw, cfg)
-    sched = make_scheduler(opt, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps,
-                           min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
+    sched = make_scheduler(
+        opt, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
+    )
     res = TrainResult(optimum=data.optimum(cfg.seq_len) if hasattr(data, "optimum") else None)
     out = Path(cfg.out_dir) if cfg.out_dir else None
     ckpt_path = out / CHECKPOINT if out else None
@@ -409,8 +456,10 @@ def train(
         try:
             raw.load_state_dict(state["model"])
         except RuntimeError as err:
-            raise ValueError(f"resume: {ckpt_path} holds a different model (give the model settings of the run "
-                             f"that wrote it): {str(err).splitlines()[0]}") from None  # fmt: skip
+            raise ValueError(
+                f"resume: {ckpt_path} holds a different model (give the model settings of the run "
+                f"that wrote it): {str(err).splitlines()[0]}"
+            ) from None
         try:
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
@@ -459,8 +508,7 @@ def train(
             res.logz.append(logz_all)
             res.step_times.append(dt)
             res.steps_done = step + 1
-            entry = {"step": step, "loss": ce_all, "lr": lr, "grad_norm": float(gnorm), "logz": logz_all,
-                     "time_s": dt}  # fmt: skip
+            entry = {"step": step, "loss": ce_all, "lr": lr, "grad_norm": float(gnorm), "logz": logz_all, "time_s": dt}
             if record is not None:
                 rec = _jsonable(dict(record) if isinstance(record, dict) else {"record": record})
                 rec["step"] = step
@@ -497,30 +545,59 @@ def train(
     return res
 
 
-def _checkpoint(path: Path, raw: nn.Module, opt, sched, step: int, res: TrainResult, cfg: TrainConfig,
-                info: D.DistInfo) -> None:  # fmt: skip
+def _checkpoint(
+    path: Path, raw: nn.Module, opt, sched, step: int, res: TrainResult, cfg: TrainConfig, info: D.DistInfo
+) -> None:
     if info.is_main:
         result = asdict(res)
-        save_checkpoint(path, {
-            "model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "step": step, "rng": _rng_state(), "result": result, "config": asdict(cfg),
-        })  # fmt: skip
+        save_checkpoint(
+            path,
+            {
+                "model": raw.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "step": step,
+                "rng": _rng_state(),
+                "result": result,
+                "config": asdict(cfg),
+            },
+        )
     D.barrier(info)
 
 
 # TrainConfig fields that shape the run's trajectory: a resumed run must use the checkpoint's values, or it would
 # silently continue another run (a different schedule length, learning rate or data order).
-_RESUME_MUST_MATCH = ("steps", "batch_size", "seq_len", "lr", "warmup", "schedule", "min_lr_ratio", "beta1", "beta2",
-                      "adam_eps", "weight_decay", "independent_wd", "clip", "z_loss", "seed")  # fmt: skip
+_RESUME_MUST_MATCH = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup",
+    "schedule",
+    "min_lr_ratio",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "weight_decay",
+    "independent_wd",
+    "clip",
+    "z_loss",
+    "seed",
+)
 
 
 def _check_resumable(path: Path, state: dict, cfg: TrainConfig) -> None:
     saved = state.get("config") or {}
-    diff = [f"{k}={getattr(cfg, k)!r} (checkpoint: {saved[k]!r})" for k in _RESUME_MUST_MATCH
-            if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    diff = [
+        f"{k}={getattr(cfg, k)!r} (checkpoint: {saved[k]!r})"
+        for k in _RESUME_MUST_MATCH
+        if k in saved and saved[k] != getattr(cfg, k)
+    ]
     if diff:
-        raise ValueError(f"resume: {path} was written by a run with other settings: {', '.join(diff)}; resume "
-                         "with the original settings, or train into a new directory")  # fmt: skip
+        raise ValueError(
+            f"resume: {path} was written by a run with other settings: {', '.join(diff)}; resume "
+            "with the original settings, or train into a new directory"
+        )
 
 
 def _truncate_log(path: Path, start: int) -> None:
@@ -552,5 +629,6 @@ def _truncate_log(path: Path, start: int) -> None:
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """The learning rate the run uses at ``step`` (for plots and checks)."""
-    return cfg.lr * lr_multiplier(step, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps,
-                                  min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
+    return cfg.lr * lr_multiplier(
+        step, schedule=cfg.schedule, warmup=cfg.warmup, total=cfg.steps, min_lr_ratio=cfg.min_lr_ratio
+    )

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -84,13 +85,27 @@ def analyse(model, batch) -> dict[str, Any]:
         ls = [lt for lt in layers if lt.stack == si]
         if ls:
             labels = {lt.label for lt in ls}
-            row["stacks"].append({"path": path, "layers": len(mods), "layer_class": type(mods[0]).__name__,
-                                  "placement": labels.pop() if len(labels) == 1 else "mixed",
-                                  "sublayers": [s.label for s in ls[0].sublayers]})  # fmt: skip
+            row["stacks"].append(
+                {
+                    "path": path,
+                    "layers": len(mods),
+                    "layer_class": type(mods[0]).__name__,
+                    "placement": labels.pop() if len(labels) == 1 else "mixed",
+                    "sublayers": [s.label for s in ls[0].sublayers],
+                }
+            )
     ls = [lt for lt in layers if lt.stack == main]
     if not ls:
-        row.update(placement="unknown", norm=None, eps=None, zero_centered_weight=None, bias=None,
-                   final_norm=None, qk_norm=None, residual_scale=None)  # fmt: skip
+        row.update(
+            placement="unknown",
+            norm=None,
+            eps=None,
+            zero_centered_weight=None,
+            bias=None,
+            final_norm=None,
+            qk_norm=None,
+            residual_scale=None,
+        )
         return row
     labels = [lt.label for lt in ls]
     row["placement"] = labels[0] if len(set(labels)) == 1 else "mixed"
@@ -102,8 +117,11 @@ def analyse(model, batch) -> dict[str, Any]:
     # of the main stack that saw the stream's width and is not a qk norm
     qk = {n for lt in ls for n in lt.qk_norms}
     prefix = stacks[main][0] + "."
-    in_stack = {p for p, i in norms.info.items() if p.startswith(prefix) and p not in qk
-                and (i is None or i.width == ls[0].width)}  # fmt: skip
+    in_stack = {
+        p
+        for p, i in norms.info.items()
+        if p.startswith(prefix) and p not in qk and (i is None or i.width == ls[0].width)
+    }
     used = {e.ref for e in events if e.kind == "norm"}
     chosen = sorted((stream_norms | in_stack) & used)
     infos = [norms.info[p] for p in chosen]
@@ -116,9 +134,10 @@ def analyse(model, batch) -> dict[str, Any]:
     row["bias"] = any(i.bias for i in probed) if probed else None
     row["final_norm"] = _final_norm(events, main, ls[0].width)
     row["qk_norm"] = bool(qk)
-    scales = sorted({f"skip*{_fmt_scale(s.skip_scale)}" for lt in ls for s in lt.sublayers if s.skip_scale is not None}
-                    | {f"branch*{_fmt_scale(s.branch_scale)}" for lt in ls for s in lt.sublayers
-                       if s.branch_scale is not None})  # fmt: skip
+    scales = sorted(
+        {f"skip*{_fmt_scale(s.skip_scale)}" for lt in ls for s in lt.sublayers if s.skip_scale is not None}
+        | {f"branch*{_fmt_scale(s.branch_scale)}" for lt in ls for s in lt.sublayers if s.branch_scale is not None}
+    )
     row["residual_scale"] = ", ".join(scales) or None
     row["norm_classes"] = sorted({type(norms.modules[p]).__name__ for p in chosen})
     return row
@@ -150,8 +169,11 @@ def _hf_apply(model, batch) -> dict[str, Any]:
     except ValueError as e:
         return {"hf_apply": "unsupported", "hf_apply_reason": str(e)}
     ran: set[str] = set()
-    handles = [m.register_forward_hook(lambda mod, a, o: ran.add(type(mod).__mro__[1].__name__))
-               for m in model.modules() if type(m).__name__.startswith("AddNormFused")]  # fmt: skip
+    handles = [
+        m.register_forward_hook(lambda mod, a, o: ran.add(type(mod).__mro__[1].__name__))
+        for m in model.modules()
+        if type(m).__name__.startswith("AddNormFused")
+    ]
     try:
         got = _outputs(model, batch)
         err = (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
@@ -204,8 +226,10 @@ def survey_one(model_type: str, *, doctor: bool = True, time_limit: float | None
         row.update(status="skipped", reason=f"{stage}: {e}")
     except Exception as e:  # noqa: BLE001 - the architecture's own code failed on the tiny config
         if stage == "build" or stage == "forward" and "placement" not in row:
-            row.update(status="skipped", reason=f"{stage} failed on the tiny config: {type(e).__name__}: "
-                                                f"{' '.join(str(e).split())[:200]}")  # fmt: skip
+            row.update(
+                status="skipped",
+                reason=f"{stage} failed on the tiny config: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+            )
         else:
             row.update(status="ok", **{f"{stage}_error": f"{type(e).__name__}: {str(e)[:200]}"})
             if stage == "hf.apply":
@@ -214,8 +238,13 @@ def survey_one(model_type: str, *, doctor: bool = True, time_limit: float | None
     return row
 
 
-def survey(only: list[str] | None = None, *, doctor: bool = True, progress: Callable[[str], None] | None = None,
-           time_limit: float | None = TIME_LIMIT_S) -> dict[str, Any]:
+def survey(
+    only: list[str] | None = None,
+    *,
+    doctor: bool = True,
+    progress: Callable[[str], None] | None = None,
+    time_limit: float | None = TIME_LIMIT_S,
+) -> dict[str, Any]:
     """The survey of the installed transformers: ``{"transformers": VERSION, "torch": ..., "models": [row, ...]}``.
 
     ``only`` restricts it to these model types (each must be one of :func:`model_types`); ``progress`` is called
@@ -240,5 +269,9 @@ def survey(only: list[str] | None = None, *, doctor: bool = True, progress: Call
             rows.append(survey_one(mt, doctor=doctor, time_limit=time_limit))
     finally:
         torch.set_num_threads(threads)
-    return {"transformers": transformers.__version__, "torch": torch.__version__,
-            "seconds": round(time.perf_counter() - t0, 1), "models": rows}  # fmt: skip
+    return {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "models": rows,
+    }

@@ -51,23 +51,46 @@ Tiny configs have 2 layers, so depth-dependent findings (`post-norm-deep`) do no
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "survey", help="where every transformers architecture puts its norms, measured from a tiny model's dataflow",
-        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "survey",
+        help="where every transformers architecture puts its norms, measured from a tiny model's dataflow",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--only", nargs="+", metavar="TYPE", help="survey only these model types (config.model_type)")
     p.add_argument("--list", action="store_true", help="list the model types the survey would try, and exit")
-    p.add_argument("--out", default="addnorm-survey", metavar="DIR",
-                   help="directory for survey.json, survey.md and index.html (default: addnorm-survey/)")
+    p.add_argument(
+        "--out",
+        default="addnorm-survey",
+        metavar="DIR",
+        help="directory for survey.json, survey.md and index.html (default: addnorm-survey/)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON to stdout instead of writing files")
-    p.add_argument("--docs", metavar="FILE", help="also write the documentation page (summary and table) to FILE, "
-                   "and the rows to FILE with the suffix .json (docs/survey.json: what the per-family tests read)")
-    p.add_argument("--readme", metavar="FILE", help="rewrite the generated paragraphs of FILE (between "
-                   "'<!-- survey:NAME -->' markers: the families hf.apply fuses, the survey's counts)")
-    p.add_argument("--from", dest="from_json", metavar="JSON",
-                   help="take the rows from a survey.json written before instead of running the survey")
+    p.add_argument(
+        "--docs",
+        metavar="FILE",
+        help="also write the documentation page (summary and table) to FILE, "
+        "and the rows to FILE with the suffix .json (docs/survey.json: what the per-family tests read)",
+    )
+    p.add_argument(
+        "--readme",
+        metavar="FILE",
+        help="rewrite the generated paragraphs of FILE (between "
+        "'<!-- survey:NAME -->' markers: the families hf.apply fuses, the survey's counts)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_json",
+        metavar="JSON",
+        help="take the rows from a survey.json written before instead of running the survey",
+    )
     p.add_argument("--no-doctor", action="store_true", help="skip the doctor's checks (about a third faster)")
-    p.add_argument("--time-limit", type=float, default=20.0, metavar="S",
-                   help="CPU seconds allowed per architecture before it is skipped (default 20; 0: no limit)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="CPU seconds allowed per architecture before it is skipped (default 20; 0: no limit)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_survey)
 
@@ -94,8 +117,10 @@ def _survey(args: argparse.Namespace) -> int:
     if args.only:
         unknown = [t for t in args.only if t not in types]
         if unknown:
-            print(f"addnorm survey: --only: unknown model type(s) {', '.join(unknown)} (see addnorm survey --list)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"addnorm survey: --only: unknown model type(s) {', '.join(unknown)} (see addnorm survey --list)",
+                file=sys.stderr,
+            )
             return 2
     if args.readme:
         from pathlib import Path
@@ -130,8 +155,9 @@ def _survey(args: argparse.Namespace) -> int:
             bar.set_postfix_str(model_type)
 
     try:
-        result = survey_mod.survey(args.only, doctor=not args.no_doctor, progress=tick,
-                                   time_limit=args.time_limit or None)  # fmt: skip
+        result = survey_mod.survey(
+            args.only, doctor=not args.no_doctor, progress=tick, time_limit=args.time_limit or None
+        )
     except KeyboardInterrupt:
         print("\naddnorm survey: interrupted", file=sys.stderr)
         return 130
@@ -150,8 +176,9 @@ def _write(args: argparse.Namespace, result: dict) -> int:
 
     if args.docs:
         docs = Path(args.docs)
-        atomic_write_text(docs, DOCS_INTRO + report.summary_markdown(result) + "\n## Analysed\n\n"
-                          + report.table_markdown(result))  # fmt: skip
+        atomic_write_text(
+            docs, DOCS_INTRO + report.summary_markdown(result) + "\n## Analysed\n\n" + report.table_markdown(result)
+        )
         atomic_write_text(docs.with_suffix(".json"), report.dumps(result))
     if args.readme:
         path = Path(args.readme)

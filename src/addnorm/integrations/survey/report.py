@@ -14,8 +14,21 @@ from typing import Any
 
 from addnorm.io import atomic_write_text
 
-COLUMNS = ("model_type", "role", "norm", "placement", "eps", "zero_centered_weight", "bias", "final_norm", "qk_norm",
-           "residual_scale", "hf_apply", "doctor", "status")  # fmt: skip
+COLUMNS = (
+    "model_type",
+    "role",
+    "norm",
+    "placement",
+    "eps",
+    "zero_centered_weight",
+    "bias",
+    "final_norm",
+    "qk_norm",
+    "residual_scale",
+    "hf_apply",
+    "doctor",
+    "status",
+)
 
 
 def _timed_out(row: dict) -> bool:
@@ -54,16 +67,20 @@ def summary(result: dict) -> dict[str, Any]:
     count = lambda rs, k: dict(Counter(str(r.get(k)) for r in rs).most_common())  # noqa: E731
     findings = Counter(f["code"] for r in ok for f in r.get("doctor") or [] if f["severity"] in ("error", "warning"))
     return {
-        "architectures": len(rows), "analysed": len(ok), "skipped": len(rows) - len(ok),
+        "architectures": len(rows),
+        "analysed": len(ok),
+        "skipped": len(rows) - len(ok),
         "decoder_lms": len(dec),
-        "decoder_norm": count(dec, "norm"), "decoder_placement": count(dec, "placement"),
-        "all_norm": count(ok, "norm"), "all_placement": count(ok, "placement"),
+        "decoder_norm": count(dec, "norm"),
+        "decoder_placement": count(dec, "placement"),
+        "all_norm": count(ok, "norm"),
+        "all_placement": count(ok, "placement"),
         "hf_apply": count(ok, "hf_apply"),
         "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
         "doctor_findings": dict(findings.most_common()),
         "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error") and not _timed_out(r)),
         "doctor_timeouts": sorted(r["model_type"] for r in ok if _timed_out(r)),
-    }  # fmt: skip
+    }
 
 
 def _counts_md(counts: dict) -> str:
@@ -107,10 +124,16 @@ def markdown(result: dict) -> str:
     skipped = [r for r in result["models"] if r["status"] != "ok"]
     reasons = Counter(r.get("reason", "").split(":")[0] for r in skipped)
     return (
-        "# addnorm survey\n\n" + summary_markdown(result) + "\n## Analysed\n\n" + table_markdown(result)
-        + f"\n## Skipped ({len(skipped)})\n\n" + "\n".join(f"- {n} x {why}" for why, n in reasons.most_common())
-        + "\n\n" + "\n".join(f"- `{r['model_type']}`: {r.get('reason', '')}" for r in skipped) + "\n"
-    )  # fmt: skip
+        "# addnorm survey\n\n"
+        + summary_markdown(result)
+        + "\n## Analysed\n\n"
+        + table_markdown(result)
+        + f"\n## Skipped ({len(skipped)})\n\n"
+        + "\n".join(f"- {n} x {why}" for why, n in reasons.most_common())
+        + "\n\n"
+        + "\n".join(f"- `{r['model_type']}`: {r.get('reason', '')}" for r in skipped)
+        + "\n"
+    )
 
 
 _SORT_JS = """
@@ -135,20 +158,21 @@ def page(result: dict) -> str:
         return f"<tr><th>{esc(title)}</th><td>{esc(_counts_md(d))}</td></tr>"
 
     head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{esc(_cell(r, c))}</td>" for c in COLUMNS) + "</tr>"
-                   for r in result["models"])  # fmt: skip
+    body = "".join(
+        "<tr>" + "".join(f"<td>{esc(_cell(r, c))}</td>" for c in COLUMNS) + "</tr>" for r in result["models"]
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>addnorm survey</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}th{{background:#eee;cursor:pointer}}
 </style></head><body>
 <h1>addnorm survey</h1>
-<p>transformers {esc(result['transformers'])}, torch {esc(str(result.get('torch', '?')))}: {s['architectures']}
-architectures, {s['analysed']} analysed, {s['skipped']} skipped ({esc(str(result.get('seconds', '?')))} s).
+<p>transformers {esc(result["transformers"])}, torch {esc(str(result.get("torch", "?")))}: {s["architectures"]}
+architectures, {s["analysed"]} analysed, {s["skipped"]} skipped ({esc(str(result.get("seconds", "?")))} s).
 Placement and norm are measured from each tiny model's dataflow; click a column to sort.</p>
-<table>{counts('decoder LMs: norm', s['decoder_norm'])}{counts('decoder LMs: placement', s['decoder_placement'])}
-{counts('all analysed: norm', s['all_norm'])}{counts('all analysed: placement', s['all_placement'])}
-{counts('hf.apply', s['hf_apply'])}{counts('doctor findings', s['doctor_findings'])}</table>
-<p>Fused by hf.apply ({len(s['fused_families'])}): {esc(', '.join(s['fused_families']))}</p>
+<table>{counts("decoder LMs: norm", s["decoder_norm"])}{counts("decoder LMs: placement", s["decoder_placement"])}
+{counts("all analysed: norm", s["all_norm"])}{counts("all analysed: placement", s["all_placement"])}
+{counts("hf.apply", s["hf_apply"])}{counts("doctor findings", s["doctor_findings"])}</table>
+<p>Fused by hf.apply ({len(s["fused_families"])}): {esc(", ".join(s["fused_families"]))}</p>
 <table id="survey"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 <script>{_SORT_JS}</script></body></html>
 """
@@ -168,8 +192,12 @@ def load(path: Path) -> dict:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read a survey from it ({type(e).__name__}: {e})") from e
-    if not (isinstance(result, dict) and isinstance(result.get("models"), list) and "transformers" in result
-            and all(isinstance(r, dict) and "model_type" in r and "status" in r for r in result["models"])):
+    if not (
+        isinstance(result, dict)
+        and isinstance(result.get("models"), list)
+        and "transformers" in result
+        and all(isinstance(r, dict) and "model_type" in r and "status" in r for r in result["models"])
+    ):
         raise ValueError(f"{path}: not a survey (expected {{'transformers': ..., 'models': [row, ...]}})")
     return result
 
@@ -183,7 +211,8 @@ def _readme_fused(result: dict) -> str:
         f"architectures and swaps only the norms in {s['hf_apply'].get('norms', 0)} more "
         f"({s['hf_apply'].get('unsupported', 0)} have no norm it reproduces; {s['skipped']} are not built tiny on "
         "CPU). Fused, as the survey found them (`docs/survey.json`; tests/test_hf_every_family.py checks each one): "
-        + ", ".join(f"`{t}`" for t in fused) + "."
+        + ", ".join(f"`{t}`" for t in fused)
+        + "."
     )
 
 
@@ -210,7 +239,7 @@ def update_readme(text: str, result: dict) -> str:
         if not pattern.search(text):
             raise ValueError(f"no '<!-- survey:{name} -->' ... '<!-- /survey:{name} -->' block to rewrite")
         body = _wrap(make(result)) + "\n" if result["models"] else ""
-        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)  # noqa: B023 - sub() calls it in this iteration
     return text
 
 

@@ -18,14 +18,64 @@ from torch import nn
 # Size fields, with the small value each gets. Widths are multiples of the head count times head_dim.
 _WIDTH = 64
 _SIZES: dict[str, int] = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "hidden_dim",
-                     "embedding_size", "word_embed_proj_dim", "projection_dim", "text_embed_dim", "emb_dim"), _WIDTH),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
-                     "num_decoder_layers", "num_encoder_layers", "depth"), 2),
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
-                     "ffn_hidden_size", "mlp_dim", "feed_forward_proj_dim", "hidden_dim_ffn"), 128),
-    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-                     "num_heads", "attention_heads"), 4),
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "dim",
+            "model_dim",
+            "hidden_dim",
+            "embedding_size",
+            "word_embed_proj_dim",
+            "projection_dim",
+            "text_embed_dim",
+            "emb_dim",
+        ),
+        _WIDTH,
+    ),
+    **dict.fromkeys(
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "n_layers",
+            "num_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "num_encoder_layers",
+            "depth",
+        ),
+        2,
+    ),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "d_ff",
+            "n_inner",
+            "ffn_hidden_size",
+            "mlp_dim",
+            "feed_forward_proj_dim",
+            "hidden_dim_ffn",
+        ),
+        128,
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "num_heads",
+            "attention_heads",
+        ),
+        4,
+    ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_dim", "v_head_dim", "qk_nope_head_dim"), 16),
     **dict.fromkeys(("qk_rope_head_dim", "rotary_dim", "rotary_emb_base_dim"), 8),
@@ -120,8 +170,10 @@ def tiny_config(model_type: str, **overrides: Any):
 
 
 def _role(config, model_type: str) -> str:
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)  # fmt: skip
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"
@@ -155,8 +207,7 @@ def _main_input(name: str, config, batch_size: int, seq_len: int, g: torch.Gener
     raise SkipModel(f"needs {name} (not text or image): not built by the survey")
 
 
-def inputs(config, main_input_name: str = "input_ids", *, seed: int = 0, batch_size: int = 2,
-           seq_len: int = 8) -> dict:
+def inputs(config, main_input_name: str = "input_ids", *, seed: int = 0, batch_size: int = 2, seq_len: int = 8) -> dict:
     """The survey's batch for a model of ``config`` (a :func:`tiny_config`) whose main input is ``main_input_name``
     (the model class's attribute): random ``input_ids`` or ``pixel_values`` of the shape the config gives, drawn
     from ``seed``, and ``decoder_input_ids`` for an encoder-decoder; raises :class:`SkipModel` for other inputs
@@ -183,8 +234,9 @@ def build(model_type: str, *, seed: int = 0, batch_size: int = 2, seq_len: int =
     except Exception as e:  # noqa: BLE001
         raise SkipModel(f"model cannot be built: {type(e).__name__}: {str(e)[:200]}") from e
     model.eval()
-    batch = inputs(config, getattr(model, "main_input_name", "input_ids"), seed=seed, batch_size=batch_size,
-                   seq_len=seq_len)  # fmt: skip
+    batch = inputs(
+        config, getattr(model, "main_input_name", "input_ids"), seed=seed, batch_size=batch_size, seq_len=seq_len
+    )
     return Built(model_type=model_type, model=model, batch=batch, role=_role(config, model_type))
 
 

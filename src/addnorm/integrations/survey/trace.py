@@ -32,14 +32,41 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from addnorm.integrations import norm_probe
 
 # ops that pass a tensor through unchanged in value (up to shape or dtype): the stream keeps its identity
-_ALIAS = frozenset({"view", "_unsafe_view", "reshape", "clone", "contiguous", "_to_copy", "to", "detach", "alias",
-                    "lift_fresh", "expand", "squeeze", "unsqueeze", "flatten", "view_as", "_reshape_alias",
-                    "copy"})  # fmt: skip
+_ALIAS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "clone",
+        "contiguous",
+        "_to_copy",
+        "to",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "expand",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "view_as",
+        "_reshape_alias",
+        "copy",
+    }
+)
 _ADDS = frozenset({"add", "add_"})
 _MULS = frozenset({"mul", "mul_", "div", "div_"})
-_SCORES = frozenset({"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                     "scaled_dot_product_attention", "_scaled_dot_product_attention_math", "bmm", "matmul",
-                     "baddbmm", "einsum"})  # fmt: skip
+_SCORES = frozenset(
+    {
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_attention_math",
+        "bmm",
+        "matmul",
+        "baddbmm",
+        "einsum",
+    }
+)
 
 
 def _op_name(func) -> str:
@@ -165,12 +192,13 @@ def record(model: nn.Module, batch: dict, stacks, norms: Norms) -> list[_Event]:
     for si, (_, layers) in enumerate(stacks):
         for li, layer in enumerate(layers):
             pre, post = block_hooks(si, li)
-            handles += [layer.register_forward_pre_hook(pre, with_kwargs=True),
-                        layer.register_forward_hook(post, with_kwargs=True)]  # fmt: skip
+            handles += [
+                layer.register_forward_pre_hook(pre, with_kwargs=True),
+                layer.register_forward_hook(post, with_kwargs=True),
+            ]
     for path, m in norms.modules.items():
         pre, post = norm_hooks(path)
-        handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
-                    m.register_forward_hook(post, with_kwargs=True)]  # fmt: skip
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
     try:
         with torch.no_grad(), rec:
             model(**batch)
@@ -296,8 +324,9 @@ def _analyse_layer(events: list[_Event]) -> LayerTrace:
             deps[id(o)] = dep
         if e.name in _SCORES:
             for t in tensors[:2]:
-                score_norms.update(n for kind, *rest in deps.get(id(t), ()) if kind == "n" and rest[1] is None
-                                   for n in [rest[0]])  # fmt: skip
+                score_norms.update(
+                    n for kind, *rest in deps.get(id(t), ()) if kind == "n" and rest[1] is None for n in [rest[0]]
+                )
         if not tensors or not e.outputs:
             continue
         out = e.outputs[0]
@@ -328,8 +357,12 @@ def _analyse_layer(events: list[_Event]) -> LayerTrace:
                 if id(big) in norm_of:
                     norm_of[id(out)] = norm_of[id(big)]
             continue
-        if e.name in _ADDS and len(tensors) == 2 and tensors[0].shape == tensors[1].shape == out.shape \
-                and out.shape == x0.shape:  # fmt: skip
+        if (
+            e.name in _ADDS
+            and len(tensors) == 2
+            and tensors[0].shape == tensors[1].shape == out.shape
+            and out.shape == x0.shape
+        ):
             a, b = tensors
             cur = len(versions) - 1
             va, vb = version_of(a), version_of(b)

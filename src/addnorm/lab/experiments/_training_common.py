@@ -10,7 +10,8 @@ runs of an experiment on worker processes or torchrun ranks, in any order, and g
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ def settings(ctx: Context) -> dict:
     with the "quick" or "default" sizes merged in."""
     mode = "quick" if ctx.quick else "default"
     if mode not in ctx.config:
-        raise ValueError(f"ctx.config has no {mode!r} sizes: pass the experiment's registered config "
-                         "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner")  # fmt: skip
+        raise ValueError(
+            f"ctx.config has no {mode!r} sizes: pass the experiment's registered config "
+            "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner"
+        )
     shared = {k: v for k, v in ctx.config.items() if k not in ("quick", "default")}
     return {**shared, **ctx.config[mode]}
 
@@ -98,8 +101,18 @@ def model_config(**overrides):
     """The tiny LM of every experiment: Xavier init (the papers' assumption), plain-PyTorch norms (fastest here)."""
     from addnorm.nn import TransformerConfig
 
-    kw = dict(vocab_size=VOCAB, d_model=D_MODEL, n_layers=2, n_heads=HEADS, max_seq_len=SEQ, norm="layernorm",
-              placement="pre", ffn="gelu", init="xavier", backend="torch")  # fmt: skip
+    kw = dict(
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        n_layers=2,
+        n_heads=HEADS,
+        max_seq_len=SEQ,
+        norm="layernorm",
+        placement="pre",
+        ffn="gelu",
+        init="xavier",
+        backend="torch",
+    )
     kw.update(overrides)
     if kw["placement"] == "dyt":  # DyT is a norm kind: Pre-LN placement with tanh instead of the norm
         kw.update(placement="pre", norm="dyt")
@@ -132,8 +145,9 @@ def _num(x) -> float | None:
     return float(x) if finite(x) else None
 
 
-def train_task(*, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB, curve_points: int = 50,
-               init_record: bool = False) -> dict:  # fmt: skip
+def train_task(
+    *, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB, curve_points: int = 50, init_record: bool = False
+) -> dict:
     """One training run of the tiny LM, as a ``ctx.map`` task. ``model``: TransformerConfig overrides;
     ``train``: TrainConfig keywords (``seed`` sets the model init and the batches); ``lang_seed``: the language.
     With ``train["monitor"]`` the monitor's records give the max attention logit (needs ``record_logits``) and,
@@ -158,10 +172,15 @@ def train_task(*, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB, 
     logits = [v for v in logits if finite(v)]
     peak = cfg.lr
     out = {
-        "initial_loss": _num(res.initial_loss), "final_loss": _num(res.final_loss), "optimum": _num(res.optimum),
-        "reference": _num(reference), "excess": _num(excess(res.final_loss, res.initial_loss, reference)),
-        "diverged": bool(res.diverged), "steps_done": res.steps_done,
-        "loss_curve": _subsample(res.losses, curve_points), "logz_curve": _subsample(res.logz, curve_points),
+        "initial_loss": _num(res.initial_loss),
+        "final_loss": _num(res.final_loss),
+        "optimum": _num(res.optimum),
+        "reference": _num(reference),
+        "excess": _num(excess(res.final_loss, res.initial_loss, reference)),
+        "diverged": bool(res.diverged),
+        "steps_done": res.steps_done,
+        "loss_curve": _subsample(res.losses, curve_points),
+        "logz_curve": _subsample(res.logz, curve_points),
         "logz_init": _num(res.logz[0]) if res.logz else None,
         "logz_late": _num(sum(logz_tail) / len(logz_tail)) if logz_tail else None,
         "logz_min": _num(min(res.logz)) if res.logz else None,
@@ -169,7 +188,7 @@ def train_task(*, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB, 
         "steps_at_peak_lr": sum(1 for lr in res.lrs if abs(lr - peak) <= 1e-9 * peak),
         "max_grad_norm": _num(res.max_grad_norm),
         "max_attn_logit": max(logits) if logits else None,
-    }  # fmt: skip
+    }
     if init_record:  # the loop stores monitor records JSON-ready
         out["init_record"] = res.records[0] if res.records else None
     return out

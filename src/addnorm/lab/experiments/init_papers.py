@@ -21,15 +21,22 @@ The per-init numbers behind them are in ``metrics["per_seed"]``.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
 from addnorm.lab.experiments.init_time import (
-    Stack, _plt, _sizes, count_agree, init_seeds, loglog_slope, min_agree, save_figure,
-)  # fmt: skip
+    Stack,
+    _plt,
+    _sizes,
+    count_agree,
+    init_seeds,
+    loglog_slope,
+    min_agree,
+    save_figure,
+)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -57,8 +64,9 @@ def _flat(rows: Sequence[Sequence[float]]) -> list[float]:
 
 
 # -------------------------------------------------------------------------------------- xiong-init-gradients
-def xiong_stack_task(*, placement: str, depth: int, seed: int, d: int, batch: int, seq: int, vocab: int,
-                     device: str = "cpu") -> dict:  # fmt: skip
+def xiong_stack_task(
+    *, placement: str, depth: int, seed: int, d: int, batch: int, seq: int, vocab: int, device: str = "cpu"
+) -> dict:
     """Theorem 1's setting: one head with W_Q = W_K = 0, d x d ReLU FFN, Xavier, no biases. Returns every layer's
     FFN W2 gradient norm and the Pre-LN quantity of Lemma 2, ||x_l||^2 / d, after every layer."""
     torch.manual_seed(seed)
@@ -69,12 +77,25 @@ def xiong_stack_task(*, placement: str, depth: int, seed: int, d: int, batch: in
     target = torch.randint(0, vocab, (batch, seq)).to(device)
     out, streams = model(x0)
     nn.functional.cross_entropy(head(out).flatten(0, 1), target.flatten()).backward()
-    return {"ffn_w2_grad": [w.grad.norm().item() for w in model.ffn_out_weights()],
-            "sq_norm_over_d": [z.pow(2).sum(-1).mean().item() / d for z in streams]}  # fmt: skip
+    return {
+        "ffn_w2_grad": [w.grad.norm().item() for w in model.ffn_out_weights()],
+        "sq_norm_over_d": [z.pow(2).sum(-1).mean().item() / d for z in streams],
+    }
 
 
-def xiong_encdec_task(*, placement: str, seed: int, layers: int, d: int, d_ff: int, heads: int, batch: int,
-                      seq: int, vocab: int, device: str = "cpu") -> dict:  # fmt: skip
+def xiong_encdec_task(
+    *,
+    placement: str,
+    seed: int,
+    layers: int,
+    d: int,
+    d_ff: int,
+    heads: int,
+    batch: int,
+    seq: int,
+    vocab: int,
+    device: str = "cpu",
+) -> dict:
     """Fig. 3's setting: an encoder-decoder (original Transformer: ReLU, Xavier, sinusoidal positions, sqrt(d)
     embeddings) at init, next-token loss on random tokens. Returns the FFN output weight's gradient norm per layer
     of the decoder and of the encoder."""
@@ -83,10 +104,21 @@ def xiong_encdec_task(*, placement: str, seed: int, layers: int, d: int, d_ff: i
 
     torch.manual_seed(seed)
     config = TransformerConfig(
-        vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, d_ff=d_ff, norm="layernorm",
-        placement=placement, ffn="relu", positional="sinusoidal", init="xavier", embed_scale=True,
-        final_norm=None if placement == "pre" else False, max_seq_len=seq + 1, backend="torch",
-    )  # fmt: skip
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        d_ff=d_ff,
+        norm="layernorm",
+        placement=placement,
+        ffn="relu",
+        positional="sinusoidal",
+        init="xavier",
+        embed_scale=True,
+        final_norm=None if placement == "pre" else False,
+        max_seq_len=seq + 1,
+        backend="torch",
+    )
     model = TransformerEncoderDecoder(config).to(device)
     src = torch.randint(0, vocab, (batch, seq)).to(device)
     tgt = torch.randint(0, vocab, (batch, seq + 1)).to(device)
@@ -98,13 +130,20 @@ def xiong_encdec_task(*, placement: str, seed: int, layers: int, d: int, d_ff: i
 
 def lemma2_in_bounds(sq_norm_over_d: Sequence[float], slack: float = 0.1) -> bool:
     """Pre-LN: ||x_l||^2 / d within [(1 + l/2)(1 - slack), (1 + 3l/2)(1 + slack)] for l = 1..L (x_0 has 1)."""
-    return all((1 + l / 2) * (1 - slack) <= v <= (1 + 1.5 * l) * (1 + slack)
-               for l, v in enumerate(sq_norm_over_d, start=1))  # fmt: skip
+    return all(
+        (1 + l / 2) * (1 - slack) <= v <= (1 + 1.5 * l) * (1 + slack) for l, v in enumerate(sq_norm_over_d, start=1)
+    )
 
 
-def xiong_verdict(*, depths: Sequence[int], pre_last: Sequence[Sequence[float]],
-                  post_last: Sequence[Sequence[float]], pre_profile: Sequence[float],
-                  post_profile: Sequence[float], pre_norm_in_bounds: bool) -> tuple[bool | None, dict]:  # fmt: skip
+def xiong_verdict(
+    *,
+    depths: Sequence[int],
+    pre_last: Sequence[Sequence[float]],
+    post_last: Sequence[Sequence[float]],
+    pre_profile: Sequence[float],
+    post_profile: Sequence[float],
+    pre_norm_in_bounds: bool,
+) -> tuple[bool | None, dict]:
     """``*_last[i][j]``: last-layer FFN W2 gradient norm of init i at depth ``depths[j]`` (Theorem 1);
     ``*_profile[i]``: top-third / bottom-third ratio of init i's decoder gradient profile (Fig. 3);
     ``pre_norm_in_bounds``: the init-averaged Pre-LN stream inside Lemma 2's bounds at every layer and depth.
@@ -134,10 +173,17 @@ def xiong_verdict(*, depths: Sequence[int], pre_last: Sequence[Sequence[float]],
         f"post_ln_decoder_top/bottom_>_pre_ln's_in_>={need}_inits": ok_pair,
     }
     return all(checks.values()), {
-        "checks": checks, "pre_ln_slope": pre_slope, "post_ln_slope": post_slope,
-        "inits_agreeing": {"slope_pre_below_post": k_slope, "post_profile_rises": k_post,
-                           "pre_profile_flat": k_pre, "post_profile_above_pre": k_pair, "of": n},
-    }  # fmt: skip
+        "checks": checks,
+        "pre_ln_slope": pre_slope,
+        "post_ln_slope": post_slope,
+        "inits_agreeing": {
+            "slope_pre_below_post": k_slope,
+            "post_profile_rises": k_post,
+            "pre_profile_flat": k_pre,
+            "post_profile_above_pre": k_pair,
+            "of": n,
+        },
+    }
 
 
 @experiment(
@@ -149,14 +195,28 @@ def xiong_verdict(*, depths: Sequence[int], pre_last: Sequence[Sequence[float]],
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 (Lemma 2, "
     "Theorem 1, Fig. 3); Liu et al. 2020, Understanding the Difficulty of Training Transformers, arXiv:2004.08249 "
     "(the same per-layer gradient measurement in a 6-6 encoder-decoder)",
-    config={"default": {"depths": [6, 12, 24, 48], "inits": 6, "d": 64, "batch": 8, "seq": 16, "vocab": 64,
-                        "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 8, "seq": 16,
-                                   "vocab": 64}},
-            "quick": {"depths": [4, 8, 16], "inits": 6, "d": 64, "batch": 2, "seq": 8, "vocab": 64,
-                      "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 2, "seq": 8,
-                                 "vocab": 64}},
-            "assumptions": "Theorem 1 part: one head, W_Q = W_K = 0, d x d FFN with ReLU, Xavier normal, no biases; "
-                           "Fig. 3 part: 6-6 encoder-decoder, 4 heads, ReLU FFN 2d, Xavier, sinusoidal"},  # fmt: skip
+    config={
+        "default": {
+            "depths": [6, 12, 24, 48],
+            "inits": 6,
+            "d": 64,
+            "batch": 8,
+            "seq": 16,
+            "vocab": 64,
+            "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 8, "seq": 16, "vocab": 64},
+        },
+        "quick": {
+            "depths": [4, 8, 16],
+            "inits": 6,
+            "d": 64,
+            "batch": 2,
+            "seq": 8,
+            "vocab": 64,
+            "encdec": {"layers": 6, "d": 64, "d_ff": 128, "heads": 4, "batch": 2, "seq": 8, "vocab": 64},
+        },
+        "assumptions": "Theorem 1 part: one head, W_Q = W_K = 0, d x d FFN with ReLU, Xavier normal, no biases; "
+        "Fig. 3 part: 6-6 encoder-decoder, 4 heads, ReLU FFN 2d, Xavier, sinusoidal",
+    },
     criterion="Theorem 1 (last-layer FFN W2 gradient vs L, Theorem 1's model): log-log slope of the init-averaged "
     "gradient in [-0.75, -0.25] for Pre-LN and in [-0.25, 0.25] for Post-LN, and Pre-LN's slope below Post-LN's in "
     ">= 5 of 6 inits (paired); Lemma 2: the init-averaged Pre-LN ||x_l||^2/d inside [1 + l/2, 1 + 3l/2] (10% "
@@ -175,17 +235,23 @@ def xiong_init_gradients(ctx: Context) -> Result:
     out = iter(ctx.map(xiong_stack_task, tasks))
     grads = {p: [[next(out) for _ in depths] for _ in seeds] for p in arms}  # [arm][init][depth] -> task result
     last = {p: [[r["ffn_w2_grad"][-1] for r in row] for row in grads[p]] for p in arms}
-    sq_mean = {L: _columns([grads["pre"][i][j]["sq_norm_over_d"] for i in range(len(seeds))])
-               for j, L in enumerate(depths)}  # fmt: skip
+    sq_mean = {
+        L: _columns([grads["pre"][i][j]["sq_norm_over_d"] for i in range(len(seeds))]) for j, L in enumerate(depths)
+    }
     in_bounds = all(lemma2_in_bounds(sq_mean[L]) for L in depths)
     ctx.progress("Fig. 3 model: 6-6 encoder-decoder")
     tasks = [dict(placement=p, seed=sd, device=dev, **s["encdec"]) for p in arms for sd in seeds]
     out = iter(ctx.map(xiong_encdec_task, tasks))
     encdec = {p: [next(out) for _ in seeds] for p in arms}
     profile = {p: [top_bottom_ratio(r["decoder"]) for r in encdec[p]] for p in arms}
-    passed, details = xiong_verdict(depths=depths, pre_last=last["pre"], post_last=last["post"],
-                                    pre_profile=profile["pre"], post_profile=profile["post"],
-                                    pre_norm_in_bounds=in_bounds)  # fmt: skip
+    passed, details = xiong_verdict(
+        depths=depths,
+        pre_last=last["pre"],
+        post_last=last["post"],
+        pre_profile=profile["pre"],
+        post_profile=profile["post"],
+        pre_norm_in_bounds=in_bounds,
+    )
 
     plt = _plt()
     names = {"post": "Post-LN", "pre": "Pre-LN"}
@@ -204,8 +270,16 @@ def xiong_init_gradients(ctx: Context) -> Result:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for p, color in (("post", "tab:blue"), ("pre", "tab:orange")):
         for i, row in enumerate(last[p]):
-            axes[0].loglog(depths, row, "o-", color=color, lw=0.8, ms=3, alpha=0.5,
-                           label=f"{names[p]} (one line per init)" if i == 0 else None)  # fmt: skip
+            axes[0].loglog(
+                depths,
+                row,
+                "o-",
+                color=color,
+                lw=0.8,
+                ms=3,
+                alpha=0.5,
+                label=f"{names[p]} (one line per init)" if i == 0 else None,
+            )
     mean_pre = _columns(last["pre"])
     axes[0].loglog(depths, [mean_pre[0] * math.sqrt(depths[0] / L) for L in depths], "k--", lw=1, label="~L^(-1/2)")
     axes[0].set_xlabel("layers L")
@@ -227,12 +301,17 @@ def xiong_init_gradients(ctx: Context) -> Result:
     per_seed["Post-LN enc top/bottom"] = [top_bottom_ratio(r["encoder"]) for r in encdec["post"]]
     return Result(
         verdict=verdict_from(passed),
-        metrics={"depths": depths, "seeds": seeds, "per_seed": per_seed,
-                 "last_layer_grad_init_mean": {p: _columns(last[p]) for p in arms},
-                 "decoder_profile_init_mean": {p: _columns([r["decoder"] for r in encdec[p]]) for p in arms},
-                 "encoder_profile_init_mean": {p: _columns([r["encoder"] for r in encdec[p]]) for p in arms},
-                 "pre_ln_sq_norm_over_d_at_last_layer": {str(L): sq_mean[L][-1] for L in depths},
-                 "lemma2_bounds_at_last_layer": {str(L): [1 + L / 2, 1 + 1.5 * L] for L in depths}, **details},
+        metrics={
+            "depths": depths,
+            "seeds": seeds,
+            "per_seed": per_seed,
+            "last_layer_grad_init_mean": {p: _columns(last[p]) for p in arms},
+            "decoder_profile_init_mean": {p: _columns([r["decoder"] for r in encdec[p]]) for p in arms},
+            "encoder_profile_init_mean": {p: _columns([r["encoder"] for r in encdec[p]]) for p in arms},
+            "pre_ln_sq_norm_over_d_at_last_layer": {str(L): sq_mean[L][-1] for L in depths},
+            "lemma2_bounds_at_last_layer": {str(L): [1 + L / 2, 1 + 1.5 * L] for L in depths},
+            **details,
+        },
         figures=[f1, f2],
         summary=f"Theorem 1 (mean of {len(seeds)} inits, L {depths[0]}-{depths[-1]}): last-layer gradient slope "
         f"Pre-LN {details.get('pre_ln_slope', float('nan')):.2f} (theory -0.5), Post-LN "
@@ -250,9 +329,23 @@ SQRT2 = math.sqrt(2.0)
 HEADROOM = 0.75 * SQRT2
 
 
-def deepnet_update_task(*, placement: str, depth: int, seed: int, steps: int, warmup: int, lr: float, every: int,
-                        d: int, d_ff: int, heads: int, batch: int, seq: int, vocab: int,
-                        device: str = "cpu") -> dict:  # fmt: skip
+def deepnet_update_task(
+    *,
+    placement: str,
+    depth: int,
+    seed: int,
+    steps: int,
+    warmup: int,
+    lr: float,
+    every: int,
+    d: int,
+    d_ff: int,
+    heads: int,
+    batch: int,
+    seq: int,
+    vocab: int,
+    device: str = "cpu",
+) -> dict:
     """Adam (0.9, 0.98) with a linear warmup to ``lr`` over ``warmup`` steps on a token-mapping task; every
     ``every`` steps, RMS(F_t - F_0) / RMS(F_0) on a fixed probe batch (F: the model's normalized output)."""
     torch.manual_seed(seed)
@@ -282,8 +375,9 @@ def deepnet_update_task(*, placement: str, depth: int, seed: int, steps: int, wa
     return {"step": at, "update": update}
 
 
-def update_size_verdict(*, depths: Sequence[int], post_peak: Sequence[Sequence[float]],
-                        deepnorm_peak: Sequence[Sequence[float]]) -> tuple[bool | None, dict]:  # fmt: skip
+def update_size_verdict(
+    *, depths: Sequence[int], post_peak: Sequence[Sequence[float]], deepnorm_peak: Sequence[Sequence[float]]
+) -> tuple[bool | None, dict]:
     """``*_peak[i][j]``: the largest relative model update of init i at depth ``depths[j]`` over the steps.
 
     Growth with depth compares two samples: the inits at the largest depth against the inits at the smallest.
@@ -307,22 +401,33 @@ def update_size_verdict(*, depths: Sequence[int], post_peak: Sequence[Sequence[f
     if not _finite_positive(_flat(post_peak) + _flat(deepnorm_peak)):
         return None, {"note": "non-finite or zero update (diverged or did not move)"}
     post_mean, deep_mean = _columns(post_peak), _columns(deepnorm_peak)
-    details = {"post_ln_growth": post_mean[-1] / post_mean[0], "deepnorm_growth": deep_mean[-1] / deep_mean[0],
-               "post_over_deepnorm": [a / b for a, b in zip(post_mean, deep_mean)]}  # fmt: skip
+    details = {
+        "post_ln_growth": post_mean[-1] / post_mean[0],
+        "deepnorm_growth": deep_mean[-1] / deep_mean[0],
+        "post_over_deepnorm": [a / b for a, b in zip(post_mean, deep_mean)],
+    }
     if max(post_mean) >= HEADROOM:
-        return None, {"note": f"Post-LN's update reached {max(post_mean):.2f} >= {HEADROOM:.2f} (3/4 of its "
-                      "ceiling sqrt(2)): the metric is saturated and cannot show growth with depth", **details}
+        return None, {
+            "note": f"Post-LN's update reached {max(post_mean):.2f} >= {HEADROOM:.2f} (3/4 of its "
+            "ceiling sqrt(2)): the metric is saturated and cannot show growth with depth",
+            **details,
+        }
     deep_end, shallow_end = [row[-1] for row in post_peak], [row[0] for row in post_peak]
     k_rank, ok_rank = count_agree([a > b for a in deep_end for b in shallow_end])
-    k_small, ok_small = count_agree([all(b <= a / 4 for a, b in zip(pr, dr))
-                                     for pr, dr in zip(post_peak, deepnorm_peak)])  # fmt: skip
+    k_small, ok_small = count_agree(
+        [all(b <= a / 4 for a, b in zip(pr, dr)) for pr, dr in zip(post_peak, deepnorm_peak)]
+    )
     checks = {
         "post_ln_init_mean_peak_at_largest_L_>=_1.5x_smallest_L": post_mean[-1] >= 1.5 * post_mean[0],
         f"post_ln_peak_largest_L_>_smallest_L_in_>={min_agree(n * n)}/{n * n}_init_pairs": ok_rank,
         f"deepnorm_peak_<=_post_ln/4_at_every_L_in_>={min_agree(n)}/{n}_inits_(paired)": ok_small,
     }
-    details["inits_agreeing"] = {"deep_above_shallow_pairs": k_rank, "pairs": n * n, "deepnorm_4x_smaller": k_small,
-                                 "of": n}  # fmt: skip
+    details["inits_agreeing"] = {
+        "deep_above_shallow_pairs": k_rank,
+        "pairs": n * n,
+        "deepnorm_4x_smaller": k_small,
+        "of": n,
+    }
     return all(checks.values()), {"checks": checks, **details}
 
 
@@ -332,13 +437,39 @@ def update_size_verdict(*, depths: Sequence[int], post_peak: Sequence[Sequence[f
     "||F(x, theta_t) - F(x, theta_0)|| grows with depth; DeepNorm's is much smaller at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, arXiv:2203.00555 (Section 3: the "
     "model update of Post-LN vs DeepNorm in early training, Adam with lr 5e-4 and a 4000-step warmup)",
-    config={"default": {"depths": [6, 12, 24], "inits": 6, "steps": 25, "warmup": 1000, "lr": 2e-3, "every": 5,
-                        "d": 64, "d_ff": 128, "heads": 2, "batch": 8, "seq": 16, "vocab": 32},
-            "quick": {"depths": [2, 4], "inits": 6, "steps": 6, "warmup": 240, "lr": 2e-3, "every": 3, "d": 64,
-                      "d_ff": 128, "heads": 2, "batch": 2, "seq": 8, "vocab": 32},
-            "regime": "DeepNet's first 100 Adam (0.9, 0.98) steps of a 4000-step linear warmup to lr 5e-4, as 25 "
-                      "steps of 4x that learning rate each (warmup 1000 to 2e-3); encoder-only Post-LN / DeepNorm "
-                      "stacks, d 64, FFN 128, 2 heads"},  # fmt: skip
+    config={
+        "default": {
+            "depths": [6, 12, 24],
+            "inits": 6,
+            "steps": 25,
+            "warmup": 1000,
+            "lr": 2e-3,
+            "every": 5,
+            "d": 64,
+            "d_ff": 128,
+            "heads": 2,
+            "batch": 8,
+            "seq": 16,
+            "vocab": 32,
+        },
+        "quick": {
+            "depths": [2, 4],
+            "inits": 6,
+            "steps": 6,
+            "warmup": 240,
+            "lr": 2e-3,
+            "every": 3,
+            "d": 64,
+            "d_ff": 128,
+            "heads": 2,
+            "batch": 2,
+            "seq": 8,
+            "vocab": 32,
+        },
+        "regime": "DeepNet's first 100 Adam (0.9, 0.98) steps of a 4000-step linear warmup to lr 5e-4, as 25 "
+        "steps of 4x that learning rate each (warmup 1000 to 2e-3); encoder-only Post-LN / DeepNorm "
+        "stacks, d 64, FFN 128, 2 heads",
+    },
     criterion="F = the model's normalized output on a fixed probe batch; peak = max over the steps of "
     "RMS(F_t - F_0) / RMS(F_0); 6 inits per arm and depth. Reproduced iff Post-LN's init-averaged peak at the "
     "largest depth is >= 1.5x that at the smallest depth, with the largest-depth peak the larger in >= 30 of the "
@@ -373,13 +504,20 @@ def deepnet_update_size(ctx: Context) -> Result:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for p, color in (("post", "tab:blue"), ("deepnorm", "tab:green")):
         for i, row in enumerate(peak[p]):
-            axes[0].plot(depths, row, "o-", color=color, lw=0.8, ms=3, alpha=0.5,
-                         label=f"{names[p]} (one line per init)" if i == 0 else None)  # fmt: skip
+            axes[0].plot(
+                depths,
+                row,
+                "o-",
+                color=color,
+                lw=0.8,
+                ms=3,
+                alpha=0.5,
+                label=f"{names[p]} (one line per init)" if i == 0 else None,
+            )
         axes[0].plot(depths, _columns(peak[p]), "s-", color=color, lw=2, label=f"{names[p]} mean")
         for i in range(len(seeds)):
             r = runs[p][i][-1]
-            axes[1].plot(r["step"], r["update"], color=color, lw=0.8, alpha=0.6,
-                         label=names[p] if i == 0 else None)  # fmt: skip
+            axes[1].plot(r["step"], r["update"], color=color, lw=0.8, alpha=0.6, label=names[p] if i == 0 else None)
     axes[0].axhline(SQRT2, color="k", ls=":", lw=1, label="ceiling sqrt(2)")
     axes[0].set_yscale("log")
     axes[0].set_xlabel("layers L")
@@ -400,17 +538,25 @@ def deepnet_update_size(ctx: Context) -> Result:
         ratios = details["post_over_deepnorm"]
         summary = (
             f"{s['steps']} steps standing for DeepNet's first {4 * s['steps']} warmup steps; peak relative update "
-            "(mean of inits) by depth " + "; ".join(f"{names[p]} " + "/".join(f"{v:.2g}" for v in mean[p])
-                                                   for p in arms)
+            "(mean of inits) by depth "
+            + "; ".join(f"{names[p]} " + "/".join(f"{v:.2g}" for v in mean[p]) for p in arms)
             + f"; DeepNorm's is x{min(ratios):.0f}-x{max(ratios):.0f} smaller but "
-            + (f"not depth-independent: from L={depths[0]} to L={depths[-1]} it grows x{growth:.1f}, Post-LN's "
-               f"x{details['post_ln_growth']:.1f}" if growth >= 1.25
-               else f"changes x{growth:.2f} from L={depths[0]} to L={depths[-1]}")
-        )  # fmt: skip
+            + (
+                f"not depth-independent: from L={depths[0]} to L={depths[-1]} it grows x{growth:.1f}, Post-LN's "
+                f"x{details['post_ln_growth']:.1f}"
+                if growth >= 1.25
+                else f"changes x{growth:.2f} from L={depths[0]} to L={depths[-1]}"
+            )
+        )
     return Result(
         verdict=verdict_from(passed),
-        metrics={"depths": depths, "seeds": seeds, "per_seed": per_seed, "peak_relative_update_init_mean": mean,
-                 **details},  # fmt: skip
+        metrics={
+            "depths": depths,
+            "seeds": seeds,
+            "per_seed": per_seed,
+            "peak_relative_update_init_mean": mean,
+            **details,
+        },
         figures=[f1],
         summary=summary,
         reason=details.get("note", ""),
@@ -418,8 +564,20 @@ def deepnet_update_size(ctx: Context) -> Result:
 
 
 # -------------------------------------------------------------------------------------- admin-output-change
-def admin_change_task(*, placement: str, depth: int, seed: int, draws: int, eps: float, d: int, d_ff: int,
-                      heads: int, batch: int, seq: int, device: str = "cpu") -> dict:  # fmt: skip
+def admin_change_task(
+    *,
+    placement: str,
+    depth: int,
+    seed: int,
+    draws: int,
+    eps: float,
+    d: int,
+    d_ff: int,
+    heads: int,
+    batch: int,
+    seq: int,
+    device: str = "cpu",
+) -> dict:
     """Mean over ``draws`` of ||F(x; W + dW) - F(x; W)||^2 / ||F(x; W)||^2, dW = eps * std(W) * N(0, 1) on every
     weight matrix."""
     torch.manual_seed(seed)
@@ -437,8 +595,9 @@ def admin_change_task(*, placement: str, depth: int, seed: int, draws: int, eps:
     return {"change": _mean(vals)}
 
 
-def output_change_verdict(*, depths: Sequence[int], post_change: Sequence[Sequence[float]],
-                          pre_change: Sequence[Sequence[float]]) -> tuple[bool | None, dict]:  # fmt: skip
+def output_change_verdict(
+    *, depths: Sequence[int], post_change: Sequence[Sequence[float]], pre_change: Sequence[Sequence[float]]
+) -> tuple[bool | None, dict]:
     """``*_change[i][j]``: relative output change of init i at depth ``depths[j]``. Admin's O(N) / O(log N) are
     statements about the expected change, so the slopes are fitted to the init-averaged changes; Post-LN's slope
     must also exceed Pre-LN's init by init (paired) in 5 of 6 inits."""
@@ -457,8 +616,12 @@ def output_change_verdict(*, depths: Sequence[int], post_change: Sequence[Sequen
         "pre_ln_slope_(init_mean)_<=_0.6_(about_log)": pre_slope <= 0.6,
         f"post_ln_slope_>_pre_ln's_in_>={min_agree(n)}/{n}_inits_(paired)": ok,
     }
-    return all(checks.values()), {"checks": checks, "post_ln_slope": post_slope, "pre_ln_slope": pre_slope,
-                                  "inits_agreeing": {"post_slope_above_pre": k, "of": n}}  # fmt: skip
+    return all(checks.values()), {
+        "checks": checks,
+        "post_ln_slope": post_slope,
+        "pre_ln_slope": pre_slope,
+        "inits_agreeing": {"post_slope_above_pre": k, "of": n},
+    }
 
 
 @experiment(
@@ -467,10 +630,30 @@ def output_change_verdict(*, depths: Sequence[int], post_change: Sequence[Sequen
     "depth N, a Pre-LN model's only about like log N (Post-LN depends heavily on its residual branches).",
     source="Liu et al. 2020, Understanding the Difficulty of Training Transformers, arXiv:2004.08249 (Section 4: "
     "output change under a parameter perturbation, O(N) for Post-LN vs O(log N) for Pre-LN)",
-    config={"default": {"depths": [6, 12, 24, 48], "inits": 6, "draws": 4, "eps": 0.01, "d": 64, "d_ff": 128,
-                        "heads": 2, "batch": 8, "seq": 16},
-            "quick": {"depths": [4, 8, 16], "inits": 6, "draws": 2, "eps": 0.01, "d": 64, "d_ff": 128,
-                      "heads": 2, "batch": 2, "seq": 8}},  # fmt: skip
+    config={
+        "default": {
+            "depths": [6, 12, 24, 48],
+            "inits": 6,
+            "draws": 4,
+            "eps": 0.01,
+            "d": 64,
+            "d_ff": 128,
+            "heads": 2,
+            "batch": 8,
+            "seq": 16,
+        },
+        "quick": {
+            "depths": [4, 8, 16],
+            "inits": 6,
+            "draws": 2,
+            "eps": 0.01,
+            "d": 64,
+            "d_ff": 128,
+            "heads": 2,
+            "batch": 2,
+            "seq": 8,
+        },
+    },
     criterion="change(N) = mean ||F(x; W + dW) - F(x; W)||^2 / mean ||F(x; W)||^2 with dW = eps * std(W) * "
     "N(0, 1) on every weight matrix (eps 0.01), averaged over draws; 6 inits. Reproduced iff the log-log slope of "
     "the init-averaged change vs N is >= 0.7 for Post-LN (about linear), <= 0.6 for Pre-LN (log N from 6 to 48 "
@@ -496,12 +679,19 @@ def admin_output_change(ctx: Context) -> Result:
     mean = {p: _columns(change[p]) for p in arms}
     for p, color in (("post", "tab:blue"), ("pre", "tab:orange")):
         for i, row in enumerate(change[p]):
-            ax.loglog(depths, row, "o-", color=color, lw=0.8, ms=3, alpha=0.5,
-                      label=f"{names[p]} (one line per init)" if i == 0 else None)  # fmt: skip
+            ax.loglog(
+                depths,
+                row,
+                "o-",
+                color=color,
+                lw=0.8,
+                ms=3,
+                alpha=0.5,
+                label=f"{names[p]} (one line per init)" if i == 0 else None,
+            )
         ax.loglog(depths, mean[p], "s-", color=color, lw=2, label=f"{names[p]} mean")
     ax.loglog(depths, [mean["post"][0] * L / depths[0] for L in depths], "k--", lw=1, label="~N")
-    ax.loglog(depths, [mean["pre"][0] * math.log(L) / math.log(depths[0]) for L in depths], "k:", lw=1,
-              label="~log N")  # fmt: skip
+    ax.loglog(depths, [mean["pre"][0] * math.log(L) / math.log(depths[0]) for L in depths], "k:", lw=1, label="~log N")
     ax.set_xlabel("layers N")
     ax.set_ylabel("relative output change")
     ax.set_title(f"output change after a {s['eps']:.0%} weight perturbation")
@@ -510,8 +700,13 @@ def admin_output_change(ctx: Context) -> Result:
     per_seed = {f"{names[p]} slope": [loglog_slope(depths, row) for row in change[p]] for p in arms}
     return Result(
         verdict=verdict_from(passed),
-        metrics={"depths": depths, "seeds": seeds, "per_seed": per_seed, "relative_output_change_init_mean": mean,
-                 **details},  # fmt: skip
+        metrics={
+            "depths": depths,
+            "seeds": seeds,
+            "per_seed": per_seed,
+            "relative_output_change_init_mean": mean,
+            **details,
+        },
         figures=[f1],
         summary=f"Admin's output-change analysis on encoder-only stacks, N {depths[0]}-{depths[-1]}; log-log slope "
         f"of output change vs N (mean of {len(seeds)} inits): Post-LN "

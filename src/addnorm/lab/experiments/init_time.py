@@ -19,7 +19,7 @@ Cost: both demonstrations together ~3 s of CPU at default sizes, ~1 s with --qui
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -78,8 +78,17 @@ class Stack(nn.Module):
     (their stream is never normalized otherwise). ``forward`` returns the output and the residual stream after
     every layer."""
 
-    def __init__(self, *, layers: int, d: int = 64, d_ff: int = 64, heads: int = 1, placement: str = "pre",
-                 uniform_attention: bool = False, gain: float = 1.0):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        layers: int,
+        d: int = 64,
+        d_ff: int = 64,
+        heads: int = 1,
+        placement: str = "pre",
+        uniform_attention: bool = False,
+        gain: float = 1.0,
+    ):
         super().__init__()
         alpha = beta = None
         if placement == "deepnorm":
@@ -89,8 +98,11 @@ class Stack(nn.Module):
         for _ in range(layers):
             for sub in (Attention(d, heads, uniform=uniform_attention), FFN(d, d_ff)):
                 self.subs.append(Residual(sub, d, placement=placement, alpha=alpha, norm_kwargs=NORM_KW))
-        self.final = Residual(nn.Identity(), d, placement="post-noskip", norm_kwargs=NORM_KW) if placement in (
-            "pre", "sandwich") else nn.Identity()  # fmt: skip
+        self.final = (
+            Residual(nn.Identity(), d, placement="post-noskip", norm_kwargs=NORM_KW)
+            if placement in ("pre", "sandwich")
+            else nn.Identity()
+        )
         # Xavier everywhere (what the analyses assume); DeepNorm scales V, O and the FFN by beta.
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -165,8 +177,10 @@ def _sizes(ctx: Context) -> dict:
     """The experiment's sizes for this run, from the config it registered (the runner puts it in ctx.config)."""
     key = "quick" if ctx.quick else "default"
     if key not in ctx.config:
-        raise ValueError(f"ctx.config has no {key!r} sizes: pass the experiment's registered config "
-                         "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner")  # fmt: skip
+        raise ValueError(
+            f"ctx.config has no {key!r} sizes: pass the experiment's registered config "
+            "(Context(config=EXPERIMENTS[name].config)) or run it through addnorm.lab.runner"
+        )
     return ctx.config[key]
 
 
@@ -188,8 +202,10 @@ def gradient_flow_verdict(plain_ratio: float, residual_ratio: float) -> tuple[bo
     "factors (I + dF/dx) whose product contains the identity; He et al. 2016, Identity Mappings in Deep Residual "
     "Networks, arXiv:1603.05027 (Section 3)",
     kind="demonstration",
-    config={"default": {"depths": [8, 32, 100], "repeats": 2, "d": 64, "batch": 64},
-            "quick": {"depths": [8, 32, 100], "repeats": 1, "d": 32, "batch": 32}},  # fmt: skip
+    config={
+        "default": {"depths": [8, 32, 100], "repeats": 2, "d": 64, "batch": 64},
+        "quick": {"depths": [8, 32, 100], "repeats": 1, "d": 32, "batch": 32},
+    },
     criterion="ratio = first-layer weight-gradient norm at the deepest stack / at the shallowest (mean over "
     "repeats). Reproduced iff the plain stack's ratio < 1e-3 and the residual stack's ratio > 0.1.",
 )
@@ -231,8 +247,13 @@ def residual_gradient_flow(ctx: Context) -> Result:
     fig_name = save_figure(fig, ctx, "per_layer_grad.png")
     return Result(
         verdict=verdict_from(passed),
-        metrics={"first_layer_grad": {k: {str(L): v for L, v in f.items()} for k, f in first.items()},
-                 "ratio_deepest_over_shallowest": ratio, "depths": depths, "d": d, **details},  # fmt: skip
+        metrics={
+            "first_layer_grad": {k: {str(L): v for L, v in f.items()} for k, f in first.items()},
+            "ratio_deepest_over_shallowest": ratio,
+            "depths": depths,
+            "d": d,
+            **details,
+        },
         figures=[fig_name],
         summary=f"first-layer gradient, {depths[-1]} vs {depths[0]} layers: plain x{ratio['plain']:.2g}, "
         f"residual x{ratio['residual']:.2g}",
@@ -240,8 +261,14 @@ def residual_gradient_flow(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------- residual-stream-growth
-def stream_growth_verdict(*, post_rms: Sequence[float], pre_rms: Sequence[float], pre_rms_scaled_final: float,
-                          peri_rms_final: float, peri_rms_scaled_final: float) -> tuple[bool | None, dict]:  # fmt: skip
+def stream_growth_verdict(
+    *,
+    post_rms: Sequence[float],
+    pre_rms: Sequence[float],
+    pre_rms_scaled_final: float,
+    peri_rms_final: float,
+    peri_rms_scaled_final: float,
+) -> tuple[bool | None, dict]:
     """Per-layer residual RMS at init (gain 1), plus the final RMS with all weights' init scaled by ``gain``."""
     values = list(post_rms) + list(pre_rms) + [pre_rms_scaled_final, peri_rms_final, peri_rms_scaled_final]
     if not all(math.isfinite(v) and v > 0 for v in values):
@@ -251,8 +278,10 @@ def stream_growth_verdict(*, post_rms: Sequence[float], pre_rms: Sequence[float]
         "pre_ln_rms_grows_>2x_from_layer_1": pre_rms[-1] > 2 * pre_rms[0],
         "pre_ln_final_rms_changes_>2x_with_init_scale": pre_rms_scaled_final > 2 * pre_rms[-1],
         "peri_ln_final_rms_changes_<10%_with_init_scale_(by_construction)": abs(
-            peri_rms_scaled_final / peri_rms_final - 1) < 0.1,
-    }  # fmt: skip
+            peri_rms_scaled_final / peri_rms_final - 1
+        )
+        < 0.1,
+    }
     return all(checks.values()), {"checks": checks}
 
 
@@ -266,8 +295,10 @@ def stream_growth_verdict(*, post_rms: Sequence[float], pre_rms: Sequence[float]
     "tested over inits in xiong-init-gradients); Ding et al. 2021, CogView, arXiv:2105.13290 (Sandwich-LN); Kim et "
     "al. 2025, Peri-LN: Revisiting Layer Normalization in the Transformer Architecture, arXiv:2502.02732",
     kind="demonstration",
-    config={"default": {"layers": 24, "gain": 3.0, "d": 64, "d_ff": 128, "heads": 2, "batch": 8, "seq": 16},
-            "quick": {"layers": 12, "gain": 3.0, "d": 64, "d_ff": 128, "heads": 2, "batch": 4, "seq": 8}},
+    config={
+        "default": {"layers": 24, "gain": 3.0, "d": 64, "d_ff": 128, "heads": 2, "batch": 8, "seq": 16},
+        "quick": {"layers": 12, "gain": 3.0, "d": 64, "d_ff": 128, "heads": 2, "batch": 4, "seq": 8},
+    },
     criterion="RMS per token of the stream after each layer, Xavier init (gain 1) and gain 3. Reproduced iff "
     "Post-LN's RMS is in [0.9, 1.1] at every layer, Pre-LN's final RMS is > 2x its layer-1 RMS, Pre-LN's final "
     "RMS grows > 2x when the init gain goes from 1 to 3, and Peri-LN's final RMS changes < 10% with the gain.",
@@ -288,14 +319,17 @@ def residual_stream_growth(ctx: Context) -> Result:
             rms[placement][gain] = [_rms(z) for z in streams]
     g = s["gain"]
     passed, details = stream_growth_verdict(
-        post_rms=rms["post"][1.0], pre_rms=rms["pre"][1.0], pre_rms_scaled_final=rms["pre"][g][-1],
-        peri_rms_final=rms["sandwich"][1.0][-1], peri_rms_scaled_final=rms["sandwich"][g][-1],
-    )  # fmt: skip
+        post_rms=rms["post"][1.0],
+        pre_rms=rms["pre"][1.0],
+        pre_rms_scaled_final=rms["pre"][g][-1],
+        peri_rms_final=rms["sandwich"][1.0][-1],
+        peri_rms_scaled_final=rms["sandwich"][g][-1],
+    )
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     names = {"post": "Post-LN", "pre": "Pre-LN", "sandwich": "Sandwich/Peri-LN"}
-    for (p, color) in zip(rms, ("tab:blue", "tab:orange", "tab:green")):
+    for p, color in zip(rms, ("tab:blue", "tab:orange", "tab:green")):
         ax.plot(range(1, L + 1), rms[p][1.0], color=color, label=f"{names[p]}, Xavier")
         ax.plot(range(1, L + 1), rms[p][g], color=color, ls="--", label=f"{names[p]}, gain {g:g}")
     ax.set_yscale("log")
@@ -306,8 +340,12 @@ def residual_stream_growth(ctx: Context) -> Result:
     f1 = save_figure(fig, ctx, "residual_rms.png")
     return Result(
         verdict=verdict_from(passed),
-        metrics={"layers": L, "residual_rms": {p: {f"gain_{k:g}": v for k, v in r.items()} for p, r in rms.items()},
-                 "peri_ln_final_rms_sq_vs_1_plus_2L": [rms["sandwich"][1.0][-1] ** 2, 1 + 2 * L], **details},
+        metrics={
+            "layers": L,
+            "residual_rms": {p: {f"gain_{k:g}": v for k, v in r.items()} for p, r in rms.items()},
+            "peri_ln_final_rms_sq_vs_1_plus_2L": [rms["sandwich"][1.0][-1] ** 2, 1 + 2 * L],
+            **details,
+        },
         figures=[f1],
         summary=f"final RMS at L={L} (gain 1 / gain {g:g}): Post-LN {rms['post'][1.0][-1]:.2f}/"
         f"{rms['post'][g][-1]:.2f}, Pre-LN {rms['pre'][1.0][-1]:.2f}/{rms['pre'][g][-1]:.2f}, "

@@ -10,7 +10,7 @@ the run and testable on synthetic numbers. Cost: all three ~2 s of CPU at defaul
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -46,8 +46,10 @@ def ln_rms_verdict(offsets: Sequence[float], mean_abs_diff: Sequence[float]) -> 
     source="the identity RMS(x)^2 = Var(x) + mean(x)^2; Zhang & Sennrich 2019, Root Mean Square Layer "
     "Normalization, arXiv:1910.07467 (RMSNorm drops LayerNorm's re-centering)",
     kind="demonstration",
-    config={"default": {"d": 256, "rows": 512, "offsets": [0, 1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3]},
-            "quick": {"d": 64, "rows": 64, "offsets": [0, 1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3]}},
+    config={
+        "default": {"d": 256, "rows": 512, "offsets": [0, 1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3]},
+        "quick": {"d": 64, "rows": 64, "offsets": [0, 1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3]},
+    },
     criterion="rows z with exact mean 0 and std 1 (fp64), x = z + m. Reproduced iff mean |LN(x) - RMSNorm(x)| "
     "(no affine, eps 1e-12) is < 1e-6 at m = 0, rises strictly with m, and is within [0.8, 1.25] x m for "
     "0 < m <= 0.1 (the first-order law).",
@@ -79,8 +81,13 @@ def ln_vs_rms(ctx: Context) -> Result:
     f1 = save_figure(fig, ctx, "ln_vs_rms.png")
     return Result(
         verdict=verdict_from(passed),
-        metrics={"mean_over_std": s["offsets"], "mean_abs_diff": diffs, "max_abs_diff": max_diffs,
-                 "at_zero_mean": diffs[0], **details},  # fmt: skip
+        metrics={
+            "mean_over_std": s["offsets"],
+            "mean_abs_diff": diffs,
+            "max_abs_diff": max_diffs,
+            "at_zero_mean": diffs[0],
+            **details,
+        },
         figures=[f1],
         summary=f"mean |LN - RMS| = {diffs[0]:.1e} at mean 0, "
         + ", ".join(f"{v:.2g} at mean/std {m:g}" for m, v in zip(s["offsets"], diffs) if m in (0.01, 0.1, 1)),
@@ -88,22 +95,28 @@ def ln_vs_rms(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------- half-precision-stats
-def half_precision_verdict(*, overflow_predicted: Sequence[bool], overflow_fp16_acc: Sequence[bool],
-                           fp32_acc_max_rel_err: float, naive_err_at_max_offset: float,
-                           stable_max_err: float, fp16_overflows_at_1e5: bool, bf16_overflows_at_1e5: bool,
-                           roundtrip_err_ratio_bf16_over_fp16: float) -> tuple[bool | None, dict]:  # fmt: skip
+def half_precision_verdict(
+    *,
+    overflow_predicted: Sequence[bool],
+    overflow_fp16_acc: Sequence[bool],
+    fp32_acc_max_rel_err: float,
+    naive_err_at_max_offset: float,
+    stable_max_err: float,
+    fp16_overflows_at_1e5: bool,
+    bf16_overflows_at_1e5: bool,
+    roundtrip_err_ratio_bf16_over_fp16: float,
+) -> tuple[bool | None, dict]:
     vals = [fp32_acc_max_rel_err, naive_err_at_max_offset, stable_max_err, roundtrip_err_ratio_bf16_over_fp16]
     if any(math.isnan(v) for v in vals):
         return None, {"note": "NaN in a measurement that should be finite"}
     checks = {
-        "fp16_accumulation_overflows_exactly_when_d*rms^2_>_65504": list(overflow_predicted) == list(
-            overflow_fp16_acc),
+        "fp16_accumulation_overflows_exactly_when_d*rms^2_>_65504": list(overflow_predicted) == list(overflow_fp16_acc),
         "fp32_accumulation_never_overflows_(rel_err<1e-3)": fp32_acc_max_rel_err < 1e-3,
         "naive_E[x^2]-E[x]^2_rel_err_>_0.1_at_largest_offset": naive_err_at_max_offset > 0.1,
         "two_pass_welford_chan_rel_err_<_1e-3_at_every_offset": stable_max_err < 1e-3,
         "1e5_overflows_fp16_not_bf16": fp16_overflows_at_1e5 and not bf16_overflows_at_1e5,
         "bf16_roundtrip_error_4x-16x_fp16s": 4 <= roundtrip_err_ratio_bf16_over_fp16 <= 16,
-    }  # fmt: skip
+    }
     return all(checks.values()), {"checks": checks}
 
 
@@ -122,10 +135,26 @@ def _rel_err(est: torch.Tensor, truth: torch.Tensor) -> float:
     "al. 2018, Mixed Precision Training, arXiv:1710.03740 (fp32 accumulation of fp16 reductions); Welford 1962 and "
     "Chan, Golub & LeVeque 1983 (stable one-pass and merged variance)",
     kind="demonstration",
-    config={"default": {"dims": [256, 1024], "rms_factors": [0.5, 0.9, 1.1, 2.0], "rows": 4, "var_d": 256,
-                        "var_rows": 16, "offsets": [0, 1, 10, 100, 1000, 10000], "samples": 100000},
-            "quick": {"dims": [256], "rms_factors": [0.5, 2.0], "rows": 2, "var_d": 128, "var_rows": 4,
-                      "offsets": [0, 100, 10000], "samples": 10000}},  # fmt: skip
+    config={
+        "default": {
+            "dims": [256, 1024],
+            "rms_factors": [0.5, 0.9, 1.1, 2.0],
+            "rows": 4,
+            "var_d": 256,
+            "var_rows": 16,
+            "offsets": [0, 1, 10, 100, 1000, 10000],
+            "samples": 100000,
+        },
+        "quick": {
+            "dims": [256],
+            "rms_factors": [0.5, 2.0],
+            "rows": 2,
+            "var_d": 128,
+            "var_rows": 4,
+            "offsets": [0, 100, 10000],
+            "samples": 10000,
+        },
+    },
     criterion="All of: (a) naive stats accumulated in fp16 overflow (inf var) exactly at the rows with d * RMS^2 "
     "> 65504 and accumulated in fp32 never do (rel. error < 1e-3); (b) for fp32 rows = offset + N(0, 1), the "
     "naive fp32 variance's relative error exceeds 0.1 at the largest offset, while two-pass, Welford and "
@@ -150,13 +179,23 @@ def half_precision_stats(ctx: Context) -> Result:
             var16 = stats_naive(x, torch.float16)[1]
             overflowed.append(bool((~torch.isfinite(var16)).all()))
             fp32_err = max(fp32_err, _rel_err(stats_naive(x, torch.float32)[1], truth_var))
-            overflow_rows.append({"d": d, "rms_over_threshold": f, "fp16_acc_var": var16[0].item(),
-                                  "two_pass_fp16_acc_var": stats_two_pass(x, torch.float16)[1][0].item(),
-                                  "true_var": truth_var[0].item()})  # fmt: skip
+            overflow_rows.append(
+                {
+                    "d": d,
+                    "rms_over_threshold": f,
+                    "fp16_acc_var": var16[0].item(),
+                    "two_pass_fp16_acc_var": stats_two_pass(x, torch.float16)[1][0].item(),
+                    "true_var": truth_var[0].item(),
+                }
+            )
     # (b) cancellation in E[x^2] - E[x]^2
     ctx.progress("cancellation")
-    methods = {"naive": stats_naive, "two-pass": stats_two_pass, "welford": stats_welford,
-               "welford+chan": stats_welford_chan}  # fmt: skip
+    methods = {
+        "naive": stats_naive,
+        "two-pass": stats_two_pass,
+        "welford": stats_welford,
+        "welford+chan": stats_welford_chan,
+    }
     errors: dict[str, list[float]] = {k: [] for k in methods}
     for c in s["offsets"]:
         x = (c + torch.randn(s["var_rows"], s["var_d"], generator=g, dtype=torch.float64)).to(torch.float32)
@@ -171,15 +210,22 @@ def half_precision_stats(ctx: Context) -> Result:
     rt = {}
     for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         rt[name] = ((samples.to(dt).double() - samples) / samples).abs().mean().item()
-    ranges = {name: {"max": torch.finfo(dt).max, "smallest_normal": torch.finfo(dt).tiny, "eps": torch.finfo(dt).eps}
-              for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16))}  # fmt: skip
+    ranges = {
+        name: {"max": torch.finfo(dt).max, "smallest_normal": torch.finfo(dt).tiny, "eps": torch.finfo(dt).eps}
+        for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+    }
     fp16_inf = bool(torch.isinf(big.to(torch.float16)).item())
     bf16_inf = bool(torch.isinf(big.to(torch.bfloat16)).item())
     passed, details = half_precision_verdict(
-        overflow_predicted=predicted, overflow_fp16_acc=overflowed, fp32_acc_max_rel_err=fp32_err,
-        naive_err_at_max_offset=errors["naive"][-1], stable_max_err=stable, fp16_overflows_at_1e5=fp16_inf,
-        bf16_overflows_at_1e5=bf16_inf, roundtrip_err_ratio_bf16_over_fp16=rt["bf16"] / rt["fp16"],
-    )  # fmt: skip
+        overflow_predicted=predicted,
+        overflow_fp16_acc=overflowed,
+        fp32_acc_max_rel_err=fp32_err,
+        naive_err_at_max_offset=errors["naive"][-1],
+        stable_max_err=stable,
+        fp16_overflows_at_1e5=fp16_inf,
+        bf16_overflows_at_1e5=bf16_inf,
+        roundtrip_err_ratio_bf16_over_fp16=rt["bf16"] / rt["fp16"],
+    )
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -201,11 +247,22 @@ def half_precision_stats(ctx: Context) -> Result:
     f1 = save_figure(fig, ctx, "half_precision.png")
     return Result(
         verdict=verdict_from(passed),
-        metrics={"overflow": {"predicted": predicted, "fp16_accumulation_overflowed": overflowed,
-                              "fp32_accumulation_max_rel_err": fp32_err, "rows": overflow_rows},
-                 "cancellation": {"offsets": s["offsets"], "rel_err_fp32": errors},
-                 "formats": {**ranges, "mean_roundtrip_rel_err": rt, "fp16_inf_at_1e5": fp16_inf,
-                             "bf16_inf_at_1e5": bf16_inf}, **details},  # fmt: skip
+        metrics={
+            "overflow": {
+                "predicted": predicted,
+                "fp16_accumulation_overflowed": overflowed,
+                "fp32_accumulation_max_rel_err": fp32_err,
+                "rows": overflow_rows,
+            },
+            "cancellation": {"offsets": s["offsets"], "rel_err_fp32": errors},
+            "formats": {
+                **ranges,
+                "mean_roundtrip_rel_err": rt,
+                "fp16_inf_at_1e5": fp16_inf,
+                "bf16_inf_at_1e5": bf16_inf,
+            },
+            **details,
+        },
         figures=[f1],
         summary=f"naive var rel. error at offset {s['offsets'][-1]:g}: {errors['naive'][-1]:.2g} (two-pass/Welford "
         f"<= {stable:.1g}); fp16 overflow predicted {sum(predicted)}/{len(predicted)}, seen "
@@ -214,9 +271,17 @@ def half_precision_stats(ctx: Context) -> Result:
 
 
 # ----------------------------------------------------------------------------------- batchnorm-vs-layernorm
-def bn_ln_verdict(*, bn_padding_change: float, ln_padding_change: float, bn_batch_change: float,
-                  ln_batch_change: float, bn_train_eval_gap: float, ln_train_eval_gap: float,
-                  bn_single_token_degenerate: bool, ln_single_token_change: float) -> tuple[bool | None, dict]:  # fmt: skip
+def bn_ln_verdict(
+    *,
+    bn_padding_change: float,
+    ln_padding_change: float,
+    bn_batch_change: float,
+    ln_batch_change: float,
+    bn_train_eval_gap: float,
+    ln_train_eval_gap: float,
+    bn_single_token_degenerate: bool,
+    ln_single_token_change: float,
+) -> tuple[bool | None, dict]:
     checks = {
         "padding_changes_bn_output_(>0.1)_not_ln_(<1e-5)": bn_padding_change > 0.1 and ln_padding_change < 1e-5,
         "batch_mates_change_bn_output_(>0.1)_not_ln": bn_batch_change > 0.1 and ln_batch_change < 1e-5,
@@ -244,8 +309,10 @@ def _bn(bn: nn.BatchNorm1d, x: torch.Tensor) -> torch.Tensor:
     "inference); Ba, Kiros & Hinton 2016, Layer Normalization, arXiv:1607.06450 (per-example statistics, for "
     "sequences and batch size 1)",
     kind="sanity",
-    config={"default": {"d": 32, "length": 8, "batch": 4, "pads": [8, 16, 32, 64], "train_batches": 50},
-            "quick": {"d": 16, "length": 8, "batch": 4, "pads": [8, 32], "train_batches": 10}},
+    config={
+        "default": {"d": 32, "length": 8, "batch": 4, "pads": [8, 16, 32, 64], "train_batches": 50},
+        "quick": {"d": 16, "length": 8, "batch": 4, "pads": [8, 32], "train_batches": 10},
+    },
     criterion="For one fixed sequence: max |change| of its normalized tokens when the batch is zero-padded from "
     "its length to the longest pad, and when its 3 batch mates are swapped: BN > 0.1, LN < 1e-5; after the "
     "training batches (momentum 0.1), mean |train-mode - eval-mode output| on a held-out batch: BN > 0.05, LN "
@@ -310,10 +377,15 @@ def batchnorm_vs_layernorm(ctx: Context) -> Result:
     with torch.no_grad():
         ln_single = (ln(token)[0, 0] - ln(held)[0, -1]).abs().max().item()
     passed, details = bn_ln_verdict(
-        bn_padding_change=pad_bn[-1], ln_padding_change=pad_ln[-1], bn_batch_change=mate_bn,
-        ln_batch_change=mate_ln, bn_train_eval_gap=gap_bn, ln_train_eval_gap=gap_ln,
-        bn_single_token_degenerate=degenerate, ln_single_token_change=ln_single,
-    )  # fmt: skip
+        bn_padding_change=pad_bn[-1],
+        ln_padding_change=pad_ln[-1],
+        bn_batch_change=mate_bn,
+        ln_batch_change=mate_ln,
+        bn_train_eval_gap=gap_bn,
+        ln_train_eval_gap=gap_ln,
+        bn_single_token_degenerate=degenerate,
+        ln_single_token_change=ln_single,
+    )
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -336,10 +408,14 @@ def batchnorm_vs_layernorm(ctx: Context) -> Result:
     f1 = save_figure(fig, ctx, "batchnorm_vs_layernorm.png")
     return Result(
         verdict=verdict_from(passed),
-        metrics={"pad_lengths": s["pads"], "padding_change": {"batchnorm": pad_bn, "layernorm": pad_ln},
-                 "batch_mate_change": {"batchnorm": mate_bn, "layernorm": mate_ln},
-                 "train_eval_gap": {"batchnorm": gap_bn, "layernorm": gap_ln},
-                 "single_token": {"batchnorm": bn_single, "layernorm_change": ln_single}, **details},  # fmt: skip
+        metrics={
+            "pad_lengths": s["pads"],
+            "padding_change": {"batchnorm": pad_bn, "layernorm": pad_ln},
+            "batch_mate_change": {"batchnorm": mate_bn, "layernorm": mate_ln},
+            "train_eval_gap": {"batchnorm": gap_bn, "layernorm": gap_ln},
+            "single_token": {"batchnorm": bn_single, "layernorm_change": ln_single},
+            **details,
+        },
         figures=[f1],
         summary=f"BN output of a fixed sequence moves {pad_bn[-1]:.2g} under padding, {mate_bn:.2g} with other batch "
         f"mates, train/eval gap {gap_bn:.2g}; LN: {pad_ln[-1]:.0g}, {mate_ln:.0g}, {gap_ln:.0g}",

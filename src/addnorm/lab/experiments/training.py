@@ -28,15 +28,27 @@ ln-vs-rms-training 54-61 s: about 1005 s (16.8 CPU-minutes) in all; serially at 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-from addnorm.lab.experiments._training_common import (
-    SEED_STYLES, TRAINED_EXCESS, curve_steps, finite, fmt_seeds, nan, pyplot, save, seed_list, seeds_needed,
-    settings, train_task,
-)  # fmt: skip
+
 # The lab's model and language, where the batched-training benchmark and tests import them from
-from addnorm.lab.experiments._training_common import language, model_config  # noqa: F401
+from addnorm.lab.experiments._training_common import (  # noqa: F401
+    SEED_STYLES,
+    TRAINED_EXCESS,
+    curve_steps,
+    finite,
+    fmt_seeds,
+    language,
+    model_config,
+    nan,
+    pyplot,
+    save,
+    seed_list,
+    seeds_needed,
+    settings,
+    train_task,
+)
 
 # The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
 # 0.25 / 6 nats to a sensitivity score (issue 13: after 100 steps it added ~1 nat, two thirds of the score).
@@ -77,8 +89,14 @@ PRECONDITIONS = {
 
 
 def _register(name: str, *, claim: str, source: str, config: dict):
-    return experiment(name, claim=claim, source=source, config={"version": 2, **config}, criterion=CRITERIA[name],
-                      precondition=PRECONDITIONS[name])  # fmt: skip
+    return experiment(
+        name,
+        claim=claim,
+        source=source,
+        config={"version": 2, **config},
+        criterion=CRITERIA[name],
+        precondition=PRECONDITIONS[name],
+    )
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -104,19 +122,27 @@ def _control(holds: Sequence[bool], reason: str) -> str:
     return "" if n and ok >= seeds_needed(n) else f"{reason} (held at {ok} of {n} seeds)"
 
 
-def warmup_verdict(excess: dict[str, dict[int, Sequence[float]]], steps_at_peak: dict[str, dict[int, Sequence[int]]],
-                   steps: int) -> Verdict:  # fmt: skip
+def warmup_verdict(
+    excess: dict[str, dict[int, Sequence[float]]], steps_at_peak: dict[str, dict[int, Sequence[int]]], steps: int
+) -> Verdict:
     """``excess[p][warmup]``: per-seed excess losses (same seed order everywhere) for p in "post", "pre", warmups 0
     and at least one other; ``steps_at_peak[p][warmup]``: per seed, how many steps ran at the peak LR."""
     for p in ("post", "pre"):
         for w, counts in steps_at_peak[p].items():
             if w > 0 and min(counts) < steps / 3:
-                return None, {}, (f"{p}-LN with warmup {w} trained only {min(counts)} of {steps} steps at the peak LR "
-                                  "(needs a third of the run): it is a lower-LR run, not a warmup arm")  # fmt: skip
+                return (
+                    None,
+                    {},
+                    (
+                        f"{p}-LN with warmup {w} trained only {min(counts)} of {steps} steps at the peak LR "
+                        "(needs a third of the run): it is a lower-LR run, not a warmup arm"
+                    ),
+                )
     n = len(excess["pre"][0])
-    reason = _control([finite(v) and v < TRAINED_EXCESS for v in excess["pre"][0]],
-                      f"Pre-LN without warmup did not train (excess >= {TRAINED_EXCESS} nats): the LR is too high "
-                      "for any placement")  # fmt: skip
+    reason = _control(
+        [finite(v) and v < TRAINED_EXCESS for v in excess["pre"][0]],
+        f"Pre-LN without warmup did not train (excess >= {TRAINED_EXCESS} nats): the LR is too high for any placement",
+    )
     if reason:
         return None, {}, reason
     gaps: dict[str, list[float | None]] = {"post": [], "pre": []}
@@ -126,21 +152,25 @@ def warmup_verdict(excess: dict[str, dict[int, Sequence[float]]], steps_at_peak:
             warm = [runs[s] for w, runs in excess[p].items() if w > 0]
             ok = finite(base) and warm and all(map(finite, warm))
             gaps[p].append(base - min(warm) if ok else None)
-    per_seed = [None if gp is None or gq is None else (gp > 0.05 and gq < gp / 2)
-                for gp, gq in zip(gaps["post"], gaps["pre"])]  # fmt: skip
+    per_seed = [
+        None if gp is None or gq is None else (gp > 0.05 and gq < gp / 2) for gp, gq in zip(gaps["post"], gaps["pre"])
+    ]
     passed, details, reason = _majority(per_seed, "the warmup gaps")
     return passed, {"gap_post": gaps["post"], "gap_pre": gaps["pre"], **details}, reason
 
 
-def depth_verdict(excess: dict[str, dict[int, Sequence[float]]],
-                  diverged: dict[str, dict[int, Sequence[bool]]]) -> Verdict:  # fmt: skip
+def depth_verdict(
+    excess: dict[str, dict[int, Sequence[float]]], diverged: dict[str, dict[int, Sequence[bool]]]
+) -> Verdict:
     """``excess[p][L]`` and ``diverged[p][L]``: per-seed values for p in "post" and "deepnorm" (others ignored)."""
     depths = sorted(excess["post"])
     if len(depths) < 2:
         return None, {}, "the sweep needs at least two depths"
     lo, hi = depths[0], depths[-1]
-    reason = _control([finite(v) and v < TRAINED_EXCESS for v in excess["post"][lo]],
-                      f"Post-LN at L={lo} did not train (excess >= {TRAINED_EXCESS} nats)")  # fmt: skip
+    reason = _control(
+        [finite(v) and v < TRAINED_EXCESS for v in excess["post"][lo]],
+        f"Post-LN at L={lo} did not train (excess >= {TRAINED_EXCESS} nats)",
+    )
     if reason:
         return None, {}, reason
     n = len(excess["post"][lo])
@@ -168,21 +198,26 @@ def lr_sensitivity(final: Sequence[float | None], initial: Sequence[float | None
     return sum(c - best for c in capped) / len(capped)
 
 
-def lr_verdict(sens: dict[str, Sequence[float]], lowest_lr_excess: dict[str, Sequence[float]],
-               logit_growth: Sequence[float | None]) -> Verdict:  # fmt: skip
+def lr_verdict(
+    sens: dict[str, Sequence[float]], lowest_lr_excess: dict[str, Sequence[float]], logit_growth: Sequence[float | None]
+) -> Verdict:
     """Per seed (the same order everywhere): ``sens[v]`` the sensitivity of variant v ("pre", "pre+qk");
     ``lowest_lr_excess[v]`` its excess loss at the lowest LR; ``logit_growth`` Pre-LN's max attention logit at
     the three highest LRs over its value at the lowest LR (None where not recorded)."""
     n = len(sens["pre"])
     if n == 0 or len(sens["pre+qk"]) != n or len(logit_growth) != n:
         return None, {}, "the variants' seeds are not paired"
-    converged = [all(finite(lowest_lr_excess[v][s]) and lowest_lr_excess[v][s] < CONVERGED_EXCESS
-                     for v in ("pre", "pre+qk")) for s in range(n)]  # fmt: skip
+    converged = [
+        all(finite(lowest_lr_excess[v][s]) and lowest_lr_excess[v][s] < CONVERGED_EXCESS for v in ("pre", "pre+qk"))
+        for s in range(n)
+    ]
     reason = _control(converged, f"the lowest LR did not converge (excess >= {CONVERGED_EXCESS} nats)")
     if reason:
         return None, {}, reason
-    per_seed = [None if not (finite(p) and finite(q) and finite(g)) else (q < p and g > 2.0)
-                for p, q, g in zip(sens["pre"], sens["pre+qk"], logit_growth)]  # fmt: skip
+    per_seed = [
+        None if not (finite(p) and finite(q) and finite(g)) else (q < p and g > 2.0)
+        for p, q, g in zip(sens["pre"], sens["pre+qk"], logit_growth)
+    ]
     passed, details, reason = _majority(per_seed, "the sensitivities and logits")
     wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if finite(p) and finite(q) and q < p)
     return passed, {"qk_lower_at_seeds": f"{wins}/{n}", **details}, reason
@@ -208,8 +243,14 @@ def _plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int,
     for i, label in enumerate(labels):
         for k, s in enumerate(seeds):
             curve = runs[(label, s)]["loss_curve"]
-            ax.plot(curve_steps(curve, steps), [nan(v) for v in curve], SEED_STYLES[k % len(SEED_STYLES)],
-                    color=f"C{i}", lw=1, label=(names or {}).get(label, str(label)) if k == 0 else None)  # fmt: skip
+            ax.plot(
+                curve_steps(curve, steps),
+                [nan(v) for v in curve],
+                SEED_STYLES[k % len(SEED_STYLES)],
+                color=f"C{i}",
+                lw=1,
+                label=(names or {}).get(label, str(label)) if k == 0 else None,
+            )
 
 
 # ------------------------------------------------------------------------------------------------ experiments
@@ -219,8 +260,13 @@ def _plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int,
     "not depend on warmup.",
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 "
     "(section 3.2, Fig. 2)",
-    config={"lr": 4e-3, "warmups": [0, 250], "schedule": "constant", "default": {"layers": 6, "steps": 400,
-            "seeds": 3}, "quick": {"layers": 2, "steps": 30, "warmups": [0, 10], "seeds": 2}},  # fmt: skip
+    config={
+        "lr": 4e-3,
+        "warmups": [0, 250],
+        "schedule": "constant",
+        "default": {"layers": 6, "steps": 400, "seeds": 3},
+        "quick": {"layers": 2, "steps": 30, "warmups": [0, 10], "seeds": 2},
+    },
 )
 def warmup_experiment(ctx: Context) -> Result:
     """Xiong et al. train 6-layer Post-LN/Pre-LN with Adam at lr 5e-4/1e-3 and warmup 4000 (Fig. 2): Post-LN without
@@ -251,19 +297,27 @@ def warmup_experiment(ctx: Context) -> Result:
         figures = save(plt, fig, ctx, "warmup_loss.png")
     per_seed = {f"{p} excess w={w}": ex[p][w] for p in ("post", "pre") for w in warmups}
     metrics = {
-        "criterion": CRITERIA["warmup"], "layers": layers, "steps": steps, "lr": lr, "warmups": warmups,
-        "seeds": seeds, "per_seed": per_seed, "steps_at_peak_lr": {f"{p} w={w}": at_peak[p][w] for p in at_peak
-                                                                    for w in warmups},
-        "diverged": {f"{p} w={w}": _per_seed(runs, (p, w), seeds, "diverged") for p in ("post", "pre")
-                     for w in warmups},
+        "criterion": CRITERIA["warmup"],
+        "layers": layers,
+        "steps": steps,
+        "lr": lr,
+        "warmups": warmups,
+        "seeds": seeds,
+        "per_seed": per_seed,
+        "steps_at_peak_lr": {f"{p} w={w}": at_peak[p][w] for p in at_peak for w in warmups},
+        "diverged": {
+            f"{p} w={w}": _per_seed(runs, (p, w), seeds, "diverged") for p in ("post", "pre") for w in warmups
+        },
         "setup": "Xiong et al. 2020 Fig. 2 (6-layer Post-/Pre-LN, Adam, warmup) at d = 32: lr 4e-3, warmup 0 vs "
-                 f"{max(warmups)} of {steps} steps, constant LR after warmup, {len(seeds)} seeds",
+        f"{max(warmups)} of {steps} steps, constant LR after warmup, {len(seeds)} seeds",
         **extra,
-    }  # fmt: skip
+    }
     hi = max(warmups)
-    line = (f"Excess loss by seed ({len(seeds)}), warmup 0 / {hi}: Post-LN {fmt_seeds(ex['post'][0])} / "
-            f"{fmt_seeds(ex['post'][hi])}, Pre-LN {fmt_seeds(ex['pre'][0])} / {fmt_seeds(ex['pre'][hi])} "
-            f"({layers} layers, lr {lr:g}, {steps} steps; claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds).")
+    line = (
+        f"Excess loss by seed ({len(seeds)}), warmup 0 / {hi}: Post-LN {fmt_seeds(ex['post'][0])} / "
+        f"{fmt_seeds(ex['post'][hi])}, Pre-LN {fmt_seeds(ex['pre'][0])} / {fmt_seeds(ex['pre'][hi])} "
+        f"({layers} layers, lr {lr:g}, {steps} steps; claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
+    )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
@@ -271,8 +325,12 @@ def warmup_experiment(ctx: Context) -> Result:
     "depth-sweep",
     claim="Post-LN gets worse (or fails) as depth grows; DeepNorm trains stably at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, arXiv:2203.00555 (Fig. 1, section 5)",
-    config={"lr": 1e-3, "warmup": 40, "default": {"depths": [6, 24], "steps": 400, "seeds": 3},
-            "quick": {"depths": [1, 3], "steps": 20, "warmup": 2, "seeds": 2}},  # fmt: skip
+    config={
+        "lr": 1e-3,
+        "warmup": 40,
+        "default": {"depths": [6, 24], "steps": 400, "seeds": 3},
+        "quick": {"depths": [1, 3], "steps": 20, "warmup": 2, "seeds": 2},
+    },
 )
 def depth_sweep(ctx: Context) -> Result:
     """DeepNet (Wang et al. 2022) shows Post-LN failing to train as depth grows (its 18L-18L+ runs diverge on WMT
@@ -295,35 +353,55 @@ def depth_sweep(ctx: Context) -> Result:
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
         for i, p in enumerate(placements):
-            for k, sd in enumerate(seeds):
-                axes[0].plot(depths, [nan(ex[p][n][k]) for n in depths], "o" + SEED_STYLES[k % len(SEED_STYLES)],
-                             color=f"C{i}", label=p if k == 0 else None)  # fmt: skip
+            for k in range(len(seeds)):
+                axes[0].plot(
+                    depths,
+                    [nan(ex[p][n][k]) for n in depths],
+                    "o" + SEED_STYLES[k % len(SEED_STYLES)],
+                    color=f"C{i}",
+                    label=p if k == 0 else None,
+                )
         axes[0].set_xscale("log")
         axes[0].minorticks_off()  # only the swept depths as ticks: log-axis minor labels overlapped them
         axes[0].set_xticks(depths, [str(n) for n in depths])
         axes[0].set_xlabel("layers (line style: seed)")
         axes[0].set_ylabel("excess loss (nats)")
         axes[0].legend(fontsize=8)
-        _plot_curves(axes[1], runs, [(p, max(depths)) for p in placements], seeds, steps,
-                     {(p, max(depths)): p for p in placements})  # fmt: skip
+        _plot_curves(
+            axes[1],
+            runs,
+            [(p, max(depths)) for p in placements],
+            seeds,
+            steps,
+            {(p, max(depths)): p for p in placements},
+        )
         axes[1].set_title(f"{max(depths)} layers", fontsize=9)
         axes[1].set_xlabel("step")
         axes[1].set_ylabel("train loss")
         axes[1].legend(fontsize=8)
         figures = save(plt, fig, ctx, "depth_sweep.png")
     metrics = {
-        "criterion": CRITERIA["depth-sweep"], "depths": depths, "steps": steps, "lr": lr, "seeds": seeds,
+        "criterion": CRITERIA["depth-sweep"],
+        "depths": depths,
+        "steps": steps,
+        "lr": lr,
+        "seeds": seeds,
         "per_seed": {f"{p} excess L={n}": ex[p][n] for p in placements for n in depths},
         "diverged": {f"{p} L={n}": div[p][n] for p in placements for n in depths},
-        "max_grad_norm": {f"{p} L={n}": _per_seed(runs, (p, n), seeds, "max_grad_norm") for p in placements
-                          for n in depths},
+        "max_grad_norm": {
+            f"{p} L={n}": _per_seed(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
+        },
         "setup": f"DeepNet (Wang et al. 2022) depth scaling at d = 32: L = {depths}, Adam lr {lr:g}, warmup "
-                 f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
+        f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
         **extra,
-    }  # fmt: skip
-    line = "Excess loss by seed (" + str(len(seeds)) + "): " + "; ".join(
-        f"{p} " + ", ".join(f"L={n} {fmt_seeds(ex[p][n])}" for n in depths) for p in placements
-    ) + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."  # fmt: skip
+    }
+    line = (
+        "Excess loss by seed ("
+        + str(len(seeds))
+        + "): "
+        + "; ".join(f"{p} " + ", ".join(f"L={n} {fmt_seeds(ex[p][n])}" for n in depths) for p in placements)
+        + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
+    )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
@@ -333,8 +411,14 @@ def depth_sweep(ctx: Context) -> Result:
     "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
     "arXiv:2309.14322 (section 3.1, Fig. 1)",
-    config={"grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "layers": 2, "wd": 1e-4, "z_loss": 1e-4,
-            "default": {"steps": 600, "seeds": 3}, "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]}},  # fmt: skip
+    config={
+        "grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+        "layers": 2,
+        "wd": 1e-4,
+        "z_loss": 1e-4,
+        "default": {"steps": 600, "seeds": 3},
+        "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]},
+    },
 )
 def lr_sensitivity_experiment(ctx: Context) -> Result:
     """Wortsman et al. sweep the LR of small Pre-LN models with and without QK-layernorm (Fig. 1) with AdamW (0.9,
@@ -348,10 +432,20 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
     steps, grid = s["steps"], list(s["grid"])
     seeds = seed_list(ctx, s["seeds"])
     variants = {"pre": {"placement": "pre"}, "pre+qk": {"placement": "pre", "qk_norm": True}}
-    train = {"steps": steps, "warmup": max(1, steps // 10), "weight_decay": s["wd"], "independent_wd": True,
-             "z_loss": s["z_loss"], "monitor": True, "monitor_every": 5}  # fmt: skip
-    arms = {(v, lr): ({**kw, "n_layers": s["layers"], "record_logits": True}, {"lr": lr})
-            for v, kw in variants.items() for lr in grid}  # fmt: skip
+    train = {
+        "steps": steps,
+        "warmup": max(1, steps // 10),
+        "weight_decay": s["wd"],
+        "independent_wd": True,
+        "z_loss": s["z_loss"],
+        "monitor": True,
+        "monitor_every": 5,
+    }
+    arms = {
+        (v, lr): ({**kw, "n_layers": s["layers"], "record_logits": True}, {"lr": lr})
+        for v, kw in variants.items()
+        for lr in grid
+    }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = _grid_tasks(ctx, arms, seeds, train)
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
@@ -380,8 +474,13 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
         for i, v in enumerate(variants):
             for k, s_ in enumerate(seeds):
                 style = "o" + SEED_STYLES[k % len(SEED_STYLES)]
-                axes[0].plot(grid, [nan(runs[((v, lr), s_)]["excess"]) for lr in grid], style, color=f"C{i}",
-                             label=v if k == 0 else None)  # fmt: skip
+                axes[0].plot(
+                    grid,
+                    [nan(runs[((v, lr), s_)]["excess"]) for lr in grid],
+                    style,
+                    color=f"C{i}",
+                    label=v if k == 0 else None,
+                )
                 axes[1].plot(grid, [nan(x) for x in logits[v][s_]], style, color=f"C{i}", label=v if k == 0 else None)
         axes[0].set_ylabel("excess loss (capped at loss_0)")
         axes[1].set_ylabel("max attention logit")
@@ -392,22 +491,31 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
             ax.set_xlabel("learning rate (line style: seed)")
             ax.legend(fontsize=8)
         figures = save(plt, fig, ctx, "lr_sensitivity.png")
-    per_seed = {**{f"{v} sensitivity": sens[v] for v in variants},
-                **{f"{v} excess lr={grid[0]:g}": lowest[v] for v in variants},
-                "pre logit growth": grow}  # fmt: skip
+    per_seed = {
+        **{f"{v} sensitivity": sens[v] for v in variants},
+        **{f"{v} excess lr={grid[0]:g}": lowest[v] for v in variants},
+        "pre logit growth": grow,
+    }
     metrics = {
-        "criterion": CRITERIA["lr-sensitivity"], "grid": grid, "steps": steps, "seeds": seeds, "per_seed": per_seed,
+        "criterion": CRITERIA["lr-sensitivity"],
+        "grid": grid,
+        "steps": steps,
+        "seeds": seeds,
+        "per_seed": per_seed,
         "excess": {f"{v} seed {s_}": [runs[((v, lr), s_)]["excess"] for lr in grid] for v in variants for s_ in seeds},
-        "diverged": {f"{v} seed {s_}": [runs[((v, lr), s_)]["diverged"] for lr in grid] for v in variants
-                     for s_ in seeds},
+        "diverged": {
+            f"{v} seed {s_}": [runs[((v, lr), s_)]["diverged"] for lr in grid] for v in variants for s_ in seeds
+        },
         "max_attn_logit": {f"{v} seed {s_}": logits[v][s_] for v in variants for s_ in seeds},
         "setup": f"Wortsman et al. 2023 Fig. 1 at d = 32, 2 layers: AdamW (0.9, 0.95), clip 1, warmup "
-                 f"{train['warmup']} then cosine, independent wd {s['wd']:g}, z-loss {s['z_loss']:g}, {steps} steps "
-                 f"per LR, grid {grid}, {len(seeds)} seeds",
+        f"{train['warmup']} then cosine, independent wd {s['wd']:g}, z-loss {s['z_loss']:g}, {steps} steps "
+        f"per LR, grid {grid}, {len(seeds)} seeds",
         **extra,
-    }  # fmt: skip
-    line = (f"LR sensitivity by seed ({len(seeds)}): Pre-LN {fmt_seeds(sens['pre'])}, Pre-LN + QK-norm "
-            f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {wins}/{len(seeds)}); Pre-LN max "
-            f"attention logit growth (top three LRs / lr {grid[0]:g}) {fmt_seeds(grow)}; excess at lr {grid[0]:g}: "
-            f"{fmt_seeds(lowest['pre'])} / {fmt_seeds(lowest['pre+qk'])}.")  # fmt: skip
+    }
+    line = (
+        f"LR sensitivity by seed ({len(seeds)}): Pre-LN {fmt_seeds(sens['pre'])}, Pre-LN + QK-norm "
+        f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {wins}/{len(seeds)}); Pre-LN max "
+        f"attention logit growth (top three LRs / lr {grid[0]:g}) {fmt_seeds(grow)}; excess at lr {grid[0]:g}: "
+        f"{fmt_seeds(lowest['pre'])} / {fmt_seeds(lowest['pre+qk'])}."
+    )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)

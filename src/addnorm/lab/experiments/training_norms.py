@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
 from addnorm.lab.experiments._training_common import (
-    SEED_STYLES, TRAINED_EXCESS, curve_steps, finite, fmt_seeds, nan, pyplot, save, seed_list, settings, train_task,
-)  # fmt: skip
+    SEED_STYLES,
+    TRAINED_EXCESS,
+    curve_steps,
+    finite,
+    fmt_seeds,
+    nan,
+    pyplot,
+    save,
+    seed_list,
+    settings,
+    train_task,
+)
 from addnorm.lab.experiments.training import _control, _grid_tasks, _majority, _per_seed, _plot_curves
 
 PLACEMENTS = ("pre", "post", "sandwich", "mix", "dyt", "deepnorm")
@@ -82,21 +92,34 @@ PRECONDITIONS = {
 
 
 def _register(name: str, *, claim: str, source: str, config: dict):
-    return experiment(name, claim=claim, source=source, config={"version": 2, **config}, criterion=CRITERIA[name],
-                      precondition=PRECONDITIONS[name])  # fmt: skip
+    return experiment(
+        name,
+        claim=claim,
+        source=source,
+        config={"version": 2, **config},
+        criterion=CRITERIA[name],
+        precondition=PRECONDITIONS[name],
+    )
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-def z_loss_verdict(min_logz_without: Sequence[float | None], diverged_without: Sequence[bool],
-                   min_logz_with: Sequence[float | None], diverged_with: Sequence[bool]) -> tuple:  # fmt: skip
+def z_loss_verdict(
+    min_logz_without: Sequence[float | None],
+    diverged_without: Sequence[bool],
+    min_logz_with: Sequence[float | None],
+    diverged_with: Sequence[bool],
+) -> tuple:
     """Per seed (paired): the lowest log Z of the run without / with z-loss, and whether it diverged."""
 
     def unstable(logz, div):
         return bool(div) or (finite(logz) and logz < LOGZ_FAR)
 
     without = [unstable(z, d) for z, d in zip(min_logz_without, diverged_without)]
-    reason = _control(without, f"without z-loss, log Z never fell below {LOGZ_FAR:g} nats and no run diverged: "
-                               "the instability z-loss fixes did not occur, so its fix cannot be seen")  # fmt: skip
+    reason = _control(
+        without,
+        f"without z-loss, log Z never fell below {LOGZ_FAR:g} nats and no run diverged: "
+        "the instability z-loss fixes did not occur, so its fix cannot be seen",
+    )
     if reason:
         return None, {"unstable_without": without}, reason
     per_seed = [u and not unstable(z, d) for u, z, d in zip(without, min_logz_with, diverged_with)]
@@ -116,8 +139,14 @@ def placement_verdict(growth: dict[str, Sequence[float | None]]) -> tuple:
     post = growth["post"]
     flat = [finite(r) and 0.9 <= r <= 1.1 for r in post]
     if not post or not all(flat):
-        return None, {}, (f"Post-LN's residual RMS profile is not flat (g in [0.9, 1.1]) at {flat.count(False)} of "
-                          f"{len(post)} inits: the measurement is broken")  # fmt: skip
+        return (
+            None,
+            {},
+            (
+                f"Post-LN's residual RMS profile is not flat (g in [0.9, 1.1]) at {flat.count(False)} of "
+                f"{len(post)} inits: the measurement is broken"
+            ),
+        )
     n = len(post)
     per_init: list[bool | None] = []
     for k in range(n):
@@ -145,8 +174,9 @@ def ratio_ci(ln_times: Sequence[float], rms_times: Sequence[float]) -> tuple[flo
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def ln_rms_verdict(excess_ln: Sequence[float], excess_rms: Sequence[float],
-                   ratio_cis: dict[str, Sequence[float]]) -> tuple:  # fmt: skip
+def ln_rms_verdict(
+    excess_ln: Sequence[float], excess_rms: Sequence[float], ratio_cis: dict[str, Sequence[float]]
+) -> tuple:
     """``excess_*``: per seed (paired); ``ratio_cis[pair]`` = (geomean, low, high) of RMS/LN time ratios."""
     reason = _control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
     if not reason and not all(all(map(finite, ci)) for ci in ratio_cis.values()):
@@ -159,14 +189,22 @@ def ln_rms_verdict(excess_ln: Sequence[float], excess_rms: Sequence[float],
     parity, details, reason = _majority(parity_seed, "the losses")
     if parity is None:
         return None, details, reason
-    speed = {k: "no slower" if hi <= SPEED_TOLERANCE else "slower" if lo > SPEED_TOLERANCE else "undecided"
-             for k, (_, lo, hi) in ratio_cis.items()}  # fmt: skip
+    speed = {
+        k: "no slower" if hi <= SPEED_TOLERANCE else "slower" if lo > SPEED_TOLERANCE else "undecided"
+        for k, (_, lo, hi) in ratio_cis.items()
+    }
     details = {"loss_parity_by_seed": parity_seed, "speed": speed, **details}
     if not parity or "slower" in speed.values():
         return False, details, ""
     if "undecided" in speed.values():
-        return None, details, (f"the time ratio's confidence interval straddles {SPEED_TOLERANCE} for "
-                               + ", ".join(k for k, v in speed.items() if v == "undecided"))  # fmt: skip
+        return (
+            None,
+            details,
+            (
+                f"the time ratio's confidence interval straddles {SPEED_TOLERANCE} for "
+                + ", ".join(k for k, v in speed.items() if v == "undecided")
+            ),
+        )
     return True, details, ""
 
 
@@ -177,8 +215,14 @@ def ln_rms_verdict(excess_ln: Sequence[float], excess_rms: Sequence[float],
     "logit divergence); z-loss 1e-4 * (log Z)^2 prevents it.",
     source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
     "arXiv:2309.14322 (section 3.2); z-loss from Chowdhery et al. 2022, PaLM, arXiv:2204.02311",
-    config={"lr": 0.1, "z_loss": 1e-4, "layers": 2, "vocab": 256, "default": {"steps": 500, "seeds": 3},
-            "quick": {"steps": 20, "seeds": 2}},  # fmt: skip
+    config={
+        "lr": 0.1,
+        "z_loss": 1e-4,
+        "layers": 2,
+        "vocab": 256,
+        "default": {"steps": 500, "seeds": 3},
+        "quick": {"steps": 20, "seeds": 2},
+    },
 )
 def z_loss_experiment(ctx: Context) -> Result:
     """Wortsman et al. see output-logit divergence in small models trained long at high LR with no weight decay:
@@ -192,13 +236,21 @@ def z_loss_experiment(ctx: Context) -> Result:
     model = {"placement": "pre", "n_layers": s["layers"], "tie_embeddings": False, "bias": False}
     arms = {coef: (model, {"z_loss": coef}) for coef in (0.0, z)}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": max(1, steps // 10),
-                                                 "schedule": "constant", "weight_decay": 0.0}, vocab=s["vocab"])
+    keys, tasks = _grid_tasks(
+        ctx,
+        arms,
+        seeds,
+        {"steps": steps, "lr": lr, "warmup": max(1, steps // 10), "schedule": "constant", "weight_decay": 0.0},
+        vocab=s["vocab"],
+    )
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    col = {c: {k: _per_seed(runs, c, seeds, k) for k in ("logz_min", "logz_late", "logz_init", "diverged", "excess")}
-           for c in arms}  # fmt: skip
-    passed, extra, reason = z_loss_verdict(col[0.0]["logz_min"], col[0.0]["diverged"], col[z]["logz_min"],
-                                           col[z]["diverged"])  # fmt: skip
+    col = {
+        c: {k: _per_seed(runs, c, seeds, k) for k in ("logz_min", "logz_late", "logz_init", "diverged", "excess")}
+        for c in arms
+    }
+    passed, extra, reason = z_loss_verdict(
+        col[0.0]["logz_min"], col[0.0]["diverged"], col[z]["logz_min"], col[z]["diverged"]
+    )
     if passed is None and "did not occur" in reason:
         reason += f". Tried before choosing this setup: {Z_LOSS_TRIED}"
     figures = []
@@ -209,8 +261,13 @@ def z_loss_experiment(ctx: Context) -> Result:
         for i, c in enumerate(arms):
             for k, sd in enumerate(seeds):
                 curve = runs[(c, sd)]["logz_curve"]
-                axes[0].plot(curve_steps(curve, steps), [nan(v) for v in curve], SEED_STYLES[k % len(SEED_STYLES)],
-                             color=f"C{i}", label=names[c] if k == 0 else None)  # fmt: skip
+                axes[0].plot(
+                    curve_steps(curve, steps),
+                    [nan(v) for v in curve],
+                    SEED_STYLES[k % len(SEED_STYLES)],
+                    color=f"C{i}",
+                    label=names[c] if k == 0 else None,
+                )
         _plot_curves(axes[1], runs, list(arms), seeds, steps, names)
         axes[0].axhline(0, color="k", lw=0.5)
         axes[0].axhline(LOGZ_FAR, color="r", lw=0.5, ls="--", label=f"instability ({LOGZ_FAR:g})")
@@ -220,21 +277,35 @@ def z_loss_experiment(ctx: Context) -> Result:
             ax.set_xlabel("step (line style: seed)")
             ax.legend(fontsize=8)
         figures = save(plt, fig, ctx, "z_loss.png")
-    per_seed = {"min logZ no z-loss": col[0.0]["logz_min"], "min logZ z-loss": col[z]["logz_min"],
-                "late logZ no z-loss": col[0.0]["logz_late"], "late logZ z-loss": col[z]["logz_late"],
-                "excess no z-loss": col[0.0]["excess"], "excess z-loss": col[z]["excess"]}  # fmt: skip
+    per_seed = {
+        "min logZ no z-loss": col[0.0]["logz_min"],
+        "min logZ z-loss": col[z]["logz_min"],
+        "late logZ no z-loss": col[0.0]["logz_late"],
+        "late logZ z-loss": col[z]["logz_late"],
+        "excess no z-loss": col[0.0]["excess"],
+        "excess z-loss": col[z]["excess"],
+    }
     metrics = {
-        "criterion": CRITERIA["z-loss"], "lr": lr, "z_loss": z, "steps": steps, "vocab": s["vocab"], "seeds": seeds,
-        "per_seed": per_seed, "logz_init": col[0.0]["logz_init"],
-        "diverged": {"no z-loss": col[0.0]["diverged"], "z-loss": col[z]["diverged"]}, "tried": Z_LOSS_TRIED,
+        "criterion": CRITERIA["z-loss"],
+        "lr": lr,
+        "z_loss": z,
+        "steps": steps,
+        "vocab": s["vocab"],
+        "seeds": seeds,
+        "per_seed": per_seed,
+        "logz_init": col[0.0]["logz_init"],
+        "diverged": {"no z-loss": col[0.0]["diverged"], "z-loss": col[z]["diverged"]},
+        "tried": Z_LOSS_TRIED,
         "setup": f"Wortsman et al. 2023 section 3.2 at d = 32, 2 layers, V = {s['vocab']}: lr {lr:g} constant after "
-                 f"warmup, no weight decay, untied, no biases, {steps} steps, {len(seeds)} seeds",
+        f"warmup, no weight decay, untied, no biases, {steps} steps, {len(seeds)} seeds",
         **extra,
-    }  # fmt: skip
-    line = (f"Lowest log Z by seed ({len(seeds)}) without z-loss {fmt_seeds(col[0.0]['logz_min'])}, late "
-            f"{fmt_seeds(col[0.0]['logz_late'])}; with z-loss {z:g}: lowest {fmt_seeds(col[z]['logz_min'])}, late "
-            f"{fmt_seeds(col[z]['logz_late'])}; excess loss {fmt_seeds(col[0.0]['excess'])} vs "
-            f"{fmt_seeds(col[z]['excess'])}.")  # fmt: skip
+    }
+    line = (
+        f"Lowest log Z by seed ({len(seeds)}) without z-loss {fmt_seeds(col[0.0]['logz_min'])}, late "
+        f"{fmt_seeds(col[0.0]['logz_late'])}; with z-loss {z:g}: lowest {fmt_seeds(col[z]['logz_min'])}, late "
+        f"{fmt_seeds(col[z]['logz_late'])}; excess loss {fmt_seeds(col[0.0]['excess'])} vs "
+        f"{fmt_seeds(col[z]['excess'])}."
+    )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
@@ -263,8 +334,13 @@ def quarter_growth(profile: Sequence[float | None]) -> float | None:
     "Ding et al. 2021, CogView (Sandwich-LN), arXiv:2105.13290; Kim et al. 2025, Peri-LN, arXiv:2502.02732; shown "
     "alongside: Li et al. 2024, Mix-LN, arXiv:2412.13795; Zhu et al. 2025, Transformers without Normalization "
     "(DyT), arXiv:2503.10622; Wang et al. 2022, DeepNet, arXiv:2203.00555",
-    config={"placements": list(PLACEMENTS), "init_std": 1.0, "tie_embeddings": False,
-            "default": {"layers": 24, "seeds": 6}, "quick": {"layers": 8, "seeds": 2}},  # fmt: skip
+    config={
+        "placements": list(PLACEMENTS),
+        "init_std": 1.0,
+        "tie_embeddings": False,
+        "default": {"layers": 24, "seeds": 6},
+        "quick": {"layers": 8, "seeds": 2},
+    },
 )
 def placement_comparison(ctx: Context) -> Result:
     """Xiong et al.'s Lemma 2 is a statement at initialization with unit-scale inputs (||x||^2 ~ d) and Xavier
@@ -290,11 +366,13 @@ def placement_comparison(ctx: Context) -> Result:
     model = {"n_layers": layers, "init_std": s["init_std"], "tie_embeddings": s["tie_embeddings"]}
     arms = {p: ({"placement": p, **model}, {}) for p in placements}
     ctx.progress(f"{len(arms) * len(seeds)} models at init")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True,
-                                                 "monitor_every": 1}, init_record=True)  # fmt: skip
+    keys, tasks = _grid_tasks(
+        ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True, "monitor_every": 1}, init_record=True
+    )
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    res_profile = {p: [_layer_profile(runs[(p, sd)]["init_record"], "residual_rms") for sd in seeds]
-                   for p in placements}  # fmt: skip
+    res_profile = {
+        p: [_layer_profile(runs[(p, sd)]["init_record"], "residual_rms") for sd in seeds] for p in placements
+    }
     grad_profile = {p: [_layer_profile(runs[(p, sd)]["init_record"], "grad_norm") for sd in seeds] for p in placements}
     growth = {p: [quarter_growth(v) for v in res_profile[p]] for p in placements}
     grad_growth = {p: [quarter_growth(v) for v in grad_profile[p]] for p in placements}
@@ -306,10 +384,12 @@ def placement_comparison(ctx: Context) -> Result:
         for i, p in enumerate(placements):
             for k in range(len(seeds)):
                 style = SEED_STYLES[k % len(SEED_STYLES)]
-                axes[0].plot([nan(v) for v in res_profile[p][k]], style, color=f"C{i}", lw=1,
-                             label=p if k == 0 else None)  # fmt: skip
-                axes[1].plot([nan(v) for v in grad_profile[p][k]], style, color=f"C{i}", lw=1,
-                             label=p if k == 0 else None)  # fmt: skip
+                axes[0].plot(
+                    [nan(v) for v in res_profile[p][k]], style, color=f"C{i}", lw=1, label=p if k == 0 else None
+                )
+                axes[1].plot(
+                    [nan(v) for v in grad_profile[p][k]], style, color=f"C{i}", lw=1, label=p if k == 0 else None
+                )
             axes[2].plot([i] * len(seeds), [nan(v) for v in growth[p]], "o", color=f"C{i}", alpha=0.7)
         axes[0].set_title("residual RMS after each layer (init)", fontsize=9)
         axes[1].set_title("gradient norm per layer (init; shown, not tested)", fontsize=9)
@@ -321,22 +401,30 @@ def placement_comparison(ctx: Context) -> Result:
             ax.set_yscale("log")
             ax.legend(fontsize=7)
         figures = save(plt, fig, ctx, "placement_profiles.png")
-    per_seed = {**{f"{p} residual g": growth[p] for p in placements},
-                **{f"{p} grad g": grad_growth[p] for p in placements}}  # fmt: skip
+    per_seed = {
+        **{f"{p} residual g": growth[p] for p in placements},
+        **{f"{p} grad g": grad_growth[p] for p in placements},
+    }
     metrics = {
-        "criterion": CRITERIA["placement-comparison"], "layers": layers, "seeds": seeds, "per_seed": per_seed,
+        "criterion": CRITERIA["placement-comparison"],
+        "layers": layers,
+        "seeds": seeds,
+        "per_seed": per_seed,
         "residual_rms_init": {f"{p} seed {sd}": res_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
         "grad_norm_init": {f"{p} seed {sd}": grad_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
-        "setup": (f"Xiong et al. 2020 Lemma 2 at init: {layers} layers, d = 32, Xavier linears, unit-scale untied "
-                  f"embeddings, {len(seeds)} inits"),
+        "setup": (
+            f"Xiong et al. 2020 Lemma 2 at init: {layers} layers, d = 32, Xavier linears, unit-scale untied "
+            f"embeddings, {len(seeds)} inits"
+        ),
         **extra,
-    }  # fmt: skip
-    line = ("Residual RMS growth g (top / bottom quarter of layers, block 0 out) by init: "
-            + ", ".join(f"{p} {fmt_seeds(growth[p])}" for p in placements)
-            + f"; Pre-LN grows and Sandwich grows less at {extra.get('inits_agreeing', 'n/a')} inits (at init only: "
-            "Peri-LN's evidence is about training, not tested here). Gradient "
-            "profiles (shown, not tested) g: " + ", ".join(f"{p} {fmt_seeds(grad_growth[p])}" for p in placements)
-            + ".")  # fmt: skip
+    }
+    line = (
+        "Residual RMS growth g (top / bottom quarter of layers, block 0 out) by init: "
+        + ", ".join(f"{p} {fmt_seeds(growth[p])}" for p in placements)
+        + f"; Pre-LN grows and Sandwich grows less at {extra.get('inits_agreeing', 'n/a')} inits (at init only: "
+        "Peri-LN's evidence is about training, not tested here). Gradient "
+        "profiles (shown, not tested) g: " + ", ".join(f"{p} {fmt_seeds(grad_growth[p])}" for p in placements) + "."
+    )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
@@ -366,9 +454,11 @@ def norm_timing_task(*, rows: int, hidden: int, reps: int, seed: int) -> dict:
     eps = 1e-5
     impls = {
         "plain": {"ln": lambda: _written_out_ln(x, w, b, eps), "rms": lambda: _written_out_rms(x, w, b, eps)},
-        "addnorm": {"ln": lambda: addnorm.layer_norm(x, w, b, eps, backend="cpu"),
-                    "rms": lambda: addnorm.rms_norm(x, w, eps, backend="cpu")},
-    }  # fmt: skip
+        "addnorm": {
+            "ln": lambda: addnorm.layer_norm(x, w, b, eps, backend="cpu"),
+            "rms": lambda: addnorm.rms_norm(x, w, eps, backend="cpu"),
+        },
+    }
 
     def once(fn) -> float:
         x.grad = w.grad = b.grad = None
@@ -383,7 +473,7 @@ def norm_timing_task(*, rows: int, hidden: int, reps: int, seed: int) -> dict:
     times = {pair: {"ln": [], "rms": []} for pair in impls}
     for r in range(reps):
         for pair, fns in impls.items():
-            for kind in (("ln", "rms") if r % 2 == 0 else ("rms", "ln")):
+            for kind in ("ln", "rms") if r % 2 == 0 else ("rms", "ln"):
                 times[pair][kind].append(once(fns[kind]))
     return times
 
@@ -392,8 +482,12 @@ def norm_timing_task(*, rows: int, hidden: int, reps: int, seed: int) -> dict:
     "ln-vs-rms-training",
     claim="RMSNorm trains to the same loss as LayerNorm, and the norm itself (forward + backward) is no slower.",
     source="Zhang & Sennrich 2019, Root Mean Square Layer Normalization, arXiv:1910.07467",
-    config={"layers": 4, "lr": 3e-3, "default": {"steps": 300, "seeds": 3, "rows": 4096, "hidden": 1024,
-            "reps": 30}, "quick": {"steps": 20, "seeds": 2, "rows": 256, "hidden": 1024, "reps": 5}},  # fmt: skip
+    config={
+        "layers": 4,
+        "lr": 3e-3,
+        "default": {"steps": 300, "seeds": 3, "rows": 4096, "hidden": 1024, "reps": 30},
+        "quick": {"steps": 20, "seeds": 2, "rows": 256, "hidden": 1024, "reps": 5},
+    },
 )
 def ln_vs_rms(ctx: Context) -> Result:
     """Zhang & Sennrich report RMSNorm matching LayerNorm's quality at 7%-64% less running time on their models.
@@ -405,13 +499,15 @@ def ln_vs_rms(ctx: Context) -> Result:
     ratio moved between 1.03 and 1.19 from run to run.) Timings go to ``Result.timings``."""
     s = settings(ctx)
     steps, seeds = s["steps"], seed_list(ctx, s["seeds"])
-    arms = {norm: ({"placement": "pre", "norm": norm, "n_layers": s["layers"]}, {}) for norm in ("layernorm",
-                                                                                                "rmsnorm")}
+    arms = {
+        norm: ({"placement": "pre", "norm": norm, "n_layers": s["layers"]}, {}) for norm in ("layernorm", "rmsnorm")
+    }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps, then the norm timings")
     keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    times = ctx.map(norm_timing_task, [{"rows": s["rows"], "hidden": s["hidden"], "reps": s["reps"],
-                                        "seed": ctx.seed}])[0]  # fmt: skip
+    times = ctx.map(
+        norm_timing_task, [{"rows": s["rows"], "hidden": s["hidden"], "reps": s["reps"], "seed": ctx.seed}]
+    )[0]
     ex = {k: _per_seed(runs, k, seeds, "excess") for k in arms}
     cis = {pair: ratio_ci(t["ln"], t["rms"]) for pair, t in times.items()}
     passed, extra, reason = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], cis)
@@ -437,20 +533,31 @@ def ln_vs_rms(ctx: Context) -> Result:
         axes[1].set_title(f"the norm alone, {s['rows']}x{s['hidden']} fwd+bwd (95% CI)", fontsize=9)
         figures = save(plt, fig, ctx, "ln_vs_rms_training.png")
     metrics = {
-        "criterion": CRITERIA["ln-vs-rms-training"], "steps": steps, "seeds": seeds,
+        "criterion": CRITERIA["ln-vs-rms-training"],
+        "steps": steps,
+        "seeds": seeds,
         "per_seed": {"layernorm excess": ex["layernorm"], "rmsnorm excess": ex["rmsnorm"]},
-        "norm_timing_shape": [s["rows"], s["hidden"]], "timing_reps": s["reps"],
+        "norm_timing_shape": [s["rows"], s["hidden"]],
+        "timing_reps": s["reps"],
         "setup": f"Zhang & Sennrich 2019 at d = 32: Pre-LN, {s['layers']} layers, lr {s['lr']:g}, {steps} steps, "
-                 f"{len(seeds)} seeds; speed on the norm alone, {s['rows']}x{s['hidden']} fp32 fwd+bwd",
+        f"{len(seeds)} seeds; speed on the norm alone, {s['rows']}x{s['hidden']} fp32 fwd+bwd",
         **extra,
-    }  # fmt: skip
-    timings = {"norm_median_ms": median_ms, "ratio_rms_over_ln": {p: {"geomean": g, "ci95": [lo, hi]}
-                                                                   for p, (g, lo, hi) in cis.items()},
-               "norm_times_s": times}  # fmt: skip
-    line = (f"Excess loss by seed ({len(seeds)}): LayerNorm {fmt_seeds(ex['layernorm'])}, RMSNorm "
-            f"{fmt_seeds(ex['rmsnorm'])}; the norm alone ({s['rows']}x{s['hidden']}, fwd+bwd, {s['reps']} interleaved "
-            "reps), time RMS/LN: " + ", ".join(f"{p} {g:.2f} (95% CI {lo:.2f}-{hi:.2f}; {median_ms[p]['ln']:.1f} vs "
-                                               f"{median_ms[p]['rms']:.1f} ms)" for p, (g, lo, hi) in cis.items())
-            + ".")  # fmt: skip
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, timings=timings,
-                  reason=reason)
+    }
+    timings = {
+        "norm_median_ms": median_ms,
+        "ratio_rms_over_ln": {p: {"geomean": g, "ci95": [lo, hi]} for p, (g, lo, hi) in cis.items()},
+        "norm_times_s": times,
+    }
+    line = (
+        f"Excess loss by seed ({len(seeds)}): LayerNorm {fmt_seeds(ex['layernorm'])}, RMSNorm "
+        f"{fmt_seeds(ex['rmsnorm'])}; the norm alone ({s['rows']}x{s['hidden']}, fwd+bwd, {s['reps']} interleaved "
+        "reps), time RMS/LN: "
+        + ", ".join(
+            f"{p} {g:.2f} (95% CI {lo:.2f}-{hi:.2f}; {median_ms[p]['ln']:.1f} vs {median_ms[p]['rms']:.1f} ms)"
+            for p, (g, lo, hi) in cis.items()
+        )
+        + "."
+    )
+    return Result(
+        verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, timings=timings, reason=reason
+    )
