@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -46,13 +47,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from addnorm.io import atomic_write_text, json_default
+from addnorm.train.distributed import DistInfo, current
 
 # How many tasks per worker a torchrun round hands out before the ranks gather (and rank 0 caches) the results:
 # small enough that a killed run keeps most finished tasks, large enough that ranks rarely wait on each other.
@@ -230,62 +231,20 @@ class TaskCache:
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
-@dataclass(frozen=True)
-class Group:
-    """This process's place among torchrun ranks (rank 0 of 1 without torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.enabled:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self.initialized_here:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-def init_group() -> Group:
+def init_group() -> DistInfo:
     """Join the torchrun ranks (``WORLD_SIZE > 1`` in the environment) over gloo: the lab exchanges Python objects
     between CPU processes, whatever device its experiments use. A single process is rank 0 of 1."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
-        return Group()
+        return DistInfo()
     import torch.distributed as dist
 
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 (torchrun) but this torch build has no torch.distributed")
     if dist.is_initialized():
-        return Group(rank=dist.get_rank(), world_size=dist.get_world_size())
+        return current()
     dist.init_process_group(backend="gloo")
-    return Group(rank=dist.get_rank(), world_size=dist.get_world_size(), initialized_here=True)
+    return dataclasses.replace(current(), initialized_here=True)
 
 
 # ----------------------------------------------------------------------------------------------- executor
@@ -301,13 +260,13 @@ class Executor:
         *,
         cache_dir: Path | None = None,
         read_cache: bool = True,
-        group: Group | None = None,
+        group: DistInfo | None = None,
         on_tasks: Callable[[int, int], None] | None = None,
     ) -> None:
         if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
             raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
         self.jobs = jobs
-        self.group = group or Group()
+        self.group = group or DistInfo()
         # Only rank 0 touches the cache (module docstring).
         self.cache = TaskCache(cache_dir if self.group.is_main else None, read=read_cache)
         self._on_tasks = on_tasks

@@ -46,8 +46,9 @@ import torch
 from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
 from addnorm.io import json_default as _json_default
 from addnorm.lab.core import EXPERIMENTS, KINDS, VERDICTS, Context, Experiment, Result
-from addnorm.lab.executor import Executor, Group, default_jobs, init_group
+from addnorm.lab.executor import Executor, default_jobs, init_group
 from addnorm.lab.report import read_results
+from addnorm.train.distributed import DistInfo
 
 RECORD_FILE = "result.json"
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
@@ -507,7 +508,7 @@ def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor,
 
 
 def _run_selected(
-    options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path, group: Group
+    options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path, group: DistInfo
 ) -> RunSummary:
     from addnorm.lab.report import write_report
 
