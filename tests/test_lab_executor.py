@@ -20,8 +20,9 @@ import torch
 
 from addnorm.lab import runner
 from addnorm.lab.core import Context, Experiment, Result, verdict_from
-from addnorm.lab.executor import Cancelled, Executor, TaskCache, run_task
+from addnorm.lab.executor import Cancelled, Executor
 from addnorm.lab.runner import RunOptions, run
+from addnorm.lab.tasks import TaskCache, run_task
 
 
 # --------------------------------------------------------------------- task functions (module level: picklable)
