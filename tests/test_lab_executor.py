@@ -364,7 +364,7 @@ def test_progress_bar_never_shows_a_verdict(tmp_path, capsys):
 
 
 def test_progress_postfix_names_running_experiments_and_task_counts():
-    p = runner._Progress(False, total=3)
+    p = runner.Progress(False, total=3)
     p.start("a")
     p.message("a", "seed 1")
     p.start("b")

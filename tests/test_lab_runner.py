@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from addnorm.lab import runner
+from addnorm.lab import cache, outdir, runner
 from addnorm.lab.core import Context, Experiment, Result, verdict_from
+from addnorm.lab.merge import MergeConflictError, merge
 from addnorm.lab.report import render_html, terminal_table
-from addnorm.lab.runner import MergeConflictError, RunOptions, atomic_write_text, merge, parse_shard, run, select
+from addnorm.lab.runner import RunOptions, atomic_write_text, parse_shard, run, select
 
 # A 1x1 PNG, so fake experiments can emit a figure without matplotlib.
 PNG = bytes.fromhex(
@@ -91,16 +92,16 @@ def test_a_change_anywhere_in_the_library_invalidates_cached_results(tmp_path, m
     run(opts(tmp_path / "a"), reg)
     run(opts(tmp_path / "a"), reg)
     assert calls["fake-0"] == 1
-    digest = runner.package_digest()
-    assert len(digest) == 12 and runner.code_version(reg["fake-0"]).split("+")[1] == digest
-    monkeypatch.setattr(runner, "package_digest", lambda: "edited-lib")  # what editing e.g. nn/norms.py does
+    digest = cache.package_digest()
+    assert len(digest) == 12 and cache.code_version(reg["fake-0"]).split("+")[1] == digest
+    monkeypatch.setattr(cache, "package_digest", lambda: "edited-lib")  # what editing e.g. nn/norms.py does
     run(opts(tmp_path / "a"), reg)
     assert calls["fake-0"] == 2
     monkeypatch.setattr(torch, "__version__", "0.0.1")  # another torch: the header would misattribute old results
     run(opts(tmp_path / "a"), reg)
     assert calls["fake-0"] == 3
     run(opts(tmp_path / "b"), reg)  # a shard made with the edited library does not merge with one made before it
-    monkeypatch.setattr(runner, "package_digest", lambda: digest)
+    monkeypatch.setattr(cache, "package_digest", lambda: digest)
     run(opts(tmp_path / "c"), reg)
     with pytest.raises(MergeConflictError, match="code"):
         merge([tmp_path / "b", tmp_path / "c"], tmp_path / "m")
@@ -621,15 +622,15 @@ def test_the_unedited_record_is_a_cache_hit_so_the_shape_checks_accept_real_reco
     run(opts(tmp_path, jobs=1), reg)
     rec_file = next((tmp_path / "runs").glob("fake-0-*/result.json"))
     record = json.loads(rec_file.read_text())
-    assert runner.valid_record(record, name="fake-0", key=record["key"])
-    assert not runner.valid_record(record, name="fake-0", key="other")
+    assert cache.valid_record(record, name="fake-0", key=record["key"])
+    assert not cache.valid_record(record, name="fake-0", key="other")
 
 
 # ------------------------------------------------------------------------------------------ one run per --out
 def test_a_second_run_on_a_locked_out_is_refused_with_a_message(tmp_path, fake_cli, capsys):
     from addnorm.cli import main
 
-    with runner.out_lock(tmp_path):  # what a run in progress holds
+    with outdir.out_lock(tmp_path):  # what a run in progress holds
         assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert "in use by another `addnorm lab` run" in err and f"pid {os.getpid()}" in err
