@@ -27,7 +27,9 @@ TASKS_DIR = "tasks"  # under OUT/runs/: finished ctx.map tasks of unfinished exp
 
 
 # Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
-_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/docs.py"})
+_PRESENTATION_FILES = frozenset(
+    {"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/formatting.py", "lab/docs.py"}
+)
 
 
 @functools.lru_cache(maxsize=1)
