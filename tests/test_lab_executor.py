@@ -20,8 +20,9 @@ import torch
 
 from addnorm.lab import runner
 from addnorm.lab.core import Context, Experiment, Result, verdict_from
-from addnorm.lab.executor import Cancelled, Executor, TaskCache, run_task
+from addnorm.lab.executor import Cancelled, Executor
 from addnorm.lab.runner import RunOptions, run
+from addnorm.lab.tasks import TaskCache, run_task
 
 
 # --------------------------------------------------------------------- task functions (module level: picklable)
@@ -363,7 +364,7 @@ def test_progress_bar_never_shows_a_verdict(tmp_path, capsys):
 
 
 def test_progress_postfix_names_running_experiments_and_task_counts():
-    p = runner._Progress(False, total=3)
+    p = runner.Progress(False, total=3)
     p.start("a")
     p.message("a", "seed 1")
     p.start("b")

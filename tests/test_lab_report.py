@@ -11,15 +11,8 @@ import pytest
 
 from addnorm.lab.core import Context, Experiment, Result
 from addnorm.lab.docs import MACHINE_NOTE, render_results_doc
-from addnorm.lab.report import (
-    by_kind,
-    per_seed_table,
-    render_html,
-    render_markdown,
-    results_document,
-    terminal_table,
-    timing_text,
-)
+from addnorm.lab.formatting import by_kind, per_seed_table, timing_text
+from addnorm.lab.report import render_html, render_markdown, results_document, terminal_table
 from addnorm.lab.runner import RunOptions, run
 
 

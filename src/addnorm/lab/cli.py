@@ -197,8 +197,8 @@ def _lab(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from addnorm.lab.merge import merge
     from addnorm.lab.report import load_results
-    from addnorm.lab.runner import merge
 
     try:
         merge([Path(d) for d in args.dirs], Path(args.out))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from addnorm.lab.report import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, md_table, per_seed_table
+from addnorm.lab.formatting import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, per_seed_table
+from addnorm.lab.report import md_table
 
 MACHINE_NOTE = (
     "Each machine repeats its own numbers exactly (same code, seed and torch version), but high-LR training runs "

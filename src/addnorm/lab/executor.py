@@ -24,35 +24,27 @@ Worker processes are started with forkserver or spawn, which import the main mod
 the runner with ``jobs > 1`` needs the usual ``if __name__ == "__main__":`` guard (``addnorm lab`` and
 ``python -m addnorm`` have it). Workers end when the lab's process dies, however it dies.
 
-Task cache: ``DIR/<hash>.json`` per finished task (written atomically, as soon as it finishes), keyed by the task
-function's module and qualname, its keyword arguments and a *salt* the caller gives (the runner passes the
-experiment's cache key, which covers the code version, sizes, seed and device). A file that is unreadable or of
-the wrong shape is a cache miss.
+How one task runs (its globals, its JSON result, a worker's start) and its cache file: tasks.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import hashlib
+import dataclasses
 import json
 import multiprocessing
 import os
 import pickle
-import random
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from addnorm.io import atomic_write_text, json_default
+from addnorm.lab.tasks import TaskCache, init_worker, restore_globals, run_task, save_globals, task_name
+from addnorm.train.distributed import DistInfo, current
 
 # How many tasks per worker a torchrun round hands out before the ranks gather (and rank 0 caches) the results:
 # small enough that a killed run keeps most finished tasks, large enough that ranks rarely wait on each other.
@@ -72,10 +64,6 @@ def default_jobs() -> int:
     return max(1, cpus // max(1, local_world))
 
 
-def task_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
 class TaskError(RuntimeError):
     """A task raised on a torchrun rank (the message carries its error and traceback)."""
 
@@ -85,88 +73,7 @@ class Cancelled(BaseException):
     so an experiment's ``except Exception`` does not record it as the experiment's own failure."""
 
 
-# ------------------------------------------------------------------------------------ running one task
-_SEED = 0
-
-
-@contextlib.contextmanager
-def _isolated_globals():
-    """What a fresh worker process has, for a task run here too: one torch thread, global RNGs seeded to 0, the
-    float32 default dtype, gradients on; the caller's threads, RNG states and dtype afterwards.
-
-    A task should seed its own generators; this makes one that forgets deterministic anyway, and the same in a
-    worker as here (where it must not change what the driver draws next, nor see the driver's no_grad)."""
-    np = sys.modules.get("numpy")
-    saved = _save_globals()
-    threads = torch.get_num_threads()
-    try:
-        if threads != 1:
-            torch.set_num_threads(1)
-        torch.manual_seed(_SEED)
-        random.seed(_SEED)
-        if np is not None:
-            np.random.seed(_SEED)
-        torch.set_default_dtype(torch.float32)
-        with torch.inference_mode(False), torch.enable_grad():
-            yield
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        _restore_globals(saved)
-
-
-def _save_globals() -> tuple:
-    np = sys.modules.get("numpy")
-    return (
-        torch.random.get_rng_state(),
-        random.getstate(),
-        np.random.get_state() if np is not None else None,
-        torch.get_default_dtype(),
-    )
-
-
-def _restore_globals(saved: tuple) -> None:
-    torch_state, py_state, np_state, dtype = saved
-    torch.random.set_rng_state(torch_state)
-    random.setstate(py_state)
-    if np_state is not None:
-        sys.modules["numpy"].random.set_state(np_state)
-    torch.set_default_dtype(dtype)
-
-
-def run_task(fn: Callable[..., Any], task: dict[str, Any]) -> str:
-    """``fn(**task)`` under :func:`_isolated_globals`, as JSON text (non-finite floats allowed)."""
-    with _isolated_globals():
-        result = fn(**task)
-    try:
-        return json.dumps(result, allow_nan=True, default=json_default)
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"task {task_name(fn)} returned data that is not JSON-serializable ({err}); ctx.map tasks "
-            "must return dicts, lists, numbers, strings or None"
-        ) from None
-
-
-def _init_worker(lifeline: Any) -> None:
-    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool); a worker must not print a
-    # KeyboardInterrupt traceback for every task it was running.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):  # already set (a reused process): harmless
-        torch.set_num_interop_threads(1)
-    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True, name="addnorm-lab-lifeline").start()
-
-
-def _exit_with_parent(lifeline: Any) -> None:
-    """End this worker when the lab's process is gone (SIGKILL, os._exit, out of memory): its end of the pipe
-    closes with it. An orphaned worker would wait for tasks forever, holding the terminal's pipes open (and a
-    pid check is fooled by the parent's zombie until someone reaps it)."""
-    with contextlib.suppress(EOFError, OSError):
-        while True:
-            lifeline.recv()
-    os._exit(1)
-
-
+# ------------------------------------------------------------------------------------ handing out tasks
 def _noop() -> None:
     """What :meth:`Executor.warm_up` submits: starting a worker is the point."""
 
@@ -182,110 +89,21 @@ def _check_picklable(fn: Callable[..., Any], task: dict[str, Any]) -> None:
         ) from None
 
 
-# ------------------------------------------------------------------------------------------- task cache
-def _key_default(obj: Any) -> Any:
-    if isinstance(obj, (torch.device, torch.dtype)):
-        return str(obj)
-    return json_default(obj)
-
-
-class TaskCache:
-    """Finished tasks' results, one JSON file each under ``directory`` (None: no cache). With ``read=False``
-    (``--fresh``) finished tasks are stored but none is reused."""
-
-    def __init__(self, directory: Path | None, *, read: bool = True) -> None:
-        self.directory = None if directory is None else Path(directory)
-        self.read = read
-
-    def key(self, salt: str, fn: Callable[..., Any], task: dict[str, Any]) -> str:
-        try:
-            blob = json.dumps({"fn": task_name(fn), "task": task, "salt": salt}, sort_keys=True, default=_key_default)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"ctx.map task arguments of {task_name(fn)} must be JSON-like values (numbers, strings, "
-                f"lists, dicts) so a finished task can be found again: {err}"
-            ) from None
-        return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-    def path(self, key: str) -> Path | None:
-        return None if self.directory is None else self.directory / f"{key}.json"
-
-    def load(self, key: str) -> tuple[bool, Any]:
-        """(True, result) for a readable record of ``key``; (False, None) for anything else."""
-        path = self.path(key)
-        if path is None or not self.read:
-            return False, None
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return False, None
-        if not isinstance(record, dict) or record.get("key") != key or "result" not in record:
-            return False, None
-        return True, record["result"]
-
-    def store(self, key: str, fn: Callable[..., Any], text: str) -> None:
-        path = self.path(key)
-        if path is not None:
-            atomic_write_text(path, f'{{"key": "{key}", "fn": {json.dumps(task_name(fn))}, "result": {text}}}\n')
-
-
 # ------------------------------------------------------------------------------------------------ torchrun
-@dataclass(frozen=True)
-class Group:
-    """This process's place among torchrun ranks (rank 0 of 1 without torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.enabled:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self.initialized_here:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-def init_group() -> Group:
+def init_group() -> DistInfo:
     """Join the torchrun ranks (``WORLD_SIZE > 1`` in the environment) over gloo: the lab exchanges Python objects
     between CPU processes, whatever device its experiments use. A single process is rank 0 of 1."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
-        return Group()
+        return DistInfo()
     import torch.distributed as dist
 
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 (torchrun) but this torch build has no torch.distributed")
     if dist.is_initialized():
-        return Group(rank=dist.get_rank(), world_size=dist.get_world_size())
+        return current()
     dist.init_process_group(backend="gloo")
-    return Group(rank=dist.get_rank(), world_size=dist.get_world_size(), initialized_here=True)
+    return dataclasses.replace(current(), initialized_here=True)
 
 
 # ----------------------------------------------------------------------------------------------- executor
@@ -301,13 +119,13 @@ class Executor:
         *,
         cache_dir: Path | None = None,
         read_cache: bool = True,
-        group: Group | None = None,
+        group: DistInfo | None = None,
         on_tasks: Callable[[int, int], None] | None = None,
     ) -> None:
         if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
             raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
         self.jobs = jobs
-        self.group = group or Group()
+        self.group = group or DistInfo()
         # Only rank 0 touches the cache (module docstring).
         self.cache = TaskCache(cache_dir if self.group.is_main else None, read=read_cache)
         self._on_tasks = on_tasks
@@ -370,10 +188,10 @@ class Executor:
                 ctx = multiprocessing.get_context(method)
                 if method == "forkserver":  # import torch once in the server, not once per worker
                     ctx.set_forkserver_preload(["torch", "addnorm.lab.executor"])
-                # Only this process holds the write end: the workers see EOF when it dies (_exit_with_parent).
+                # Only this process holds the write end: the workers see EOF when it dies (tasks._exit_with_parent).
                 lifeline, self._lifeline = ctx.Pipe(duplex=False)
                 self._pool = cf.ProcessPoolExecutor(
-                    max_workers=self.jobs, mp_context=ctx, initializer=_init_worker, initargs=(lifeline,)
+                    max_workers=self.jobs, mp_context=ctx, initializer=init_worker, initargs=(lifeline,)
                 )
             return self._pool
 
@@ -546,7 +364,7 @@ class Executor:
         with self._cond:
             if self._holder != me:
                 return
-            self._saved_state[me] = _save_globals()
+            self._saved_state[me] = save_globals()
             self._holder = None
             self._cond.notify_all()
 
@@ -561,7 +379,7 @@ class Executor:
                 self._cond.wait()
             self._waiting_for_baton -= 1
             self._holder = me
-        _restore_globals(saved)
+        restore_globals(saved)
 
     def run_concurrently(
         self, calls: Sequence[Callable[[], Any]], on_done: Callable[[int, Any], None] = lambda i, r: None

@@ -2,18 +2,16 @@
 
 Layout of an output directory::
 
-    OUT/runs/<name>-<key>/result.json   one finished experiment (written atomically, last)
+    OUT/runs/<name>-<key>/result.json   one finished experiment (written atomically, last; see cache.py)
     OUT/runs/<name>-<key>/*.png         its figures
-    OUT/runs/tasks/<hash>.json          finished ctx.map tasks of an unfinished experiment (see executor.py)
+    OUT/runs/tasks/<hash>.json          finished ctx.map tasks of an unfinished experiment (see tasks.py)
     OUT/results.json, report.md, index.html   the report over the selected experiments (see report.py)
-    OUT/.lock                           held (flock) by the run that writes into OUT
+    OUT/.lock                           held (flock) by the run that writes into OUT (see outdir.py)
 
-``key`` hashes everything that can change a result: the experiment's name and config, quick, seed, device, the
-addnorm version, the library's sources, the source of the experiment's module and torch's version. A result is
-reused only when its key matches, it has the shape of a record (a verdict, metrics, figures, ...: anything else
-is a cache miss, recomputed) and its figures are still there. An experiment that raises is recorded as
-"inconclusive" with the error, and is not cached (so the next run retries it; its finished tasks are); Ctrl-C,
-KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what finished.
+A finished experiment is reused while its cache key matches (cache.py says what the key covers and which stored
+records count). An experiment that raises is recorded as "inconclusive" with the error, and is not cached (so the
+next run retries it; its finished tasks are); Ctrl-C, KeyboardInterrupt and SystemExit are not caught: the run
+stops, keeping what finished. The outputs of ``--shard`` runs are combined by merge.py.
 
 Experiments run through the executor (``--jobs``, torchrun; see executor.py): their tasks on worker processes or
 ranks, their drivers overlapped while they wait for tasks. The records, figures and report are the same for any
@@ -25,10 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import inspect
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -45,16 +40,14 @@ import torch
 # The writers live in addnorm.io (train's checkpoints use them too); re-exported here for existing callers.
 from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
 from addnorm.io import json_default as _json_default
-from addnorm.lab.core import EXPERIMENTS, KINDS, VERDICTS, Context, Experiment, Result
-from addnorm.lab.executor import Executor, Group, default_jobs, init_group
-from addnorm.lab.report import read_results
+from addnorm.lab import cache
+from addnorm.lab.core import EXPERIMENTS, Context, Experiment, Result
+from addnorm.lab.executor import Executor, default_jobs, init_group
+from addnorm.lab.outdir import out_lock, prepare_out_dir
+from addnorm.train.distributed import DistInfo
 
-RECORD_FILE = "result.json"
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
 SEED_LIMIT = 2**32
-RESULTS_FILE = "results.json"
-LOCK_FILE = ".lock"
-TASKS_DIR = "tasks"  # under OUT/runs/
 
 
 # ----------------------------------------------------------------------------------------------- small utilities
@@ -68,19 +61,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     if n < 1 or not 1 <= k <= n:
         raise ValueError(f"shard K/N needs 1 <= K <= N, got {text!r}")
     return k, n
-
-
-def prepare_out_dir(out: Path, flag: str = "--out") -> Path:
-    """Create the output directory ``out`` (and its parents); a ValueError naming ``flag`` when it is a file or
-    cannot be created, before anything runs."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} {str(out)!r} is a file, not a directory: give a directory path")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a parent is a file, no permission, read-only file system, ...
-        raise ValueError(f"{flag} {str(out)!r}: cannot create the directory ({err.strerror or err})") from None
-    return out
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -132,136 +112,6 @@ def select(
             raise ValueError(f"shard K/N needs 1 <= K <= N, got {k}/{n}")
         indexed = [(i, e) for i, e in indexed if i % n == k - 1]
     return indexed
-
-
-# ----------------------------------------------------------------------------------------------------- cache
-# Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
-_PRESENTATION_FILES = frozenset({"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/docs.py"})
-
-
-@functools.lru_cache(maxsize=1)
-def package_digest() -> str:
-    """A hash of every addnorm source file that can change a result: the experiments run the library (models,
-    norms, kernels, training loop), so a fix anywhere in it must invalidate cached verdicts, not only a change in
-    the experiment's own module. Computed once per process."""
-    import addnorm
-
-    root = Path(addnorm.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel not in _PRESENTATION_FILES:
-            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:12]
-
-
-def code_version(exp: Experiment) -> str:
-    """addnorm's version, a hash of the library's sources (:func:`package_digest`) and a hash of the source of the
-    module that defines the experiment (which may live outside the package)."""
-    import addnorm
-
-    try:  # the whole file, read by path: the same key whether the module ran as __main__ or was imported
-        source = Path(inspect.getfile(exp.run)).read_bytes()
-    except (OSError, TypeError):
-        source = exp.run.__qualname__.encode()  # no source file (e.g. defined in a REPL): fall back to the name
-    digest = hashlib.sha256(source).hexdigest()[:12]
-    return f"{addnorm.__version__}+{package_digest()}+{digest}"
-
-
-def cache_key(exp: Experiment, *, quick: bool, seed: int, device: torch.device) -> str:
-    payload = {
-        "name": exp.name,
-        "config": exp.config,
-        "quick": bool(quick),
-        "seed": int(seed),
-        "device": str(device),
-        "code": code_version(exp),
-        # the report's header names this torch: results computed under another one must not be shown under it
-        "torch": torch.__version__,
-    }
-    blob = json.dumps(payload, sort_keys=True, default=_json_default)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def run_dir(out: Path, exp_name: str, key: str) -> Path:
-    return Path(out) / "runs" / f"{exp_name}-{key}"
-
-
-def load_cached(out: Path, exp: Experiment, key: str) -> dict | None:
-    """The stored record for ``key`` if it is complete and well formed (:func:`valid_record`) and every figure is
-    present, else None (recomputed). Never raises for what is in the file."""
-    d = run_dir(out, exp.name, key)
-    try:
-        record = json.loads((d / RECORD_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not valid_record(record, name=exp.name, key=key):
-        return None
-    if any(not (Path(out) / f).is_file() for f in record["figures"]):
-        return None
-    return record
-
-
-_OPTIONAL_TEXT = ("claim", "source", "criterion", "summary", "reason", "precondition")
-
-
-def valid_record(record: Any, *, name: str, key: str) -> bool:
-    """Whether ``record`` has the shape run_one writes: a hand-edited or foreign file of valid JSON but the wrong
-    shape (``[]``, ``null``, ``verdict: 42``, ``figures: [null]``, ...) must be a cache miss, not a traceback or a
-    made-up verdict in the report."""
-    if not isinstance(record, dict) or record.get("key") != key or record.get("name") != name:
-        return False
-    if record.get("verdict") not in VERDICTS or "error" in record:  # failures are never cached
-        return False
-    if not isinstance(record.get("metrics"), dict) or not isinstance(record.get("timings", {}), dict):
-        return False
-    if record.get("kind", "empirical") not in KINDS:
-        return False
-    if any(not isinstance(record.get(f, ""), str) for f in _OPTIONAL_TEXT):
-        return False
-    seconds = record.get("seconds", 0.0)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        return False
-    figures = record.get("figures")
-    if not isinstance(figures, list):
-        return False
-    prefix = ("runs", f"{name}-{key}")
-    for f in figures:  # a figure is embedded into the page: it must be this run's own file, nothing outside
-        if not isinstance(f, str) or "\\" in f:
-            return False
-        parts = Path(f).parts
-        if len(parts) < 3 or parts[:2] != prefix or ".." in parts or Path(f).is_absolute():
-            return False
-    return True
-
-
-# ------------------------------------------------------------------------------------------------------ lock
-@contextlib.contextmanager
-def out_lock(out: Path, flag: str = "--out"):
-    """Hold ``OUT/.lock`` for the run, so two ``addnorm lab`` runs never write into one folder at once (the second
-    deleted the first's figures mid-run). The second gets a ValueError naming the holder. The lock is an flock:
-    the kernel releases it when its process dies, so a killed run leaves no stale lock behind."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock (documented)
-        yield
-        return
-    path = Path(out) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-            raise ValueError(
-                f"{flag} {str(out)!r} is in use by another `addnorm lab` run ({holder}); wait for it "
-                "to finish, or give another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -332,8 +182,8 @@ def run_one(
 ) -> dict:
     """Run ``exp`` and store its record (atomically) unless it raised. Returns the record. ``mapper`` runs its
     ``ctx.map`` tasks (the executor's; serial in this process when None)."""
-    key = cache_key(exp, quick=quick, seed=seed, device=device)
-    d = run_dir(out, exp.name, key)
+    key = cache.cache_key(exp, quick=quick, seed=seed, device=device)
+    d = cache.run_dir(out, exp.name, key)
     if d.exists():  # stale figures from a killed or failed attempt must not leak into this one
         shutil.rmtree(d)
     record = _base_record(exp, index, key)
@@ -373,7 +223,7 @@ def run_one(
         timings=result.timings,
         seconds=round(time.perf_counter() - start, 3),
     )
-    atomic_write_json(d / RECORD_FILE, record)  # last: its presence means "complete"
+    atomic_write_json(d / cache.RECORD_FILE, record)  # last: its presence means "complete"
     return dict(record, cached=False)
 
 
@@ -398,7 +248,7 @@ def run_meta(options: RunOptions, device: torch.device, *, jobs: int = 1, world_
 
     return {
         "addnorm": addnorm.__version__,
-        "code": package_digest(),  # which sources produced the results (merge refuses to mix two)
+        "code": cache.package_digest(),  # which sources produced the results (merge refuses to mix two)
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -447,7 +297,7 @@ def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> R
         group.close()
 
 
-class _Progress:
+class Progress:
     """The tqdm bar: experiments done out of selected; the postfix names the running experiments with their last
     progress message, and counts tasks. It never shows a finished experiment's verdict (next to another one's
     name, it read as that one's): verdicts are in the table at the end."""
@@ -499,7 +349,7 @@ class _Progress:
             self.bar.close()
 
 
-def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor, key: str, **run_kw: Any) -> dict:
+def _drive(exp: Experiment, index: int, progress: Progress, executor: Executor, key: str, **run_kw: Any) -> dict:
     progress.start(exp.name)
     return run_one(
         exp, index=index, progress=functools.partial(progress.message, exp.name), mapper=executor.mapper(key), **run_kw
@@ -507,31 +357,31 @@ def _drive(exp: Experiment, index: int, progress: _Progress, executor: Executor,
 
 
 def _run_selected(
-    options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path, group: Group
+    options: RunOptions, chosen: list[tuple[int, Experiment]], device: torch.device, out: Path, group: DistInfo
 ) -> RunSummary:
     from addnorm.lab.report import write_report
 
     jobs = options.jobs or default_jobs()
     summary = RunSummary(records=[], meta=run_meta(options, device, jobs=jobs, world_size=group.world_size))
     start = time.perf_counter()
-    keys = {exp.name: cache_key(exp, quick=options.quick, seed=options.seed, device=device) for _, exp in chosen}
+    keys = {exp.name: cache.cache_key(exp, quick=options.quick, seed=options.seed, device=device) for _, exp in chosen}
     cached: dict[str, dict] = {}
     if group.is_main and not options.fresh:
         for index, exp in chosen:
-            record = load_cached(out, exp, keys[exp.name])
+            record = cache.load_cached(out, exp, keys[exp.name])
             if record is not None:
                 cached[exp.name] = dict(record, index=index, cached=True)
     cached = group.broadcast(cached)  # all ranks skip the same experiments (their collectives stay in step)
     todo = [(index, exp) for index, exp in chosen if exp.name not in cached]
     records = {index: cached[exp.name] for index, exp in chosen if exp.name in cached}
 
-    progress = _Progress(options.progress and group.is_main, total=len(chosen))
+    progress = Progress(options.progress and group.is_main, total=len(chosen))
     progress.finish(n=len(cached))
     run_kw = dict(out=out, quick=options.quick, seed=options.seed, device=device)
     try:
         with Executor(
             jobs,
-            cache_dir=out / "runs" / TASKS_DIR,
+            cache_dir=out / "runs" / cache.TASKS_DIR,
             read_cache=not options.fresh,
             group=group,
             on_tasks=progress.count_tasks,
@@ -563,92 +413,3 @@ def _run_selected(
     if group.is_main:
         write_report(out, summary.records, summary.meta)
     return summary
-
-
-# ----------------------------------------------------------------------------------------------------- merge
-class MergeConflictError(ValueError):
-    """Two shard directories hold different results for the same experiment."""
-
-
-_META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code")
-# What determines a result: the same key (code, config, sizes, seed, device, torch) must give the same verdict,
-# reason and metrics. Not timings or seconds: wall-clock values differ on every run (core.py's Result.timings).
-_RESULT_FIELDS = ("verdict", "reason", "metrics", "key")
-
-
-def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
-    """Combine shard output directories into one report in ``out``.
-
-    Records are matched by experiment name; the same name in two directories must carry the same key, verdict,
-    reason and metrics (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with different
-    quick/seed/device/version settings do not merge either. Figures are copied into ``out``, which is locked
-    (:func:`out_lock`) while merge writes.
-    """
-    if not dirs:
-        raise ValueError("merge needs at least one directory")
-    out = Path(out)
-    by_name: dict[str, dict] = {}
-    origin: dict[str, Path] = {}
-    meta: dict[str, Any] | None = None
-    for d in map(Path, dirs):
-        path = d / RESULTS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{d} has no {RESULTS_FILE}: is it an `addnorm lab` output directory?")
-        data = read_results(path)
-        m = data.get("meta", {})
-        if meta is None:
-            meta = dict(m)
-        else:
-            for k in _META_MUST_AGREE:
-                if m.get(k) != meta.get(k):
-                    raise MergeConflictError(f"{d} was run with {k}={m.get(k)!r} but {dirs[0]} with {meta.get(k)!r}")
-        for rec in data.get("experiments", []):
-            name = rec["name"]
-            if name in by_name:
-                prev = by_name[name]
-                diff = [f for f in _RESULT_FIELDS if prev.get(f) != rec.get(f)]
-                if diff:
-                    raise MergeConflictError(
-                        f"experiment {name!r} differs between {origin[name]} and {d} in {', '.join(diff)}"
-                    )
-                continue
-            by_name[name] = rec
-            origin[name] = d
-    prepare_out_dir(out)
-    with out_lock(out):
-        return _write_merged(out, dirs, by_name, origin, meta)
-
-
-def _write_merged(
-    out: Path, dirs: Sequence[Path], by_name: dict[str, dict], origin: dict[str, Path], meta: dict[str, Any] | None
-) -> RunSummary:
-    from addnorm.lab.report import write_report
-
-    for name, rec in by_name.items():
-        for fig in rec.get("figures", []):
-            src, dst = origin[name] / fig, out / fig
-            if not src.is_file():
-                raise FileNotFoundError(f"figure {fig} of {name!r} is missing from {origin[name]}")
-            if src.resolve() != dst.resolve():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dst)
-        # keep the cache usable from the merged directory too
-        if "error" not in rec and rec.get("key"):
-            src_rec = origin[name] / "runs" / f"{name}-{rec['key']}" / RECORD_FILE
-            dst_rec = out / "runs" / f"{name}-{rec['key']}" / RECORD_FILE
-            if src_rec.is_file() and src_rec.resolve() != dst_rec.resolve():
-                dst_rec.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src_rec, dst_rec)
-    records = sorted(by_name.values(), key=lambda r: (r.get("index", 1 << 30), r["name"]))
-    meta = dict(
-        meta or {},
-        shard=None,
-        seconds=None,
-        merged_from=[str(d) for d in dirs],
-        cached=None,
-        computed_seconds=round(
-            sum(r.get("seconds") or 0.0 for r in records if isinstance(r.get("seconds"), (int, float))), 1
-        ),
-    )
-    write_report(out, records, meta)
-    return RunSummary(records=records, meta=meta)

@@ -9,8 +9,10 @@ the order of floating-point reductions. gloo on CPU, NCCL on GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +22,14 @@ __all__ = ["DistInfo", "current", "init_from_env", "local_slice", "mean_across_r
 
 @dataclass(kw_only=True, frozen=True)
 class DistInfo:
+    """This process's place among torchrun ranks (rank 0 of 1 without torchrun): the record training and the lab's
+    executor (addnorm.lab.executor) both pass around."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # This record's maker joined the process group (init_process_group): close() leaves it again.
+    initialized_here: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -31,6 +38,25 @@ class DistInfo:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.initialized_here:
+            dist.destroy_process_group()
 
 
 def current() -> DistInfo:
@@ -59,7 +85,7 @@ def init_from_env(device: str | torch.device | None = None) -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return current()
+    return dataclasses.replace(current(), initialized_here=True)
 
 
 def local_slice(batch_size: int, info: DistInfo) -> slice:
