@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from addnorm.lab.core import EXPERIMENTS, Context, serial_map
-from addnorm.lab.experiments import _training_common as C
 from addnorm.lab.experiments import training as T
 from addnorm.lab.experiments import training_norms as N
+from addnorm.lab.experiments import training_setup as C
 
 NAMES = ("warmup", "depth-sweep", "lr-sensitivity", "z-loss", "placement-comparison", "ln-vs-rms-training")
 

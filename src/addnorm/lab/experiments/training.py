@@ -1,5 +1,5 @@
 """Training experiments (1/2): warmup, depth, learning-rate sensitivity. z-loss, placements and LayerNorm vs
-RMSNorm are in :mod:`training_norms`; the shared task, model and helpers in :mod:`_training_common`.
+RMSNorm are in :mod:`training_norms`; the shared task, model and helpers in :mod:`training_setup`.
 
 Every run trains a tiny decoder-only Transformer (``addnorm.nn.TransformerLM``, d = 32, 2 heads, T = 32, B = 8,
 Xavier init) on the synthetic Markov language of :mod:`addnorm.train.data` (vocabulary 32, 3 successors per
@@ -31,24 +31,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-
-# The lab's model and language, where the batched-training benchmark and tests import them from
-from addnorm.lab.experiments._training_common import (  # noqa: F401
+from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
-    curve_steps,
+    Verdict,
+    control,
     finite,
     fmt_seeds,
-    language,
-    model_config,
+    grid_tasks,
+    majority,
     nan,
+    plot_curves,
     pyplot,
     save,
     seed_list,
-    seeds_needed,
+    seed_values,
     settings,
     train_task,
 )
+
+# The lab's model and language, where the batched-training benchmark and tests import them from
+from addnorm.lab.experiments.training_setup import language as language
+from addnorm.lab.experiments.training_setup import model_config as model_config
 
 # The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
 # 0.25 / 6 nats to a sensitivity score (issue 13: after 100 steps it added ~1 nat, two thirds of the score).
@@ -100,28 +104,6 @@ def _register(name: str, *, claim: str, source: str, config: dict):
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-Verdict = tuple[bool | None, dict, str]  # (passed or None, details for the metrics, reason when None)
-
-
-def _majority(per_seed: Sequence[bool | None], what: str) -> Verdict:
-    """Reproduced iff at least :func:`seeds_needed` seeds pass; inconclusive when too few seeds could decide."""
-    n = len(per_seed)
-    need = seeds_needed(n)
-    decided = [p for p in per_seed if p is not None]
-    wins = sum(1 for p in decided if p)
-    details = {"seeds_agreeing": f"{wins}/{n}", "seeds_needed": need}
-    if n == 0 or len(decided) < need:
-        return None, details, f"only {len(decided)} of {n} seeds gave finite numbers for {what}"
-    return wins >= need, details, ""
-
-
-def _control(holds: Sequence[bool], reason: str) -> str:
-    """'' when the control holds at a strict majority of the seeds, else the reason (with the count)."""
-    n = len(holds)
-    ok = sum(1 for h in holds if h)
-    return "" if n and ok >= seeds_needed(n) else f"{reason} (held at {ok} of {n} seeds)"
-
-
 def warmup_verdict(
     excess: dict[str, dict[int, Sequence[float]]], steps_at_peak: dict[str, dict[int, Sequence[int]]], steps: int
 ) -> Verdict:
@@ -139,7 +121,7 @@ def warmup_verdict(
                     ),
                 )
     n = len(excess["pre"][0])
-    reason = _control(
+    reason = control(
         [finite(v) and v < TRAINED_EXCESS for v in excess["pre"][0]],
         f"Pre-LN without warmup did not train (excess >= {TRAINED_EXCESS} nats): the LR is too high for any placement",
     )
@@ -155,7 +137,7 @@ def warmup_verdict(
     per_seed = [
         None if gp is None or gq is None else (gp > 0.05 and gq < gp / 2) for gp, gq in zip(gaps["post"], gaps["pre"])
     ]
-    passed, details, reason = _majority(per_seed, "the warmup gaps")
+    passed, details, reason = majority(per_seed, "the warmup gaps")
     return passed, {"gap_post": gaps["post"], "gap_pre": gaps["pre"], **details}, reason
 
 
@@ -167,7 +149,7 @@ def depth_verdict(
     if len(depths) < 2:
         return None, {}, "the sweep needs at least two depths"
     lo, hi = depths[0], depths[-1]
-    reason = _control(
+    reason = control(
         [finite(v) and v < TRAINED_EXCESS for v in excess["post"][lo]],
         f"Post-LN at L={lo} did not train (excess >= {TRAINED_EXCESS} nats)",
     )
@@ -184,7 +166,7 @@ def depth_verdict(
         dp, dd = degrade["post"][s], degrade["deepnorm"][s]
         deep_ok = not any(diverged["deepnorm"][L][s] for L in diverged["deepnorm"])
         per_seed.append(None if dp is None or dd is None else (dp > 0.1 and dd < dp / 2 and deep_ok))
-    passed, details, reason = _majority(per_seed, "the depth degradation")
+    passed, details, reason = majority(per_seed, "the depth degradation")
     return passed, {"degrade_post": degrade["post"], "degrade_deepnorm": degrade["deepnorm"], **details}, reason
 
 
@@ -211,46 +193,16 @@ def lr_verdict(
         all(finite(lowest_lr_excess[v][s]) and lowest_lr_excess[v][s] < CONVERGED_EXCESS for v in ("pre", "pre+qk"))
         for s in range(n)
     ]
-    reason = _control(converged, f"the lowest LR did not converge (excess >= {CONVERGED_EXCESS} nats)")
+    reason = control(converged, f"the lowest LR did not converge (excess >= {CONVERGED_EXCESS} nats)")
     if reason:
         return None, {}, reason
     per_seed = [
         None if not (finite(p) and finite(q) and finite(g)) else (q < p and g > 2.0)
         for p, q, g in zip(sens["pre"], sens["pre+qk"], logit_growth)
     ]
-    passed, details, reason = _majority(per_seed, "the sensitivities and logits")
+    passed, details, reason = majority(per_seed, "the sensitivities and logits")
     wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if finite(p) and finite(q) and q < p)
     return passed, {"qk_lower_at_seeds": f"{wins}/{n}", **details}, reason
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def _grid_tasks(ctx: Context, arms: dict[str, dict], seeds: list[int], train: dict, **task_kw) -> tuple[list, list]:
-    """One task per (arm, seed): ``arms[label]`` = (model overrides, TrainConfig overrides)."""
-    keys, tasks = [], []
-    for label, (model, extra) in arms.items():
-        for s in seeds:
-            keys.append((label, s))
-            tasks.append({"model": model, "train": {**train, **extra, "seed": s}, "lang_seed": ctx.seed, **task_kw})
-    return keys, tasks
-
-
-def _per_seed(runs: dict, label, seeds: list[int], key: str) -> list:
-    return [runs[(label, s)][key] for s in seeds]
-
-
-def _plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int, names=None) -> None:
-    """One line per seed (line style), one colour per arm."""
-    for i, label in enumerate(labels):
-        for k, s in enumerate(seeds):
-            curve = runs[(label, s)]["loss_curve"]
-            ax.plot(
-                curve_steps(curve, steps),
-                [nan(v) for v in curve],
-                SEED_STYLES[k % len(SEED_STYLES)],
-                color=f"C{i}",
-                lw=1,
-                label=(names or {}).get(label, str(label)) if k == 0 else None,
-            )
 
 
 # ------------------------------------------------------------------------------------------------ experiments
@@ -279,17 +231,17 @@ def warmup_experiment(ctx: Context) -> Result:
     seeds = seed_list(ctx, s["seeds"])
     arms = {(p, w): ({"placement": p, "n_layers": layers}, {"warmup": w}) for p in ("post", "pre") for w in warmups}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "schedule": s["schedule"]})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "schedule": s["schedule"]})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    ex = {p: {w: _per_seed(runs, (p, w), seeds, "excess") for w in warmups} for p in ("post", "pre")}
-    at_peak = {p: {w: _per_seed(runs, (p, w), seeds, "steps_at_peak_lr") for w in warmups} for p in ("post", "pre")}
+    ex = {p: {w: seed_values(runs, (p, w), seeds, "excess") for w in warmups} for p in ("post", "pre")}
+    at_peak = {p: {w: seed_values(runs, (p, w), seeds, "steps_at_peak_lr") for w in warmups} for p in ("post", "pre")}
     passed, extra, reason = warmup_verdict(ex, at_peak, steps)
     figures = []
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
         for ax, p in zip(axes, ("post", "pre")):
-            _plot_curves(ax, runs, [(p, w) for w in warmups], seeds, steps, {(p, w): f"warmup {w}" for w in warmups})
+            plot_curves(ax, runs, [(p, w) for w in warmups], seeds, steps, {(p, w): f"warmup {w}" for w in warmups})
             ax.set_title(f"{p.capitalize()}-LN, {layers} layers, Adam lr {lr:g}", fontsize=9)
             ax.set_xlabel("step (line style: seed)")
             ax.legend(fontsize=8)
@@ -306,7 +258,7 @@ def warmup_experiment(ctx: Context) -> Result:
         "per_seed": per_seed,
         "steps_at_peak_lr": {f"{p} w={w}": at_peak[p][w] for p in at_peak for w in warmups},
         "diverged": {
-            f"{p} w={w}": _per_seed(runs, (p, w), seeds, "diverged") for p in ("post", "pre") for w in warmups
+            f"{p} w={w}": seed_values(runs, (p, w), seeds, "diverged") for p in ("post", "pre") for w in warmups
         },
         "setup": "Xiong et al. 2020 Fig. 2 (6-layer Post-/Pre-LN, Adam, warmup) at d = 32: lr 4e-3, warmup 0 vs "
         f"{max(warmups)} of {steps} steps, constant LR after warmup, {len(seeds)} seeds",
@@ -343,10 +295,10 @@ def depth_sweep(ctx: Context) -> Result:
     placements = ("post", "deepnorm")
     arms = {(p, n): ({"placement": p, "n_layers": n}, {}) for p in placements for n in depths}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    ex = {p: {n: _per_seed(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
-    div = {p: {n: _per_seed(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
+    ex = {p: {n: seed_values(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
+    div = {p: {n: seed_values(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
     passed, extra, reason = depth_verdict(ex, div)
     figures = []
     plt = pyplot()
@@ -367,7 +319,7 @@ def depth_sweep(ctx: Context) -> Result:
         axes[0].set_xlabel("layers (line style: seed)")
         axes[0].set_ylabel("excess loss (nats)")
         axes[0].legend(fontsize=8)
-        _plot_curves(
+        plot_curves(
             axes[1],
             runs,
             [(p, max(depths)) for p in placements],
@@ -389,7 +341,7 @@ def depth_sweep(ctx: Context) -> Result:
         "per_seed": {f"{p} excess L={n}": ex[p][n] for p in placements for n in depths},
         "diverged": {f"{p} L={n}": div[p][n] for p in placements for n in depths},
         "max_grad_norm": {
-            f"{p} L={n}": _per_seed(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
+            f"{p} L={n}": seed_values(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
         },
         "setup": f"DeepNet (Wang et al. 2022) depth scaling at d = 32: L = {depths}, Adam lr {lr:g}, warmup "
         f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
@@ -447,7 +399,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
         for lr in grid
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, train)
+    keys, tasks = grid_tasks(ctx, arms, seeds, train)
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
     final = {v: {s_: [runs[((v, lr), s_)]["final_loss"] for lr in grid] for s_ in seeds} for v in variants}
     sens = {}

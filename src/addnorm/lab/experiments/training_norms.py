@@ -18,20 +18,24 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-from addnorm.lab.experiments._training_common import (
+from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
+    control,
     curve_steps,
     finite,
     fmt_seeds,
+    grid_tasks,
+    majority,
     nan,
+    plot_curves,
     pyplot,
     save,
     seed_list,
+    seed_values,
     settings,
     train_task,
 )
-from addnorm.lab.experiments.training import _control, _grid_tasks, _majority, _per_seed, _plot_curves
 
 PLACEMENTS = ("pre", "post", "sandwich", "mix", "dyt", "deepnorm")
 # log Z (the output log-partition, log sum exp of the logits) "drifts far negative" below this. At init it is about
@@ -115,7 +119,7 @@ def z_loss_verdict(
         return bool(div) or (finite(logz) and logz < LOGZ_FAR)
 
     without = [unstable(z, d) for z, d in zip(min_logz_without, diverged_without)]
-    reason = _control(
+    reason = control(
         without,
         f"without z-loss, log Z never fell below {LOGZ_FAR:g} nats and no run diverged: "
         "the instability z-loss fixes did not occur, so its fix cannot be seen",
@@ -123,7 +127,7 @@ def z_loss_verdict(
     if reason:
         return None, {"unstable_without": without}, reason
     per_seed = [u and not unstable(z, d) for u, z, d in zip(without, min_logz_with, diverged_with)]
-    passed, details, reason = _majority(per_seed, "log Z")
+    passed, details, reason = majority(per_seed, "log Z")
     return passed, {"unstable_without": without, **details}, reason
 
 
@@ -178,7 +182,7 @@ def ln_rms_verdict(
     excess_ln: Sequence[float], excess_rms: Sequence[float], ratio_cis: dict[str, Sequence[float]]
 ) -> tuple:
     """``excess_*``: per seed (paired); ``ratio_cis[pair]`` = (geomean, low, high) of RMS/LN time ratios."""
-    reason = _control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
+    reason = control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
     if not reason and not all(all(map(finite, ci)) for ci in ratio_cis.values()):
         reason = "a norm timing was not finite"
     if reason or not ratio_cis:
@@ -186,7 +190,7 @@ def ln_rms_verdict(
     parity_seed = []
     for a, b in zip(excess_ln, excess_rms):
         parity_seed.append(None if not (finite(a) and finite(b)) else abs(a - b) < max(0.05, 0.1 * abs(a)))
-    parity, details, reason = _majority(parity_seed, "the losses")
+    parity, details, reason = majority(parity_seed, "the losses")
     if parity is None:
         return None, details, reason
     speed = {
@@ -236,7 +240,7 @@ def z_loss_experiment(ctx: Context) -> Result:
     model = {"placement": "pre", "n_layers": s["layers"], "tie_embeddings": False, "bias": False}
     arms = {coef: (model, {"z_loss": coef}) for coef in (0.0, z)}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(
+    keys, tasks = grid_tasks(
         ctx,
         arms,
         seeds,
@@ -245,7 +249,7 @@ def z_loss_experiment(ctx: Context) -> Result:
     )
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
     col = {
-        c: {k: _per_seed(runs, c, seeds, k) for k in ("logz_min", "logz_late", "logz_init", "diverged", "excess")}
+        c: {k: seed_values(runs, c, seeds, k) for k in ("logz_min", "logz_late", "logz_init", "diverged", "excess")}
         for c in arms
     }
     passed, extra, reason = z_loss_verdict(
@@ -268,7 +272,7 @@ def z_loss_experiment(ctx: Context) -> Result:
                     color=f"C{i}",
                     label=names[c] if k == 0 else None,
                 )
-        _plot_curves(axes[1], runs, list(arms), seeds, steps, names)
+        plot_curves(axes[1], runs, list(arms), seeds, steps, names)
         axes[0].axhline(0, color="k", lw=0.5)
         axes[0].axhline(LOGZ_FAR, color="r", lw=0.5, ls="--", label=f"instability ({LOGZ_FAR:g})")
         axes[0].set_ylabel("mean output log Z")
@@ -366,7 +370,7 @@ def placement_comparison(ctx: Context) -> Result:
     model = {"n_layers": layers, "init_std": s["init_std"], "tie_embeddings": s["tie_embeddings"]}
     arms = {p: ({"placement": p, **model}, {}) for p in placements}
     ctx.progress(f"{len(arms) * len(seeds)} models at init")
-    keys, tasks = _grid_tasks(
+    keys, tasks = grid_tasks(
         ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True, "monitor_every": 1}, init_record=True
     )
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
@@ -503,12 +507,12 @@ def ln_vs_rms(ctx: Context) -> Result:
         norm: ({"placement": "pre", "norm": norm, "n_layers": s["layers"]}, {}) for norm in ("layernorm", "rmsnorm")
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps, then the norm timings")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
     times = ctx.map(
         norm_timing_task, [{"rows": s["rows"], "hidden": s["hidden"], "reps": s["reps"], "seed": ctx.seed}]
     )[0]
-    ex = {k: _per_seed(runs, k, seeds, "excess") for k in arms}
+    ex = {k: seed_values(runs, k, seeds, "excess") for k in arms}
     cis = {pair: ratio_ci(t["ln"], t["rms"]) for pair, t in times.items()}
     passed, extra, reason = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], cis)
     median_ms = {pair: {k: 1e3 * sorted(v)[len(v) // 2] for k, v in t.items()} for pair, t in times.items()}
@@ -516,7 +520,7 @@ def ln_vs_rms(ctx: Context) -> Result:
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        _plot_curves(axes[0], runs, list(arms), seeds, steps)
+        plot_curves(axes[0], runs, list(arms), seeds, steps)
         axes[0].set_xlabel("step (line style: seed)")
         axes[0].set_ylabel("train loss")
         axes[0].legend(fontsize=8)
