@@ -1,5 +1,6 @@
-"""Training experiments (1/2): warmup, depth, learning-rate sensitivity. z-loss, placements and LayerNorm vs
-RMSNorm are in :mod:`training_norms`; the shared task, model and helpers in :mod:`training_setup`.
+"""Training experiments (1/3): warmup, depth. Learning-rate sensitivity and z-loss are in :mod:`training_logits`,
+placements and LayerNorm vs RMSNorm in :mod:`training_norms`; the shared task, model and helpers in
+:mod:`training_setup`.
 
 Every run trains a tiny decoder-only Transformer (``addnorm.nn.TransformerLM``, d = 32, 2 heads, T = 32, B = 8,
 Xavier init) on the synthetic Markov language of :mod:`addnorm.train.data` (vocabulary 32, 3 successors per
@@ -54,10 +55,6 @@ from addnorm.lab.experiments.training_setup import (
 from addnorm.lab.experiments.training_setup import language as language
 from addnorm.lab.experiments.training_setup import model_config as model_config
 
-# The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
-# 0.25 / 6 nats to a sensitivity score (issue 13: after 100 steps it added ~1 nat, two thirds of the score).
-CONVERGED_EXCESS = 0.25
-
 CRITERIA = {
     "warmup": (
         "Per seed, gap(p) = excess loss with warmup 0 minus the best excess loss with a warmup. Reproduced iff "
@@ -69,12 +66,6 @@ CRITERIA = {
         "degrade(Post-LN) > 0.1 nats, degrade(DeepNorm) < degrade(Post-LN) / 2 and no DeepNorm run diverged, at a "
         "strict majority of the seeds (at least 2), paired by seed."
     ),
-    "lr-sensitivity": (
-        "Per seed, sensitivity = mean over the LR grid of [min(loss(lr), loss_0) - loss*], loss* the seed's best "
-        "final loss over the grid. Reproduced iff, at a strict majority of the seeds (at least 2), sensitivity("
-        "Pre-LN + QK-norm) < sensitivity(Pre-LN) and Pre-LN's max attention logit at the three highest LRs exceeds "
-        "2x its value at the lowest LR."
-    ),
 }
 PRECONDITIONS = {
     "warmup": (
@@ -84,10 +75,6 @@ PRECONDITIONS = {
     "depth-sweep": (
         f"Post-LN at the shallowest depth trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds: "
         "otherwise the LR is too high for Post-LN at any depth and depth cannot be what breaks it."
-    ),
-    "lr-sensitivity": (
-        f"The lowest LR of the grid converged (excess < {CONVERGED_EXCESS} nats, both variants) at a strict majority "
-        "of the seeds: otherwise the score measures convergence speed, not stability."
     ),
 }
 
@@ -168,41 +155,6 @@ def depth_verdict(
         per_seed.append(None if dp is None or dd is None else (dp > 0.1 and dd < dp / 2 and deep_ok))
     passed, details, reason = majority(per_seed, "the depth degradation")
     return passed, {"degrade_post": degrade["post"], "degrade_deepnorm": degrade["deepnorm"], **details}, reason
-
-
-def lr_sensitivity(final: Sequence[float | None], initial: Sequence[float | None]) -> float:
-    """Wortsman et al. 2023: mean over the grid of min(loss, loss_0) - loss*; a diverged run (non-finite loss)
-    counts as loss_0. loss_0 is the mean initial loss; loss* the best capped final loss."""
-    inits = [v for v in initial if finite(v)]
-    loss0 = sum(inits) / len(inits)
-    capped = [min(v, loss0) if finite(v) else loss0 for v in final]
-    best = min(capped)
-    return sum(c - best for c in capped) / len(capped)
-
-
-def lr_verdict(
-    sens: dict[str, Sequence[float]], lowest_lr_excess: dict[str, Sequence[float]], logit_growth: Sequence[float | None]
-) -> Verdict:
-    """Per seed (the same order everywhere): ``sens[v]`` the sensitivity of variant v ("pre", "pre+qk");
-    ``lowest_lr_excess[v]`` its excess loss at the lowest LR; ``logit_growth`` Pre-LN's max attention logit at
-    the three highest LRs over its value at the lowest LR (None where not recorded)."""
-    n = len(sens["pre"])
-    if n == 0 or len(sens["pre+qk"]) != n or len(logit_growth) != n:
-        return None, {}, "the variants' seeds are not paired"
-    converged = [
-        all(finite(lowest_lr_excess[v][s]) and lowest_lr_excess[v][s] < CONVERGED_EXCESS for v in ("pre", "pre+qk"))
-        for s in range(n)
-    ]
-    reason = control(converged, f"the lowest LR did not converge (excess >= {CONVERGED_EXCESS} nats)")
-    if reason:
-        return None, {}, reason
-    per_seed = [
-        None if not (finite(p) and finite(q) and finite(g)) else (q < p and g > 2.0)
-        for p, q, g in zip(sens["pre"], sens["pre+qk"], logit_growth)
-    ]
-    passed, details, reason = majority(per_seed, "the sensitivities and logits")
-    wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if finite(p) and finite(q) and q < p)
-    return passed, {"qk_lower_at_seeds": f"{wins}/{n}", **details}, reason
 
 
 # ------------------------------------------------------------------------------------------------ experiments
@@ -353,121 +305,5 @@ def depth_sweep(ctx: Context) -> Result:
         + "): "
         + "; ".join(f"{p} " + ", ".join(f"L={n} {fmt_seeds(ex[p][n])}" for n in depths) for p in placements)
         + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
-    )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
-
-
-@_register(
-    "lr-sensitivity",
-    claim="Without QK-layernorm the max attention logit grows with the learning rate; QK-layernorm lowers LR "
-    "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
-    source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
-    "arXiv:2309.14322 (section 3.1, Fig. 1)",
-    config={
-        "grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
-        "layers": 2,
-        "wd": 1e-4,
-        "z_loss": 1e-4,
-        "default": {"steps": 600, "seeds": 3},
-        "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]},
-    },
-)
-def lr_sensitivity_experiment(ctx: Context) -> Result:
-    """Wortsman et al. sweep the LR of small Pre-LN models with and without QK-layernorm (Fig. 1) with AdamW (0.9,
-    0.95), clip 1, warmup then cosine, independent weight decay 1e-4 and z-loss 1e-4, each run long enough to
-    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 600 steps with warmup 60. The grid
-    starts at 1e-3, not 3e-4: a run at 3e-4 does not converge in a CPU-sized run, and an unconverged low end adds
-    the same large amount to both variants' scores (issue 13). Run length: with 400 steps the control failed (lr
-    1e-3 ended at excess 0.167 / 0.355 / 0.360 for Pre-LN at seeds 0-2, above the 0.25 of "converged"), so the
-    runs were lengthened to 600 steps; the control and the criterion were not changed."""
-    s = settings(ctx)
-    steps, grid = s["steps"], list(s["grid"])
-    seeds = seed_list(ctx, s["seeds"])
-    variants = {"pre": {"placement": "pre"}, "pre+qk": {"placement": "pre", "qk_norm": True}}
-    train = {
-        "steps": steps,
-        "warmup": max(1, steps // 10),
-        "weight_decay": s["wd"],
-        "independent_wd": True,
-        "z_loss": s["z_loss"],
-        "monitor": True,
-        "monitor_every": 5,
-    }
-    arms = {
-        (v, lr): ({**kw, "n_layers": s["layers"], "record_logits": True}, {"lr": lr})
-        for v, kw in variants.items()
-        for lr in grid
-    }
-    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = grid_tasks(ctx, arms, seeds, train)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    final = {v: {s_: [runs[((v, lr), s_)]["final_loss"] for lr in grid] for s_ in seeds} for v in variants}
-    sens = {}
-    for v in variants:
-        sens[v] = []
-        for s_ in seeds:
-            # The loss* of Wortsman et al. is over validation losses; subtracting each run's own reference first
-            # would change nothing here (all runs of a seed share the validation tokens).
-            sens[v].append(lr_sensitivity(final[v][s_], [runs[((v, lr), s_)]["initial_loss"] for lr in grid]))
-    lowest = {v: [runs[((v, grid[0]), s_)]["excess"] for s_ in seeds] for v in variants}
-    logits = {v: {s_: [runs[((v, lr), s_)]["max_attn_logit"] for lr in grid] for s_ in seeds} for v in variants}
-
-    def growth(vals):
-        top = [x for x in vals[-3:] if finite(x)]
-        return max(top) / vals[0] if top and finite(vals[0]) and vals[0] > 0 else None
-
-    grow = [growth(logits["pre"][s_]) for s_ in seeds]
-    passed, extra, reason = lr_verdict(sens, lowest, grow)
-    wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if q < p)  # shown even when the control failed
-    figures = []
-    plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        for i, v in enumerate(variants):
-            for k, s_ in enumerate(seeds):
-                style = "o" + SEED_STYLES[k % len(SEED_STYLES)]
-                axes[0].plot(
-                    grid,
-                    [nan(runs[((v, lr), s_)]["excess"]) for lr in grid],
-                    style,
-                    color=f"C{i}",
-                    label=v if k == 0 else None,
-                )
-                axes[1].plot(grid, [nan(x) for x in logits[v][s_]], style, color=f"C{i}", label=v if k == 0 else None)
-        axes[0].set_ylabel("excess loss (capped at loss_0)")
-        axes[1].set_ylabel("max attention logit")
-        if any(finite(x) and x > 0 for v in logits for xs in logits[v].values() for x in xs):
-            axes[1].set_yscale("log")
-        for ax in axes:
-            ax.set_xscale("log")
-            ax.set_xlabel("learning rate (line style: seed)")
-            ax.legend(fontsize=8)
-        figures = save(plt, fig, ctx, "lr_sensitivity.png")
-    per_seed = {
-        **{f"{v} sensitivity": sens[v] for v in variants},
-        **{f"{v} excess lr={grid[0]:g}": lowest[v] for v in variants},
-        "pre logit growth": grow,
-    }
-    metrics = {
-        "criterion": CRITERIA["lr-sensitivity"],
-        "grid": grid,
-        "steps": steps,
-        "seeds": seeds,
-        "per_seed": per_seed,
-        "excess": {f"{v} seed {s_}": [runs[((v, lr), s_)]["excess"] for lr in grid] for v in variants for s_ in seeds},
-        "diverged": {
-            f"{v} seed {s_}": [runs[((v, lr), s_)]["diverged"] for lr in grid] for v in variants for s_ in seeds
-        },
-        "max_attn_logit": {f"{v} seed {s_}": logits[v][s_] for v in variants for s_ in seeds},
-        "setup": f"Wortsman et al. 2023 Fig. 1 at d = 32, 2 layers: AdamW (0.9, 0.95), clip 1, warmup "
-        f"{train['warmup']} then cosine, independent wd {s['wd']:g}, z-loss {s['z_loss']:g}, {steps} steps "
-        f"per LR, grid {grid}, {len(seeds)} seeds",
-        **extra,
-    }
-    line = (
-        f"LR sensitivity by seed ({len(seeds)}): Pre-LN {fmt_seeds(sens['pre'])}, Pre-LN + QK-norm "
-        f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {wins}/{len(seeds)}); Pre-LN max "
-        f"attention logit growth (top three LRs / lr {grid[0]:g}) {fmt_seeds(grow)}; excess at lr {grid[0]:g}: "
-        f"{fmt_seeds(lowest['pre'])} / {fmt_seeds(lowest['pre+qk'])}."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
