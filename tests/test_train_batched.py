@@ -21,7 +21,8 @@ import torch
 from addnorm.lab.experiments.training import language, model_config
 from addnorm.nn import TransformerLM
 from addnorm.train.batched import StackedLM, VmapLM, check_batchable, train_batched
-from addnorm.train.loop import TrainConfig, train
+from addnorm.train.config import TrainConfig
+from addnorm.train.loop import train
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 6

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from addnorm.train.loop import TrainConfig, TrainResult, detect_spikes, lr_at, reference_eval_loss
+from addnorm.train.config import TrainConfig, TrainResult
+from addnorm.train.loop import detect_spikes, lr_at, reference_eval_loss
 
 __all__ = ["StackedLM", "VmapLM", "ENGINES", "train_batched", "check_batchable"]
 

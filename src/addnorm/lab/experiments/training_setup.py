@@ -154,7 +154,7 @@ def train_task(
     With ``train["monitor"]`` the monitor's records give the max attention logit (needs ``record_logits``) and,
     with ``init_record``, the per-layer record at step 0 is returned."""
     from addnorm.nn import TransformerLM
-    from addnorm.train.loop import TrainConfig
+    from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
 
     cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
