@@ -30,7 +30,7 @@ import torch
 
 
 def _train_cfg(steps: int, lr: float, seed: int):
-    from addnorm.train.loop import TrainConfig
+    from addnorm.train.config import TrainConfig
 
     return TrainConfig(steps=steps + 1, batch_size=8, seq_len=32, lr=lr, warmup=2, seed=seed, eval_batches=1)
 

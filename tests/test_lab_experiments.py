@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from addnorm.lab.core import verdict_from
-from addnorm.lab.experiments.init_papers import (
-    HEADROOM,
-    lemma2_in_bounds,
-    output_change_verdict,
-    top_bottom_ratio,
-    update_size_verdict,
-    xiong_verdict,
-)
+from addnorm.lab.experiments.init_admin import output_change_verdict
+from addnorm.lab.experiments.init_deepnet import HEADROOM, update_size_verdict
 from addnorm.lab.experiments.init_time import (
     Attention,
     Stack,
@@ -26,6 +20,7 @@ from addnorm.lab.experiments.init_time import (
     min_agree,
     stream_growth_verdict,
 )
+from addnorm.lab.experiments.init_xiong import lemma2_in_bounds, top_bottom_ratio, xiong_verdict
 from addnorm.lab.experiments.numerics import bn_ln_verdict, half_precision_verdict, ln_rms_verdict
 
 MINE = [

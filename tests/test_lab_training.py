@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from addnorm.lab.core import EXPERIMENTS, Context, serial_map
-from addnorm.lab.experiments import _training_common as C
 from addnorm.lab.experiments import training as T
+from addnorm.lab.experiments import training_logits as L
 from addnorm.lab.experiments import training_norms as N
+from addnorm.lab.experiments import training_setup as C
 
 NAMES = ("warmup", "depth-sweep", "lr-sensitivity", "z-loss", "placement-comparison", "ln-vs-rms-training")
 
@@ -90,41 +91,41 @@ def test_depth_verdict_is_inconclusive_when_shallow_post_ln_does_not_train():
 # ---- learning-rate sensitivity --------------------------------------------------------------------------------
 def test_lr_sensitivity_formula():
     # loss_0 = 4; best = 1; capped losses: 2, 1, 4 (5 capped), 4 (diverged) -> mean of (1, 0, 3, 3) = 1.75
-    assert T.lr_sensitivity([2.0, 1.0, 5.0, math.nan], [4.0, 4.0, 4.0, 4.0]) == pytest.approx(1.75)
-    assert T.lr_sensitivity([2.0, 1.0, 5.0, None], [4.0, 4.0, 4.0, 4.0]) == pytest.approx(1.75)
-    assert T.lr_sensitivity([1.0, 1.0], [3.0, 3.0]) == 0.0
+    assert L.lr_sensitivity([2.0, 1.0, 5.0, math.nan], [4.0, 4.0, 4.0, 4.0]) == pytest.approx(1.75)
+    assert L.lr_sensitivity([2.0, 1.0, 5.0, None], [4.0, 4.0, 4.0, 4.0]) == pytest.approx(1.75)
+    assert L.lr_sensitivity([1.0, 1.0], [3.0, 3.0]) == 0.0
 
 
 def test_lr_verdict_pass_and_fail():
     low = {"pre": [0.1] * 3, "pre+qk": [0.1] * 3}
-    passed, extra, reason = T.lr_verdict({"pre": [0.23, 0.24, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
+    passed, extra, reason = L.lr_verdict({"pre": [0.23, 0.24, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
     assert passed is True and reason == "" and extra["qk_lower_at_seeds"] == "2/3"
-    passed, extra, _ = T.lr_verdict({"pre": [0.23, 0.04, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
+    passed, extra, _ = L.lr_verdict({"pre": [0.23, 0.04, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
     assert passed is False and extra["qk_lower_at_seeds"] == "1/3"
-    assert T.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [1.5] * 3)[0] is False  # logits did not grow
-    passed, _, reason = T.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [None] * 3)
+    assert L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [1.5] * 3)[0] is False  # logits did not grow
+    passed, _, reason = L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [None] * 3)
     assert passed is None and "finite" in reason
-    assert T.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 2}, low, [40.0] * 3)[0] is None  # not paired
+    assert L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 2}, low, [40.0] * 3)[0] is None  # not paired
 
 
 def test_lr_verdict_is_inconclusive_when_the_lowest_lr_did_not_converge():
     unconverged = {"pre": [1.9, 1.8, 0.1], "pre+qk": [0.1, 0.1, 0.1]}
-    passed, _, reason = T.lr_verdict({"pre": [0.6] * 3, "pre+qk": [0.5] * 3}, unconverged, [40.0] * 3)
+    passed, _, reason = L.lr_verdict({"pre": [0.6] * 3, "pre+qk": [0.5] * 3}, unconverged, [40.0] * 3)
     assert passed is None and "lowest LR did not converge" in reason
 
 
 # ---- z-loss ---------------------------------------------------------------------------------------------------
 def test_z_loss_verdict():
     no = [False] * 3
-    passed, _, reason = N.z_loss_verdict([-30.0, -12.0, 2.0], [False, False, True], [0.5, 0.2, 0.3], no)
+    passed, _, reason = L.z_loss_verdict([-30.0, -12.0, 2.0], [False, False, True], [0.5, 0.2, 0.3], no)
     assert passed is True and reason == ""
-    assert N.z_loss_verdict([-30.0] * 3, no, [-8.0, -9.0, 0.1], no)[0] is False  # z-loss did not prevent it
-    assert N.z_loss_verdict([-30.0] * 3, no, [0.1] * 3, [True, True, False])[0] is False  # z-loss run diverged
+    assert L.z_loss_verdict([-30.0] * 3, no, [-8.0, -9.0, 0.1], no)[0] is False  # z-loss did not prevent it
+    assert L.z_loss_verdict([-30.0] * 3, no, [0.1] * 3, [True, True, False])[0] is False  # z-loss run diverged
 
 
 def test_z_loss_verdict_is_inconclusive_without_the_instability():
     # log Z at init is ~log V > 0 and drifting *up* (what the CPU runs show) is not the instability
-    passed, extra, reason = N.z_loss_verdict([5.5, 5.4, -6.0], [False] * 3, [0.1] * 3, [False] * 3)
+    passed, extra, reason = L.z_loss_verdict([5.5, 5.4, -6.0], [False] * 3, [0.1] * 3, [False] * 3)
     assert passed is None and "did not occur" in reason and extra["unstable_without"] == [False, False, True]
 
 
@@ -276,7 +277,7 @@ def test_quick_run_goes_through_ctx_map_with_portable_tasks(name, tmp_path):
     assert calls and calls[0][0] == "train_task"
     assert res.metrics["seeds"] == [0, 1] == list(range(quick["seeds"]))
     assert res.metrics["per_seed"] and all(len(v) == quick["seeds"] for v in res.metrics["per_seed"].values())
-    assert res.metrics["criterion"] == (T.CRITERIA | N.CRITERIA)[name] and res.summary
+    assert res.metrics["criterion"] == (T.CRITERIA | L.CRITERIA | N.CRITERIA)[name] and res.summary
     assert (res.verdict == "inconclusive") == bool(res.reason)
     json.dumps(res.metrics)
     json.dumps(res.timings)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from addnorm.train.config import TrainConfig
 from addnorm.train.data import MarkovLanguage, TextData, batch_generator
-from addnorm.train.loop import TrainConfig, build_optimizer, detect_spikes, train, z_loss
+from addnorm.train.loop import build_optimizer, detect_spikes, train, z_loss
 from addnorm.train.schedules import lr_multiplier, make_scheduler
 
 
@@ -339,7 +340,8 @@ def test_cli_resume_takes_the_run_flags_from_out_and_rejects_others(tmp_path, ca
 
 
 def test_resume_onto_other_settings_or_another_model_is_a_clear_error(tmp_path):
-    from addnorm.train.loop import TrainConfig, train
+    from addnorm.train.config import TrainConfig
+    from addnorm.train.loop import train
 
     base = dict(steps=4, batch_size=2, seq_len=8, warmup=1, out_dir=str(tmp_path))
     train(tiny_model(), LANG, TrainConfig(**base), stop_at=2)
@@ -446,13 +448,13 @@ def test_excess_loss_is_paired_with_the_validation_tokens():
 def test_cli_disk_full_while_checkpointing_is_an_error_message(tmp_path, capsys, monkeypatch):
     import errno
 
-    import addnorm.train.loop as loop
+    import addnorm.train.checkpoint as checkpoint
     from addnorm.cli import main
 
     def full(path, state):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(loop, "save_checkpoint", full)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", full)
     assert main(["train", *CLI_SMALL, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "cannot write into --out" in err and "No space left" in err
@@ -569,7 +571,7 @@ def test_stale_checkpoint_temporaries_are_removed(tmp_path):
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import addnorm.train.loop as loop
+    import addnorm.train.checkpoint as checkpoint
 
     train(tiny_model(), LANG, tiny_cfg(steps=4, out_dir=str(tmp_path)), stop_at=2)
     before = (tmp_path / "checkpoint.pt").read_bytes()
@@ -579,7 +581,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, mo
         real_save(obj, f, *a, **kw)  # some bytes are in the temporary when the interrupt comes
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop.torch, "save", killed)
+    monkeypatch.setattr(checkpoint.torch, "save", killed)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_model(), LANG, tiny_cfg(steps=4, out_dir=str(tmp_path), resume=True))
     assert (tmp_path / "checkpoint.pt").read_bytes() == before

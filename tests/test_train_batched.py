@@ -20,8 +20,10 @@ import torch
 
 from addnorm.lab.experiments.training import language, model_config
 from addnorm.nn import TransformerLM
-from addnorm.train.batched import StackedLM, VmapLM, check_batchable, train_batched
-from addnorm.train.loop import TrainConfig, train
+from addnorm.train.batched import train_batched
+from addnorm.train.config import TrainConfig
+from addnorm.train.loop import train
+from addnorm.train.stacked import StackedLM, VmapLM, check_batchable
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 6

@@ -60,8 +60,8 @@ def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | N
     import torch
 
     from addnorm.nn import TransformerConfig, TransformerLM
+    from addnorm.train.config import TrainConfig
     from addnorm.train.data import MarkovLanguage, TextData
-    from addnorm.train.loop import TrainConfig
 
     model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     tfields = TrainConfig.field_names()
@@ -114,7 +114,7 @@ def _plot(result, path: Path, title: str) -> str | None:
 
 
 ARGS_FILE = "args.json"  # in --out: the flags of the run, so `--out DIR --resume` alone continues it
-CHECKPOINT = "checkpoint.pt"  # = addnorm.train.loop.CHECKPOINT (not imported from there: that imports torch)
+CHECKPOINT = "checkpoint.pt"  # = addnorm.train.checkpoint.CHECKPOINT (not imported from there: that imports torch)
 # The flags that define a run; on --resume each one not given again is taken from ARGS_FILE.
 _RUN_FLAGS = ("preset", "set", "steps", "lr", "warmup", "batch_size", "seq_len", "seed", "data", "data_seed")
 _DEFAULTS = {"preset": "gpt2", "data_seed": 0}  # argparse leaves these None so --resume can tell "not given"

@@ -2,7 +2,16 @@
 
 import importlib
 
-MODULES: list[str] = ["init_time", "init_papers", "numerics", "training", "training_norms"]
+MODULES: list[str] = [
+    "init_time",
+    "init_xiong",
+    "init_deepnet",
+    "init_admin",
+    "numerics",
+    "training",
+    "training_logits",
+    "training_norms",
+]
 
 for _m in MODULES:
     importlib.import_module(f"addnorm.lab.experiments.{_m}")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-from addnorm.lab.experiments.init_time import _plt, _sizes, save_figure
+from addnorm.lab.experiments.init_time import require_pyplot, save_figure, sizes
 from addnorm.ops.add_norm import layer_norm, rms_norm
 from addnorm.reference import stats_naive, stats_two_pass, stats_welford, stats_welford_chan
 
@@ -55,7 +55,7 @@ def ln_rms_verdict(offsets: Sequence[float], mean_abs_diff: Sequence[float]) -> 
     "0 < m <= 0.1 (the first-order law).",
 )
 def ln_vs_rms(ctx: Context) -> Result:
-    s = _sizes(ctx)
+    s = sizes(ctx)
     g = torch.Generator().manual_seed(ctx.seed)
     z = torch.randn(s["rows"], s["d"], generator=g, dtype=torch.float64)
     z = z - z.mean(-1, keepdim=True)
@@ -69,7 +69,7 @@ def ln_vs_rms(ctx: Context) -> Result:
         max_diffs.append(d.abs().max().item())
     passed, details = ln_rms_verdict(s["offsets"], diffs)
 
-    plt = _plt()
+    plt = require_pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     pos = [(m, v) for m, v in zip(s["offsets"], diffs) if m > 0]
     ax.loglog([m for m, _ in pos], [v for _, v in pos], "o-", label="mean |LN(x) - RMSNorm(x)|")
@@ -162,7 +162,7 @@ def _rel_err(est: torch.Tensor, truth: torch.Tensor) -> float:
     "round-trip relative error on N(0, 1) samples is 4x-16x fp16's (unit roundoff 2^-8 vs 2^-11).",
 )
 def half_precision_stats(ctx: Context) -> Result:
-    s = _sizes(ctx)
+    s = sizes(ctx)
     g = torch.Generator().manual_seed(ctx.seed)
     dev = ctx.device
     # (a) overflow of the fp16 sum of squares
@@ -227,7 +227,7 @@ def half_precision_stats(ctx: Context) -> Result:
         roundtrip_err_ratio_bf16_over_fp16=rt["bf16"] / rt["fp16"],
     )
 
-    plt = _plt()
+    plt = require_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for k, marker in zip(methods, "osd^"):
         xs = [max(c, 0.1) for c in s["offsets"]]
@@ -322,7 +322,7 @@ def _bn(bn: nn.BatchNorm1d, x: torch.Tensor) -> torch.Tensor:
 def batchnorm_vs_layernorm(ctx: Context) -> Result:
     from addnorm.nn import LayerNorm
 
-    s = _sizes(ctx)
+    s = sizes(ctx)
     g = torch.Generator().manual_seed(ctx.seed)
     d, n, b = s["d"], s["length"], s["batch"]
     bn = nn.BatchNorm1d(d, affine=False, momentum=0.1).to(ctx.device)
@@ -387,7 +387,7 @@ def batchnorm_vs_layernorm(ctx: Context) -> Result:
         ln_single_token_change=ln_single,
     )
 
-    plt = _plt()
+    plt = require_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     fracs = [1 - n / t for t in s["pads"]]
     axes[0].plot(fracs, [max(v, 1e-9) for v in pad_bn], "o-", label="BatchNorm")  # 1e-9 stands for "none"

@@ -1,5 +1,6 @@
-"""Training experiments (1/2): warmup, depth, learning-rate sensitivity. z-loss, placements and LayerNorm vs
-RMSNorm are in :mod:`training_norms`; the shared task, model and helpers in :mod:`_training_common`.
+"""Training experiments (1/3): warmup, depth. Learning-rate sensitivity and z-loss are in :mod:`training_logits`,
+placements and LayerNorm vs RMSNorm in :mod:`training_norms`; the shared task, model and helpers in
+:mod:`training_setup`.
 
 Every run trains a tiny decoder-only Transformer (``addnorm.nn.TransformerLM``, d = 32, 2 heads, T = 32, B = 8,
 Xavier init) on the synthetic Markov language of :mod:`addnorm.train.data` (vocabulary 32, 3 successors per
@@ -31,28 +32,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-
-# The lab's model and language, where the batched-training benchmark and tests import them from
-from addnorm.lab.experiments._training_common import (  # noqa: F401
+from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
-    curve_steps,
+    Verdict,
+    control,
     finite,
     fmt_seeds,
-    language,
-    model_config,
+    grid_tasks,
+    majority,
     nan,
+    plot_curves,
     pyplot,
     save,
     seed_list,
-    seeds_needed,
+    seed_values,
     settings,
     train_task,
 )
 
-# The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
-# 0.25 / 6 nats to a sensitivity score (issue 13: after 100 steps it added ~1 nat, two thirds of the score).
-CONVERGED_EXCESS = 0.25
+# The lab's model and language, where the batched-training benchmark and tests import them from
+from addnorm.lab.experiments.training_setup import language as language
+from addnorm.lab.experiments.training_setup import model_config as model_config
 
 CRITERIA = {
     "warmup": (
@@ -65,12 +66,6 @@ CRITERIA = {
         "degrade(Post-LN) > 0.1 nats, degrade(DeepNorm) < degrade(Post-LN) / 2 and no DeepNorm run diverged, at a "
         "strict majority of the seeds (at least 2), paired by seed."
     ),
-    "lr-sensitivity": (
-        "Per seed, sensitivity = mean over the LR grid of [min(loss(lr), loss_0) - loss*], loss* the seed's best "
-        "final loss over the grid. Reproduced iff, at a strict majority of the seeds (at least 2), sensitivity("
-        "Pre-LN + QK-norm) < sensitivity(Pre-LN) and Pre-LN's max attention logit at the three highest LRs exceeds "
-        "2x its value at the lowest LR."
-    ),
 }
 PRECONDITIONS = {
     "warmup": (
@@ -80,10 +75,6 @@ PRECONDITIONS = {
     "depth-sweep": (
         f"Post-LN at the shallowest depth trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds: "
         "otherwise the LR is too high for Post-LN at any depth and depth cannot be what breaks it."
-    ),
-    "lr-sensitivity": (
-        f"The lowest LR of the grid converged (excess < {CONVERGED_EXCESS} nats, both variants) at a strict majority "
-        "of the seeds: otherwise the score measures convergence speed, not stability."
     ),
 }
 
@@ -100,28 +91,6 @@ def _register(name: str, *, claim: str, source: str, config: dict):
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-Verdict = tuple[bool | None, dict, str]  # (passed or None, details for the metrics, reason when None)
-
-
-def _majority(per_seed: Sequence[bool | None], what: str) -> Verdict:
-    """Reproduced iff at least :func:`seeds_needed` seeds pass; inconclusive when too few seeds could decide."""
-    n = len(per_seed)
-    need = seeds_needed(n)
-    decided = [p for p in per_seed if p is not None]
-    wins = sum(1 for p in decided if p)
-    details = {"seeds_agreeing": f"{wins}/{n}", "seeds_needed": need}
-    if n == 0 or len(decided) < need:
-        return None, details, f"only {len(decided)} of {n} seeds gave finite numbers for {what}"
-    return wins >= need, details, ""
-
-
-def _control(holds: Sequence[bool], reason: str) -> str:
-    """'' when the control holds at a strict majority of the seeds, else the reason (with the count)."""
-    n = len(holds)
-    ok = sum(1 for h in holds if h)
-    return "" if n and ok >= seeds_needed(n) else f"{reason} (held at {ok} of {n} seeds)"
-
-
 def warmup_verdict(
     excess: dict[str, dict[int, Sequence[float]]], steps_at_peak: dict[str, dict[int, Sequence[int]]], steps: int
 ) -> Verdict:
@@ -139,7 +108,7 @@ def warmup_verdict(
                     ),
                 )
     n = len(excess["pre"][0])
-    reason = _control(
+    reason = control(
         [finite(v) and v < TRAINED_EXCESS for v in excess["pre"][0]],
         f"Pre-LN without warmup did not train (excess >= {TRAINED_EXCESS} nats): the LR is too high for any placement",
     )
@@ -155,7 +124,7 @@ def warmup_verdict(
     per_seed = [
         None if gp is None or gq is None else (gp > 0.05 and gq < gp / 2) for gp, gq in zip(gaps["post"], gaps["pre"])
     ]
-    passed, details, reason = _majority(per_seed, "the warmup gaps")
+    passed, details, reason = majority(per_seed, "the warmup gaps")
     return passed, {"gap_post": gaps["post"], "gap_pre": gaps["pre"], **details}, reason
 
 
@@ -167,7 +136,7 @@ def depth_verdict(
     if len(depths) < 2:
         return None, {}, "the sweep needs at least two depths"
     lo, hi = depths[0], depths[-1]
-    reason = _control(
+    reason = control(
         [finite(v) and v < TRAINED_EXCESS for v in excess["post"][lo]],
         f"Post-LN at L={lo} did not train (excess >= {TRAINED_EXCESS} nats)",
     )
@@ -184,73 +153,8 @@ def depth_verdict(
         dp, dd = degrade["post"][s], degrade["deepnorm"][s]
         deep_ok = not any(diverged["deepnorm"][L][s] for L in diverged["deepnorm"])
         per_seed.append(None if dp is None or dd is None else (dp > 0.1 and dd < dp / 2 and deep_ok))
-    passed, details, reason = _majority(per_seed, "the depth degradation")
+    passed, details, reason = majority(per_seed, "the depth degradation")
     return passed, {"degrade_post": degrade["post"], "degrade_deepnorm": degrade["deepnorm"], **details}, reason
-
-
-def lr_sensitivity(final: Sequence[float | None], initial: Sequence[float | None]) -> float:
-    """Wortsman et al. 2023: mean over the grid of min(loss, loss_0) - loss*; a diverged run (non-finite loss)
-    counts as loss_0. loss_0 is the mean initial loss; loss* the best capped final loss."""
-    inits = [v for v in initial if finite(v)]
-    loss0 = sum(inits) / len(inits)
-    capped = [min(v, loss0) if finite(v) else loss0 for v in final]
-    best = min(capped)
-    return sum(c - best for c in capped) / len(capped)
-
-
-def lr_verdict(
-    sens: dict[str, Sequence[float]], lowest_lr_excess: dict[str, Sequence[float]], logit_growth: Sequence[float | None]
-) -> Verdict:
-    """Per seed (the same order everywhere): ``sens[v]`` the sensitivity of variant v ("pre", "pre+qk");
-    ``lowest_lr_excess[v]`` its excess loss at the lowest LR; ``logit_growth`` Pre-LN's max attention logit at
-    the three highest LRs over its value at the lowest LR (None where not recorded)."""
-    n = len(sens["pre"])
-    if n == 0 or len(sens["pre+qk"]) != n or len(logit_growth) != n:
-        return None, {}, "the variants' seeds are not paired"
-    converged = [
-        all(finite(lowest_lr_excess[v][s]) and lowest_lr_excess[v][s] < CONVERGED_EXCESS for v in ("pre", "pre+qk"))
-        for s in range(n)
-    ]
-    reason = _control(converged, f"the lowest LR did not converge (excess >= {CONVERGED_EXCESS} nats)")
-    if reason:
-        return None, {}, reason
-    per_seed = [
-        None if not (finite(p) and finite(q) and finite(g)) else (q < p and g > 2.0)
-        for p, q, g in zip(sens["pre"], sens["pre+qk"], logit_growth)
-    ]
-    passed, details, reason = _majority(per_seed, "the sensitivities and logits")
-    wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if finite(p) and finite(q) and q < p)
-    return passed, {"qk_lower_at_seeds": f"{wins}/{n}", **details}, reason
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def _grid_tasks(ctx: Context, arms: dict[str, dict], seeds: list[int], train: dict, **task_kw) -> tuple[list, list]:
-    """One task per (arm, seed): ``arms[label]`` = (model overrides, TrainConfig overrides)."""
-    keys, tasks = [], []
-    for label, (model, extra) in arms.items():
-        for s in seeds:
-            keys.append((label, s))
-            tasks.append({"model": model, "train": {**train, **extra, "seed": s}, "lang_seed": ctx.seed, **task_kw})
-    return keys, tasks
-
-
-def _per_seed(runs: dict, label, seeds: list[int], key: str) -> list:
-    return [runs[(label, s)][key] for s in seeds]
-
-
-def _plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int, names=None) -> None:
-    """One line per seed (line style), one colour per arm."""
-    for i, label in enumerate(labels):
-        for k, s in enumerate(seeds):
-            curve = runs[(label, s)]["loss_curve"]
-            ax.plot(
-                curve_steps(curve, steps),
-                [nan(v) for v in curve],
-                SEED_STYLES[k % len(SEED_STYLES)],
-                color=f"C{i}",
-                lw=1,
-                label=(names or {}).get(label, str(label)) if k == 0 else None,
-            )
 
 
 # ------------------------------------------------------------------------------------------------ experiments
@@ -279,17 +183,17 @@ def warmup_experiment(ctx: Context) -> Result:
     seeds = seed_list(ctx, s["seeds"])
     arms = {(p, w): ({"placement": p, "n_layers": layers}, {"warmup": w}) for p in ("post", "pre") for w in warmups}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "schedule": s["schedule"]})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "schedule": s["schedule"]})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    ex = {p: {w: _per_seed(runs, (p, w), seeds, "excess") for w in warmups} for p in ("post", "pre")}
-    at_peak = {p: {w: _per_seed(runs, (p, w), seeds, "steps_at_peak_lr") for w in warmups} for p in ("post", "pre")}
+    ex = {p: {w: seed_values(runs, (p, w), seeds, "excess") for w in warmups} for p in ("post", "pre")}
+    at_peak = {p: {w: seed_values(runs, (p, w), seeds, "steps_at_peak_lr") for w in warmups} for p in ("post", "pre")}
     passed, extra, reason = warmup_verdict(ex, at_peak, steps)
     figures = []
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
         for ax, p in zip(axes, ("post", "pre")):
-            _plot_curves(ax, runs, [(p, w) for w in warmups], seeds, steps, {(p, w): f"warmup {w}" for w in warmups})
+            plot_curves(ax, runs, [(p, w) for w in warmups], seeds, steps, {(p, w): f"warmup {w}" for w in warmups})
             ax.set_title(f"{p.capitalize()}-LN, {layers} layers, Adam lr {lr:g}", fontsize=9)
             ax.set_xlabel("step (line style: seed)")
             ax.legend(fontsize=8)
@@ -306,7 +210,7 @@ def warmup_experiment(ctx: Context) -> Result:
         "per_seed": per_seed,
         "steps_at_peak_lr": {f"{p} w={w}": at_peak[p][w] for p in at_peak for w in warmups},
         "diverged": {
-            f"{p} w={w}": _per_seed(runs, (p, w), seeds, "diverged") for p in ("post", "pre") for w in warmups
+            f"{p} w={w}": seed_values(runs, (p, w), seeds, "diverged") for p in ("post", "pre") for w in warmups
         },
         "setup": "Xiong et al. 2020 Fig. 2 (6-layer Post-/Pre-LN, Adam, warmup) at d = 32: lr 4e-3, warmup 0 vs "
         f"{max(warmups)} of {steps} steps, constant LR after warmup, {len(seeds)} seeds",
@@ -343,10 +247,10 @@ def depth_sweep(ctx: Context) -> Result:
     placements = ("post", "deepnorm")
     arms = {(p, n): ({"placement": p, "n_layers": n}, {}) for p in placements for n in depths}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    ex = {p: {n: _per_seed(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
-    div = {p: {n: _per_seed(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
+    ex = {p: {n: seed_values(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
+    div = {p: {n: seed_values(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
     passed, extra, reason = depth_verdict(ex, div)
     figures = []
     plt = pyplot()
@@ -367,7 +271,7 @@ def depth_sweep(ctx: Context) -> Result:
         axes[0].set_xlabel("layers (line style: seed)")
         axes[0].set_ylabel("excess loss (nats)")
         axes[0].legend(fontsize=8)
-        _plot_curves(
+        plot_curves(
             axes[1],
             runs,
             [(p, max(depths)) for p in placements],
@@ -389,7 +293,7 @@ def depth_sweep(ctx: Context) -> Result:
         "per_seed": {f"{p} excess L={n}": ex[p][n] for p in placements for n in depths},
         "diverged": {f"{p} L={n}": div[p][n] for p in placements for n in depths},
         "max_grad_norm": {
-            f"{p} L={n}": _per_seed(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
+            f"{p} L={n}": seed_values(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
         },
         "setup": f"DeepNet (Wang et al. 2022) depth scaling at d = 32: L = {depths}, Adam lr {lr:g}, warmup "
         f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
@@ -401,121 +305,5 @@ def depth_sweep(ctx: Context) -> Result:
         + "): "
         + "; ".join(f"{p} " + ", ".join(f"L={n} {fmt_seeds(ex[p][n])}" for n in depths) for p in placements)
         + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
-    )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
-
-
-@_register(
-    "lr-sensitivity",
-    claim="Without QK-layernorm the max attention logit grows with the learning rate; QK-layernorm lowers LR "
-    "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
-    source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
-    "arXiv:2309.14322 (section 3.1, Fig. 1)",
-    config={
-        "grid": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
-        "layers": 2,
-        "wd": 1e-4,
-        "z_loss": 1e-4,
-        "default": {"steps": 600, "seeds": 3},
-        "quick": {"steps": 15, "seeds": 2, "grid": [1e-3, 1e-1, 3e-1]},
-    },
-)
-def lr_sensitivity_experiment(ctx: Context) -> Result:
-    """Wortsman et al. sweep the LR of small Pre-LN models with and without QK-layernorm (Fig. 1) with AdamW (0.9,
-    0.95), clip 1, warmup then cosine, independent weight decay 1e-4 and z-loss 1e-4, each run long enough to
-    converge at its LR. Scaled here: 2 layers, d = 32, the grid 1e-3 .. 3e-1, 600 steps with warmup 60. The grid
-    starts at 1e-3, not 3e-4: a run at 3e-4 does not converge in a CPU-sized run, and an unconverged low end adds
-    the same large amount to both variants' scores (issue 13). Run length: with 400 steps the control failed (lr
-    1e-3 ended at excess 0.167 / 0.355 / 0.360 for Pre-LN at seeds 0-2, above the 0.25 of "converged"), so the
-    runs were lengthened to 600 steps; the control and the criterion were not changed."""
-    s = settings(ctx)
-    steps, grid = s["steps"], list(s["grid"])
-    seeds = seed_list(ctx, s["seeds"])
-    variants = {"pre": {"placement": "pre"}, "pre+qk": {"placement": "pre", "qk_norm": True}}
-    train = {
-        "steps": steps,
-        "warmup": max(1, steps // 10),
-        "weight_decay": s["wd"],
-        "independent_wd": True,
-        "z_loss": s["z_loss"],
-        "monitor": True,
-        "monitor_every": 5,
-    }
-    arms = {
-        (v, lr): ({**kw, "n_layers": s["layers"], "record_logits": True}, {"lr": lr})
-        for v, kw in variants.items()
-        for lr in grid
-    }
-    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, train)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    final = {v: {s_: [runs[((v, lr), s_)]["final_loss"] for lr in grid] for s_ in seeds} for v in variants}
-    sens = {}
-    for v in variants:
-        sens[v] = []
-        for s_ in seeds:
-            # The loss* of Wortsman et al. is over validation losses; subtracting each run's own reference first
-            # would change nothing here (all runs of a seed share the validation tokens).
-            sens[v].append(lr_sensitivity(final[v][s_], [runs[((v, lr), s_)]["initial_loss"] for lr in grid]))
-    lowest = {v: [runs[((v, grid[0]), s_)]["excess"] for s_ in seeds] for v in variants}
-    logits = {v: {s_: [runs[((v, lr), s_)]["max_attn_logit"] for lr in grid] for s_ in seeds} for v in variants}
-
-    def growth(vals):
-        top = [x for x in vals[-3:] if finite(x)]
-        return max(top) / vals[0] if top and finite(vals[0]) and vals[0] > 0 else None
-
-    grow = [growth(logits["pre"][s_]) for s_ in seeds]
-    passed, extra, reason = lr_verdict(sens, lowest, grow)
-    wins = sum(1 for p, q in zip(sens["pre"], sens["pre+qk"]) if q < p)  # shown even when the control failed
-    figures = []
-    plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        for i, v in enumerate(variants):
-            for k, s_ in enumerate(seeds):
-                style = "o" + SEED_STYLES[k % len(SEED_STYLES)]
-                axes[0].plot(
-                    grid,
-                    [nan(runs[((v, lr), s_)]["excess"]) for lr in grid],
-                    style,
-                    color=f"C{i}",
-                    label=v if k == 0 else None,
-                )
-                axes[1].plot(grid, [nan(x) for x in logits[v][s_]], style, color=f"C{i}", label=v if k == 0 else None)
-        axes[0].set_ylabel("excess loss (capped at loss_0)")
-        axes[1].set_ylabel("max attention logit")
-        if any(finite(x) and x > 0 for v in logits for xs in logits[v].values() for x in xs):
-            axes[1].set_yscale("log")
-        for ax in axes:
-            ax.set_xscale("log")
-            ax.set_xlabel("learning rate (line style: seed)")
-            ax.legend(fontsize=8)
-        figures = save(plt, fig, ctx, "lr_sensitivity.png")
-    per_seed = {
-        **{f"{v} sensitivity": sens[v] for v in variants},
-        **{f"{v} excess lr={grid[0]:g}": lowest[v] for v in variants},
-        "pre logit growth": grow,
-    }
-    metrics = {
-        "criterion": CRITERIA["lr-sensitivity"],
-        "grid": grid,
-        "steps": steps,
-        "seeds": seeds,
-        "per_seed": per_seed,
-        "excess": {f"{v} seed {s_}": [runs[((v, lr), s_)]["excess"] for lr in grid] for v in variants for s_ in seeds},
-        "diverged": {
-            f"{v} seed {s_}": [runs[((v, lr), s_)]["diverged"] for lr in grid] for v in variants for s_ in seeds
-        },
-        "max_attn_logit": {f"{v} seed {s_}": logits[v][s_] for v in variants for s_ in seeds},
-        "setup": f"Wortsman et al. 2023 Fig. 1 at d = 32, 2 layers: AdamW (0.9, 0.95), clip 1, warmup "
-        f"{train['warmup']} then cosine, independent wd {s['wd']:g}, z-loss {s['z_loss']:g}, {steps} steps "
-        f"per LR, grid {grid}, {len(seeds)} seeds",
-        **extra,
-    }
-    line = (
-        f"LR sensitivity by seed ({len(seeds)}): Pre-LN {fmt_seeds(sens['pre'])}, Pre-LN + QK-norm "
-        f"{fmt_seeds(sens['pre+qk'])} (QK-norm lower at {wins}/{len(seeds)}); Pre-LN max "
-        f"attention logit growth (top three LRs / lr {grid[0]:g}) {fmt_seeds(grow)}; excess at lr {grid[0]:g}: "
-        f"{fmt_seeds(lowest['pre'])} / {fmt_seeds(lowest['pre+qk'])}."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)

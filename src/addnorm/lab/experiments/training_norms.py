@@ -1,4 +1,4 @@
-"""Training experiments (2/2): z-loss, norm placements at init, LayerNorm vs RMSNorm (quality and the norm's speed).
+"""Training experiments (3/3): norm placements at init, LayerNorm vs RMSNorm (quality and the norm's speed).
 
 Same model, language, seeds and rules as :mod:`training` (its docstring): every run is a ``ctx.map`` task, every
 verdict a pure ``*_verdict`` function with a control, decided by a strict majority of >= 3 seeds.
@@ -18,46 +18,29 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
-from addnorm.lab.experiments._training_common import (
+from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
-    curve_steps,
+    control,
     finite,
     fmt_seeds,
+    grid_tasks,
+    majority,
     nan,
+    plot_curves,
     pyplot,
     save,
     seed_list,
+    seed_values,
     settings,
     train_task,
 )
-from addnorm.lab.experiments.training import _control, _grid_tasks, _majority, _per_seed, _plot_curves
 
 PLACEMENTS = ("pre", "post", "sandwich", "mix", "dyt", "deepnorm")
-# log Z (the output log-partition, log sum exp of the logits) "drifts far negative" below this. At init it is about
-# log V > 0 (5.5 at V = 256); Wortsman et al.'s failing runs drift tens of nats below 0.
-LOGZ_FAR = -5.0
 # "No slower": RMSNorm's time ratio to LayerNorm at most this (5% allows for matched-but-not-identical code).
 SPEED_TOLERANCE = 1.05
 
-# What was tried to provoke the output-logit instability before settling on the z-loss setup (bounded search, one
-# seed each, Pre-LN, 2 layers, d = 32, no weight decay, constant LR after warmup): V = 32 (issue 13), 300-3000
-# steps at lr 0.03 / 0.1 / 0.3, tied or untied, with or without biases: log Z stayed at +4.7..+5.7; V = 256 untied,
-# 1000 steps: lr 0.1 -> late log Z +10.8, lr 0.3 -> +7.5; V = 256 tied lr 0.3 -> +5.8; V = 512 untied lr 0.3 -> +7.3;
-# V = 256 untied without biases, lr 0.1, 2000 steps -> +11.3. It drifted up, never below its start (the lowest log Z
-# of every run was within 0.3 nats of its initial value), and no run diverged.
-Z_LOSS_TRIED = (
-    "V=32 (lr 0.03-0.3, 300-3000 steps, tied/untied, with/without biases): late log Z +4.7..+5.7; V=256 untied, "
-    "1000 steps: lr 0.1 -> +10.8, lr 0.3 -> +7.5; V=256 tied lr 0.3 -> +5.8; V=512 untied lr 0.3 -> +7.3; V=256 "
-    "untied without biases, lr 0.1, 2000 steps -> +11.3; none drifted negative or diverged"
-)
-
 CRITERIA = {
-    "z-loss": (
-        f"Per seed, the instability = the output log Z falls below {LOGZ_FAR:g} nats during the run or the run "
-        f"diverges. Reproduced iff, at a strict majority of the seeds (at least 2), the run with z-loss 1e-4 shows "
-        "no instability while its paired run without z-loss does."
-    ),
     "placement-comparison": (
         "Per init, g(p) = mean residual RMS over the top quarter of layers / mean over the bottom quarter, block 0 "
         "left out (the block next to the embeddings is an edge effect). Reproduced iff g(Pre-LN) > 1.5 (Lemma 2 "
@@ -76,10 +59,6 @@ CRITERIA = {
     ),
 }
 PRECONDITIONS = {
-    "z-loss": (
-        "The run without z-loss shows the instability z-loss is meant to fix (log Z below "
-        f"{LOGZ_FAR:g} nats, or divergence) at a strict majority of the seeds."
-    ),
     "placement-comparison": (
         "Post-LN's residual RMS is flat across layers (g in [0.9, 1.1]) at every init: a LayerNorm after each add "
         "sets it, so anything else means the measurement is broken."
@@ -103,30 +82,6 @@ def _register(name: str, *, claim: str, source: str, config: dict):
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-def z_loss_verdict(
-    min_logz_without: Sequence[float | None],
-    diverged_without: Sequence[bool],
-    min_logz_with: Sequence[float | None],
-    diverged_with: Sequence[bool],
-) -> tuple:
-    """Per seed (paired): the lowest log Z of the run without / with z-loss, and whether it diverged."""
-
-    def unstable(logz, div):
-        return bool(div) or (finite(logz) and logz < LOGZ_FAR)
-
-    without = [unstable(z, d) for z, d in zip(min_logz_without, diverged_without)]
-    reason = _control(
-        without,
-        f"without z-loss, log Z never fell below {LOGZ_FAR:g} nats and no run diverged: "
-        "the instability z-loss fixes did not occur, so its fix cannot be seen",
-    )
-    if reason:
-        return None, {"unstable_without": without}, reason
-    per_seed = [u and not unstable(z, d) for u, z, d in zip(without, min_logz_with, diverged_with)]
-    passed, details, reason = _majority(per_seed, "log Z")
-    return passed, {"unstable_without": without, **details}, reason
-
-
 def inits_needed(n: int) -> int:
     """Init-time claims are cheap to measure at many inits, so they must hold at all but one of 6 (5 of 6), and at
     every init when fewer than 6 run (the --quick smoke sizes)."""
@@ -178,7 +133,7 @@ def ln_rms_verdict(
     excess_ln: Sequence[float], excess_rms: Sequence[float], ratio_cis: dict[str, Sequence[float]]
 ) -> tuple:
     """``excess_*``: per seed (paired); ``ratio_cis[pair]`` = (geomean, low, high) of RMS/LN time ratios."""
-    reason = _control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
+    reason = control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
     if not reason and not all(all(map(finite, ci)) for ci in ratio_cis.values()):
         reason = "a norm timing was not finite"
     if reason or not ratio_cis:
@@ -186,7 +141,7 @@ def ln_rms_verdict(
     parity_seed = []
     for a, b in zip(excess_ln, excess_rms):
         parity_seed.append(None if not (finite(a) and finite(b)) else abs(a - b) < max(0.05, 0.1 * abs(a)))
-    parity, details, reason = _majority(parity_seed, "the losses")
+    parity, details, reason = majority(parity_seed, "the losses")
     if parity is None:
         return None, details, reason
     speed = {
@@ -206,107 +161,6 @@ def ln_rms_verdict(
             ),
         )
     return True, details, ""
-
-
-# ------------------------------------------------------------------------------------------------ z-loss
-@_register(
-    "z-loss",
-    claim="At a high learning rate without weight decay the output log-partition log Z drifts far negative (output "
-    "logit divergence); z-loss 1e-4 * (log Z)^2 prevents it.",
-    source="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, "
-    "arXiv:2309.14322 (section 3.2); z-loss from Chowdhery et al. 2022, PaLM, arXiv:2204.02311",
-    config={
-        "lr": 0.1,
-        "z_loss": 1e-4,
-        "layers": 2,
-        "vocab": 256,
-        "default": {"steps": 500, "seeds": 3},
-        "quick": {"steps": 20, "seeds": 2},
-    },
-)
-def z_loss_experiment(ctx: Context) -> Result:
-    """Wortsman et al. see output-logit divergence in small models trained long at high LR with no weight decay:
-    log Z drifts far negative and the loss diverges; z-loss 1e-4 prevents it. Setup here: the regime most likely to
-    show it on a CPU budget (after the bounded search in ``Z_LOSS_TRIED``): a larger vocabulary (256), untied
-    embeddings, no biases, no weight decay, lr 0.1 (10-100x the models' usual LR), constant after a 10% warmup.
-    When the run without z-loss shows no instability the verdict is inconclusive (the control)."""
-    s = settings(ctx)
-    steps, lr, z = s["steps"], s["lr"], s["z_loss"]
-    seeds = seed_list(ctx, s["seeds"])
-    model = {"placement": "pre", "n_layers": s["layers"], "tie_embeddings": False, "bias": False}
-    arms = {coef: (model, {"z_loss": coef}) for coef in (0.0, z)}
-    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = _grid_tasks(
-        ctx,
-        arms,
-        seeds,
-        {"steps": steps, "lr": lr, "warmup": max(1, steps // 10), "schedule": "constant", "weight_decay": 0.0},
-        vocab=s["vocab"],
-    )
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    col = {
-        c: {k: _per_seed(runs, c, seeds, k) for k in ("logz_min", "logz_late", "logz_init", "diverged", "excess")}
-        for c in arms
-    }
-    passed, extra, reason = z_loss_verdict(
-        col[0.0]["logz_min"], col[0.0]["diverged"], col[z]["logz_min"], col[z]["diverged"]
-    )
-    if passed is None and "did not occur" in reason:
-        reason += f". Tried before choosing this setup: {Z_LOSS_TRIED}"
-    figures = []
-    plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        names = {0.0: "no z-loss", z: f"z-loss {z:g}"}
-        for i, c in enumerate(arms):
-            for k, sd in enumerate(seeds):
-                curve = runs[(c, sd)]["logz_curve"]
-                axes[0].plot(
-                    curve_steps(curve, steps),
-                    [nan(v) for v in curve],
-                    SEED_STYLES[k % len(SEED_STYLES)],
-                    color=f"C{i}",
-                    label=names[c] if k == 0 else None,
-                )
-        _plot_curves(axes[1], runs, list(arms), seeds, steps, names)
-        axes[0].axhline(0, color="k", lw=0.5)
-        axes[0].axhline(LOGZ_FAR, color="r", lw=0.5, ls="--", label=f"instability ({LOGZ_FAR:g})")
-        axes[0].set_ylabel("mean output log Z")
-        axes[1].set_ylabel("train loss")
-        for ax in axes:
-            ax.set_xlabel("step (line style: seed)")
-            ax.legend(fontsize=8)
-        figures = save(plt, fig, ctx, "z_loss.png")
-    per_seed = {
-        "min logZ no z-loss": col[0.0]["logz_min"],
-        "min logZ z-loss": col[z]["logz_min"],
-        "late logZ no z-loss": col[0.0]["logz_late"],
-        "late logZ z-loss": col[z]["logz_late"],
-        "excess no z-loss": col[0.0]["excess"],
-        "excess z-loss": col[z]["excess"],
-    }
-    metrics = {
-        "criterion": CRITERIA["z-loss"],
-        "lr": lr,
-        "z_loss": z,
-        "steps": steps,
-        "vocab": s["vocab"],
-        "seeds": seeds,
-        "per_seed": per_seed,
-        "logz_init": col[0.0]["logz_init"],
-        "diverged": {"no z-loss": col[0.0]["diverged"], "z-loss": col[z]["diverged"]},
-        "tried": Z_LOSS_TRIED,
-        "setup": f"Wortsman et al. 2023 section 3.2 at d = 32, 2 layers, V = {s['vocab']}: lr {lr:g} constant after "
-        f"warmup, no weight decay, untied, no biases, {steps} steps, {len(seeds)} seeds",
-        **extra,
-    }
-    line = (
-        f"Lowest log Z by seed ({len(seeds)}) without z-loss {fmt_seeds(col[0.0]['logz_min'])}, late "
-        f"{fmt_seeds(col[0.0]['logz_late'])}; with z-loss {z:g}: lowest {fmt_seeds(col[z]['logz_min'])}, late "
-        f"{fmt_seeds(col[z]['logz_late'])}; excess loss {fmt_seeds(col[0.0]['excess'])} vs "
-        f"{fmt_seeds(col[z]['excess'])}."
-    )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
 # ------------------------------------------------------------------------------------------------ placements
@@ -366,7 +220,7 @@ def placement_comparison(ctx: Context) -> Result:
     model = {"n_layers": layers, "init_std": s["init_std"], "tie_embeddings": s["tie_embeddings"]}
     arms = {p: ({"placement": p, **model}, {}) for p in placements}
     ctx.progress(f"{len(arms) * len(seeds)} models at init")
-    keys, tasks = _grid_tasks(
+    keys, tasks = grid_tasks(
         ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True, "monitor_every": 1}, init_record=True
     )
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
@@ -503,12 +357,12 @@ def ln_vs_rms(ctx: Context) -> Result:
         norm: ({"placement": "pre", "norm": norm, "n_layers": s["layers"]}, {}) for norm in ("layernorm", "rmsnorm")
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps, then the norm timings")
-    keys, tasks = _grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
+    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
     times = ctx.map(
         norm_timing_task, [{"rows": s["rows"], "hidden": s["hidden"], "reps": s["reps"], "seed": ctx.seed}]
     )[0]
-    ex = {k: _per_seed(runs, k, seeds, "excess") for k in arms}
+    ex = {k: seed_values(runs, k, seeds, "excess") for k in arms}
     cis = {pair: ratio_ci(t["ln"], t["rms"]) for pair, t in times.items()}
     passed, extra, reason = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], cis)
     median_ms = {pair: {k: 1e3 * sorted(v)[len(v) // 2] for k, v in t.items()} for pair, t in times.items()}
@@ -516,7 +370,7 @@ def ln_vs_rms(ctx: Context) -> Result:
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        _plot_curves(axes[0], runs, list(arms), seeds, steps)
+        plot_curves(axes[0], runs, list(arms), seeds, steps)
         axes[0].set_xlabel("step (line style: seed)")
         axes[0].set_ylabel("train loss")
         axes[0].legend(fontsize=8)

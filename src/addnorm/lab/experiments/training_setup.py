@@ -1,5 +1,6 @@
-"""What the training experiments share: the tiny model and language, the training task run through ``ctx.map``,
-excess loss, the seed-agreement rule, and figure helpers.
+"""What the training experiments share: the tiny model and language, the training task run through ``ctx.map``
+and the grid of (arm, seed) tasks, excess loss, the seed-agreement rules every verdict applies (a strict majority,
+a control), and figure helpers.
 
 A training run is the module-level task :func:`train_task`: plain arguments in (model and TrainConfig keywords,
 the language's seed), a JSON-able dict out (losses, optimum, a subsampled curve, log Z, the LR schedule actually
@@ -153,7 +154,7 @@ def train_task(
     With ``train["monitor"]`` the monitor's records give the max attention logit (needs ``record_logits``) and,
     with ``init_record``, the per-layer record at step 0 is returned."""
     from addnorm.nn import TransformerLM
-    from addnorm.train.loop import TrainConfig
+    from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
 
     cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
@@ -194,6 +195,43 @@ def train_task(
     return out
 
 
+def grid_tasks(ctx: Context, arms: dict[str, dict], seeds: list[int], train: dict, **task_kw) -> tuple[list, list]:
+    """One task per (arm, seed): ``arms[label]`` = (model overrides, TrainConfig overrides)."""
+    keys, tasks = [], []
+    for label, (model, extra) in arms.items():
+        for s in seeds:
+            keys.append((label, s))
+            tasks.append({"model": model, "train": {**train, **extra, "seed": s}, "lang_seed": ctx.seed, **task_kw})
+    return keys, tasks
+
+
+def seed_values(runs: dict, label, seeds: list[int], key: str) -> list:
+    return [runs[(label, s)][key] for s in seeds]
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+Verdict = tuple[bool | None, dict, str]  # (passed or None, details for the metrics, reason when None)
+
+
+def majority(per_seed: Sequence[bool | None], what: str) -> Verdict:
+    """Reproduced iff at least :func:`seeds_needed` seeds pass; inconclusive when too few seeds could decide."""
+    n = len(per_seed)
+    need = seeds_needed(n)
+    decided = [p for p in per_seed if p is not None]
+    wins = sum(1 for p in decided if p)
+    details = {"seeds_agreeing": f"{wins}/{n}", "seeds_needed": need}
+    if n == 0 or len(decided) < need:
+        return None, details, f"only {len(decided)} of {n} seeds gave finite numbers for {what}"
+    return wins >= need, details, ""
+
+
+def control(holds: Sequence[bool], reason: str) -> str:
+    """'' when the control holds at a strict majority of the seeds, else the reason (with the count)."""
+    n = len(holds)
+    ok = sum(1 for h in holds if h)
+    return "" if n and ok >= seeds_needed(n) else f"{reason} (held at {ok} of {n} seeds)"
+
+
 # ------------------------------------------------------------------------------------------------ figures
 def pyplot():
     try:
@@ -232,3 +270,18 @@ def fmt_seeds(values: Sequence) -> str:
 
 
 SEED_STYLES = ("-", "--", ":", "-.")
+
+
+def plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int, names=None) -> None:
+    """One line per seed (line style), one colour per arm."""
+    for i, label in enumerate(labels):
+        for k, s in enumerate(seeds):
+            curve = runs[(label, s)]["loss_curve"]
+            ax.plot(
+                curve_steps(curve, steps),
+                [nan(v) for v in curve],
+                SEED_STYLES[k % len(SEED_STYLES)],
+                color=f"C{i}",
+                lw=1,
+                label=(names or {}).get(label, str(label)) if k == 0 else None,
+            )
