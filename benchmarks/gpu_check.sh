@@ -3,11 +3,11 @@
 # benchmarks/results/gpu; torch preinstalled):
 #   1. make addnorm importable (source tree on PYTHONPATH if it is not installed),
 #   2. run the Triton tests on CUDA,
-#   3. the graph-safety checks (benchmarks/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
+#   3. the graph-safety checks (tools/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
 #      no CUDA-graph skip under reduce-overhead, a tensor on cuda:1 when present, dresidual sharing, in-place ops)
 #      and the per-call host overhead of each backend (benchmarks/bench_overhead.py), both into graph.txt,
 #   4. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144),
-#   5. profile the device kernels of one call (benchmarks/profile_kernels.py) and time a Llama-width transformers
+#   5. profile the device kernels of one call (tools/profile_kernels.py) and time a Llama-width transformers
 #      training step unpatched vs hf.apply (benchmarks/bench_hf_llama.py), into profile.txt and hf_llama.md.
 # Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
 # Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
@@ -42,7 +42,7 @@ echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
 echo "== graph-safety checks and per-call overhead"
 # ~45 s, estimated without a GPU: a few Triton JITs, three Inductor compiles (reduce-overhead; forward + backward and
 # the in-place op through the triton ops), then ~40 timed rows of 7 x 300 tiny calls
-timeout 100 python benchmarks/gpu_graph_check.py 2>&1 | tee "$RESULTS/graph.txt"
+timeout 100 python tools/gpu_graph_check.py 2>&1 | tee "$RESULTS/graph.txt"
 graph_rc=${PIPESTATUS[0]}
 timeout 45 python benchmarks/bench_overhead.py --device cuda --out '' 2>&1 | tee -a "$RESULTS/graph.txt"
 
@@ -57,7 +57,7 @@ bench_rc=${PIPESTATUS[0]}
 
 echo "== device kernels per call (torch.profiler): addnorm, eager, Liger"
 # ~20 s: 3 shapes x 2 modes x 3 providers, 5 profiled calls each; shows device time apart from host overhead
-timeout 90 python benchmarks/profile_kernels.py --shapes 16384x4096,65536x1024,4096x16384 2>&1 \
+timeout 90 python tools/profile_kernels.py --shapes 16384x4096,65536x1024,4096x16384 2>&1 \
     | grep -v -i "warn" | tee "$RESULTS/profile.txt"
 
 echo "== transformers Llama training step (hidden 4096, 4 layers, bf16): unpatched vs hf.apply"
@@ -70,7 +70,7 @@ if [ "${ADDNORM_COMPAT:-0}" = "1" ]; then
     # the machine is offline: .compat-suites/ must travel with the tree (fetched where there is a network)
     echo "== upstream test files (flash-attention, Liger) on CUDA"
     # 8 pytest-xdist workers; the full grids (9,728 + 40 cases), flash-attention's stopped after 200 s if need be
-    timeout 300 python benchmarks/compat_suites.py all --device cuda --backend triton \
+    timeout 300 python tools/compat_suites.py all --device cuda --backend triton \
         --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 200 \
         --json "$RESULTS/compat.json" -- -n 8 2>&1 | tail -25 | tee -a "$RESULTS/tests.txt"
 fi
@@ -83,11 +83,11 @@ if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
 fi
 
 if [ "${ADDNORM_TUNE:-0}" = "1" ]; then
-    # the block-size sweep (benchmarks/tune_triton.py): about 100 settings, ~1 s of JIT each; the summary is in the
+    # the block-size sweep (tools/tune_triton.py): about 100 settings, ~1 s of JIT each; the summary is in the
     # log's last lines, every timing in tune_rms_bf16.csv / .json (with ADDNORM_BENCH_LAYER=1 too: 10 files, over
     # the device tool's 8, so run the two options in separate calls)
     echo "== tuning sweep: add + RMSNorm, bf16"
-    timeout 240 python benchmarks/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS" 2>&1 | tee "$RESULTS/tune.txt"
+    timeout 240 python tools/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS" 2>&1 | tee "$RESULTS/tune.txt"
 fi
 
 echo "done in $(( $(date +%s) - start )) s: tests rc=$tests_rc, graph checks rc=$graph_rc, benchmark rc=$bench_rc;" \

@@ -1,5 +1,6 @@
 """The add + norm benchmark on CPU: a CLI smoke run (numbers not checked, the files are), the napkin math, and the
-wiring of every third-party provider against fake modules with that project's API."""
+wiring of every third-party provider against fake modules with that project's API; and tools/tune_triton.py, the
+block-size sweep built on the benchmark's timing code."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_add_norm.py"
 sys.path.insert(0, str(SCRIPT.parent))
+sys.path.insert(0, str(ROOT / "tools"))  # tune_triton.py
 import bench_add_norm  # noqa: E402
 
 

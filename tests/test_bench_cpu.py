@@ -1,5 +1,5 @@
 """The CPU benchmark scripts as users run them: bench_cpu.py (in-place rows, --out ''), bench_overhead.py, and
-gpu_graph_check.py's refusal without a GPU. Tiny shapes, one repetition."""
+tools/gpu_graph_check.py's refusal without a GPU. Tiny shapes, one repetition."""
 
 from __future__ import annotations
 
@@ -100,6 +100,6 @@ def test_bench_overhead_rejects_bad_arguments():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_gpu_graph_check_says_it_needs_a_gpu():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_graph_check.py")], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "tools" / "gpu_graph_check.py")], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr

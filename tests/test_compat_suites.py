@@ -1,4 +1,4 @@
-"""benchmarks/compat_suites.py (runs flash-attention's and Liger's own test files against addnorm.compat): its
+"""tools/compat_suites.py (runs flash-attention's and Liger's own test files against addnorm.compat): its
 rewrite rules on synthetic upstream-like files, and one end-to-end run on a tiny synthetic suite (no network).
 Also torch.compile(fullgraph=True) of the composed paths behind the compat layers: the same values as eager."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 import compat_suites as cs  # noqa: E402
 

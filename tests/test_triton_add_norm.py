@@ -446,7 +446,7 @@ def test_unavailable_reason(monkeypatch):
 
 
 # Compiled mode differs from the interpreter (scalar types, loop-carried types, specialization): compile every
-# kernel the launchers pick, for sm_90, without a GPU (Triton ships ptxas), with benchmarks/sm90_static.py. Runs in
+# kernel the launchers pick, for sm_90, without a GPU (Triton ships ptxas), with tools/sm90_static.py. Runs in
 # a subprocess because this process imported the kernels in interpreter mode.
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
@@ -458,7 +458,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
 
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 - the NVIDIA backend must be present
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sm90_static.py"
+    script = Path(__file__).resolve().parents[1] / "tools" / "sm90_static.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile from scratch, leave no cache behind
     done = subprocess.run(

@@ -1,7 +1,7 @@
 """The Triton backend under torch.compile: the two routes of addnorm.ops.triton_ops.
 
 - CUDA tensors (compiled kernels): compiled graphs call addnorm::triton_add_norm_fwd/bwd, triton ops whose kernel
-  launches Inductor sees; checked here only on a GPU (and by benchmarks/gpu_graph_check.py).
+  launches Inductor sees; checked here only on a GPU (and by tools/gpu_graph_check.py).
 - CPU tensors in Triton's interpreter: triton ops cannot be traced there (see the module docstring), so compiled
   graphs keep the opaque addnorm::add_norm_fwd; checked everywhere.
 Both routes must give eager's results: forward and backward, with and without dropout.

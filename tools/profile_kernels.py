@@ -1,7 +1,7 @@
 """Which GPU kernels one call launches, and how long each runs: the breakdown behind a row of the benchmark table.
 
-    python benchmarks/profile_kernels.py                             # bf16 add + RMSNorm, 16384 x 4096, fwd and bwd
-    python benchmarks/profile_kernels.py --shapes 65536x1024,1024x65536 --providers addnorm,eager,liger
+    python tools/profile_kernels.py                                  # bf16 add + RMSNorm, 16384 x 4096, fwd and bwd
+    python tools/profile_kernels.py --shapes 65536x1024,1024x65536 --providers addnorm,eager,liger
 
 For each (shape, mode, provider) it runs the benchmark's own provider function (``bench_add_norm.make_provider``,
 same inputs and cotangents) under ``torch.profiler`` for a few calls and prints every device kernel with its
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmark's own timing code
 import bench_add_norm as bench  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """Sweep the Triton launchers' block sizes on a GPU: which ``Tuning`` values move the most bytes per second.
 
-    python benchmarks/tune_triton.py                          # bf16 add + RMSNorm, fwd and bwd, 5 sizes
-    python benchmarks/tune_triton.py --norm layer --sizes 4096,65536
-    TRITON_INTERPRET=1 python benchmarks/tune_triton.py --device cpu --quick    # smoke run (numbers meaningless)
+    python tools/tune_triton.py                               # bf16 add + RMSNorm, fwd and bwd, 5 sizes
+    python tools/tune_triton.py --norm layer --sizes 4096,65536
+    TRITON_INTERPRET=1 python tools/tune_triton.py --device cpu --quick         # smoke run (numbers meaningless)
 
 A coordinate sweep: each knob of :class:`addnorm.ops.triton_add_norm.Tuning` is varied alone around the defaults
 (the other knobs at their defaults), and every setting is timed with ``bench_add_norm.bench_one`` (same inputs,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmark's own timing code
 import bench_add_norm as bench  # noqa: E402
 
 from addnorm.ops import triton_add_norm as T  # noqa: E402

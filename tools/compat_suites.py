@@ -1,10 +1,10 @@
 """Run flash-attention's and Liger-Kernel's OWN test files against addnorm.compat (issue 18's "done when").
 
-    python benchmarks/compat_suites.py liger --backend cpu                      # fetches liger-kernel's sdist
-    python benchmarks/compat_suites.py flash-attn --backend cpu --hidden 192    # one hidden size of the grid
-    TRITON_INTERPRET=1 python benchmarks/compat_suites.py flash-attn --backend triton --seqlen 16 --hidden 192
-    python benchmarks/compat_suites.py all --device cuda --backend triton       # a GPU: full grid, full seqlen
-    python benchmarks/compat_suites.py flash-attn --source flash-attn=DIR       # offline: a folder of the files
+    python tools/compat_suites.py liger --backend cpu                           # fetches liger-kernel's sdist
+    python tools/compat_suites.py flash-attn --backend cpu --hidden 192         # one hidden size of the grid
+    TRITON_INTERPRET=1 python tools/compat_suites.py flash-attn --backend triton --seqlen 16 --hidden 192
+    python tools/compat_suites.py all --device cuda --backend triton            # a GPU: full grid, full seqlen
+    python tools/compat_suites.py flash-attn --source flash-attn=DIR            # offline: a folder of the files
 
 What it does, per suite:
 

@@ -1,9 +1,9 @@
 """Static check of the Triton kernels for Hopper (sm_90), without a GPU: compile every kernel the launchers pick for
 the benchmark's shapes, then read registers, spills and shared memory from ptxas and derive the occupancy.
 
-    python benchmarks/sm90_static.py                    # bf16 add + RMSNorm and LayerNorm, N = 512 ... 262144
-    python benchmarks/sm90_static.py --shapes test      # the small set the test suite compiles (every kernel once)
-    python benchmarks/sm90_static.py --tuning max_bwd_block_n=16384   # what a Tuning change does to the kernels
+    python tools/sm90_static.py                         # bf16 add + RMSNorm and LayerNorm, N = 512 ... 262144
+    python tools/sm90_static.py --shapes test           # the small set the test suite compiles (every kernel once)
+    python tools/sm90_static.py --tuning max_bwd_block_n=16384        # what a Tuning change does to the kernels
 
 Why: a kernel that spills registers to local memory, or that fits only one program per SM, cannot stream at memory
 bandwidth, and both are visible before any GPU run. What this cannot tell: achieved bandwidth, cache behaviour,
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         ptxas = get_ptxas(90)
         head = (
             f"# Static sm_90 check of the Triton kernels (no GPU)\n\n"
-            f"`python benchmarks/sm90_static.py --out {a.out}`: {datetime.date.today()}, triton "
+            f"`python tools/sm90_static.py --out {a.out}`: {datetime.date.today()}, triton "
             f"{triton.__version__}, ptxas {ptxas.version}. Registers and spills from `ptxas -v` on the PTX "
             f"Triton generates for sm_90; programs/SM from Hopper's limits (64K registers, 2048 threads, "
             f"228 KB shared memory per SM). A prediction, not a measurement: see the module docstring.\n\n"

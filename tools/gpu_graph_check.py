@@ -1,6 +1,6 @@
 """GPU-only checks of the Triton path that the CPU test suite can check only structurally (run by gpu_check.sh):
 
-    python benchmarks/gpu_graph_check.py            # prints one line per check and a summary; exit 1 if one fails
+    python tools/gpu_graph_check.py                 # prints one line per check and a summary; exit 1 if one fails
 
 1. graph capture: a CUDA graph captured around a dropout call draws a fresh mask at every replay (the seed is
    drawn on the GPU and read inside the kernel), and the op's outputs hold no CPU tensor;
