@@ -28,10 +28,11 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
         without dropout).
 
     Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
-    the backend or the batch size (auto's size switch): the seed is drawn on x's device by :func:`draw_seed`;
-    element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of (seed, i * N + j) are >= ceil(p * 2^24)
-    (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements are multiplied by 1 / (1 - p) computed
-    in fp64 and rounded to the statistics dtype (:func:`addnorm.reference.dropout_scale`), dropped ones are 0.
+    the backend or the batch size (auto's size switch): the seed is drawn on x's device by
+    :func:`addnorm.ops.contract.draw_seed`; element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of
+    (seed, i * N + j) are >= ceil(p * 2^24) (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements
+    are multiplied by 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
+    (:func:`addnorm.reference.dropout_scale`), dropped ones are 0.
 
     backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight,
              x_dtype, residual_dtype, bias_dtype, cast_before_weight=False)
@@ -60,8 +61,6 @@ uses the torch backend inside one and a kernel backend asked for by name raises.
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 import torch
@@ -69,97 +68,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.backends import ENV_VAR, kernel_module, resolve_backend, resolve_backend_for_trace
-from addnorm.reference import acc_dtype, dropout_keep_mask, dropout_scale
+from addnorm.ops.contract import FLOAT_DTYPES, as_dtype, default_rms_eps, draw_seed, stats_dtype, validate
+from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FLOAT_DTYPE_SET = frozenset(_FLOAT_DTYPES)  # membership by hash, for tensor dtypes: every call checks 2-4
-
-
-def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtype:
-    """Statistics are fp32 unless x or the residual stream is fp64."""
-    return torch.float64 if torch.float64 in (x_dtype, residual_dtype) else torch.float32
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Validation: bad input gets an error naming the argument and what was seen
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _check_float(name: str, t: Tensor) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPE_SET:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-
-
-def _check_like_x(name: str, t: Tensor, x: Tensor) -> None:
-    """A second stream input (residual, x1): float, x's shape, x's device."""
-    _check_float(name, t)
-    if t.shape != x.shape:
-        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
-
-
-def _check_affine(name: str, p: Tensor | None, n: int, x: Tensor) -> None:
-    """A weight or bias (None allowed): float, shape (n,), x's device."""
-    if p is None:
-        return
-    _check_float(name, p)
-    if p.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
-    if p.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
-
-
-def _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
-    _check_float("x", x)
-    if x.dim() < 1:
-        raise ValueError(f"x must have at least one dimension (the normalized one), got shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"x's last dimension (the normalized one) must be > 0, got shape {tuple(x.shape)}")
-    if residual is not None:
-        _check_like_x("residual", residual, x)
-    _check_affine("weight", weight, n, x)
-    _check_affine("bias", bias, n, x)
-    # before eps: eps=None is derived from residual_dtype
-    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:  # (any value: no hashing)
-        raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
-    if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if not _is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-
-
-def _is_real(v) -> bool:
-    # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them; float
-    # and int first, since an isinstance check against the ABC costs about a microsecond on every call
-    return type(v) is float or type(v) is int or isinstance(v, numbers.Real)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # The torch backend: plain PyTorch, differentiable by autograd, traced natively by torch.compile
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
-    # Tensor.to with the same dtype returns t, but only after a trip through the dispatcher (~1-2 us on CPU, several
-    # times per call): on small tensors that is a visible share of the whole op
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def draw_seed(device: torch.device) -> Tensor:
-    """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
-    never leaves the device (a captured CUDA graph replays the draw itself, so each replay should get a fresh mask:
-    benchmarks/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
-    backend draws it this way, which is what makes a seed give the same mask on all of them."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
-
-
-def _torch_add_norm(
+def torch_add_norm(
     x,
     residual,
     weight,
@@ -173,18 +92,18 @@ def _torch_add_norm(
     out_dtype,
 ):
     cd = stats_dtype(x.dtype, residual_dtype)
-    h = _as(x, cd)
+    h = as_dtype(x, cd)
     if dropout_p > 0.0:
         # the contract's mask and scaling (addnorm.reference), not F.dropout: the same bits as the kernel backends
         n = x.shape[-1]
         keep = dropout_keep_mask(draw_seed(x.device), x.numel() // n, n, dropout_p, x.device).reshape(x.shape)
         h = torch.where(keep, h * dropout_scale(dropout_p, cd), torch.zeros((), dtype=cd, device=x.device))
     if residual is not None:
-        h = h + _as(residual, cd)
-    residual_out = _as(h, residual_dtype)  # rounded once; the norm below sees exactly this
-    h = _as(residual_out, cd)
-    w = None if weight is None else (_as(weight, cd) + 1 if zero_centered_weight else _as(weight, cd))
-    b = None if bias is None or is_rms else _as(bias, cd)
+        h = h + as_dtype(residual, cd)
+    residual_out = as_dtype(h, residual_dtype)  # rounded once; the norm below sees exactly this
+    h = as_dtype(residual_out, cd)
+    w = None if weight is None else (as_dtype(weight, cd) + 1 if zero_centered_weight else as_dtype(weight, cd))
+    b = None if bias is None or is_rms else as_dtype(bias, cd)
     n = (x.shape[-1],)
     if cast_before_weight:
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
@@ -201,7 +120,7 @@ def _torch_add_norm(
         out = F.rms_norm(h, n, w, eps)
     else:
         out = F.layer_norm(h, n, w, b, eps)
-    return _as(out, out_dtype), residual_out
+    return as_dtype(out, out_dtype), residual_out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -531,7 +450,7 @@ class _EagerAddNorm(torch.autograd.Function):
 
 
 # autograd.Function.apply without its Python wrapper, which binds default arguments (this forward has none) and
-# unwraps dead functorch wrappers (_add_norm never reaches a kernel backend under a functorch transform): ~3 us a
+# unwraps dead functorch wrappers (run_add_norm never reaches a kernel backend under a functorch transform): ~3 us a
 # call. The wrapper's path where this private attribute is missing.
 _eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _EagerAddNorm.apply)
 
@@ -551,7 +470,7 @@ def _kernel_add_norm(
     backend,
     compiling=False,
 ):
-    # eps and dropout_p arrive as Python floats (_add_norm converted them, once)
+    # eps and dropout_p arrive as Python floats (run_add_norm converted them, once)
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -624,7 +543,7 @@ _triton_op_usable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _add_norm(
+def run_add_norm(
     x,
     residual,
     weight,
@@ -638,11 +557,13 @@ def _add_norm(
     out_dtype,
     backend,
 ):
+    """What the public functions (and add_norm_multi's fused calls) share: validate, resolve the backend, run the
+    torch backend or the kernel route. Arguments positional, in the order of the signature."""
     if is_rms and eps is None:
-        eps = _default_rms_eps(x, residual, residual_dtype)
-    _validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
+        eps = default_rms_eps(x, residual, residual_dtype)
+    validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
     eps, dropout_p = float(eps), float(dropout_p)
-    if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be a floating dtype or None, got {out_dtype!r}")
     if residual_dtype is None:
         residual_dtype = residual.dtype if residual is not None else x.dtype
@@ -671,21 +592,8 @@ def _add_norm(
         out_dtype,
     )
     if name == "torch":
-        return _torch_add_norm(*args)
+        return torch_add_norm(*args)
     return _kernel_add_norm(*args, name, compiling)
-
-
-def _default_rms_eps(x, residual, residual_dtype):
-    """eps=None: machine epsilon of the dtype being normalized, residual_out's (residual_dtype, else the residual's
-    dtype, else x's), as F.rms_norm takes its input's. x's dtype would be wrong for an fp32 residual stream with
-    bf16 activations: 2^-7 instead of 1.2e-7. Unusable input is left for _validate to name (None stays None)."""
-    for dt in (residual_dtype, getattr(residual, "dtype", None), getattr(x, "dtype", None)):
-        if dt is not None:
-            return _MACHINE_EPS.get(dt) if dt in _FLOAT_DTYPES else None
-    return None
-
-
-_MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in _FLOAT_DTYPES}  # torch.finfo() costs ~0.5 us a call
 
 
 def _backend_under_functorch(backend: str, name: str) -> str:
@@ -723,7 +631,7 @@ def add_layer_norm(
     ``zero_centered_weight`` scales by ``1 + weight`` (Gemma); ``cast_before_weight`` rounds the normalized value to
     x's dtype before the weight and bias (Hugging Face Llama's order; see the module docstring).
     """
-    return _add_norm(
+    return run_add_norm(
         x,
         residual,
         weight,
@@ -758,7 +666,7 @@ def add_rms_norm(
     residual's dtype, else x's), as ``torch.nn.functional.rms_norm`` takes its input's. The other options are those
     of :func:`add_layer_norm`.
     """
-    return _add_norm(
+    return run_add_norm(
         x,
         residual,
         weight,
@@ -803,7 +711,3 @@ def rms_norm(
     return add_rms_norm(
         x, None, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype, backend=backend
     )[0]
-
-
-# Re-exported for kernel backends that want the same statistics dtype rule.
-__all__ += ["stats_dtype", "acc_dtype"]

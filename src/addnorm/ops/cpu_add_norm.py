@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from addnorm import reference as _ref
-from addnorm.ops.add_norm import stats_dtype
+from addnorm.ops.contract import stats_dtype
 
 try:
     import numba

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import stats_dtype
+from addnorm.ops.contract import stats_dtype
 from addnorm.ops.triton_kernels import (  # the kernels stay reachable here (tests, benchmarks, triton_ops)
     _bwd_row_sums_kernel,
     _bwd_rows_kernel,

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from addnorm.ops import triton_add_norm as T
-from addnorm.ops.add_norm import _backward, _setup_context, draw_seed, stats_dtype
+from addnorm.ops.add_norm import _backward, _setup_context
+from addnorm.ops.contract import draw_seed, stats_dtype
 
 __all__ = ["usable"]
 
