@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import _triton_op_usable, torch_add_norm
-from addnorm.ops.backends import kernel_module, resolve_backend, resolve_backend_for_trace
+from addnorm.ops.add_norm import torch_add_norm
+from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import default_rms_eps, stats_dtype, validate
 
 __all__ = ["add_layer_norm_", "add_rms_norm_"]
@@ -144,8 +144,9 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
         name = resolve_backend_for_trace(backend, x.device.type)
         if name == "torch":
             _inplace_impl(*args, name)  # plain PyTorch: traced as it is
-        elif name == "triton" and _triton_op_usable(x.device.type):
-            torch.ops.addnorm.triton_add_norm_(*args)  # a triton op: Inductor sees the kernels (addnorm.ops.triton_ops)
+        elif compiled_ops_usable(name, x.device.type):
+            # the backend's own op (addnorm::triton_add_norm_, a triton op): Inductor sees the kernels
+            getattr(torch.ops.addnorm, f"{name}_add_norm_")(*args)
         else:
             torch.ops.addnorm.add_norm_(*args, name)
     else:

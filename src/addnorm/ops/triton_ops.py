@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from addnorm.ops import triton_add_norm as T
-from addnorm.ops.add_norm import _backward, _setup_context
 from addnorm.ops.contract import draw_seed, stats_dtype
+from addnorm.ops.kernel_ops import backward, setup_context
 
 __all__ = ["usable"]
 
@@ -201,11 +201,11 @@ def _bwd_call(
 
 def _setup(ctx, inputs, output):
     # add_norm_fwd's inputs have `backend` after store_residual_out: the shared code reads them in that layout
-    _setup_context(ctx, (*inputs[:10], "triton", *inputs[10:]), output, bwd_op=_bwd_call)
+    setup_context(ctx, (*inputs[:10], "triton", *inputs[10:]), output, bwd_op=_bwd_call)
 
 
 def _backward_triton(ctx, *grads):
-    return _backward(ctx, *grads)[:12]  # add_norm_fwd has 13 inputs; the 12 here lack `backend` (its grad is None)
+    return backward(ctx, *grads)[:12]  # add_norm_fwd has 13 inputs; the 12 here lack `backend` (its grad is None)
 
 
 _fwd_op.register_autograd(_backward_triton, setup_context=_setup)
