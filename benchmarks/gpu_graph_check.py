@@ -7,7 +7,7 @@
 2. torch.compile(mode="reduce-overhead") of a function with the dropout op: Inductor's count of CUDA-graph skips
    stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip), and dynamo breaks no graph;
    Inductor sees the kernels: the compiled forward and backward, and the in-place serving op, launch addnorm's
-   Triton kernels themselves through the triton ops (addnorm.ops.triton_ops), no opaque addnorm op call left;
+   Triton kernels themselves through the triton ops (addnorm.ops.triton.compiled), no opaque addnorm op call left;
 3. device guard: tensors on cuda:1 while cuda:0 is current give the reference backend's result on cuda:1 (skipped
    with one GPU);
 4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones;

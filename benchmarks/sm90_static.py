@@ -39,7 +39,7 @@ from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
-from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
 
 KERNELS = ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel")
 SM_COUNT = 132  # H100 SXM / H200

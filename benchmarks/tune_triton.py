@@ -4,7 +4,7 @@
     python benchmarks/tune_triton.py --norm layer --sizes 4096,65536
     TRITON_INTERPRET=1 python benchmarks/tune_triton.py --device cpu --quick    # smoke run (numbers meaningless)
 
-A coordinate sweep: each knob of :class:`addnorm.ops.triton_add_norm.Tuning` is varied alone around the defaults
+A coordinate sweep: each knob of :class:`addnorm.ops.triton.launch.Tuning` is varied alone around the defaults
 (the other knobs at their defaults), and every setting is timed with ``bench_add_norm.bench_one`` (same inputs,
 byte counts and timing as the benchmark table, so the GB/s compare directly). A knob that does not change the
 kernels the launcher picks at an N (e.g. ``max_bwd_block_n`` far above N) is skipped there rather than timed twice.
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_add_norm as bench  # noqa: E402
 
-from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
 
 # the values tried for each knob (the default is always among them)
 KNOBS: dict[str, tuple[int, ...]] = {

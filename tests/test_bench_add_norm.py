@@ -288,7 +288,7 @@ def test_liger_without_the_fused_add_is_not_available(monkeypatch):
 
 def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
     pytest.importorskip("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     if T.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(T.unavailable_reason(torch.device("cpu")))
@@ -368,7 +368,7 @@ def test_tune_triton_plans_tell_the_two_backward_grids_apart():
 
     import tune_triton
 
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     base = T.Tuning()
 

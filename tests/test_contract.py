@@ -277,7 +277,7 @@ def test_seed_is_drawn_from_the_devices_generator():
 
 def test_triton_launches_under_a_guard_for_tensors_on_another_gpu(monkeypatch):
     pytest.importorskip("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     class OnGpu:  # what the guard reads of a CUDA tensor (none can be made on this machine)
         is_cuda = True
@@ -300,7 +300,7 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
     """Rows wider than the register limit take the looped kernels (forward) and the row-sums + tiles kernels
     (backward): the same keep-function there, so the same residual_out and the same dropped gradients."""
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
     g = torch.Generator().manual_seed(5)
@@ -354,7 +354,7 @@ def test_triton_inference_call_writes_no_statistics(monkeypatch):
     """Under inference_mode the public call allocates no mean/rstd: the kernel gets the persistent scratch tensor
     for its accumulation type and must leave it untouched (STORE_STATS off)."""
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     x, r, w, b = torch.randn(4, 48), torch.randn(4, 48), torch.randn(48), torch.randn(48)
     scratch = T._scratch(x.device, torch.float32)

@@ -103,7 +103,7 @@ def test_compiled_graph_still_calls_the_custom_op():
 
 def _triton():
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     return T
 

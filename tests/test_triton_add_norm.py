@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm  # noqa: E402
-from addnorm.ops import triton_add_norm as T  # noqa: E402
 from addnorm.ops.backends import unavailable_reason  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.reference import stats_naive  # noqa: E402
 from addnorm.testing import assert_close, oracle  # noqa: E402
 

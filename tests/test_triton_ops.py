@@ -1,4 +1,4 @@
-"""The Triton backend under torch.compile: the two routes of addnorm.ops.triton_ops.
+"""The Triton backend under torch.compile: the two routes of addnorm.ops.triton.compiled.
 
 - CUDA tensors (compiled kernels): compiled graphs call addnorm::triton_add_norm_fwd/bwd, triton ops whose kernel
   launches Inductor sees; checked here only on a GPU (and by benchmarks/gpu_graph_check.py).
@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm  # noqa: E402
-from addnorm.ops import triton_add_norm as T  # noqa: E402
-from addnorm.ops import triton_ops  # noqa: E402
+from addnorm.ops.triton import compiled as compiled_ops  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
 
 LN, RMS = False, True
 FWD_ARGS = (1e-5, True, 0.0, torch.float32, False, True)  # eps, is_rms, dropout_p, residual_dtype, zc, store
@@ -69,10 +69,10 @@ def _same(a, b, bitwise):
 
 
 def test_routing_by_device():
-    assert not triton_ops.usable("cpu")
-    assert not triton_ops.usable("meta")
+    assert not compiled_ops.usable("cpu")
+    assert not compiled_ops.usable("meta")
     # kernels built for the interpreter (this process, without a GPU) cannot be traced even for CUDA tensors
-    assert triton_ops.usable("cuda") == (torch.cuda.is_available() and not T._interpreted())
+    assert compiled_ops.usable("cuda") == (torch.cuda.is_available() and not T._interpreted())
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
@@ -149,7 +149,7 @@ def test_compile_fullgraph_equals_eager(device, is_rms, p):
             got = _run(compiled, leaves)
     else:
         got = _run(compiled, leaves)
-    want_op = "addnorm.triton_add_norm_fwd" if triton_ops.usable(device.type) else "addnorm.add_norm_fwd"
+    want_op = "addnorm.triton_add_norm_fwd" if compiled_ops.usable(device.type) else "addnorm.add_norm_fwd"
     assert any(want_op in s for s in seen), seen
     _same(got, eager, bitwise=device.type != "cuda")  # Inductor may fuse the sums around the op differently
 
@@ -208,7 +208,7 @@ def test_compile_inplace_equals_eager(device, is_rms):
         want = step(xe, re_, w, b)
         torch._dynamo.reset()
         got = torch.compile(step, fullgraph=True, backend=recording)(x, r, w, b)
-    op = "addnorm.triton_add_norm_" if triton_ops.usable(device.type) else "addnorm.add_norm_"
+    op = "addnorm.triton_add_norm_" if compiled_ops.usable(device.type) else "addnorm.add_norm_"
     assert any(op in t for t in seen), seen
     assert torch.equal(x, xe) and torch.equal(r, re_) and torch.equal(got, want)
 
@@ -307,7 +307,7 @@ import contextlib, json, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from functorch.compile import aot_function, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from addnorm.ops import triton_add_norm as T, triton_ops  # noqa: F401 - registers the ops
+from addnorm.ops.triton import compiled, launch as T  # noqa: F401 - registers the ops
 T._programs = lambda device, per_sm: per_sm * 132  # no device properties to read on fake tensors
 T._device_guard = lambda device: contextlib.nullcontext()
 graphs = []
@@ -348,7 +348,7 @@ _JOINT_SCRIPT = r"""
 import json, torch
 from functorch.compile import aot_function, make_boxed_func, default_partition
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from addnorm.ops import triton_ops  # noqa: F401 - registers the ops
+from addnorm.ops.triton import compiled  # noqa: F401 - registers the ops
 joint = []
 
 def record(joint_module, joint_inputs, **kw):

@@ -47,8 +47,8 @@ way: the backward computes it once and autograd receives the same tensor as both
 The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd``
 (:mod:`addnorm.ops.kernel_ops`), with fake implementations and registered autograd, so
 ``torch.compile(fullgraph=True)`` traces through them without a graph break. On CUDA tensors compiled graphs run the
-Triton backend through ``addnorm::triton_add_norm_fwd``/``_bwd`` instead (:mod:`addnorm.ops.triton_ops`): the same
-arguments and autograd, but triton ops whose kernel launches Inductor sees. Eager calls use neither: a plain
+Triton backend through ``addnorm::triton_add_norm_fwd``/``_bwd`` instead (:mod:`addnorm.ops.triton.compiled`): the
+same arguments and autograd, but triton ops whose kernel launches Inductor sees. Eager calls use neither: a plain
 autograd.Function calls the kernels (no dispatcher in the way). The ``torch`` backend is plain PyTorch: the readable
 one, the fallback and the baseline.
 

@@ -9,7 +9,7 @@ backends, and inputs the kernels cannot write, compute out of place and copy bac
 no autograd (a tensor that requires grad is an error). Under ``torch.compile`` the kernel backends run as the
 custom op ``addnorm::add_norm_``, which declares that it mutates x and residual, so ``fullgraph=True`` traces
 through it (the Triton backend on CUDA tensors as the triton op ``addnorm::triton_add_norm_``, whose kernels
-Inductor sees: :mod:`addnorm.ops.triton_ops`).
+Inductor sees: :mod:`addnorm.ops.triton.compiled`).
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "reference": KernelBackend("reference", "addnorm.ops.reference_backend", "nothing (always available)"),
     "triton": KernelBackend(
         "triton",
-        "addnorm.ops.triton_add_norm",
+        "addnorm.ops.triton.launch",
         "a CUDA GPU and `pip install 'addnorm[triton]'` (or TRITON_INTERPRET=1 to run the kernels on CPU tensors)",
-        compiled_module="addnorm.ops.triton_ops",
+        compiled_module="addnorm.ops.triton.compiled",
     ),
     "cpu": KernelBackend("cpu", "addnorm.ops.cpu_add_norm", "`pip install numba` (a core dependency of addnorm)"),
 }

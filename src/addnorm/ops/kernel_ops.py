@@ -214,7 +214,7 @@ def _(
 
 def setup_context(ctx, inputs, output, *, eager: bool = False, bwd_op=None):
     """Saves what the backward needs. ``bwd_op``: the backward op of a compiled graph, called with add_norm_bwd's
-    arguments (None: addnorm::add_norm_bwd; the triton ops of addnorm.ops.triton_ops pass their own)."""
+    arguments (None: addnorm::add_norm_bwd; the triton ops of addnorm.ops.triton.compiled pass their own)."""
     x, residual, weight, bias, eps, is_rms, dropout_p, residual_dtype, zc, store, backend, *rest = inputs
     cbw = bool(rest and rest[0])  # the op's last arguments have defaults: called positionally, they may be absent
     out, res_out, mean, rstd, seed = output

@@ -7,7 +7,7 @@ kernel launch wrapped by ``torch.library.wrap_triton``: AOTAutograd decomposes t
 capture them in its CUDA graphs). Arguments, results and autograd are add_norm_fwd's/add_norm_bwd's (less
 ``backend``); ``addnorm::triton_add_norm_`` is the in-place serving op ``addnorm::add_norm_`` likewise. Compiled
 graphs with ``backend="triton"`` on CUDA tensors use these ops; eager calls keep the plain autograd.Function of
-:mod:`addnorm.ops.add_norm` and the direct kernel call of :mod:`addnorm.ops.add_norm_inplace` (no dispatch at all).
+:mod:`addnorm.ops.kernel_ops` and the direct kernel call of :mod:`addnorm.ops.add_norm_inplace` (no dispatch at all).
 
 Why CUDA only (torch 2.13, triton 3.9). A triton_op registers its implementation as its own fake kernel (it must be
 traceable on fake tensors), and under ``TRITON_INTERPRET=1`` ``wrap_triton`` returns the interpreted kernel
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops import triton_add_norm as T
 from addnorm.ops.contract import draw_seed, stats_dtype
 from addnorm.ops.kernel_ops import backward, setup_context
+from addnorm.ops.triton import launch as T
 
 __all__ = ["usable"]
 

@@ -1,5 +1,5 @@
 """The ``triton`` backend of :mod:`addnorm.ops.add_norm`: block sizes, launch plans and the kernel contract around
-the Triton kernels of :mod:`addnorm.ops.triton_kernels` (the math is written out there).
+the Triton kernels of :mod:`addnorm.ops.triton.kernels` (the math is written out there).
 
 Layout of the work:
 - rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.contract import stats_dtype
-from addnorm.ops.triton_kernels import (  # the kernels stay reachable here (tests, benchmarks, triton_ops)
+from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     _bwd_row_sums_kernel,
     _bwd_rows_kernel,
     _bwd_tiles_kernel,
@@ -91,7 +91,7 @@ def _pow2(n: int) -> int:
 def _f32(v: float) -> float:
     """v rounded to the nearest fp32 value (ties to even), as a Python float. Plain Python, not a torch.tensor
     round trip: the launchers also run on fake tensors (torch.compile traces them through the triton ops of
-    :mod:`addnorm.ops.triton_ops`), where a tensor's value cannot be read back."""
+    :mod:`addnorm.ops.triton.compiled`), where a tensor's value cannot be read back."""
     try:
         return struct.unpack("f", struct.pack("f", v))[0]
     except OverflowError:  # beyond fp32's range: inf, as a torch.float32 conversion gives
@@ -165,8 +165,8 @@ def _vec(t: Tensor | None) -> Tensor | None:
 
 def _kernel(kernel, traceable: bool):
     """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
-    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton_ops`; an eager
-    launch through the wrapper costs ~1 ms of dispatch)."""
+    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton.compiled`; an
+    eager launch through the wrapper costs ~1 ms of dispatch)."""
     if not traceable:
         return kernel
     from torch.library import wrap_triton
@@ -450,7 +450,7 @@ def unavailable_reason(device: torch.device) -> str | None:
             return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); use backend='cpu'"
         if not _interpreted():
             return (
-                "TRITON_INTERPRET=1 was set after addnorm.ops.triton_add_norm was imported; set it before "
+                "TRITON_INTERPRET=1 was set after addnorm.ops.triton.kernels was imported; set it before "
                 "importing addnorm (Triton decides at import) or use backend='cpu'"
             )
         return None
@@ -527,8 +527,8 @@ def forward_into(
     """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None
     for RMSNorm; mean and rstd None: statistics not stored, the serving case). out may be x and res_out the
     residual (the in-place ops): each element is read before it is written, by the thread that writes it, and out
-    is written only after the row's statistics (after all of x was read).
-    ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
+    is written only after the row's statistics (after all of x was read). ``traceable``: launch through
+    ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton.compiled`)."""
     if x.shape[0] > 0:
         with _device_guard(x):
             _fwd_launch(

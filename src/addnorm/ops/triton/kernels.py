@@ -1,4 +1,4 @@
-"""The Triton kernels of the ``triton`` backend (:mod:`addnorm.ops.triton_add_norm` picks block sizes and
+"""The Triton kernels of the ``triton`` backend (:mod:`addnorm.ops.triton.launch` picks block sizes and
 launches them).
 
 The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
