@@ -114,7 +114,7 @@ def main() -> int:
 
         _, codes = run_and_get_code(step)
         code = "\n".join(codes)
-        launched = [k for k in ("_fwd_rows_kernel", "_bwd_rows_kernel") if k in code]
+        launched = [k for k in ("fwd_rows_kernel", "bwd_rows_kernel") if k in code]
         opaque = "torch.ops.addnorm" in code
 
         def serve(x, r, w):  # the in-place serving op, compiled as a decode step would be
@@ -125,7 +125,7 @@ def main() -> int:
         with torch.inference_mode():
             _, codes = run_and_get_code(torch.compile(serve, fullgraph=True), xi, ri, w)
         inplace_code = "\n".join(codes)
-        inplace_ok = "_fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
+        inplace_ok = "fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
         exp_out, exp_res = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
         inplace_ok = inplace_ok and torch.equal(xi, exp_out) and torch.equal(ri, exp_res)
         breaks = sum(counters["graph_break"].values())

@@ -300,9 +300,9 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
     """Rows wider than the register limit take the looped kernels (forward) and the row-sums + tiles kernels
     (backward): the same keep-function there, so the same residual_out and the same dropped gradients."""
     _skip_unavailable("triton")
-    from addnorm.ops.triton import launch as T
+    from addnorm.ops.triton import plan
 
-    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
     g = torch.Generator().manual_seed(5)
     x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
     grads = {}
@@ -330,7 +330,9 @@ def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, loop
         pytest.skip("only the Triton backend has a looped path")
     mod = backends.kernel_module(backend)
     if looped:
-        monkeypatch.setattr(mod, "TUNING", mod.Tuning(max_fwd_block_n=32, loop_block_n=16))
+        from addnorm.ops.triton import plan
+
+        monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, loop_block_n=16))
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
     w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)

@@ -25,14 +25,21 @@ from torch import Tensor
 
 from addnorm.ops.contract import draw_seed, stats_dtype
 from addnorm.ops.kernel_ops import backward, setup_context
-from addnorm.ops.triton import launch as T
+from addnorm.ops.triton import launch
+from addnorm.ops.triton.kernels import (
+    bwd_row_sums_kernel,
+    bwd_rows_kernel,
+    bwd_tiles_kernel,
+    fwd_looped_kernel,
+    fwd_rows_kernel,
+)
 
 __all__ = ["usable"]
 
 
 def usable(device_type: str) -> bool:
     """Whether compiled graphs on ``device_type`` tensors can run the triton ops: CUDA, kernels not interpreted."""
-    return device_type == "cuda" and T.triton is not None and not T._interpreted()
+    return device_type == "cuda" and launch.triton is not None and not launch.interpreted()
 
 
 def _fwd(
@@ -52,7 +59,7 @@ def _fwd(
     """add_norm_fwd on the Triton kernels: (out, residual_out or empty, mean or empty, rstd, seed or empty). Fresh
     outputs only (a custom op may not alias its inputs): the launchers allocate every result."""
     seed = draw_seed(x.device) if dropout_p > 0 else None
-    out, res_out, mean, rstd = T.forward(
+    out, res_out, mean, rstd = launch.forward(
         x,
         residual,
         weight,
@@ -94,7 +101,7 @@ def _bwd(
     cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """add_norm_bwd on the Triton kernels: (dx, dresidual, dweight, dbias), an empty tensor for each absent one."""
-    grads = T.backward(
+    grads = launch.backward(
         dout,
         dresidual_out,
         h,
@@ -141,9 +148,9 @@ def _inplace(
         sd = stats_dtype(x.dtype, residual.dtype)
         rstd = torch.empty(x2.shape[0], dtype=sd, device=x.device)
         mean = None if is_rms else torch.empty(x2.shape[0], dtype=sd, device=x.device)
-        T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
+        launch.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
         return
-    out, res, _, _ = T.forward(
+    out, res, _, _ = launch.forward(
         x.reshape(-1, n),
         residual.reshape(-1, n),
         weight,
@@ -215,6 +222,6 @@ _fwd_op.register_autograd(_backward_triton, setup_context=_setup)
 # them, so that editing a kernel invalidates cached graphs; a private table, hence the guard.
 _table = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", None)
 if isinstance(_table, dict):
-    _table["addnorm::triton_add_norm_fwd"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
-    _table["addnorm::triton_add_norm_bwd"] = [T._bwd_rows_kernel, T._bwd_row_sums_kernel, T._bwd_tiles_kernel]
-    _table["addnorm::triton_add_norm_"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
+    _table["addnorm::triton_add_norm_fwd"] = [fwd_rows_kernel, fwd_looped_kernel]
+    _table["addnorm::triton_add_norm_bwd"] = [bwd_rows_kernel, bwd_row_sums_kernel, bwd_tiles_kernel]
+    _table["addnorm::triton_add_norm_"] = [fwd_rows_kernel, fwd_looped_kernel]
