@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from addnorm.ops import cpu_add_norm as cpu
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend
+from addnorm.ops.cpu import launch as cpu
 from addnorm.reference import add_norm_bwd_ref, add_norm_ref, dropout_keep_mask
 from addnorm.testing import assert_close, oracle
 
@@ -353,7 +353,7 @@ def test_auto_is_cpu_and_reasons():
 def test_reason_without_numba():
     code = (
         "import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
-        "import addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))"
+        "import addnorm.ops.cpu.launch as c\nprint(c.unavailable_reason('cpu'))"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -368,7 +368,7 @@ def test_warm_start_loads_kernels_from_cache():
         import json, time, torch
         t0 = time.perf_counter()
         from addnorm.ops.add_norm import add_rms_norm
-        from addnorm.ops import cpu_add_norm as cpu
+        from addnorm.ops.cpu import launch as cpu
         x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
         t1 = time.perf_counter()
         add_rms_norm(x, r, w, backend="cpu")

@@ -48,7 +48,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         "a CUDA GPU and `pip install 'addnorm[triton]'` (or TRITON_INTERPRET=1 to run the kernels on CPU tensors)",
         compiled_module="addnorm.ops.triton.compiled",
     ),
-    "cpu": KernelBackend("cpu", "addnorm.ops.cpu_add_norm", "`pip install numba` (a core dependency of addnorm)"),
+    "cpu": KernelBackend("cpu", "addnorm.ops.cpu.launch", "`pip install numba` (a core dependency of addnorm)"),
 }
 
 # auto's order of preference per device type
