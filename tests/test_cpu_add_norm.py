@@ -373,7 +373,7 @@ def test_warm_start_loads_kernels_from_cache():
         t1 = time.perf_counter()
         add_rms_norm(x, r, w, backend="cpu")
         t2 = time.perf_counter()
-        stats = cpu._fwd_serial.stats
+        stats = cpu.fwd_serial.stats
         print(json.dumps({"misses": sum(stats.cache_misses.values()), "hits": sum(stats.cache_hits.values()),
                           "import_s": t1 - t0, "first_call_s": t2 - t1}))
     """)
@@ -502,8 +502,8 @@ def test_few_rows_backward_splits_columns_bitwise_like_serial(monkeypatch, is_rm
     w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     dout, dres_out = torch.randn(m, n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
     calls = []
-    real = cpu._bwd_cols_parallel
-    monkeypatch.setattr(cpu, "_bwd_cols_parallel", lambda *a: calls.append(1) or real(*a))
+    real = cpu.bwd_cols_parallel
+    monkeypatch.setattr(cpu, "bwd_cols_parallel", lambda *a: calls.append(1) or real(*a))
     p = 0.3 if dropout else 0.0
     results = []
     before = torch.get_num_threads()
