@@ -29,7 +29,7 @@ def main() -> int:
         print("gpu_graph_check.py: needs a CUDA GPU (these checks are about CUDA graphs and devices)", file=sys.stderr)
         return 2
     import addnorm
-    import addnorm.ops.add_norm  # noqa: F401  (registers the addnorm:: custom ops; `import addnorm` is lazy)
+    import addnorm.ops.kernel_ops  # noqa: F401  (registers the addnorm:: custom ops; `import addnorm` is lazy)
 
     results: list[tuple[str, str, str]] = []
 

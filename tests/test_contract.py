@@ -267,7 +267,7 @@ def test_op_outputs_stay_on_the_inputs_device_seed_included():
 
 
 def test_seed_is_drawn_from_the_devices_generator():
-    from addnorm.ops.add_norm import draw_seed
+    from addnorm.ops.contract import draw_seed
 
     torch.manual_seed(3)
     a = draw_seed(torch.device("cpu"))

@@ -80,7 +80,7 @@ __all__ = [
 
 # Flags for the row reductions only: reassociation lets LLVM keep 8 partial sums in a vector register (faster, and
 # no less accurate than one sequential sum). Elementwise code stays IEEE-exact so residual_out is bit-identical to
-# the reference. No nnan/ninf: NaN and inf must propagate.
+# the float oracle of addnorm.reference. No nnan/ninf: NaN and inf must propagate.
 FAST = {"reassoc", "contract"}
 # error_model="numpy": a float division by zero is IEEE (inf/nan), as in torch. numba's default ("python") raises
 # ZeroDivisionError, which a constant row with eps=0 (rstd = 1/sqrt(0)) hit in the middle of a kernel.

@@ -235,7 +235,7 @@ def forward_into(
     R, sr = H, sh  # placeholder of a type the kernel is compiled for anyway
     if residual is not None:
         if residual.dtype not in ((res_out if store else x).dtype, sd):
-            residual = residual.to(sd)  # exact (or the reference's own rounding of an fp64 residual)
+            residual = residual.to(sd)  # exact (or the float oracle's own rounding of an fp64 residual)
         R, sr = _rows(residual)
     Rstd = rstd.numpy()
     Mean = Rstd if is_rms else mean.numpy()
