@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm  # noqa: E402
+from addnorm.ops import backends  # noqa: E402
 from addnorm.ops.triton import compiled as compiled_ops  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 
@@ -73,6 +74,11 @@ def test_routing_by_device():
     assert not compiled_ops.usable("meta")
     # kernels built for the interpreter (this process, without a GPU) cannot be traced even for CUDA tensors
     assert compiled_ops.usable("cuda") == (torch.cuda.is_available() and not T.interpreted())
+    # the registry's view of it (KernelBackend.compiled_module): only the Triton backend has ops of its own
+    for device_type in ("cpu", "cuda"):
+        assert backends.compiled_ops_usable("triton", device_type) == compiled_ops.usable(device_type)
+        assert not backends.compiled_ops_usable("cpu", device_type)
+        assert not backends.compiled_ops_usable("reference", device_type)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
