@@ -108,14 +108,14 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     import torch
     import torch.nn.functional as F
 
-    from addnorm.ops import cpu_add_norm
     from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
     from addnorm.ops.add_norm_inplace import add_layer_norm_, add_rms_norm_
+    from addnorm.ops.cpu import launch as cpu_launch
 
     loadavg_before = os.getloadavg()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    reason = cpu_add_norm.unavailable_reason("cpu")
+    reason = cpu_launch.unavailable_reason("cpu")
     if reason is not None:
         raise SystemExit(f"the cpu backend is unavailable: {reason}")
     is_rms = cfg.norm == "rms"
@@ -186,7 +186,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             rstd_pre = torch.empty(m, dtype=sd)
 
             def kernel():
-                cpu_add_norm.forward_into(
+                cpu_launch.forward_into(
                     out_pre,
                     res_pre,
                     mean_pre,

@@ -290,7 +290,8 @@ def test_liger_without_the_fused_add_is_not_available(monkeypatch):
 
 def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
     pytest.importorskip("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
+    from addnorm.ops.triton import plan as P
 
     if T.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(T.unavailable_reason(torch.device("cpu")))
@@ -319,7 +320,7 @@ def test_tune_triton_sweeps_each_knob_once_and_restores_the_defaults():
         ("max_fwd_block_n", 128, "fwd"),
     }
     assert all(r["gbps"] > 0 and not r["note"] for r in rows), rows
-    assert T.TUNING == T.Tuning()
+    assert P.TUNING == P.Tuning()
     best = tune_triton.best_per_size(rows)
     assert {(b["n"], b["mode"]) for b in best} == {(300, "fwd"), (300, "bwd")}
     assert all(b["gain"] >= 1 and b["best_gbps"] >= b["default_gbps"] for b in best)
@@ -370,9 +371,9 @@ def test_tune_triton_plans_tell_the_two_backward_grids_apart():
 
     import tune_triton
 
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import plan as P
 
-    base = T.Tuning()
+    base = P.Tuning()
 
     def plan(n, **knob):
         return tune_triton._launch_plan(dataclasses.replace(base, **knob), 64, n, "bwd")

@@ -68,7 +68,7 @@ def test_bench_overhead_triton_python_only_rows_launch_nothing(capsys):
 
     if backends.unavailable_reason("triton", torch.device("cpu")) is not None:
         pytest.skip(backends.unavailable_reason("triton", torch.device("cpu")))
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     real = T._kernel
     assert (

@@ -267,7 +267,7 @@ def test_op_outputs_stay_on_the_inputs_device_seed_included():
 
 
 def test_seed_is_drawn_from_the_devices_generator():
-    from addnorm.ops.add_norm import draw_seed
+    from addnorm.ops.contract import draw_seed
 
     torch.manual_seed(3)
     a = draw_seed(torch.device("cpu"))
@@ -277,7 +277,7 @@ def test_seed_is_drawn_from_the_devices_generator():
 
 def test_triton_launches_under_a_guard_for_tensors_on_another_gpu(monkeypatch):
     pytest.importorskip("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     class OnGpu:  # what the guard reads of a CUDA tensor (none can be made on this machine)
         is_cuda = True
@@ -300,9 +300,9 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
     """Rows wider than the register limit take the looped kernels (forward) and the row-sums + tiles kernels
     (backward): the same keep-function there, so the same residual_out and the same dropped gradients."""
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import plan
 
-    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
     g = torch.Generator().manual_seed(5)
     x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
     grads = {}
@@ -330,7 +330,9 @@ def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, loop
         pytest.skip("only the Triton backend has a looped path")
     mod = backends.kernel_module(backend)
     if looped:
-        monkeypatch.setattr(mod, "TUNING", mod.Tuning(max_fwd_block_n=32, loop_block_n=16))
+        from addnorm.ops.triton import plan
+
+        monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, loop_block_n=16))
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
     w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)
@@ -354,7 +356,7 @@ def test_triton_inference_call_writes_no_statistics(monkeypatch):
     """Under inference_mode the public call allocates no mean/rstd: the kernel gets the persistent scratch tensor
     for its accumulation type and must leave it untouched (STORE_STATS off)."""
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import launch as T
 
     x, r, w, b = torch.randn(4, 48), torch.randn(4, 48), torch.randn(48), torch.randn(48)
     scratch = T._scratch(x.device, torch.float32)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from addnorm.ops import cpu_add_norm as cpu
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend
+from addnorm.ops.cpu import launch as cpu
 from addnorm.reference import add_norm_bwd_ref, add_norm_ref, dropout_keep_mask
 from addnorm.testing import assert_close, oracle
 
@@ -353,7 +353,7 @@ def test_auto_is_cpu_and_reasons():
 def test_reason_without_numba():
     code = (
         "import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
-        "import addnorm.ops.cpu_add_norm as c\nprint(c.unavailable_reason('cpu'))"
+        "import addnorm.ops.cpu.launch as c\nprint(c.unavailable_reason('cpu'))"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -368,12 +368,12 @@ def test_warm_start_loads_kernels_from_cache():
         import json, time, torch
         t0 = time.perf_counter()
         from addnorm.ops.add_norm import add_rms_norm
-        from addnorm.ops import cpu_add_norm as cpu
+        from addnorm.ops.cpu import launch as cpu
         x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
         t1 = time.perf_counter()
         add_rms_norm(x, r, w, backend="cpu")
         t2 = time.perf_counter()
-        stats = cpu._fwd_serial.stats
+        stats = cpu.fwd_serial.stats
         print(json.dumps({"misses": sum(stats.cache_misses.values()), "hits": sum(stats.cache_hits.values()),
                           "import_s": t1 - t0, "first_call_s": t2 - t1}))
     """)
@@ -502,8 +502,8 @@ def test_few_rows_backward_splits_columns_bitwise_like_serial(monkeypatch, is_rm
     w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     dout, dres_out = torch.randn(m, n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
     calls = []
-    real = cpu._bwd_cols_parallel
-    monkeypatch.setattr(cpu, "_bwd_cols_parallel", lambda *a: calls.append(1) or real(*a))
+    real = cpu.bwd_cols_parallel
+    monkeypatch.setattr(cpu, "bwd_cols_parallel", lambda *a: calls.append(1) or real(*a))
     p = 0.3 if dropout else 0.0
     results = []
     before = torch.get_num_threads()

@@ -101,20 +101,20 @@ def test_compiled_graph_still_calls_the_custom_op():
 # ---- the Triton launchers' configuration cache -------------------------------------------------------------------
 
 
-def _triton():
+def _triton_plan():
     _skip_unavailable("triton")
-    from addnorm.ops import triton_add_norm as T
+    from addnorm.ops.triton import plan
 
-    return T
+    return plan
 
 
 def test_launch_configuration_is_computed_once_per_shape_and_flags(monkeypatch):
-    T = _triton()
+    P = _triton_plan()
     made = []
-    real_fwd, real_bwd = T._fwd_config, T._bwd_config
-    monkeypatch.setattr(T, "_fwd_config", lambda *key: made.append(("fwd", key)) or real_fwd(*key))
-    monkeypatch.setattr(T, "_bwd_config", lambda *key: made.append(("bwd", key)) or real_bwd(*key))
-    monkeypatch.setattr(T, "_configs", {})
+    real_fwd, real_bwd = P.fwd_config, P.bwd_config
+    monkeypatch.setattr(P, "fwd_config", lambda *key: made.append(("fwd", key)) or real_fwd(*key))
+    monkeypatch.setattr(P, "bwd_config", lambda *key: made.append(("bwd", key)) or real_bwd(*key))
+    monkeypatch.setattr(P, "_configs", {})
     x, r, w, _ = _inputs(3, 40, residual=True, bias=False)
     for _ in range(3):
         out, res = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
@@ -128,26 +128,26 @@ def test_launch_configuration_is_computed_once_per_shape_and_flags(monkeypatch):
 def test_replacing_tuning_replaces_the_cached_configuration(monkeypatch):
     """A new TUNING object (how tests and tune_triton.py change it; Tuning is frozen) is not served stale plans:
     the same shape moves from the rows kernel to the looped one, with the same numbers."""
-    T = _triton()
+    P = _triton_plan()
     x, r, w, _ = _inputs(3, 64, residual=True, bias=False)
     key = ("fwd", 3, 64, True, True, False, True, False, False, True, False, True)
     want = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
-    assert T._cached_config(T._fwd_config, key)[0] is True  # rows kernel
-    monkeypatch.setattr(T, "TUNING", T.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
-    assert T._cached_config(T._fwd_config, key)[0] is False  # looped kernel
+    assert P.cached_config(P.fwd_config, key)[0] is True  # rows kernel
+    monkeypatch.setattr(P, "TUNING", P.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    assert P.cached_config(P.fwd_config, key)[0] is False  # looped kernel
     got = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # another reduction order: close, not bitwise
     with pytest.raises(AttributeError):
-        T.TUNING.max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
+        P.TUNING.max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
 
 
 def test_configuration_cache_is_bounded(monkeypatch):
-    T = _triton()
-    monkeypatch.setattr(T, "_configs", {})
-    monkeypatch.setattr(T, "_CONFIGS_MAX", 3)
+    P = _triton_plan()
+    monkeypatch.setattr(P, "_configs", {})
+    monkeypatch.setattr(P, "_CONFIGS_MAX", 3)
     for m in range(1, 8):
-        T._cached_config(T._fwd_config, ("fwd", m, 16, False, False, False, True, False, False, False, False, True))
-        assert len(T._configs) <= 3
+        P.cached_config(P.fwd_config, ("fwd", m, 16, False, False, False, True, False, False, False, False, True))
+        assert len(P._configs) <= 3
 
 
 # ---- resolve_backend's CUDA cache --------------------------------------------------------------------------------

@@ -211,15 +211,15 @@ def test_revert_restores_classes_parameters_and_outputs(family):
 
 def _count_fused_calls(monkeypatch) -> list[int]:
     """Counts calls of addnorm's add + norm that come with a residual (every public function goes through
-    addnorm.ops.add_norm._add_norm)."""
+    addnorm.ops.add_norm.run_add_norm)."""
     calls = [0]
-    real = add_norm_ops._add_norm
+    real = add_norm_ops.run_add_norm
 
     def counting(x, residual, *args):
         calls[0] += residual is not None
         return real(x, residual, *args)
 
-    monkeypatch.setattr(add_norm_ops, "_add_norm", counting)
+    monkeypatch.setattr(add_norm_ops, "run_add_norm", counting)
     return calls
 
 

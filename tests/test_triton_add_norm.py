@@ -14,13 +14,14 @@ import torch
 pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm, layer_norm, rms_norm  # noqa: E402
-from addnorm.ops import triton_add_norm as T  # noqa: E402
 from addnorm.ops.backends import unavailable_reason  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
+from addnorm.ops.triton import plan as P  # noqa: E402
 from addnorm.reference import stats_naive  # noqa: E402
 from addnorm.testing import assert_close, oracle  # noqa: E402
 
 LN, RMS = False, True
-TINY = T.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
+TINY = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,7 @@ def _triton_here(device):
 @pytest.fixture
 def looped(monkeypatch):
     """Force the looped path: rows wider than 64 elements no longer fit 'registers'."""
-    monkeypatch.setattr(T, "TUNING", TINY)
+    monkeypatch.setattr(P, "TUNING", TINY)
 
 
 def _inputs(m, n, dtype, device, *, residual=True, weight=True, bias=True, residual_dtype=None, stride_pad=0):
@@ -155,9 +156,9 @@ def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual
     """Tuning.max_bwd_block_n_rms_16bit, scaled down (64 -> 256 here, 8192 -> 16384 as shipped): which kernels the
     backward launches, with how many warps, and that both routes still match the oracle."""
     monkeypatch.setattr(
-        T,
+        P,
         "TUNING",
-        T.Tuning(
+        P.Tuning(
             max_fwd_block_n=64,
             max_bwd_block_n=64,
             max_bwd_block_n_rms_16bit=256,
@@ -167,35 +168,35 @@ def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual
         ),
     )
     seen = []
-    for name in ("_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel"):
+    for name in ("bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel"):
         monkeypatch.setattr(T, name, _Launches(getattr(T, name), seen, name))
     kw = {"residual_dtype": residual_dtype} if residual_dtype else {}
     check_against_oracle(is_rms, *_inputs(5, 200, dtype, device), **kw)
     if one_pass:  # one row of 256 elements (rows_block_elems) at 2 a thread: 4 warps
-        assert seen == [("_bwd_rows_kernel", 4)]
+        assert seen == [("bwd_rows_kernel", 4)]
     else:
-        assert [name for name, _ in seen] == ["_bwd_row_sums_kernel", "_bwd_tiles_kernel"]
+        assert [name for name, _ in seen] == ["bwd_row_sums_kernel", "bwd_tiles_kernel"]
 
 
 def test_backward_warps_as_shipped():
     """The shipped limits: RMSNorm's backward rows of 16384 run 16 warps (32 elements a thread; 32 warps would cap
     a thread at 64 registers and spill), narrower rows keep 8 elements a thread."""
-    assert T.TUNING.max_bwd_block_n_rms_16bit == 16384
-    assert T._warps(16384, T.TUNING.wide_bwd_elems_per_thread) == 16
-    assert T._warps(8192) == 32 and T._warps(4096) == 16
+    assert P.TUNING.max_bwd_block_n_rms_16bit == 16384
+    assert P._warps(16384, P.TUNING.wide_bwd_elems_per_thread) == 16
+    assert P._warps(8192) == 32 and P._warps(4096) == 16
 
 
 def test_backward_grid_sizes_per_path(monkeypatch):
     """The persistent rows backward runs programs_per_sm (2) programs per SM, the looped backward's row groups x
     column tiles about looped_programs_per_sm (4) per SM: the H200 sweep's best for each (tune.txt)."""
-    monkeypatch.setattr(T, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(P, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    rows = T._bwd_config(100000, 1024, True, False, True, False, True, False, False, False, False, cuda)
+    rows = P.bwd_config(100000, 1024, True, False, True, False, True, False, False, False, False, cuda)
     assert rows[0] is True and rows[1] == 2 * 132
-    looped = T._bwd_config(100000, 65536, True, False, True, False, True, False, False, False, False, cuda)
-    assert looped[0] is False and looped[1] == 65536 // T.TUNING.loop_block_n
+    looped = P.bwd_config(100000, 65536, True, False, True, False, True, False, False, False, False, cuda)
+    assert looped[0] is False and looped[1] == 65536 // P.TUNING.loop_block_n
     assert looped[2] == -(-4 * 132 // looped[1])  # row groups: 4 programs per SM over the column tiles
-    few_rows = T._bwd_config(3, 65536, True, False, True, False, True, False, False, False, False, cuda)
+    few_rows = P.bwd_config(3, 65536, True, False, True, False, True, False, False, False, False, cuda)
     assert few_rows[2] == 3  # never more groups than rows
 
 
@@ -212,7 +213,7 @@ def test_zero_centered_weight(device, is_rms):
 def test_cast_before_weight(device, is_rms, path, monkeypatch):
     """Llama's order on both kernel paths; the fwd output matches the reference backend's (same two roundings)."""
     if path == "looped":
-        monkeypatch.setattr(T, "TUNING", TINY)
+        monkeypatch.setattr(P, "TUNING", TINY)
     x, r, w, b = _inputs(5, 100, torch.bfloat16, device)
     out, _ = check_against_oracle(is_rms, x, r, w, b, cast_before_weight=True)
     fn = add_rms_norm if is_rms else add_layer_norm
@@ -228,7 +229,7 @@ def test_cast_before_weight(device, is_rms, path, monkeypatch):
 def test_out_dtype(device, path, monkeypatch):
     """An fp32 residual stream whose normalized output is written in bf16 (and the reverse), with Llama's cast."""
     if path == "looped":
-        monkeypatch.setattr(T, "TUNING", TINY)
+        monkeypatch.setattr(P, "TUNING", TINY)
     check_against_oracle(RMS, *_inputs(5, 100, torch.float32, device), out_dtype=torch.bfloat16)
     check_against_oracle(LN, *_inputs(3, 90, torch.bfloat16, device), out_dtype=torch.float32, cast_before_weight=True)
 
@@ -236,7 +237,7 @@ def test_out_dtype(device, path, monkeypatch):
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
 def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch):
     """The wide-row variant of the backward's rows kernel (weight reloaded per row block, not held in registers)."""
-    monkeypatch.setattr(T, "TUNING", T.Tuning(reload_weight_above=0))
+    monkeypatch.setattr(P, "TUNING", P.Tuning(reload_weight_above=0))
     x, r, w, b = _inputs(9, 100, torch.bfloat16, device)
     with torch.no_grad():
         w.mul_(0.1)
@@ -246,7 +247,7 @@ def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch
 def test_small_n_packs_rows(device):
     """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
     m, n = 37, 128
-    block_m, _ = T._rows_blocks(m, n, T.TUNING.max_fwd_block_n)
+    block_m, _ = P._rows_blocks(m, n, P.TUNING.max_fwd_block_n)
     assert 1 < block_m < m  # two programs, the second one partly past the last row
     check_against_oracle(RMS, *_inputs(m, n, torch.bfloat16, device))
 
@@ -276,7 +277,7 @@ def test_leading_dims_and_plain_norms(device):
     ],
 )
 def test_looped_path(device, looped, dtype, is_rms, opts):
-    assert T._rows_blocks(3, 200, T.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(3, 200, P.TUNING.max_fwd_block_n) is None
     residual_dtype = opts.get("residual_dtype")
     kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
     check_against_oracle(is_rms, *_inputs(3, 200, dtype, device, **opts), **kw)
@@ -287,7 +288,7 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
     """A large common offset: E[h^2] - E[h]^2 in fp32 loses every digit of the variance (shown with the naive
     reference); the kernels' two-pass / Welford-Chan statistics keep it."""
     if path == "looped":
-        monkeypatch.setattr(T, "TUNING", TINY)
+        monkeypatch.setattr(P, "TUNING", TINY)
     x = (1e4 + torch.randn(2, 200, dtype=torch.float64)).float().to(device)
     _, _, _, rstd = T.forward(
         x,
@@ -320,7 +321,7 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
 )
 def test_wide_row(device, n, dtype, is_rms):
     """Real hidden sizes above 65536 with the default block limits (one row, so the interpreter stays quick)."""
-    assert T._rows_blocks(1, n, T.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(1, n, P.TUNING.max_fwd_block_n) is None
     check_against_oracle(is_rms, *_inputs(1, n, dtype, device))
 
 
@@ -354,7 +355,7 @@ def test_real_sizes_on_gpu(device, m, n, is_rms):
 @pytest.mark.parametrize("path", ["rows", "looped"])
 def test_dweight_dbias_bitwise_reproducible(device, monkeypatch, path):
     if path == "looped":
-        monkeypatch.setattr(T, "TUNING", TINY)
+        monkeypatch.setattr(P, "TUNING", TINY)
     # several persistent programs in the interpreter (rows: 9 row blocks of 4 on 4 programs; looped: 3 column
     # tiles x 2 row groups)
     m, n = (33, 600) if path == "rows" else (9, 70)
@@ -404,7 +405,7 @@ def test_dropout_mask_depends_only_on_seed_and_position(device, monkeypatch):
     torch.manual_seed(1)
     _, rows_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
     _, next_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
-    monkeypatch.setattr(T, "TUNING", TINY)
+    monkeypatch.setattr(P, "TUNING", TINY)
     torch.manual_seed(1)
     xg = x.clone().requires_grad_(True)
     out, looped_res = add_rms_norm(xg, dropout_p=0.5, backend="triton")
@@ -471,14 +472,14 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
     assert {r["name"] for r in rows} == {
-        "_fwd_rows_kernel",
-        "_fwd_looped_kernel",
-        "_bwd_rows_kernel",
-        "_bwd_row_sums_kernel",
-        "_bwd_tiles_kernel",
+        "fwd_rows_kernel",
+        "fwd_looped_kernel",
+        "bwd_rows_kernel",
+        "bwd_row_sums_kernel",
+        "bwd_tiles_kernel",
     }
     # A tile that no longer fits in registers spills hundreds of bytes per thread and costs bandwidth on every element;
-    # a register or two is noise (Triton 3.6's ptxas spills 8 bytes in _bwd_tiles_kernel, 3.9's none). bf16 kernels
+    # a register or two is noise (Triton 3.6's ptxas spills 8 bytes in bwd_tiles_kernel, 3.9's none). bf16 kernels
     # must stay under 4 registers' worth, and every kernel must fit on an SM.
     assert all(max(r["spill_stores"], r["spill_loads"]) <= 16 for r in rows if r["dtype"] == "bf16"), rows
     assert all(r["programs_per_sm"] >= 1 for r in rows), rows
@@ -492,7 +493,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     # RMSNorm's backward at N = 16384 in one pass (Tuning.max_bwd_block_n_rms_16bit): 16 warps, no spill past
     # the register-or-two noise (Triton 3.9's ptxas: none; 3.6's on the H200: 12 bytes, where this path measured
     # 3.6 TB/s against 3.2 for the row-sums + tiles path, benchmarks/results/gpu/tune.txt)
-    wide = [r for r in rows if r["n"] == 16384 and r["name"].startswith("_bwd")]
-    assert [(r["name"], r["num_warps"]) for r in wide] == [("_bwd_rows_kernel", 16)], wide
+    wide = [r for r in rows if r["n"] == 16384 and r["name"].startswith("bwd")]
+    assert [(r["name"], r["num_warps"]) for r in wide] == [("bwd_rows_kernel", 16)], wide
     assert max(wide[0]["spill_stores"], wide[0]["spill_loads"]) <= 16, wide
     assert not any("N" in r["divisible"].split(",") for r in rows if r["n"] == 300), rows

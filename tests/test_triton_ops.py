@@ -1,4 +1,4 @@
-"""The Triton backend under torch.compile: the two routes of addnorm.ops.triton_ops.
+"""The Triton backend under torch.compile: the two routes of addnorm.ops.triton.compiled.
 
 - CUDA tensors (compiled kernels): compiled graphs call addnorm::triton_add_norm_fwd/bwd, triton ops whose kernel
   launches Inductor sees; checked here only on a GPU (and by tools/gpu_graph_check.py).
@@ -15,8 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm  # noqa: E402
-from addnorm.ops import triton_add_norm as T  # noqa: E402
-from addnorm.ops import triton_ops  # noqa: E402
+from addnorm.ops import backends  # noqa: E402
+from addnorm.ops.triton import compiled as compiled_ops  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
 
 LN, RMS = False, True
 FWD_ARGS = (1e-5, True, 0.0, torch.float32, False, True)  # eps, is_rms, dropout_p, residual_dtype, zc, store
@@ -69,10 +70,15 @@ def _same(a, b, bitwise):
 
 
 def test_routing_by_device():
-    assert not triton_ops.usable("cpu")
-    assert not triton_ops.usable("meta")
+    assert not compiled_ops.usable("cpu")
+    assert not compiled_ops.usable("meta")
     # kernels built for the interpreter (this process, without a GPU) cannot be traced even for CUDA tensors
-    assert triton_ops.usable("cuda") == (torch.cuda.is_available() and not T._interpreted())
+    assert compiled_ops.usable("cuda") == (torch.cuda.is_available() and not T.interpreted())
+    # the registry's view of it (KernelBackend.compiled_module): only the Triton backend has ops of its own
+    for device_type in ("cpu", "cuda"):
+        assert backends.compiled_ops_usable("triton", device_type) == compiled_ops.usable(device_type)
+        assert not backends.compiled_ops_usable("cpu", device_type)
+        assert not backends.compiled_ops_usable("reference", device_type)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
@@ -149,7 +155,7 @@ def test_compile_fullgraph_equals_eager(device, is_rms, p):
             got = _run(compiled, leaves)
     else:
         got = _run(compiled, leaves)
-    want_op = "addnorm.triton_add_norm_fwd" if triton_ops.usable(device.type) else "addnorm.add_norm_fwd"
+    want_op = "addnorm.triton_add_norm_fwd" if compiled_ops.usable(device.type) else "addnorm.add_norm_fwd"
     assert any(want_op in s for s in seen), seen
     _same(got, eager, bitwise=device.type != "cuda")  # Inductor may fuse the sums around the op differently
 
@@ -171,7 +177,7 @@ def test_inductor_sees_the_kernels(device):
 
     _, codes = run_and_get_code(step)
     code = "\n".join(codes)
-    assert "_fwd_rows_kernel" in code and "_bwd_rows_kernel" in code, code[:2000]
+    assert "fwd_rows_kernel" in code and "bwd_rows_kernel" in code, code[:2000]
     assert "torch.ops.addnorm" not in code  # no op call left (comments may still name the op a node came from)
 
 
@@ -208,7 +214,7 @@ def test_compile_inplace_equals_eager(device, is_rms):
         want = step(xe, re_, w, b)
         torch._dynamo.reset()
         got = torch.compile(step, fullgraph=True, backend=recording)(x, r, w, b)
-    op = "addnorm.triton_add_norm_" if triton_ops.usable(device.type) else "addnorm.add_norm_"
+    op = "addnorm.triton_add_norm_" if compiled_ops.usable(device.type) else "addnorm.add_norm_"
     assert any(op in t for t in seen), seen
     assert torch.equal(x, xe) and torch.equal(r, re_) and torch.equal(got, want)
 
@@ -307,8 +313,8 @@ import contextlib, json, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from functorch.compile import aot_function, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from addnorm.ops import triton_add_norm as T, triton_ops  # noqa: F401 - registers the ops
-T._programs = lambda device, per_sm: per_sm * 132  # no device properties to read on fake tensors
+from addnorm.ops.triton import compiled, launch as T, plan as P  # noqa: F401 - registers the ops
+P._programs = lambda device, per_sm: per_sm * 132  # no device properties to read on fake tensors
 T._device_guard = lambda device: contextlib.nullcontext()
 graphs = []
 
@@ -348,7 +354,7 @@ _JOINT_SCRIPT = r"""
 import json, torch
 from functorch.compile import aot_function, make_boxed_func, default_partition
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from addnorm.ops import triton_ops  # noqa: F401 - registers the ops
+from addnorm.ops.triton import compiled  # noqa: F401 - registers the ops
 joint = []
 
 def record(joint_module, joint_inputs, **kw):
@@ -385,7 +391,7 @@ def _run_uninterpreted(script, tmp_path):
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(T.__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(T.__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -395,7 +401,7 @@ def _run_uninterpreted(script, tmp_path):
 def test_triton_op_autograd_traces_to_both_kernels(tmp_path):
     joint = _run_uninterpreted(_JOINT_SCRIPT, tmp_path)
     kernels = [k for t, k in joint if "triton_kernel_wrapper_functional" in t]
-    assert kernels == ["_fwd_rows_kernel", "_bwd_rows_kernel"], joint
+    assert kernels == ["fwd_rows_kernel", "bwd_rows_kernel"], joint
     assert ["aten.randint.low"] == [t for t, _ in joint if "randint" in t]  # drawn once; the backward reuses it
     assert not any("addnorm" in t for t, _ in joint), joint
 
@@ -403,9 +409,9 @@ def test_triton_op_autograd_traces_to_both_kernels(tmp_path):
 def test_triton_ops_decompose_into_their_kernels(tmp_path):
     fwd, bwd, inplace = _run_uninterpreted(_TRACE_SCRIPT, tmp_path)
     kernels = lambda g: [k for t, k in g if "triton_kernel_wrapper_functional" in t]  # noqa: E731
-    assert kernels(fwd) == ["_fwd_rows_kernel"], fwd
+    assert kernels(fwd) == ["fwd_rows_kernel"], fwd
     assert ["aten.randint.low"] == [t for t, _ in fwd if "randint" in t]  # the dropout seed, drawn in the graph
     # bf16 RMSNorm at N = 16384: the one-pass backward (Tuning.max_bwd_block_n_rms_16bit)
-    assert kernels(bwd) == ["_bwd_rows_kernel"], bwd
-    assert kernels(inplace) == ["_fwd_rows_kernel"], inplace  # the in-place serving op
+    assert kernels(bwd) == ["bwd_rows_kernel"], bwd
+    assert kernels(inplace) == ["fwd_rows_kernel"], inplace  # the in-place serving op
     assert not any("addnorm" in t for t, _ in fwd + bwd + inplace), (fwd, bwd, inplace)

@@ -7,7 +7,7 @@
 2. torch.compile(mode="reduce-overhead") of a function with the dropout op: Inductor's count of CUDA-graph skips
    stays at 0 (a CPU tensor among the op's inputs or outputs would make it skip), and dynamo breaks no graph;
    Inductor sees the kernels: the compiled forward and backward, and the in-place serving op, launch addnorm's
-   Triton kernels themselves through the triton ops (addnorm.ops.triton_ops), no opaque addnorm op call left;
+   Triton kernels themselves through the triton ops (addnorm.ops.triton.compiled), no opaque addnorm op call left;
 3. device guard: tensors on cuda:1 while cuda:0 is current give the reference backend's result on cuda:1 (skipped
    with one GPU);
 4. dresidual is dx's tensor (no dropout, residual_dtype == x's), and the in-place ops equal the out-of-place ones;
@@ -29,7 +29,7 @@ def main() -> int:
         print("gpu_graph_check.py: needs a CUDA GPU (these checks are about CUDA graphs and devices)", file=sys.stderr)
         return 2
     import addnorm
-    import addnorm.ops.add_norm  # noqa: F401  (registers the addnorm:: custom ops; `import addnorm` is lazy)
+    import addnorm.ops.kernel_ops  # noqa: F401  (registers the addnorm:: custom ops; `import addnorm` is lazy)
 
     results: list[tuple[str, str, str]] = []
 
@@ -114,7 +114,7 @@ def main() -> int:
 
         _, codes = run_and_get_code(step)
         code = "\n".join(codes)
-        launched = [k for k in ("_fwd_rows_kernel", "_bwd_rows_kernel") if k in code]
+        launched = [k for k in ("fwd_rows_kernel", "bwd_rows_kernel") if k in code]
         opaque = "torch.ops.addnorm" in code
 
         def serve(x, r, w):  # the in-place serving op, compiled as a decode step would be
@@ -125,7 +125,7 @@ def main() -> int:
         with torch.inference_mode():
             _, codes = run_and_get_code(torch.compile(serve, fullgraph=True), xi, ri, w)
         inplace_code = "\n".join(codes)
-        inplace_ok = "_fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
+        inplace_ok = "fwd_rows_kernel" in inplace_code and "torch.ops.addnorm" not in inplace_code
         exp_out, exp_res = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
         inplace_ok = inplace_ok and torch.equal(xi, exp_out) and torch.equal(ri, exp_res)
         breaks = sum(counters["graph_break"].values())

@@ -39,9 +39,10 @@ from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
-from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
+from addnorm.ops.triton import plan as P  # noqa: E402
 
-KERNELS = ("_fwd_rows_kernel", "_fwd_looped_kernel", "_bwd_rows_kernel", "_bwd_row_sums_kernel", "_bwd_tiles_kernel")
+KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
 SM_COUNT = 132  # H100 SXM / H200
 # Hopper per-SM limits: 64K 32-bit registers, 2048 threads, 32 resident blocks, 227 KB shared memory per block
 REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM, SMEM_PER_SM = 65536, 2048, 32, 228 * 1024
@@ -136,11 +137,11 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             )
 
     saved = {name: getattr(T, name) for name in KERNELS}
-    saved_programs = T._programs
+    saved_programs = P._programs
     try:
         for name in KERNELS:
             setattr(T, name, Recorder(saved[name]))
-        T._programs = lambda device, per_sm: per_sm * SM_COUNT
+        P._programs = lambda device, per_sm: per_sm * SM_COUNT
         for s in shapes:
             current["shape"] = s
             meta = dict(device="meta")
@@ -174,7 +175,7 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
     finally:
         for name, kernel in saved.items():
             setattr(T, name, kernel)
-        T._programs = saved_programs
+        P._programs = saved_programs
     return launches
 
 
@@ -309,14 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         help="override fields of the launchers' Tuning, e.g. max_bwd_block_n=16384 elems_per_thread=4",
     )
     a = p.parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(T.Tuning)}
+    fields = {f.name for f in dataclasses.fields(P.Tuning)}
     overrides = {}
     for item in a.tuning:
         knob, _, value = item.partition("=")
         if knob not in fields or not value.isdigit():
             p.error(f"--tuning: expected KNOB=INTEGER with KNOB one of {', '.join(sorted(fields))}; got {item!r}")
         overrides[knob] = int(value)
-    T.TUNING = dataclasses.replace(T.TUNING, **overrides)
+    P.TUNING = dataclasses.replace(P.TUNING, **overrides)
     reports = analyse(record_launches(shapes_for(a.shapes)))
     text = table(reports)
     if a.json:

@@ -4,7 +4,7 @@
     python tools/tune_triton.py --norm layer --sizes 4096,65536
     TRITON_INTERPRET=1 python tools/tune_triton.py --device cpu --quick         # smoke run (numbers meaningless)
 
-A coordinate sweep: each knob of :class:`addnorm.ops.triton_add_norm.Tuning` is varied alone around the defaults
+A coordinate sweep: each knob of :class:`addnorm.ops.triton.plan.Tuning` is varied alone around the defaults
 (the other knobs at their defaults), and every setting is timed with ``bench_add_norm.bench_one`` (same inputs,
 byte counts and timing as the benchmark table, so the GB/s compare directly). A knob that does not change the
 kernels the launcher picks at an N (e.g. ``max_bwd_block_n`` far above N) is skipped there rather than timed twice.
@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmark's own timing code
 import bench_add_norm as bench  # noqa: E402
 
-from addnorm.ops import triton_add_norm as T  # noqa: E402
+from addnorm.ops.triton import launch as T  # noqa: E402
+from addnorm.ops.triton import plan as P  # noqa: E402
 
 # the values tried for each knob (the default is always among them)
 KNOBS: dict[str, tuple[int, ...]] = {
@@ -44,9 +45,9 @@ SIZES = (1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (96, 300)
 
 
-def settings(knobs: dict[str, tuple[int, ...]]) -> list[tuple[str, int, T.Tuning]]:
+def settings(knobs: dict[str, tuple[int, ...]]) -> list[tuple[str, int, P.Tuning]]:
     """("default", 0, defaults) first, then (knob, value, tuning) for every non-default value of every knob."""
-    default = T.Tuning()
+    default = P.Tuning()
     out = [("default", 0, default)]
     for knob, values in knobs.items():
         for v in values:
@@ -55,17 +56,17 @@ def settings(knobs: dict[str, tuple[int, ...]]) -> list[tuple[str, int, T.Tuning
     return out
 
 
-def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str, rms_16bit: bool = False) -> tuple:
+def _launch_plan(tuning: P.Tuning, m: int, n: int, mode: str, rms_16bit: bool = False) -> tuple:
     """The blocks the launchers pick under ``tuning`` for ``mode`` (rows path: (BLOCK_M, BLOCK_N); looped: BLOCK_N)
     and the elements per thread that set the warps: two settings with the same plan launch the same kernels.
     ``rms_16bit``: RMSNorm on 2-byte types, whose backward has its own row limit (max_bwd_block_n_rms_16bit)."""
 
     def path(max_block_n: int):
-        return T._rows_blocks(m, n, max_block_n) or min(tuning.loop_block_n, max_block_n)
+        return P._rows_blocks(m, n, max_block_n) or min(tuning.loop_block_n, max_block_n)
 
-    saved = T.TUNING
+    saved = P.TUNING
     try:
-        T.TUNING = tuning  # _rows_blocks reads rows_block_elems from the module's TUNING
+        P.TUNING = tuning  # _rows_blocks reads rows_block_elems from the module's TUNING
         fwd = path(tuning.max_fwd_block_n) if mode != "bwd" else None
         bwd_limit = tuning.max_bwd_block_n
         if rms_16bit:
@@ -81,7 +82,7 @@ def _launch_plan(tuning: T.Tuning, m: int, n: int, mode: str, rms_16bit: bool = 
             per_sm if mode != "fwd" else None,
         )
     finally:
-        T.TUNING = saved
+        P.TUNING = saved
 
 
 def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=print) -> list[dict]:
@@ -89,7 +90,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
         cfg.device, (1 << 30) if cfg.device.startswith("cuda") else (1 << 24), cfg.warmup, max(cfg.reps, 10)
     )
     rows = []
-    saved = T.TUNING
+    saved = P.TUNING
     rms_16bit = cfg.norm == "rms" and bench.DTYPES[cfg.dtype].itemsize == 2
     try:
         for n in cfg.sizes:
@@ -100,7 +101,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                     plan = _launch_plan(tuning, m, n, mode, rms_16bit)
                     if (plan, mode) in timed:  # same kernels as a setting already timed: nothing new to learn
                         continue
-                    T.TUNING = tuning
+                    P.TUNING = tuning
                     r = bench.bench_one("addnorm", mode, m, n, cfg, copy_gbps)
                     row = dict(
                         knob=knob,
@@ -121,7 +122,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                         + (f"{r.gbps:9.4g} GB/s" if r.gbps is not None else f"   -     {r.note}")
                     )
     finally:
-        T.TUNING = saved
+        P.TUNING = saved
     return rows
 
 

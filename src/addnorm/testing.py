@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import stats_dtype
+from addnorm.ops.contract import stats_dtype
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ backends, and inputs the kernels cannot write, compute out of place and copy bac
 no autograd (a tensor that requires grad is an error). Under ``torch.compile`` the kernel backends run as the
 custom op ``addnorm::add_norm_``, which declares that it mutates x and residual, so ``fullgraph=True`` traces
 through it (the Triton backend on CUDA tensors as the triton op ``addnorm::triton_add_norm_``, whose kernels
-Inductor sees: :mod:`addnorm.ops.triton_ops`).
+Inductor sees: :mod:`addnorm.ops.triton.compiled`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import (
-    _default_rms_eps,
-    _torch_add_norm,
-    _triton_op_usable,
-    _validate,
-    stats_dtype,
-)
-from addnorm.ops.backends import kernel_module, resolve_backend, resolve_backend_for_trace
+from addnorm.ops.add_norm import torch_add_norm
+from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
+from addnorm.ops.contract import default_rms_eps, stats_dtype, validate
 
 __all__ = ["add_layer_norm_", "add_rms_norm_"]
 
@@ -74,7 +69,7 @@ def _inplace_impl(
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write
         if backend == "torch":
-            out, res = _torch_add_norm(
+            out, res = torch_add_norm(
                 x,
                 residual,
                 weight,
@@ -136,8 +131,8 @@ def _(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_
 
 def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
     if is_rms and eps is None:
-        eps = _default_rms_eps(x, residual, None)
-    _validate(x, residual, weight, bias, eps, 0.0, None)
+        eps = default_rms_eps(x, residual, None)
+    validate(x, residual, weight, bias, eps, 0.0, None)
     _check_inplace(x, residual, weight, bias)
     if bias is not None and is_rms:
         bias = None
@@ -149,8 +144,9 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
         name = resolve_backend_for_trace(backend, x.device.type)
         if name == "torch":
             _inplace_impl(*args, name)  # plain PyTorch: traced as it is
-        elif name == "triton" and _triton_op_usable(x.device.type):
-            torch.ops.addnorm.triton_add_norm_(*args)  # a triton op: Inductor sees the kernels (addnorm.ops.triton_ops)
+        elif compiled_ops_usable(name, x.device.type):
+            # the backend's own op (addnorm::triton_add_norm_, a triton op): Inductor sees the kernels
+            getattr(torch.ops.addnorm, f"{name}_add_norm_")(*args)
         else:
             torch.ops.addnorm.add_norm_(*args, name)
     else:

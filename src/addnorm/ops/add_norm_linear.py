@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from addnorm.ops.add_norm import _check_float, _default_rms_eps, stats_dtype
 from addnorm.ops.add_norm_multi import add_norm_multi
+from addnorm.ops.contract import check_float, default_rms_eps, stats_dtype
 
 __all__ = ["add_norm_linear"]
 
@@ -134,17 +134,17 @@ def add_norm_linear(
     """``(linear(norm(x + residual)), x + residual)`` with the norm's output recomputed in the backward instead of
     stored. ``out_dtype`` is the norm output's dtype (default x's); the linear runs in linear_weight's dtype (cast
     it first for mixed precision). Under autocast, norm output and linear weight take autocast's dtype."""
-    _check_float("linear_weight", linear_weight)
+    check_float("linear_weight", linear_weight)
     if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
         raise ValueError(
             f"linear_weight must have shape (out_features, {x.shape[-1]}), got {tuple(linear_weight.shape)}"
         )
     if linear_bias is not None:
-        _check_float("linear_bias", linear_bias)
+        check_float("linear_bias", linear_bias)
         if tuple(linear_bias.shape) != (linear_weight.shape[0],):
             raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},), got {tuple(linear_bias.shape)}")
     if is_rms and eps is None:
-        eps = _default_rms_eps(x, residual, residual_dtype)
+        eps = default_rms_eps(x, residual, residual_dtype)
     if torch.is_autocast_enabled(x.device.type):
         dt = torch.get_autocast_dtype(x.device.type)
         out_dtype = dt

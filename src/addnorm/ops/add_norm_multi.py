@@ -31,13 +31,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import (
-    _add_norm,
-    _as,
-    _check_affine,
-    _check_float,
-    _check_like_x,
-    _default_rms_eps,
+from addnorm.ops.add_norm import run_add_norm
+from addnorm.ops.contract import (
+    as_dtype,
+    check_affine,
+    check_float,
+    check_like_x,
+    default_rms_eps,
     draw_seed,
     stats_dtype,
 )
@@ -57,16 +57,16 @@ class AddNormOutputs(NamedTuple):
 
 
 def _validate_extra(x, x1, weight1, bias1, rowscale, bias, is_rms) -> None:
-    _check_float("x", x)
+    check_float("x", x)
     n = x.shape[-1] if x.dim() else 0
     if x1 is not None:
-        _check_like_x("x1", x1, x)
-    _check_affine("weight1", weight1, n, x)
-    _check_affine("bias1", bias1, n, x)
+        check_like_x("x1", x1, x)
+    check_affine("weight1", weight1, n, x)
+    check_affine("bias1", bias1, n, x)
     if bias1 is not None and weight1 is None:
         raise ValueError("bias1 was given without weight1: the second output needs weight1")
     if rowscale is not None:
-        _check_float("rowscale", rowscale)
+        check_float("rowscale", rowscale)
         if rowscale.numel() != x.numel() // max(n, 1) or (rowscale.dim() > 1 and rowscale.shape != x.shape[:-1]):
             raise ValueError(
                 f"rowscale must hold one value per row of x: shape {tuple(x.shape[:-1])} or "
@@ -92,11 +92,11 @@ def _affine(xhat: Tensor, weight, bias, zero_centered_weight, cast_before_weight
         xhat = xhat + (xhat.to(out_dtype).to(cd) - xhat).detach()
     y = xhat
     if weight is not None:
-        w = _as(weight, cd)
+        w = as_dtype(weight, cd)
         y = y * (w + 1 if zero_centered_weight else w)
     if bias is not None:
-        y = y + _as(bias, cd)
-    return _as(y, out_dtype)
+        y = y + as_dtype(bias, cd)
+    return as_dtype(y, out_dtype)
 
 
 def add_norm_multi(
@@ -131,12 +131,12 @@ def add_norm_multi(
     """
     _validate_extra(x, x1, weight1, bias1, rowscale, bias, is_rms)
     if is_rms and eps is None:
-        eps = _default_rms_eps(x, residual, residual_dtype)
+        eps = default_rms_eps(x, residual, residual_dtype)
     if not isinstance(return_dropout_mask, bool):
         raise TypeError(f"return_dropout_mask must be a bool, got {return_dropout_mask!r}")
     fused = x1 is None and rowscale is None and weight1 is None and not (is_rms and bias is not None)
     if fused and not return_dropout_mask:
-        out, res = _add_norm(
+        out, res = run_add_norm(
             x,
             residual,
             weight,
@@ -161,19 +161,19 @@ def add_norm_multi(
     if compose_branch:
         if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-        branch = _as(x, cd)
+        branch = as_dtype(x, cd)
         if rowscale is not None:
-            branch = branch * _as(rowscale, cd).reshape(*x.shape[:-1], 1)
+            branch = branch * as_dtype(rowscale, cd).reshape(*x.shape[:-1], 1)
         if dropout_p > 0:
             branch, mask = _dropout(branch, dropout_p, cd)
         if x1 is not None:
-            b1 = _as(x1, cd)
+            b1 = as_dtype(x1, cd)
             if dropout_p > 0:
                 b1, mask1 = _dropout(b1, dropout_p, cd)
             branch = branch + b1
         kernel_p = 0.0
     if fused:
-        out, res = _add_norm(
+        out, res = run_add_norm(
             branch,
             residual,
             weight,
@@ -189,7 +189,7 @@ def add_norm_multi(
         )
         return AddNormOutputs(out, res, None, mask, mask1)
     # xhat from the kernel (no affine step, kept in the statistics dtype), then each affine output composed
-    xhat, res = _add_norm(branch, residual, None, None, eps, is_rms, kernel_p, rd, False, False, cd, backend)
+    xhat, res = run_add_norm(branch, residual, None, None, eps, is_rms, kernel_p, rd, False, False, cd, backend)
     out = _affine(xhat, weight, bias, zero_centered_weight, cast_before_weight, od)
     out1 = None
     if weight1 is not None:

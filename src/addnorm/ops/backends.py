@@ -1,14 +1,16 @@
 """Backend registry: which implementations of the add + norm contract exist, which run here, and why not.
 
 Backends:
-- ``torch``: pure PyTorch (the reference path, always available, traced natively by torch.compile).
+- ``torch``: plain PyTorch (the fallback and the baseline; always available, traced natively by torch.compile).
 - ``reference``: the explicit float oracle of :mod:`addnorm.reference` run through the kernel contract and the
   registered custom ops; slow, available everywhere, used to test the plumbing every kernel backend shares.
 - ``triton``: fused Triton kernels (CUDA GPUs; on CPU tensors only under ``TRITON_INTERPRET=1``).
 - ``cpu``: fused numba kernels, parallel over rows (CPU tensors).
 
 A kernel backend is a module with ``unavailable_reason(device) -> str | None`` plus ``forward`` and ``backward``
-functions that follow the contract documented in :mod:`addnorm.ops.add_norm`.
+functions that follow the contract documented in :mod:`addnorm.ops.add_norm`. Compiled graphs call a kernel backend
+through the opaque custom ops of :mod:`addnorm.ops.kernel_ops`, unless the backend registers ops of its own whose
+kernels the compiler sees (``KernelBackend.compiled_module``: the Triton backend's triton ops on CUDA tensors).
 
 ``backend="auto"`` picks the best available backend for the tensor's device; ``ADDNORM_BACKEND`` overrides it.
 """
@@ -31,16 +33,22 @@ class KernelBackend:
     name: str
     module: str  # import path of the kernel module, imported on first use
     install_hint: str  # what a user needs to make it available
+    # Import path of a module that registers the backend's kernels as ops for compiled graphs,
+    # addnorm::<name>_add_norm_fwd/_bwd (add_norm_fwd's/_bwd's arguments less ``backend``) and addnorm::<name>_add_norm_
+    # (add_norm_'s less ``backend``), and says with ``usable(device_type)`` where they can be traced. None: compiled
+    # graphs call the opaque addnorm::add_norm_fwd/_bwd/add_norm_ only.
+    compiled_module: str | None = None
 
 
 KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "reference": KernelBackend("reference", "addnorm.ops.reference_backend", "nothing (always available)"),
     "triton": KernelBackend(
         "triton",
-        "addnorm.ops.triton_add_norm",
+        "addnorm.ops.triton.launch",
         "a CUDA GPU and `pip install 'addnorm[triton]'` (or TRITON_INTERPRET=1 to run the kernels on CPU tensors)",
+        compiled_module="addnorm.ops.triton.compiled",
     ),
-    "cpu": KernelBackend("cpu", "addnorm.ops.cpu_add_norm", "`pip install numba` (a core dependency of addnorm)"),
+    "cpu": KernelBackend("cpu", "addnorm.ops.cpu.launch", "`pip install numba` (a core dependency of addnorm)"),
 }
 
 # auto's order of preference per device type
@@ -71,6 +79,21 @@ def kernel_module(name: str) -> ModuleType:
     if isinstance(mod, ImportError):
         raise mod
     return mod
+
+
+def compiled_ops_usable(name: str, device_type: str) -> bool:
+    """Whether compiled graphs on ``device_type`` tensors run kernel backend ``name`` through its own ops
+    (``KernelBackend.compiled_module``) rather than the opaque addnorm::add_norm_fwd. Imports that module the first
+    time, which registers the ops."""
+    spec = KERNEL_BACKENDS.get(name)
+    if spec is None or spec.compiled_module is None:
+        return False
+    return importlib.import_module(spec.compiled_module).usable(device_type)
+
+
+# A constant for dynamo, like resolve_backend_for_trace below: run once at trace time (it imports the module that
+# registers the ops), not traced
+compiled_ops_usable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | None:

@@ -1,14 +1,8 @@
-"""The ``triton`` backend of :mod:`addnorm.ops.add_norm`: block sizes, launch plans and the kernel contract around
-the Triton kernels of :mod:`addnorm.ops.triton_kernels` (the math is written out there).
+"""The ``triton`` backend of :mod:`addnorm.ops.add_norm`: the kernel contract (``forward``, ``forward_into``,
+``backward``, ``unavailable_reason``) and the launchers around the Triton kernels of
+:mod:`addnorm.ops.triton.kernels` (the math is written out there), with the block sizes and grids of
+:mod:`addnorm.ops.triton.plan` (the layout of the work is described there).
 
-Layout of the work:
-- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
-  ``max_bwd_block_n_rms_16bit``): a program holds BLOCK_M whole rows in
-  registers (BLOCK_M > 1 for small N, e.g. QK-norm's N = 128); the backward is persistent: a bounded set of
-  programs (about 2x the SM count) walks the rows and keeps its dw/db partial sums in registers.
-- looped path (wider rows): the forward loops over column tiles twice (stats + residual_out, then normalize);
-  the backward first reduces the two row sums, then a 2-D grid (column tiles x row groups) computes dx/dresidual
-  and accumulates the dw/db partials of its tile in registers.
 No atomics anywhere, so gradients are bitwise reproducible. Inputs may have strided rows (last-dim stride 1).
 """
 
@@ -19,79 +13,34 @@ import functools
 import math
 import os
 import struct
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import stats_dtype
-from addnorm.ops.triton_kernels import (  # the kernels stay reachable here (tests, benchmarks, triton_ops)
-    _bwd_row_sums_kernel,
-    _bwd_rows_kernel,
-    _bwd_tiles_kernel,
-    _fwd_looped_kernel,
-    _fwd_rows_kernel,
+from addnorm.ops.contract import stats_dtype
+from addnorm.ops.triton import plan
+from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
+    bwd_row_sums_kernel,
+    bwd_rows_kernel,
+    bwd_tiles_kernel,
+    fwd_looped_kernel,
+    fwd_rows_kernel,
     triton,
 )
 from addnorm.reference import dropout_threshold
 
-__all__ = ["Tuning", "TUNING", "unavailable_reason", "forward", "forward_into", "backward"]
-
-
-@dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per TUNING object
-class Tuning:
-    """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
-    ``benchmarks/tune_triton.py`` sweeps them on a GPU."""
-
-    max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
-    max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
-    # RMSNorm's backward with 2-byte h and dout (bf16/fp16 residual_out and out) keeps rows up to this wide in one
-    # pass (no separate row-sums pass): it has no mean term, and at N = 16384 with 16 warps (32 elements a thread,
-    # wide_bwd_elems_per_thread) sm_90 compiles it to 128 registers and no spills (benchmarks/sm90_static.py); with
-    # 32 warps a thread gets at most 64 registers and spills 16 bytes. An fp32 residual stream spills 148 bytes at
-    # 16384 even with 16 warps, fp32 x 44, LayerNorm 336: they keep max_bwd_block_n.
-    max_bwd_block_n_rms_16bit: int = 16384
-    wide_bwd_elems_per_thread: int = 32  # the backward's rows kernel on rows wider than max_bwd_block_n
-    loop_block_n: int = 4096  # column tile of the looped path
-    rows_block_elems: int = 4096  # small N: pack rows into a program until it holds about this many elements
-    interpreter_programs: int = 4  # persistent programs in Triton's interpreter (CPU): few, each is slow
-    # persistent backward programs per SM: each walks its rows one block at a time, so more programs per SM mean
-    # more loads in flight (latency hiding) but more (programs, N) dw/db partial rows to reduce afterwards
-    # H200, device time (benchmarks/results/gpu/tune.txt): 2 beats 4 by 1.08-1.11x at N = 1024-16384 (rows path)
-    # and loses by 0.88x at 65536 (looped); a first sweep that timed host overhead too had favoured 4
-    programs_per_sm: int = 2
-    # the looped backward's (row groups x column tiles) grid: in the same sweep 4 per SM (3246 GB/s) beat 2 (2852),
-    # 1 (3073) and 8 (3197) at N = 65536, and the full table's fwd+bwd there fell from 77% to 71% of copy bandwidth
-    # when programs_per_sm went from 4 to 2 for every path
-    looped_programs_per_sm: int = 4
-    elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
-    # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
-    # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
-    # sm_90 from 76 to 12 bytes a thread (benchmarks/sm90_static.py), letting max_bwd_block_n = 16384 be tried
-    reload_weight_above: int = 8192
-
-
-TUNING = Tuning()
+__all__ = ["interpreted", "unavailable_reason", "forward", "forward_into", "backward"]
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Launchers: pick block sizes, allocate, launch
+# Launchers: allocate, launch
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _cdiv(a: int, b: int) -> int:
-    # not triton.cdiv: in Triton 3.9 that is a constexpr function whose Python call costs more than the arithmetic
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _f32(v: float) -> float:
     """v rounded to the nearest fp32 value (ties to even), as a Python float. Plain Python, not a torch.tensor
     round trip: the launchers also run on fake tensors (torch.compile traces them through the triton ops of
-    :mod:`addnorm.ops.triton_ops`), where a tensor's value cannot be read back."""
+    :mod:`addnorm.ops.triton.compiled`), where a tensor's value cannot be read back."""
     try:
         return struct.unpack("f", struct.pack("f", v))[0]
     except OverflowError:  # beyond fp32's range: inf, as a torch.float32 conversion gives
@@ -121,40 +70,6 @@ def _dropout_scalars(p: float) -> tuple[int, float, float, float]:
     return dropout_threshold(p), hi, mid, lo
 
 
-def _warps(elems: int, per_thread: int | None = None) -> int:
-    # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
-    # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
-    # count (hence occupancy) roughly halves with each halving of elements per thread. The exception: the RMSNorm
-    # backward's widest rows (Tuning.max_bwd_block_n_rms_16bit), where 32 warps cap a thread at 64 registers.
-    return min(32, max(4, _pow2(elems) // (32 * (per_thread or TUNING.elems_per_thread))))
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(device: torch.device, per_sm: int) -> int:
-    """Size of a persistent backward grid: ``per_sm`` programs per SM, a handful in the interpreter."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return per_sm * _sm_count(index)
-    return TUNING.interpreter_programs
-
-
-def _rows_blocks(m: int, n: int, max_block_n: int) -> tuple[int, int] | None:
-    """(BLOCK_M, BLOCK_N) for the rows path, or None when a row is too wide for registers (looped path)."""
-    block_n = _pow2(n)
-    if block_n > max_block_n:
-        return None
-    block_m = max(1, min(TUNING.rows_block_elems // block_n, _pow2(m)))
-    return block_m, block_n
-
-
-def _loop_block(max_block_n: int) -> int:
-    return _pow2(min(TUNING.loop_block_n, max_block_n))
-
-
 def _row_stride(t: Tensor | None) -> int:
     return t.stride(0) if t is not None else 0
 
@@ -165,62 +80,13 @@ def _vec(t: Tensor | None) -> Tensor | None:
 
 def _kernel(kernel, traceable: bool):
     """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
-    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton_ops`; an eager
-    launch through the wrapper costs ~1 ms of dispatch)."""
+    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton.compiled`; an
+    eager launch through the wrapper costs ~1 ms of dispatch)."""
     if not traceable:
         return kernel
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)
-
-
-def _fwd_config(
-    m, n, has_residual, has_weight, has_bias, is_rms, zc, has_dropout, store_residual_out, cast, store_stats
-):
-    """(rows path?, grid, constexprs and launch options) of the forward for one shape and flag set. The kernel is
-    named by a flag, not held: the cache below would otherwise keep a kernel object that a test has replaced."""
-    meta = dict(
-        HAS_RESIDUAL=has_residual,
-        HAS_WEIGHT=has_weight,
-        HAS_BIAS=has_bias,
-        IS_RMS=is_rms,
-        ZERO_CENTERED=zc,
-        HAS_DROPOUT=has_dropout,
-        STORE_RESIDUAL_OUT=store_residual_out,
-        CAST_BEFORE_WEIGHT=cast,
-        STORE_STATS=store_stats,
-    )
-    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
-    if blocks is not None:
-        block_m, block_n = blocks
-        return (
-            True,
-            (_cdiv(m, block_m),),
-            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n)),
-        )
-    block_n = _loop_block(TUNING.max_fwd_block_n)
-    return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=_warps(block_n))
-
-
-# Eager launches look their configuration up here instead of recomputing block sizes, warps and the flag dict on
-# every call (a few microseconds of Python per call, which a decode step on a GPU pays in full). Keyed on the
-# shape and flags; valid for one TUNING object (Tuning is frozen: tests and tune_triton.py replace it, so a new
-# object empties the cache). Traced launches (torch.compile: the shape may be symbolic) compute it afresh.
-_configs: dict = {}
-_configs_tuning: list = [None]
-_CONFIGS_MAX = 1024  # distinct (shape, flags) keys kept: decode batch sizes vary, a model has few widths
-
-
-def _cached_config(make, key):
-    if _configs_tuning[0] is not TUNING:
-        _configs.clear()
-        _configs_tuning[0] = TUNING
-    config = _configs.get(key)
-    if config is None:
-        if len(_configs) >= _CONFIGS_MAX:
-            _configs.clear()
-        config = _configs[key] = make(*key[1:])
-    return config
 
 
 def _fwd_launch(
@@ -263,8 +129,8 @@ def _fwd_launch(
         cast,
         store_stats,
     )
-    rows, grid, meta = _fwd_config(*key) if traceable else _cached_config(_fwd_config, ("fwd", *key))
-    _kernel(_fwd_rows_kernel if rows else _fwd_looped_kernel, traceable)[grid](*args, **meta)
+    rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
+    _kernel(fwd_rows_kernel if rows else fwd_looped_kernel, traceable)[grid](*args, **meta)
 
 
 _scratch_tensors: dict = {}
@@ -280,41 +146,6 @@ def _scratch(device: torch.device, dtype: torch.dtype) -> Tensor:
     if t is None:
         t = _scratch_tensors[key] = torch.empty(1, dtype=dtype, device=device)
     return t
-
-
-def _bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_dropout, store_dres, cast, device):
-    """The backward's launch plan for one shape, flag set and device: (True, programs, constexprs and options) for
-    the rows kernel, or (False, tiles, groups, the row-sums kernel's, the tiles kernel's) for the looped path.
-    ``narrow``: h and dout are 2-byte types (the RMSNorm backward keeps wider rows in one pass then)."""
-    flags = dict(
-        HAS_DRES_OUT=has_dres_out,
-        HAS_WEIGHT=has_weight,
-        HAS_DB=has_db,
-        IS_RMS=is_rms,
-        ZERO_CENTERED=zc,
-        HAS_DROPOUT=has_dropout,
-        STORE_DRES=store_dres,
-        CAST_BEFORE_WEIGHT=cast,
-    )
-    max_block_n = TUNING.max_bwd_block_n
-    if is_rms and narrow:
-        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
-    blocks = _rows_blocks(m, n, max_block_n)
-    if blocks is not None:
-        block_m, block_n = blocks
-        elems = block_m * block_n
-        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
-        programs = min(_programs(device, TUNING.programs_per_sm), _cdiv(m, block_m))
-        return (
-            True,
-            programs,
-            dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps),
-        )
-    block_n = _loop_block(TUNING.max_bwd_block_n)
-    tiles = _cdiv(n, block_n)
-    groups = max(1, min(m, _cdiv(_programs(device, TUNING.looped_programs_per_sm), tiles)))
-    sums = dict(HAS_WEIGHT=has_weight, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n, num_warps=_warps(block_n))
-    return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
 def _bwd_launch(
@@ -342,12 +173,12 @@ def _bwd_launch(
         cast,
         h.device,
     )
-    plan = _bwd_config(*key) if traceable else _cached_config(_bwd_config, ("bwd", *key))
-    if plan[0]:
-        _, programs, meta = plan
+    chosen = plan.bwd_config(*key) if traceable else plan.cached_config(plan.bwd_config, ("bwd", *key))
+    if chosen[0]:
+        _, programs, meta = chosen
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
-        _kernel(_bwd_rows_kernel, traceable)[(programs,)](
+        _kernel(bwd_rows_kernel, traceable)[(programs,)](
             dout,
             dres_out_,
             h,
@@ -367,10 +198,10 @@ def _bwd_launch(
             **meta,
         )
     else:
-        _, tiles, groups, sums, meta = plan
+        _, tiles, groups, sums, meta = chosen
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        _kernel(_bwd_row_sums_kernel, traceable)[(m,)](
+        _kernel(bwd_row_sums_kernel, traceable)[(m,)](
             dout,
             h,
             weight_,
@@ -385,7 +216,7 @@ def _bwd_launch(
         )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        _kernel(_bwd_tiles_kernel, traceable)[(tiles, groups)](
+        _kernel(bwd_tiles_kernel, traceable)[(tiles, groups)](
             dout,
             dres_out_,
             h,
@@ -428,9 +259,9 @@ def _device_guard(t: Tensor):
 _NO_GUARD = contextlib.nullcontext()  # reusable, and one fewer object per call
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether the kernels above were built for Triton's interpreter (decided when this module was imported)."""
-    return type(_fwd_rows_kernel).__name__ == "InterpretedFunction"
+    return type(fwd_rows_kernel).__name__ == "InterpretedFunction"
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -442,15 +273,15 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return "CUDA is not available (no GPU, or a CPU-only build of torch)"
-        if _interpreted():
+        if interpreted():
             return None  # the interpreter also runs CUDA tensors, slowly
         return None
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter); use backend='cpu'"
-        if not _interpreted():
+        if not interpreted():
             return (
-                "TRITON_INTERPRET=1 was set after addnorm.ops.triton_add_norm was imported; set it before "
+                "TRITON_INTERPRET=1 was set after addnorm.ops.triton.kernels was imported; set it before "
                 "importing addnorm (Triton decides at import) or use backend='cpu'"
             )
         return None
@@ -527,8 +358,8 @@ def forward_into(
     """The forward writing into given outputs (contiguous out and res_out; res_out None: normalize x; mean None
     for RMSNorm; mean and rstd None: statistics not stored, the serving case). out may be x and res_out the
     residual (the in-place ops): each element is read before it is written, by the thread that writes it, and out
-    is written only after the row's statistics (after all of x was read).
-    ``traceable``: launch through ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton_ops`)."""
+    is written only after the row's statistics (after all of x was read). ``traceable``: launch through
+    ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton.compiled`)."""
     if x.shape[0] > 0:
         with _device_guard(x):
             _fwd_launch(

@@ -7,7 +7,7 @@ kernel launch wrapped by ``torch.library.wrap_triton``: AOTAutograd decomposes t
 capture them in its CUDA graphs). Arguments, results and autograd are add_norm_fwd's/add_norm_bwd's (less
 ``backend``); ``addnorm::triton_add_norm_`` is the in-place serving op ``addnorm::add_norm_`` likewise. Compiled
 graphs with ``backend="triton"`` on CUDA tensors use these ops; eager calls keep the plain autograd.Function of
-:mod:`addnorm.ops.add_norm` and the direct kernel call of :mod:`addnorm.ops.add_norm_inplace` (no dispatch at all).
+:mod:`addnorm.ops.kernel_ops` and the direct kernel call of :mod:`addnorm.ops.add_norm_inplace` (no dispatch at all).
 
 Why CUDA only (torch 2.13, triton 3.9). A triton_op registers its implementation as its own fake kernel (it must be
 traceable on fake tensors), and under ``TRITON_INTERPRET=1`` ``wrap_triton`` returns the interpreted kernel
@@ -23,15 +23,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops import triton_add_norm as T
-from addnorm.ops.add_norm import _backward, _setup_context, draw_seed, stats_dtype
+from addnorm.ops.contract import draw_seed, stats_dtype
+from addnorm.ops.kernel_ops import backward, setup_context
+from addnorm.ops.triton import launch
+from addnorm.ops.triton.kernels import (
+    bwd_row_sums_kernel,
+    bwd_rows_kernel,
+    bwd_tiles_kernel,
+    fwd_looped_kernel,
+    fwd_rows_kernel,
+)
 
 __all__ = ["usable"]
 
 
 def usable(device_type: str) -> bool:
     """Whether compiled graphs on ``device_type`` tensors can run the triton ops: CUDA, kernels not interpreted."""
-    return device_type == "cuda" and T.triton is not None and not T._interpreted()
+    return device_type == "cuda" and launch.triton is not None and not launch.interpreted()
 
 
 def _fwd(
@@ -51,7 +59,7 @@ def _fwd(
     """add_norm_fwd on the Triton kernels: (out, residual_out or empty, mean or empty, rstd, seed or empty). Fresh
     outputs only (a custom op may not alias its inputs): the launchers allocate every result."""
     seed = draw_seed(x.device) if dropout_p > 0 else None
-    out, res_out, mean, rstd = T.forward(
+    out, res_out, mean, rstd = launch.forward(
         x,
         residual,
         weight,
@@ -93,7 +101,7 @@ def _bwd(
     cast_before_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """add_norm_bwd on the Triton kernels: (dx, dresidual, dweight, dbias), an empty tensor for each absent one."""
-    grads = T.backward(
+    grads = launch.backward(
         dout,
         dresidual_out,
         h,
@@ -140,9 +148,9 @@ def _inplace(
         sd = stats_dtype(x.dtype, residual.dtype)
         rstd = torch.empty(x2.shape[0], dtype=sd, device=x.device)
         mean = None if is_rms else torch.empty(x2.shape[0], dtype=sd, device=x.device)
-        T.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
+        launch.forward_into(x2, r2, mean, rstd, x2, r2, weight, bias, is_rms=is_rms, **opts)
         return
-    out, res, _, _ = T.forward(
+    out, res, _, _ = launch.forward(
         x.reshape(-1, n),
         residual.reshape(-1, n),
         weight,
@@ -200,11 +208,11 @@ def _bwd_call(
 
 def _setup(ctx, inputs, output):
     # add_norm_fwd's inputs have `backend` after store_residual_out: the shared code reads them in that layout
-    _setup_context(ctx, (*inputs[:10], "triton", *inputs[10:]), output, bwd_op=_bwd_call)
+    setup_context(ctx, (*inputs[:10], "triton", *inputs[10:]), output, bwd_op=_bwd_call)
 
 
 def _backward_triton(ctx, *grads):
-    return _backward(ctx, *grads)[:12]  # add_norm_fwd has 13 inputs; the 12 here lack `backend` (its grad is None)
+    return backward(ctx, *grads)[:12]  # add_norm_fwd has 13 inputs; the 12 here lack `backend` (its grad is None)
 
 
 _fwd_op.register_autograd(_backward_triton, setup_context=_setup)
@@ -214,6 +222,6 @@ _fwd_op.register_autograd(_backward_triton, setup_context=_setup)
 # them, so that editing a kernel invalidates cached graphs; a private table, hence the guard.
 _table = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", None)
 if isinstance(_table, dict):
-    _table["addnorm::triton_add_norm_fwd"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
-    _table["addnorm::triton_add_norm_bwd"] = [T._bwd_rows_kernel, T._bwd_row_sums_kernel, T._bwd_tiles_kernel]
-    _table["addnorm::triton_add_norm_"] = [T._fwd_rows_kernel, T._fwd_looped_kernel]
+    _table["addnorm::triton_add_norm_fwd"] = [fwd_rows_kernel, fwd_looped_kernel]
+    _table["addnorm::triton_add_norm_bwd"] = [bwd_rows_kernel, bwd_row_sums_kernel, bwd_tiles_kernel]
+    _table["addnorm::triton_add_norm_"] = [fwd_rows_kernel, fwd_looped_kernel]

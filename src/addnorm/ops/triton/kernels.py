@@ -1,5 +1,5 @@
-"""The Triton kernels of the ``triton`` backend (:mod:`addnorm.ops.triton_add_norm` picks block sizes and
-launches them).
+"""The Triton kernels of the ``triton`` backend (:mod:`addnorm.ops.triton.launch` launches them, with the block
+sizes of :mod:`addnorm.ops.triton.plan`).
 
 The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
 
@@ -112,7 +112,7 @@ def _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexp
 
 
 @_jit
-def _fwd_rows_kernel(
+def fwd_rows_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL)
     W,  # (N,) weight (when HAS_WEIGHT)
@@ -183,7 +183,7 @@ def _fwd_rows_kernel(
 
 
 @_jit
-def _fwd_looped_kernel(
+def fwd_looped_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL)
     W,  # (N,) weight
@@ -290,7 +290,7 @@ def _fwd_looped_kernel(
 
 
 @_jit
-def _bwd_rows_kernel(
+def bwd_rows_kernel(
     DOut,  # (M, N) gradient of out, row stride stride_dout
     DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
     H,  # (M, N) residual_out as stored (or x), row stride stride_h
@@ -360,7 +360,7 @@ def _bwd_rows_kernel(
         else:
             c2 = tl.sum(g, axis=1)[:, None] / N
             dh = (g - c2 - xhat * c1) * rstd
-        # this tail repeats in _bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
+        # this tail repeats in bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
         # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
@@ -376,7 +376,7 @@ def _bwd_rows_kernel(
 
 
 @_jit
-def _bwd_row_sums_kernel(
+def bwd_row_sums_kernel(
     DOut,  # (M, N) gradient of out
     H,  # (M, N) residual_out as stored (or x)
     W,  # (N,) weight (when HAS_WEIGHT)
@@ -418,14 +418,14 @@ def _bwd_row_sums_kernel(
 
 
 @_jit
-def _bwd_tiles_kernel(
+def bwd_tiles_kernel(
     DOut,  # (M, N) gradient of out
     DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
     H,  # (M, N) residual_out as stored (or x)
     W,  # (N,) weight
     Mean,  # (M,)
     Rstd,  # (M,)
-    C1,  # (M,) mean_j(g * xhat) from _bwd_row_sums_kernel
+    C1,  # (M,) mean_j(g * xhat) from bwd_row_sums_kernel
     C2,  # (M,) mean_j(g)
     DX,  # (M, N) contiguous
     DRes,  # (M, N) contiguous (when STORE_DRES)

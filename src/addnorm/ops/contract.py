@@ -1,0 +1,119 @@
+"""What every backend and op of the add + norm contract shares (the contract itself is written in
+:mod:`addnorm.ops.add_norm`): its dtype rules (the float dtypes, the statistics dtype, eps=None's default), the
+dropout seed every backend draws the same way, and the validation that names a bad argument.
+
+This module sits below every backend and op file: it imports nothing of addnorm.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "as_dtype",
+    "check_affine",
+    "check_float",
+    "check_like_x",
+    "default_rms_eps",
+    "draw_seed",
+    "stats_dtype",
+    "validate",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)  # membership by hash, for tensor dtypes: every call checks 2-4
+
+
+def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtype:
+    """Statistics are fp32 unless x or the residual stream is fp64."""
+    return torch.float64 if torch.float64 in (x_dtype, residual_dtype) else torch.float32
+
+
+def draw_seed(device: torch.device) -> Tensor:
+    """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
+    never leaves the device (a captured CUDA graph replays the draw itself, so each replay should get a fresh mask:
+    benchmarks/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
+    backend draws it this way, which is what makes a seed give the same mask on all of them."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
+
+
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # Tensor.to with the same dtype returns t, but only after a trip through the dispatcher (~1-2 us on CPU, several
+    # times per call): on small tensors that is a visible share of the whole op
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def default_rms_eps(x, residual, residual_dtype):
+    """eps=None: machine epsilon of the dtype being normalized, residual_out's (residual_dtype, else the residual's
+    dtype, else x's), as F.rms_norm takes its input's. x's dtype would be wrong for an fp32 residual stream with
+    bf16 activations: 2^-7 instead of 1.2e-7. Unusable input is left for validate to name (None stays None)."""
+    for dt in (residual_dtype, getattr(residual, "dtype", None), getattr(x, "dtype", None)):
+        if dt is not None:
+            return _MACHINE_EPS.get(dt) if dt in FLOAT_DTYPES else None
+    return None
+
+
+_MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in FLOAT_DTYPES}  # torch.finfo() costs ~0.5 us a call
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation: bad input gets an error naming the argument and what was seen
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPE_SET:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_like_x(name: str, t: Tensor, x: Tensor) -> None:
+    """A second stream input (residual, x1): float, x's shape, x's device."""
+    check_float(name, t)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def check_affine(name: str, p: Tensor | None, n: int, x: Tensor) -> None:
+    """A weight or bias (None allowed): float, shape (n,), x's device."""
+    if p is None:
+        return
+    check_float(name, p)
+    if p.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {p.device}")
+
+
+def validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
+    check_float("x", x)
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least one dimension (the normalized one), got shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError(f"x's last dimension (the normalized one) must be > 0, got shape {tuple(x.shape)}")
+    if residual is not None:
+        check_like_x("residual", residual, x)
+    check_affine("weight", weight, n, x)
+    check_affine("bias", bias, n, x)
+    # before eps: eps=None is derived from residual_dtype
+    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:  # (any value: no hashing)
+        raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
+    if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not _is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def _is_real(v) -> bool:
+    # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them; float
+    # and int first, since an isinstance check against the ABC costs about a microsecond on every call
+    return type(v) is float or type(v) is int or isinstance(v, numbers.Real)
