@@ -34,8 +34,8 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
 
 echo "== Triton tests on CUDA (kernels, and the triton ops under torch.compile)"
-timeout 180 python -m pytest -q -p no:cacheprovider -n 8 tests/test_triton_add_norm.py tests/test_triton_ops.py \
-    tests/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5 2>&1 | tee "$RESULTS/tests.txt"
+timeout 180 python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_triton_add_norm.py tests/ops/test_triton_ops.py \
+    tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5 2>&1 | tee "$RESULTS/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
 

@@ -118,7 +118,7 @@ def resolve_backend_for_trace(backend: str, device_type: str) -> str:
 
 
 # What torch.compiler.assume_constant_result does; set directly because that decorator imports torch._dynamo,
-# which would add ~2 s to `import addnorm`. tests/test_functional.py compiles through this path.
+# which would add ~2 s to `import addnorm`. tests/ops/test_functional.py compiles through this path.
 resolve_backend_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 

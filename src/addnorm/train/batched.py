@@ -14,7 +14,7 @@ Each member follows :func:`addnorm.train.loop.train` step for step: the same bat
 seed=cfg_k.seed)``), cross-entropy + z-loss, its own global gradient-norm clipping, torch's AdamW update (decay on
 matrices only, ``independent_wd`` as there), warmup + schedule, divergence check, evaluations and summary. The
 numbers agree with ``train()`` up to float rounding (the batched kernels sum in another order), not bitwise:
-tests/test_train_batched.py bounds the difference.
+tests/train/test_train_batched.py bounds the difference.
 
 A member that diverges leaves the batch (its result is final, as ``train()`` stops), so it costs nothing after.
 

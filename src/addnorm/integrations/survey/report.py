@@ -210,7 +210,7 @@ def _readme_fused(result: dict) -> str:
         f"With transformers {result['transformers']}, `hf.apply` fuses the residual add and norm in {len(fused)} "
         f"architectures and swaps only the norms in {s['hf_apply'].get('norms', 0)} more "
         f"({s['hf_apply'].get('unsupported', 0)} have no norm it reproduces; {s['skipped']} are not built tiny on "
-        "CPU). Fused, as the survey found them (`docs/survey.json`; tests/test_hf_every_family.py checks each one): "
+        "CPU). Fused, as the survey found them (`docs/survey.json`; tests/integrations/test_hf_every_family.py checks each one): "
         + ", ".join(f"`{t}`" for t in fused)
         + "."
     )

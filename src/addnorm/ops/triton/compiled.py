@@ -14,7 +14,7 @@ traceable on fake tensors), and under ``TRITON_INTERPRET=1`` ``wrap_triton`` ret
 unwrapped (torch/_library/triton.py: "TRITON_INTERPRET=1 makes @triton.jit return InterpretedFunction"), so tracing
 runs Triton's interpreter on FakeTensors; the interpreter copies its arguments through their storages' data
 pointers, which a FakeTensor does not have ("Cannot access data pointer of Tensor (e.g. FakeTensor ...)"). Compiled
-graphs on CPU tensors in the interpreter therefore keep the opaque add_norm_fwd; tests/test_triton_ops.py checks
+graphs on CPU tensors in the interpreter therefore keep the opaque add_norm_fwd; tests/ops/test_triton_ops.py checks
 both routes (this one on a GPU), and benchmarks/gpu_graph_check.py checks it under Inductor and CUDA graphs.
 """
 

@@ -556,7 +556,7 @@ def test_cli_real_ctrl_c_exits_130(tmp_path):
     target.write_text(
         f"import pathlib, time\ndef make():\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(120)\n"
     )
-    src = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")
+    src = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "addnorm", "doctor", f"{target}:make"],

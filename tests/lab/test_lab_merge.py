@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
-from lab_fakes import make_registry, opts
 
 from addnorm.lab.core import Context, Experiment, Result
 from addnorm.lab.merge import MergeConflictError, merge
 from addnorm.lab.runner import run
+from tests.lab.lab_fakes import make_registry, opts
 
 
 def test_shards_merged_equal_the_unsharded_run(tmp_path):

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from lab_fakes import make_registry, opts
 
 from addnorm.lab import cache
 from addnorm.lab.merge import MergeConflictError, merge
 from addnorm.lab.runner import run
+from tests.lab.lab_fakes import make_registry, opts
 
 
 def test_second_run_reuses_cached_results_without_recomputing(tmp_path):

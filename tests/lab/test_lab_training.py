@@ -339,7 +339,7 @@ def test_depth_sweep_figure_shows_only_the_swept_depths_as_tick_labels(tmp_path,
 
 
 def test_the_lab_model_and_language_are_importable_from_training():
-    """benchmarks/bench_batched_train.py and tests/test_train_batched.py import them from this module."""
+    """benchmarks/bench_batched_train.py and tests/train/test_train_batched.py import them from this module."""
     from addnorm.lab.experiments.training import language, model_config
 
     assert model_config().d_model == C.D_MODEL and language(0).vocab_size == C.VOCAB

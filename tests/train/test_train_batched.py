@@ -206,7 +206,7 @@ def test_benchmark_script_runs(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_batched_train.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_batched_train.py"
     spec = importlib.util.spec_from_file_location("bench_batched_train", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -435,7 +435,7 @@ def test_missing_transformers_names_the_extra(monkeypatch):
         hf.apply(nn.Linear(2, 2))
 
 
-# Every family the survey fuses (docs/survey.json) is checked in tests/test_hf_every_family.py.
+# Every family the survey fuses (docs/survey.json) is checked in tests/integrations/test_hf_every_family.py.
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_check.sh)")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_add_norm_multi import multi_oracle
 
 from addnorm.compat import flash_attn as fa
 from addnorm.ops import backends
 from addnorm.testing import assert_close
+from tests.ops.test_add_norm_multi import multi_oracle
 
 ALL = ["torch", "reference", "cpu", "triton"]
 

@@ -459,7 +459,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
 
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 - the NVIDIA backend must be present
 
-    script = Path(__file__).resolve().parents[1] / "tools" / "sm90_static.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "sm90_static.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile from scratch, leave no cache behind
     done = subprocess.run(

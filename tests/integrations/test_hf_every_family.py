@@ -22,7 +22,7 @@ import torch
 from addnorm.integrations.norm_probe import randomize_norms
 from addnorm.integrations.survey import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SURVEY = report.load(ROOT / "docs" / "survey.json")
 CHECKED = ("fused", "mismatch", "error")  # what the survey's hf.apply column says of a model apply patched
 ROWS = {r["model_type"]: r for r in SURVEY["models"] if r.get("hf_apply") in CHECKED}

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lab_fakes import make_registry
 
 from addnorm.lab import outdir, runner
 from addnorm.lab.core import Context, Experiment, Result
 from addnorm.lab.runner import RunOptions
+from tests.lab.lab_fakes import make_registry
 
 
 @pytest.fixture

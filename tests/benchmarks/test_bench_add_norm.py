@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_add_norm.py"
 sys.path.insert(0, str(SCRIPT.parent))
 sys.path.insert(0, str(ROOT / "tools"))  # tune_triton.py

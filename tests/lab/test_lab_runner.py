@@ -13,12 +13,12 @@ import textwrap
 
 import pytest
 import torch
-from lab_fakes import PNG, make_registry, opts
 
 from addnorm.lab import runner
 from addnorm.lab.core import Experiment, Result
 from addnorm.lab.report import render_html, terminal_table
 from addnorm.lab.runner import RunOptions, atomic_write_text, parse_shard, run, select
+from tests.lab.lab_fakes import PNG, make_registry, opts
 
 
 def test_threads_option_applies_during_the_run_and_is_restored(tmp_path):
