@@ -19,7 +19,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import addnorm.ops.add_norm as add_norm_ops  # noqa: E402
-from addnorm.integrations import hf, norm_probe  # noqa: E402
+from addnorm.integrations import hf, hf_norms, norm_probe  # noqa: E402
 from addnorm.nn import LayerNorm, RMSNorm  # noqa: E402
 
 FAMILIES = hf.FAMILIES
@@ -356,7 +356,7 @@ def test_cast_before_weight_matches_llama_rmsnorm_in_bf16():
     old = LlamaRMSNorm(96, eps=1e-6).bfloat16()
     with torch.no_grad():
         old.weight.copy_(1 + 0.5 * torch.randn(96))
-    new = hf._cast_before_weight_norm(old)
+    new = hf_norms.cast_before_weight_norm(old)
     assert new.weight is old.weight and new.variance_epsilon == new.eps == 1e-6
     x, r = (torch.randn(64, 96) * 3).bfloat16(), torch.randn(64, 96).bfloat16()
     for got, want in ((new(x), old(x)), (new(x, r)[0], old(x + r))):
@@ -376,7 +376,7 @@ def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion
     real = norms.add_rms_norm
     monkeypatch.setattr(norms, "add_rms_norm", lambda *a, **k: calls.append((a[2], k)) or real(*a, **k))
     old = LlamaRMSNorm(32, eps=1e-6).bfloat16()
-    new = hf._cast_before_weight_norm(old)
+    new = hf_norms.cast_before_weight_norm(old)
     x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
     new(x, r)
     ((weight, kwargs),) = calls
@@ -385,7 +385,7 @@ def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion
     old32 = LlamaRMSNorm(32, eps=1e-6)
     with torch.no_grad():
         old32.weight.copy_(1 + 0.5 * torch.randn(32))
-    got, want = hf._cast_before_weight_norm(old32)(x), old32(x)
+    got, want = hf_norms.cast_before_weight_norm(old32)(x), old32(x)
     assert got.dtype == want.dtype == torch.float32
     assert (got != want).float().mean().item() < 0.01
 
@@ -396,7 +396,7 @@ def test_gemma_norm_is_zero_centered_with_eps_from_hf():
     old = GemmaRMSNorm(32, eps=1e-3)
     with torch.no_grad():
         old.weight.normal_()
-    new = hf._zero_centered_norm(old)
+    new = hf_norms.zero_centered_norm(old)
     assert new.eps == 1e-3 and new.zero_centered_weight and new.weight is old.weight
     x = torch.randn(5, 32)
     _assert_rel(new(x), old(x), 1e-5, "gemma norm")

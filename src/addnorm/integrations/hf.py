@@ -42,16 +42,16 @@ the unpatched model. Hooks registered on the replaced norm modules do not move t
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from addnorm.integrations import layer_match, norm_probe
+from addnorm.integrations import norm_probe
+from addnorm.integrations.hf_forwards import LayerRule, Signature, from_transformers, layer_rule
+from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
-from addnorm.ops.add_norm import add_rms_norm
 
 __all__ = [
     "apply",
@@ -78,283 +78,10 @@ def _require_transformers():
     return transformers
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Norm modules
-# --------------------------------------------------------------------------------------------------------------
-
-
-class _VarianceEpsilonAlias:
-    """``variance_epsilon``, the name HF's RMSNorm code reads and writes, as an alias of ``eps``."""
-
-    @property
-    def variance_epsilon(self) -> float:
-        return self.eps
-
-    @variance_epsilon.setter
-    def variance_epsilon(self, value: float) -> None:
-        self.eps = value
-
-
-class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
-    """RMSNorm with the cast order of Llama, Mistral and Qwen: ``weight * to(x.dtype)(x * rstd)``, rstd in fp32.
-
-    ``forward(x, residual)`` fuses the residual add as :class:`addnorm.nn.RMSNorm` does. ``variance_epsilon`` is an
-    alias of ``eps``, the name HF code reads.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, cast_before_weight=True, **kwargs)
-
-    def forward(self, x: Tensor, residual: Tensor | None = None):
-        w = self.weight
-        if w is None or torch.promote_types(w.dtype, x.dtype) == x.dtype:
-            # HF's ``w * x.to(dtype)`` stays in x's dtype: the fused call with cast_before_weight is its value
-            return super().forward(x, residual)
-        # a weight of a wider dtype than x (an fp32 weight with bf16 activations) makes HF's output that wider
-        # dtype; the kernel writes x's dtype, so normalize without the weight and multiply as HF does
-        result = self._forward(add_rms_norm, x, residual, (None, self.eps))
-        if residual is None:
-            return w * result
-        out, residual_out = result
-        return w * out, residual_out
-
-
-class HFRMSNorm(_VarianceEpsilonAlias, RMSNorm):
-    """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
-
-
-def _rms_eps(module: nn.Module) -> float:
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    raise ValueError(f"cannot read eps from {type(module).__name__}: no variance_epsilon or eps attribute")
-
-
-def _share_params(new: nn.Module, old: nn.Module, names=("weight", "bias")) -> nn.Module:
-    """Give ``new`` the very Parameter objects of ``old`` (or None where old has none)."""
-    for name in names:
-        if hasattr(new, name) or hasattr(old, name):
-            setattr(new, name, getattr(old, name, None))
-    return new
-
-
-def _cast_before_weight_norm(old: nn.Module) -> nn.Module:
-    n = old.weight.shape[0]
-    new = CastBeforeWeightRMSNorm(n, eps=_rms_eps(old), device="meta")  # meta: no throwaway weight allocated
-    return _share_params(new, old, ("weight",))
-
-
-def _zero_centered_norm(old: nn.Module) -> nn.Module:
-    n = old.weight.shape[0]
-    new = RMSNorm(n, eps=_rms_eps(old), zero_centered_weight=True, device="meta")
-    return _share_params(new, old, ("weight",))
-
-
-def _layer_norm(old: nn.LayerNorm) -> nn.Module:
-    new = LayerNorm(
-        old.normalized_shape,
-        eps=old.eps,
-        elementwise_affine=old.elementwise_affine,
-        bias=old.bias is not None,
-        device="meta",
-    )
-    return _share_params(new, old)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Fused forwards. Each replaces a forward of the installed transformers (read from its source) line for line,
-# except that "residual = residual + out; h = norm(residual)" becomes one call "h, residual = norm(out, residual)".
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Signature:
-    """The original forward's parameters after (self, hidden_states), read once per class: binding by hand keeps the
-    fused forward free of inspect calls (cheap per layer call, and nothing for torch.compile to trip on)."""
-
-    names: tuple[str, ...]  # named parameters, in order
-    defaults: dict  # name -> default, for those that have one
-    var_keyword: bool  # whether the original takes **kwargs
-
-    @classmethod
-    def of(cls, fn) -> _Signature:
-        params = list(inspect.signature(fn).parameters.values())[2:]
-        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        return cls(
-            names=tuple(p.name for p in named),
-            defaults={p.name: p.default for p in named if p.default is not p.empty},
-            var_keyword=any(p.kind is p.VAR_KEYWORD for p in params),
-        )
-
-
-def _bound_arguments(self, hidden_states, args, kwargs) -> dict:
-    """The original forward's arguments after hidden_states, by name, defaults filled in, **kwargs flattened."""
-    sig: _Signature = self._addnorm_signature
-    where = f"{type(self).__name__}.forward()"
-    if len(args) > len(sig.names):
-        raise TypeError(f"{where} takes {len(sig.names) + 1} positional arguments, got {len(args) + 1}")
-    out = dict(sig.defaults)
-    out.update(zip(sig.names, args))
-    for name, value in kwargs.items():
-        if name == "past_key_values" and "cache" in sig.names and "past_key_values" not in sig.names:
-            # transformers' deprecate_kwarg wraps the original forward and renames the old keyword the same way
-            if "cache" in kwargs:
-                continue
-            name = "cache"
-        if name in sig.names[: len(args)]:
-            raise TypeError(f"{where} got multiple values for argument {name!r}")
-        if name not in sig.names and not sig.var_keyword:
-            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
-        out[name] = value
-    missing = [n for n in sig.names if n not in out]
-    if missing:
-        raise TypeError(f"{where} missing required arguments: {', '.join(missing)}")
-    return out
-
-
-def _role(self, name: str) -> nn.Module:
-    return getattr(self, self._addnorm_roles[name])
-
-
-def _pre_forward(self, hidden_states, *args, **kwargs):
-    """Template "pre" (and "pre-scaled"): x + attn(norm1(x)), then + mlp(norm2(.)), norm2 fused with the add."""
-    # the original passes every argument but hidden_states on to the attention (layer_match checked it)
-    attn_kwargs = _bound_arguments(self, hidden_states, args, kwargs)
-    scale = self._addnorm_roles.get("scale")
-    residual = hidden_states
-    hidden_states = _role(self, "norm1")(hidden_states)
-    hidden_states, _ = _role(self, "attn")(hidden_states=hidden_states, **attn_kwargs)
-    if scale is not None:
-        hidden_states = hidden_states * getattr(self, scale)  # residual + h * m == h * m + residual, bit for bit
-    hidden_states, residual = _role(self, "norm2")(hidden_states, residual)
-    hidden_states = _role(self, "mlp")(hidden_states)
-    if scale is not None:
-        hidden_states = hidden_states * getattr(self, scale)
-    return residual + hidden_states
-
-
-def _sandwich_forward(self, hidden_states, *args, **kwargs):
-    """Template "sandwich": x + norm2(attn(norm1(x))); then norm3 (before the MLP) fused with that add."""
-    attn_kwargs = _bound_arguments(self, hidden_states, args, kwargs)
-    residual = hidden_states
-    hidden_states = _role(self, "norm1")(hidden_states)
-    hidden_states, _ = _role(self, "attn")(hidden_states=hidden_states, **attn_kwargs)
-    hidden_states = _role(self, "norm2")(hidden_states)
-    hidden_states, residual = _role(self, "norm3")(hidden_states, residual)
-    hidden_states = _role(self, "mlp")(hidden_states)
-    hidden_states = _role(self, "norm4")(hidden_states)
-    return residual + hidden_states
-
-
-def _post_output_forward(self, hidden_states, input_tensor):
-    """Template "post-output" (BERT's output sublayers): norm(dropout(dense(h)) + input) as one fused add + norm."""
-    hidden_states = _role(self, "dropout")(_role(self, "dense")(hidden_states))
-    return _role(self, "norm")(hidden_states, input_tensor)[0]
-
-
-def _gpt2_forward(self, hidden_states, *args, **kwargs):
-    """GPT2Block: ln_2 (and ln_cross_attn) fused with the residual add before it."""
-    a = _bound_arguments(self, hidden_states, args, kwargs)
-    cache, mask, use_cache = a.pop("cache"), a.pop("attention_mask"), a.pop("use_cache")
-    encoder_hidden_states, encoder_mask = a.pop("encoder_hidden_states"), a.pop("encoder_attention_mask")
-    residual = hidden_states
-    hidden_states = self.ln_1(hidden_states)
-    branch, _ = self.attn(hidden_states, cache=cache, attention_mask=mask, use_cache=use_cache, **a)
-    if encoder_hidden_states is not None:
-        if not hasattr(self, "crossattention"):
-            raise ValueError(
-                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
-                "cross-attention layers by setting `config.add_cross_attention=True`"
-            )
-        hidden_states, residual = self.ln_cross_attn(branch, residual)
-        branch, _ = self.crossattention(
-            hidden_states,
-            cache=cache,
-            attention_mask=mask,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_mask,
-        )
-    hidden_states, residual = self.ln_2(branch, residual)
-    return residual + self.mlp(hidden_states)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# What to patch: recognised from the model's structure
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _LayerRule:
-    forward: object
-    fused_norms: tuple[str, ...]  # roles of the norms called with a residual: they must be addnorm modules
-
-
-_TEMPLATE_RULES = {
-    "pre": _LayerRule(_pre_forward, ("norm2",)),
-    "pre-scaled": _LayerRule(_pre_forward, ("norm2",)),
-    "sandwich": _LayerRule(_sandwich_forward, ("norm3",)),
-    "post-output": _LayerRule(_post_output_forward, ("norm",)),
-}
-
-# GPT-2's block (self- and cross-attention, several return paths) is matched by the lines the fused forward rewrites
-# and its exact parameters; the attribute names are GPT-2's own.
-_GPT2_LINES = (
-    "hidden_states = attn_output + residual",
-    "hidden_states = self.ln_2(hidden_states)",
-    "hidden_states = residual + cross_attn_output",
-    "hidden_states = residual + feed_forward_hidden_states",
-)
-_GPT2_PARAMS = (
-    "self",
-    "hidden_states",
-    "cache",
-    "attention_mask",
-    "encoder_hidden_states",
-    "encoder_attention_mask",
-    "use_cache",
-    "kwargs",
-)
-_GPT2_ROLES = {"norm1": "ln_1", "attn": "attn", "norm2": "ln_2", "mlp": "mlp"}
-
-
-def _normalized_source(fn) -> str | None:
-    try:
-        src = inspect.getsource(inspect.unwrap(fn))
-    except (OSError, TypeError):
-        return None
-    return "\n".join(" ".join(line.split()) for line in src.splitlines())
-
-
-def _is_gpt2_block(cls: type) -> bool:
-    if tuple(inspect.signature(cls.forward).parameters) != _GPT2_PARAMS:
-        return False
-    src = _normalized_source(cls.forward)
-    return src is not None and all(line in src for line in _GPT2_LINES)
-
-
-def _from_transformers(cls: type) -> bool:
-    return cls.__module__.startswith("transformers.")
-
-
-def _layer_rule(module: nn.Module) -> tuple[_LayerRule, dict[str, str]] | None:
-    """The fused forward for ``module``'s class and its roles -> attribute names, or None."""
-    cls = type(module)
-    if not _from_transformers(cls):
-        return None
-    found = layer_match.match(cls)
-    if found is not None:
-        return _TEMPLATE_RULES[found.template], found.roles
-    if _is_gpt2_block(cls):
-        cross = {"norm_cross": "ln_cross_attn"} if hasattr(module, "ln_cross_attn") else {}
-        return _LayerRule(_gpt2_forward, ("norm2",) + tuple(cross)), {**_GPT2_ROLES, **cross}
-    return None
-
-
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def _fused_class(cls: type, rule: _LayerRule, roles: dict[str, str]) -> type:
+def _fused_class(cls: type, rule: LayerRule, roles: dict[str, str]) -> type:
     """A subclass of ``cls`` whose forward is ``rule.forward``. Made once per class (its roles follow from its
     forward's source, so they are the same every time) and kept in this module's namespace under its name, so
     models holding it pickle. Subclassing (rather than setting an instance forward) keeps what transformers adds to
@@ -368,7 +95,7 @@ def _fused_class(cls: type, rule: _LayerRule, roles: dict[str, str]) -> type:
                 "forward": rule.forward,
                 "__module__": __name__,
                 "__qualname__": name,
-                "_addnorm_signature": _Signature.of(cls.forward),
+                "_addnorm_signature": Signature.of(cls.forward),
                 "_addnorm_roles": dict(roles),
             },
         )
@@ -379,7 +106,7 @@ def _fused_class(cls: type, rule: _LayerRule, roles: dict[str, str]) -> type:
 
 def _swappable(module: nn.Module) -> norm_probe.NormInfo | None:
     cls = type(module)
-    if not (cls is nn.LayerNorm or _from_transformers(cls)) or not norm_probe.is_candidate(module):
+    if not (cls is nn.LayerNorm or from_transformers(cls)) or not norm_probe.is_candidate(module):
         return None
     info = norm_probe.probe(module)
     return info if info is not None and info.addnorm is not None else None
@@ -441,7 +168,7 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
     # 2. fused forwards, only where every norm they call with a residual is now an addnorm module
     if fuse_residual:
         for module in model.modules():
-            found = _layer_rule(module)
+            found = layer_rule(module)
             if found is None:
                 continue
             rule, roles = found

@@ -1,0 +1,99 @@
+"""The norm modules :func:`addnorm.integrations.hf.apply` swaps in: addnorm's RMSNorm/LayerNorm with HF's attribute
+names and cast orders, holding the very Parameter objects of the modules they replace."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from addnorm.nn.norms import LayerNorm, RMSNorm
+from addnorm.ops.add_norm import add_rms_norm
+
+__all__ = [
+    "CastBeforeWeightRMSNorm",
+    "HFRMSNorm",
+    "cast_before_weight_norm",
+    "layer_norm_like",
+    "rms_eps",
+    "share_params",
+    "zero_centered_norm",
+]
+
+
+class _VarianceEpsilonAlias:
+    """``variance_epsilon``, the name HF's RMSNorm code reads and writes, as an alias of ``eps``."""
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+
+class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
+    """RMSNorm with the cast order of Llama, Mistral and Qwen: ``weight * to(x.dtype)(x * rstd)``, rstd in fp32.
+
+    ``forward(x, residual)`` fuses the residual add as :class:`addnorm.nn.RMSNorm` does. ``variance_epsilon`` is an
+    alias of ``eps``, the name HF code reads.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, cast_before_weight=True, **kwargs)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        w = self.weight
+        if w is None or torch.promote_types(w.dtype, x.dtype) == x.dtype:
+            # HF's ``w * x.to(dtype)`` stays in x's dtype: the fused call with cast_before_weight is its value
+            return super().forward(x, residual)
+        # a weight of a wider dtype than x (an fp32 weight with bf16 activations) makes HF's output that wider
+        # dtype; the kernel writes x's dtype, so normalize without the weight and multiply as HF does
+        result = self._forward(add_rms_norm, x, residual, (None, self.eps))
+        if residual is None:
+            return w * result
+        out, residual_out = result
+        return w * out, residual_out
+
+
+class HFRMSNorm(_VarianceEpsilonAlias, RMSNorm):
+    """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
+
+
+def rms_eps(module: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise ValueError(f"cannot read eps from {type(module).__name__}: no variance_epsilon or eps attribute")
+
+
+def share_params(new: nn.Module, old: nn.Module, names=("weight", "bias")) -> nn.Module:
+    """Give ``new`` the very Parameter objects of ``old`` (or None where old has none)."""
+    for name in names:
+        if hasattr(new, name) or hasattr(old, name):
+            setattr(new, name, getattr(old, name, None))
+    return new
+
+
+def cast_before_weight_norm(old: nn.Module) -> nn.Module:
+    n = old.weight.shape[0]
+    new = CastBeforeWeightRMSNorm(n, eps=rms_eps(old), device="meta")  # meta: no throwaway weight allocated
+    return share_params(new, old, ("weight",))
+
+
+def zero_centered_norm(old: nn.Module) -> nn.Module:
+    n = old.weight.shape[0]
+    new = RMSNorm(n, eps=rms_eps(old), zero_centered_weight=True, device="meta")
+    return share_params(new, old, ("weight",))
+
+
+def layer_norm_like(old: nn.LayerNorm) -> nn.Module:
+    new = LayerNorm(
+        old.normalized_shape,
+        eps=old.eps,
+        elementwise_affine=old.elementwise_affine,
+        bias=old.bias is not None,
+        device="meta",
+    )
+    return share_params(new, old)
