@@ -43,12 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.diagnostics.anomaly import NonFiniteSentinel
-
-# Loading targets lived here before the command moved to doctor_cli; the names stay importable from here.
-from addnorm.diagnostics.doctor_cli import TargetError, build_hf_model, load_target  # noqa: E402, F401
 from addnorm.diagnostics.monitor import call_model, find_blocks, first_tensor, is_norm_module, output_logits
 
-__all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES", "TargetError", "build_hf_model", "load_target"]
+__all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES"]
 
 SEVERITIES = ("error", "warning", "info")
 _HALF = (torch.float16, torch.bfloat16)
