@@ -37,7 +37,7 @@ def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtyp
 def draw_seed(device: torch.device) -> Tensor:
     """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
     never leaves the device (a captured CUDA graph replays the draw itself, so each replay should get a fresh mask:
-    benchmarks/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
+    tools/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
     backend draws it this way, which is what makes a seed give the same mask on all of them."""
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
 

@@ -15,7 +15,7 @@ unwrapped (torch/_library/triton.py: "TRITON_INTERPRET=1 makes @triton.jit retur
 runs Triton's interpreter on FakeTensors; the interpreter copies its arguments through their storages' data
 pointers, which a FakeTensor does not have ("Cannot access data pointer of Tensor (e.g. FakeTensor ...)"). Compiled
 graphs on CPU tensors in the interpreter therefore keep the opaque add_norm_fwd; tests/ops/test_triton_ops.py checks
-both routes (this one on a GPU), and benchmarks/gpu_graph_check.py checks it under Inductor and CUDA graphs.
+both routes (this one on a GPU), and tools/gpu_graph_check.py checks it under Inductor and CUDA graphs.
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ __all__ = ["Tuning", "TUNING", "bwd_config", "cached_config", "fwd_config"]
 @dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per TUNING object
 class Tuning:
     """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
-    ``benchmarks/tune_triton.py`` sweeps them on a GPU."""
+    ``tools/tune_triton.py`` sweeps them on a GPU."""
 
     max_fwd_block_n: int = 16384  # widest row (elements) the forward keeps in registers
     max_bwd_block_n: int = 8192  # the backward holds more live tensors per element (h, dy, xhat, g, dw, db)
     # RMSNorm's backward with 2-byte h and dout (bf16/fp16 residual_out and out) keeps rows up to this wide in one
     # pass (no separate row-sums pass): it has no mean term, and at N = 16384 with 16 warps (32 elements a thread,
-    # wide_bwd_elems_per_thread) sm_90 compiles it to 128 registers and no spills (benchmarks/sm90_static.py); with
+    # wide_bwd_elems_per_thread) sm_90 compiles it to 128 registers and no spills (tools/sm90_static.py); with
     # 32 warps a thread gets at most 64 registers and spills 16 bytes. An fp32 residual stream spills 148 bytes at
     # 16384 even with 16 warps, fp32 x 44, LayerNorm 336: they keep max_bwd_block_n.
     max_bwd_block_n_rms_16bit: int = 16384
@@ -51,7 +51,7 @@ class Tuning:
     elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
-    # sm_90 from 76 to 12 bytes a thread (benchmarks/sm90_static.py), letting max_bwd_block_n = 16384 be tried
+    # sm_90 from 76 to 12 bytes a thread (tools/sm90_static.py), letting max_bwd_block_n = 16384 be tried
     reload_weight_above: int = 8192
 
 
