@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import hashlib
 import json
 import math
+import types
+import typing
 from pathlib import Path
 
 __all__ = ["register", "parse_sets", "build_run", "run_training"]
@@ -50,6 +54,60 @@ def parse_sets(items: list[str] | None) -> dict:
     return out
 
 
+# inf means something only here (never stop a run early); everywhere else a non-finite number is a mistake
+_INF_OK = {"diverge_factor"}
+_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a word", dict: "a {...} literal"}
+
+
+def _kinds(hint) -> tuple:
+    """The plain types an annotation allows: ``float | None`` -> (float, NoneType)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(hint) for t in _kinds(arg))
+    return (typing.get_origin(hint) or hint,)
+
+
+def check_set_types(sets: dict, hints: dict) -> dict:
+    """``sets`` (from :func:`parse_sets`) with every value checked against its field's annotation in ``hints``:
+    a bool field takes true/false only (not "nan", "x" or 1.5, which a dataclass keeps as truthy values), an int
+    field an integer, a float field a finite number (an int is widened; nan, and inf outside ``_INF_OK``, are
+    refused). A ValueError names the field, the value and what it must be."""
+    checked = {}
+    for key, value in sets.items():
+        kinds = _kinds(hints[key])
+        if value is None and type(None) in kinds:
+            checked[key] = None
+        elif isinstance(value, bool):  # before int: bool is an int subclass
+            if bool not in kinds:
+                raise ValueError(f"--set {key}={value!r}: {key} must be {_must(kinds)}")
+            checked[key] = value
+        elif isinstance(value, int) and int in kinds:
+            checked[key] = value
+        elif float in kinds and isinstance(value, (int, float, str)) and _number(value) is not None:
+            number = _number(value)
+            if math.isnan(number) or (math.isinf(number) and key not in _INF_OK):
+                raise ValueError(f"--set {key}={value!r}: {key} must be a finite number")
+            checked[key] = number
+        elif isinstance(value, str) and str in kinds:
+            checked[key] = value
+        elif isinstance(value, dict) and dict in kinds:
+            checked[key] = value
+        else:
+            raise ValueError(f"--set {key}={value!r}: {key} must be {_must(kinds)}")
+    return checked
+
+
+def _number(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _must(kinds: tuple) -> str:
+    words = [_WORDS.get(k, getattr(k, "__name__", str(k))) for k in kinds if k is not type(None)]
+    return " or ".join(words) + (" or None" if type(None) in kinds else "")
+
+
 def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | None = None, data_seed: int = 0):
     """(model, data, TrainConfig, TransformerConfig) from a preset, ``--set`` overrides and explicit flags.
 
@@ -71,6 +129,9 @@ def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | N
             f"--set: unknown field(s) {unknown}; model fields: {sorted(model_fields)}; "
             f"training fields: {sorted(tfields)}"
         )
+    sets = check_set_types(
+        sets, {**typing.get_type_hints(TrainConfig), **typing.get_type_hints(TransformerConfig)}
+    )  # a model field wins a name clash, as below
     tkw = {**train_fields, **{k: v for k, v in sets.items() if k in tfields and k not in model_fields}}
     cfg = TrainConfig(**tkw)
     data = TextData(data_file) if data_file else MarkovLanguage(seed=data_seed)
@@ -161,7 +222,7 @@ def resolve_run_args(args: argparse.Namespace) -> None:
             given, old = getattr(args, key), saved.get(key)
             if given is None:
                 setattr(args, key, old)
-            elif (parse_sets(given) != parse_sets(old)) if key == "set" else given != old:
+            elif _differs(key, given, old):
                 conflicts.append(f"--{key.replace('_', '-')} {given!r} (the run in {args.out} used {old!r})")
         if conflicts:
             raise ValueError(
@@ -172,17 +233,36 @@ def resolve_run_args(args: argparse.Namespace) -> None:
     for key, value in _DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.data_sha256 = None
+    if args.data is not None:
+        _pin_data(args, saved)
 
 
-def _prepare_out(out: str) -> Path:
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out!r} is a file, not a directory: give a directory path")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out!r}: cannot create the directory ({e.strerror or e})") from None
-    return path
+def _differs(key: str, given, old) -> bool:
+    if key == "set":
+        return parse_sets(given) != parse_sets(old)
+    if key == "data" and isinstance(given, str) and isinstance(old, str):  # one file, named from another folder
+        return Path(given).resolve() != Path(old).resolve()
+    return given != old
+
+
+def _pin_data(args: argparse.Namespace, saved: dict | None) -> None:
+    """Store --data as an absolute path with its SHA-256, so a resume from another folder reads the same file and
+    a resume after the file changed is refused (it would continue the run on other data)."""
+    path = Path(args.data).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"--data {args.data!r}: no such file ({path})")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    args.data, args.data_sha256 = str(path), digest.hexdigest()
+    old = (saved or {}).get("data_sha256")
+    if old and old != args.data_sha256:
+        raise ValueError(
+            f"--data {path}: the file changed since the run in {args.out} started (SHA-256 {args.data_sha256[:12]}, "
+            f"the run's {old[:12]}); resuming would continue on other data: restore the file, or train into a new --out"
+        )
 
 
 def _save_args(out: Path, args: argparse.Namespace) -> None:
@@ -190,22 +270,30 @@ def _save_args(out: Path, args: argparse.Namespace) -> None:
 
     data = {key: getattr(args, key) for key in _RUN_FLAGS}
     data["monitor"] = bool(args.monitor)
+    data["data_sha256"] = getattr(args, "data_sha256", None)
     atomic_write_json(out / ARGS_FILE, data)  # a crash never leaves half a file for --resume to read
 
 
 def run_training(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:  # holds --out's lock until the report is written
+        return _run_training(args, stack)
+
+
+def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import dataclasses
     import sys
 
+    from addnorm.lab.outdir import out_lock
+    from addnorm.outpaths import describe_os_error, out_dir
     from addnorm.train import distributed as D
     from addnorm.train.loop import train
 
     try:
+        if args.out is not None:  # "" is refused here: it used to mean "write nothing", silently
+            out_dir(args.out, create=False)
         resolve_run_args(args)
         if args.data_seed < 0:
             raise ValueError(f"--data-seed must be an int >= 0, got {args.data_seed}")
-        if args.out:
-            _prepare_out(args.out)
     except ValueError as e:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
@@ -232,9 +320,19 @@ def run_training(args: argparse.Namespace) -> int:
         return 2
     info = D.init_from_env(cfg.device)
     if args.out and info.is_main:
-        if args.resume and not (Path(args.out) / CHECKPOINT).exists():
-            print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
-        _save_args(Path(args.out), args)
+        try:
+            out_dir(args.out)
+            # one run per --out (two interleaved their log.jsonl), taken before anything is written into it
+            stack.enter_context(out_lock(Path(args.out), command="addnorm train"))
+            if args.resume and not (Path(args.out) / CHECKPOINT).exists():
+                print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
+            _save_args(Path(args.out), args)
+        except ValueError as e:
+            print(f"addnorm train: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)}", file=sys.stderr)
+            return 2
     bar = None
     if info.is_main and not args.quiet:
         from tqdm import tqdm
@@ -260,7 +358,9 @@ def run_training(args: argparse.Namespace) -> int:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the log or a checkpoint: disk full, permissions, ...
-        print(f"addnorm train: error: cannot write into --out {args.out}: {e}", file=sys.stderr)
+        print(
+            f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)} ({e})", file=sys.stderr
+        )
         return 2
     except KeyboardInterrupt:
         every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
@@ -286,13 +386,20 @@ def run_training(args: argparse.Namespace) -> int:
         "figures": [],
     }
     if cfg.out_dir:
-        out = Path(cfg.out_dir)
-        png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
-        if png:
-            report["figures"].append(png)
         from addnorm.io import atomic_write_json
 
-        atomic_write_json(out / "summary.json", report)
+        out = Path(cfg.out_dir)
+        try:
+            png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
+            if png:
+                report["figures"].append(png)
+            atomic_write_json(out / "summary.json", report)
+        except OSError as e:  # the run and its checkpoint are done; only the report could not be written
+            print(
+                f"addnorm train: error: cannot write the report into --out {args.out}: {describe_os_error(e)}",
+                file=sys.stderr,
+            )
+            return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
