@@ -6,8 +6,8 @@
     torchrun --nproc_per_node 2 -m addnorm train --preset gpt2 --steps 200        # data-parallel
 
 ``--set key=value`` sets a TransformerConfig field (overriding the preset) or a TrainConfig field (``z_loss``,
-``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) or kept as
-strings. The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
+``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) and must
+fit the field's type (``true``/``false`` for a switch, a finite number for a rate, a word for a name). The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
 the JSONL log, a checkpoint (every 50 steps and at the end; ``--set checkpoint_every=N``), ``args.json`` (the
 flags, for ``--resume``), ``summary.json`` and ``loss.png``. ``--resume`` on a directory without a run is an error.
 """
@@ -15,97 +15,16 @@ flags, for ``--resume``), ``summary.json`` and ``loss.png``. ``--resume`` on a d
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import hashlib
 import json
 import math
-import types
 import typing
 from pathlib import Path
 
+from addnorm.train.sets import check_set_types, parse_sets
+
 __all__ = ["register", "parse_sets", "build_run", "run_training"]
-
-_TRUE, _FALSE = {"true", "yes", "on"}, {"false", "no", "off"}
-
-
-def _literal(text: str):
-    low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    if low in ("none", "null"):
-        return None
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_sets(items: list[str] | None) -> dict:
-    """``["a=1", "b=pre"]`` -> ``{"a": 1, "b": "pre"}``; an item without '=' is a ValueError naming it."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = _literal(value)
-    return out
-
-
-# inf means something only here (never stop a run early); everywhere else a non-finite number is a mistake
-_INF_OK = {"diverge_factor"}
-_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a word", dict: "a {...} literal"}
-
-
-def _kinds(hint) -> tuple:
-    """The plain types an annotation allows: ``float | None`` -> (float, NoneType)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return tuple(t for arg in typing.get_args(hint) for t in _kinds(arg))
-    return (typing.get_origin(hint) or hint,)
-
-
-def check_set_types(sets: dict, hints: dict) -> dict:
-    """``sets`` (from :func:`parse_sets`) with every value checked against its field's annotation in ``hints``:
-    a bool field takes true/false only (not "nan", "x" or 1.5, which a dataclass keeps as truthy values), an int
-    field an integer, a float field a finite number (an int is widened; nan, and inf outside ``_INF_OK``, are
-    refused). A ValueError names the field, the value and what it must be."""
-    checked = {}
-    for key, value in sets.items():
-        kinds = _kinds(hints[key])
-        if value is None and type(None) in kinds:
-            checked[key] = None
-        elif isinstance(value, bool):  # before int: bool is an int subclass
-            if bool not in kinds:
-                raise ValueError(f"--set {key}={value!r}: {key} must be {_must(kinds)}")
-            checked[key] = value
-        elif isinstance(value, int) and int in kinds:
-            checked[key] = value
-        elif float in kinds and isinstance(value, (int, float, str)) and _number(value) is not None:
-            number = _number(value)
-            if math.isnan(number) or (math.isinf(number) and key not in _INF_OK):
-                raise ValueError(f"--set {key}={value!r}: {key} must be a finite number")
-            checked[key] = number
-        elif isinstance(value, str) and str in kinds:
-            checked[key] = value
-        elif isinstance(value, dict) and dict in kinds:
-            checked[key] = value
-        else:
-            raise ValueError(f"--set {key}={value!r}: {key} must be {_must(kinds)}")
-    return checked
-
-
-def _number(value) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _must(kinds: tuple) -> str:
-    words = [_WORDS.get(k, getattr(k, "__name__", str(k))) for k in kinds if k is not type(None)]
-    return " or ".join(words) + (" or None" if type(None) in kinds else "")
 
 
 def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | None = None, data_seed: int = 0):
@@ -453,7 +372,11 @@ def register(subparsers) -> None:
     p.add_argument("--data-seed", type=int, help="seed of the synthetic language itself (default 0)")
     p.add_argument("--device", help="cpu or cuda (default cpu)")
     p.add_argument("--monitor", action="store_true", help="record per-layer telemetry every step into the log")
-    p.add_argument("--out", metavar="DIR", help="write log.jsonl, checkpoint.pt, summary.json, loss.png here")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write log.jsonl, checkpoint.pt, summary.json, loss.png here; one run at a time per directory",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
