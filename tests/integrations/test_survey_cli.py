@@ -14,7 +14,10 @@ from tests.integrations.test_survey import _rows_result
 
 pytest.importorskip("transformers")
 
-README = "<!-- survey:hf-fused -->\nkeep\n<!-- /survey:hf-fused -->\n<!-- survey:summary -->\nkeep\n<!-- /survey:summary -->\n"
+README = (
+    "<!-- survey:hf-fused -->\nkeep\n<!-- /survey:hf-fused -->\n"
+    "<!-- survey:summary -->\nkeep\n<!-- /survey:summary -->\n"
+)
 
 
 @pytest.fixture

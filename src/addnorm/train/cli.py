@@ -7,9 +7,12 @@
 
 ``--set key=value`` sets a TransformerConfig field (overriding the preset) or a TrainConfig field (``z_loss``,
 ``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) and must
-fit the field's type (``true``/``false`` for a switch, a finite number for a rate, a word for a name). The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
-the JSONL log, a checkpoint (every 50 steps and at the end; ``--set checkpoint_every=N``), ``args.json`` (the
-flags, for ``--resume``), ``summary.json`` and ``loss.png``. ``--resume`` on a directory without a run is an error.
+fit the field's type (``true``/``false`` for a switch, a finite number for a rate, a word for a name). The report:
+final, best and optimum loss, spikes, max gradient norm, diverged or not (a non-finite loss or weight is a
+divergence: exit status 1); with ``--out`` the JSONL log, a checkpoint (every 50 steps and at the end;
+``--set checkpoint_every=N``), ``args.json`` (the flags, with --data's absolute path and SHA-256, for
+``--resume``), ``summary.json`` and ``loss.png``; one run at a time per ``--out``. ``--resume`` on a directory
+without a run, or after the --data file changed, is an error.
 """
 
 from __future__ import annotations
