@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from pathlib import Path
 
@@ -240,3 +241,13 @@ def test_every_seed_the_lab_derives_from_its_largest_seed_trains():
     assert res.steps_done == 2 and not res.diverged
     with pytest.raises(ValueError, match="seed"):
         TrainConfig(seed=2**63)
+
+
+def test_a_batched_member_whose_last_update_overflowed_is_diverged_like_train():
+    from addnorm.train.batched import train_batched
+
+    cfgs = [tiny_cfg(steps=1, lr=1e-2, warmup=0, seed=0), tiny_cfg(steps=1, lr=1e30, warmup=0, seed=1)]
+    got = train_batched([tiny_model(0), tiny_model(1)], LANG, cfgs)
+    ref = train(tiny_model(1), LANG, cfgs[1])
+    assert ref.diverged and got[1].diverged and math.isnan(got[1].final_loss)
+    assert not got[0].diverged and math.isfinite(got[0].final_loss)

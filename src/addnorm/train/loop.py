@@ -128,7 +128,7 @@ def _jsonable(obj):
     return obj
 
 
-def _finite_weights(model: nn.Module) -> bool:
+def finite_weights(model: nn.Module) -> bool:
     """Every floating parameter finite (one reduction per tensor; run before a checkpoint and at the end)."""
     with torch.no_grad():
         return all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point())
@@ -238,7 +238,7 @@ def train(
             if res.diverged:
                 break
             if ckpt_path is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                if not _finite_weights(raw):  # this step's update overflowed: never store it as a good state
+                if not finite_weights(raw):  # this step's update overflowed: never store it as a good state
                     res.diverged = True
                     break
                 write_checkpoint(ckpt_path, raw, opt, sched, step + 1, res, cfg, info)
@@ -252,7 +252,7 @@ def train(
         res.evals.append((cfg.steps, res.final_loss))
         res.eval_optimum = reference_eval_loss(data, cfg)
         # the last update is seen by no training step: a non-finite evaluation or weights mean it diverged
-        if not math.isfinite(res.final_loss) or not _finite_weights(raw):
+        if not math.isfinite(res.final_loss) or not finite_weights(raw):
             res.diverged = True
             res.final_loss = math.nan
     finite = [v for _, v in res.evals if math.isfinite(v)]
