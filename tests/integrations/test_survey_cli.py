@@ -144,3 +144,19 @@ def test_only_with_readme_is_refused(tmp_path, capsys, ran):
     readme.write_text(README)
     assert main(["survey", "--only", "llama", "--readme", str(readme), "--no-progress"]) == 2
     assert "--readme" in capsys.readouterr().err and readme.read_text() == README
+
+
+def test_a_full_disk_while_writing_is_a_message(tmp_path, capsys, monkeypatch, ran):
+    import errno
+
+    import addnorm.io
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    saved = tmp_path / "survey.json"
+    saved.write_text(report.dumps(_rows_result()))
+    monkeypatch.setattr(addnorm.io, "atomic_write_text", full)
+    assert main(["survey", "--from", str(saved), "--docs", str(tmp_path / "s.md"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no space left on the device" in err and "Traceback" not in err
