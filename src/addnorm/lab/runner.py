@@ -71,7 +71,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"device (--device) must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if dev.type not in ("cpu", "cuda", "mps"):  # meta computes nothing; xla and the rest are untested here
-        raise ValueError(f"device (--device) {device!r}: the lab runs on cpu or cuda only")
+        raise ValueError(f"device (--device) {device!r}: the lab runs on cpu, cuda (or mps where available)")
     if dev.type == "mps" and not (torch.backends.mps.is_available()):
         raise ValueError(f"device (--device) {device!r} was asked for but torch.backends.mps.is_available() is False")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -86,7 +86,9 @@ class TrainConfig:
                 f"TrainConfig.device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}"
             ) from None
         if device.type not in ("cpu", "cuda", "mps"):  # meta computes nothing; other backends are untested
-            raise ValueError(f"TrainConfig.device (--device) must be cpu or cuda, got {self.device!r}")
+            raise ValueError(
+                f"TrainConfig.device (--device) must be cpu, cuda (or mps where available), got {self.device!r}"
+            )
         if device.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"TrainConfig.device is {self.device!r} but torch.backends.mps.is_available() is False")
         if device.type == "cuda" and not torch.cuda.is_available():
