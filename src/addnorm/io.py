@@ -3,8 +3,10 @@
 Every output addnorm writes (lab records and reports, training checkpoints and logs) goes through
 :func:`atomic_write_bytes`: a temporary file in the same directory, fsync, then ``os.replace``, so a reader (or a
 kill at any moment) sees the old file or the new one, never a torn one. ``tempfile.mkstemp`` creates files mode
-0600; the result is given the mode a plain ``open()`` would (0666 minus the umask), so a report is readable by the
-people it is written for.
+0600; a new file is given the mode a plain ``open()`` would (0666 minus the umask), so a report is readable by the
+people it is written for, and a file that exists keeps its own mode (a user's 0600 or 0755 is theirs). A path that
+is a symbolic link is written through: its target gets the new content and the link stays a link (``os.replace``
+on the link itself would swap it for a regular file).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,17 +27,29 @@ def _umask() -> int:
     return mask
 
 
+def _mode_for(path: Path) -> int:
+    """The mode the written file gets: the existing file's, else what ``open()`` would give a new one."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
 def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
-    """Call ``write(file)`` on a temporary file next to ``path``, then move it into place atomically."""
+    """Call ``write(file)`` on a temporary file next to ``path`` (next to its target when ``path`` is a symbolic
+    link), then move it into place atomically."""
     path = Path(path)
+    if path.is_symlink():  # realpath follows chains and relative links from the link's own folder
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -334,3 +334,100 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# ------------------------------------------------------------------------- hostile flags and paths (issue 30)
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_empty_out_is_refused_and_nothing_is_written_in_the_current_folder(tmp_path, fake_cli, capsys, monkeypatch):
+    from addnorm.cli import main
+
+    assert main_lab(["--out", str(tmp_path / "r"), "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "index.html").write_text("mine")
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    for argv in (
+        ["lab", "--out", "", "--no-progress", "--device", "cpu"],
+        ["lab", "merge", str(tmp_path / "r"), "--out", ""],
+        ["lab", "doc", str(tmp_path / "r"), "--output", ""],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert ("--out is empty" in err or "--output is empty" in err) and "Traceback" not in err, err
+    assert _snapshot(cwd) == {"index.html": b"mine"}
+    with pytest.raises(ValueError, match="--out is empty"):
+        RunOptions(out="")
+
+
+def test_a_shard_that_selects_nothing_is_refused_and_keeps_the_results(tmp_path, fake_cli, capsys):
+    out = tmp_path / "r"
+    assert main_lab(["--out", str(out), "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main_lab(["--only", "fake-1", "--shard", "2/2", "--out", str(out), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--shard 2/2" in err and "selects no experiment" in err
+    assert _snapshot(out) == before and fake_cli == {"fake-0": 1, "fake-1": 1, "fake-2": 1}
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xla"])
+def test_devices_the_lab_cannot_run_on_are_refused_before_anything_runs(tmp_path, fake_cli, capsys, device):
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and repr(device) in err
+    assert fake_cli == {} and not (tmp_path / "results.json").exists()
+
+
+def test_threads_beyond_the_cores_are_refused_with_a_clear_message(tmp_path, fake_cli, capsys):
+    cores = os.cpu_count() or 1
+    for extra in ([], ["--jobs", "2"]):
+        assert (
+            main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu", "--threads", "100000", *extra]) == 2
+        )
+        err = capsys.readouterr().err
+        assert "--threads" in err and f"{cores} CPU core" in err and "cannot write" not in err
+    assert fake_cli == {}
+    assert main_lab(["--out", str(tmp_path), "--no-progress", "--device", "cpu", "--threads", str(cores)]) == 0
+    with pytest.raises(ValueError, match="threads"):
+        RunOptions(threads=cores + 1)
+
+
+def test_doc_on_results_without_meta_says_what_is_missing(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    out = tmp_path / "r"
+    assert main_lab(["--out", str(out), "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    del doc["meta"]
+    (out / "results.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["lab", "doc", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "None" not in text and "not recorded" in text
+
+
+def test_doc_output_keeps_the_files_mode_and_a_symlink(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    out = tmp_path / "r"
+    assert main_lab(["--out", str(out), "--no-progress", "--device", "cpu", "--jobs", "1"]) == 0
+    target = tmp_path / "site" / "lab.md"
+    target.parent.mkdir()
+    target.write_text("old")
+    target.chmod(0o600)
+    link = tmp_path / "lab.md"
+    link.symlink_to(target)
+    assert main(["lab", "doc", str(out), "--output", str(link)]) == 0
+    assert link.is_symlink() and target.read_text().startswith("# Stability lab results")
+    assert target.stat().st_mode & 0o777 == 0o600
+
+
+def test_list_json_prints_json(capsys):
+    assert main_lab(["--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed and {"name", "claim", "source", "kind"} <= set(listed[0])
+    assert [e["name"] for e in listed] == list(runner.load_experiments())

@@ -101,3 +101,17 @@ def test_cli_merge_names_a_corrupt_results_file(tmp_path, capsys, content, needl
     assert main(["lab", "merge", str(tmp_path / "shard"), "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert needle in err and str(tmp_path / "shard" / "results.json") in err
+
+
+@pytest.mark.parametrize("field", ["key", "name"])
+def test_merge_refuses_a_record_whose_key_or_name_leaves_out(tmp_path, field):
+    """A key like "<key>/../../../evil" made merge copy the cached record outside --out."""
+    reg = make_registry({}, n=2)
+    run(opts(tmp_path / "a"), reg)
+    doc = json.loads((tmp_path / "a" / "results.json").read_text())
+    doc["experiments"][0][field] = doc["experiments"][0][field] + "/../../../evil"
+    (tmp_path / "a" / "results.json").write_text(json.dumps(doc))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=f"{field} .*evil"):
+        merge([tmp_path / "a"], tmp_path / "deep" / "er" / "merged")
+    assert sorted(p for p in tmp_path.rglob("*")) == before

@@ -354,7 +354,7 @@ def test_resume_onto_other_settings_or_another_model_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--set", "lr=abc"], "TrainConfig.lr must be a number"),
+        (["--set", "lr=abc"], "--set lr='abc': lr must be a finite number"),
         (["--set", "independent_wd=maybe"], "independent_wd"),
         (["--device", "nonsense"], "TrainConfig.device"),
         (["--data-seed", "-1"], "--data-seed"),

@@ -37,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--list", action="store_true", help="list the experiments (name, claim, source) and exit")
+    p.add_argument(
+        "--list", action="store_true", help="list the experiments (name, claim, source) and exit; with --json as JSON"
+    )
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments (see --list)")
     p.add_argument(
         "--quick",
@@ -87,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="torch intra-op threads for the run (default 1: the experiments' tensors are tiny, and "
         "threads waiting on each other made the suite several times slower on 2 cores; 0 keeps "
-        "torch's own setting)",
+        "torch's own setting; at most the number of CPU cores)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_lab)
@@ -123,10 +125,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_doc)
 
 
-def _list() -> int:
+def _list(as_json: bool = False) -> int:
     from addnorm.lab.runner import load_experiments
 
     registry = load_experiments()
+    if as_json:
+        fields = ("name", "claim", "source", "criterion", "kind", "precondition")
+        print(json.dumps([{f: getattr(exp, f, None) for f in fields} for exp in registry.values()], indent=2))
+        return 0
     width = max((len(n) for n in registry), default=10)
     for name, exp in registry.items():
         print(f"{name:<{width}}  {exp.claim}")
@@ -147,11 +153,12 @@ def _finish(doc: dict, as_json: bool) -> None:
 
 def _lab(args: argparse.Namespace) -> int:
     if args.list:
-        return _list()
+        return _list(args.json)
     from pathlib import Path
 
     from addnorm.lab.report import load_results
     from addnorm.lab.runner import RunOptions, parse_shard, run
+    from addnorm.outpaths import describe_os_error
 
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
@@ -176,7 +183,10 @@ def _lab(args: argparse.Namespace) -> int:
         print(f"addnorm lab: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # disk full, permissions, ...: finished experiments stay cached
-        print(f"addnorm lab: error: cannot write the results into {args.out}: {err}", file=sys.stderr)
+        print(
+            f"addnorm lab: error: cannot write the results into {args.out}: {describe_os_error(err)} ({err})",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
@@ -199,11 +209,16 @@ def _merge(args: argparse.Namespace) -> int:
 
     from addnorm.lab.merge import merge
     from addnorm.lab.report import load_results
+    from addnorm.outpaths import describe_os_error, out_dir
 
     try:
+        out_dir(args.out, create=False)  # before Path("") turns an empty --out into the current folder
         merge([Path(d) for d in args.dirs], Path(args.out))
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         print(f"addnorm lab merge: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"addnorm lab merge: error: {describe_os_error(err)} ({err})", file=sys.stderr)
         return 2
     _finish(load_results(args.out), args.json)
     if not args.json:
@@ -217,15 +232,17 @@ def _doc(args: argparse.Namespace) -> int:
     from addnorm import io
     from addnorm.lab.docs import render_results_doc
     from addnorm.lab.report import read_results
+    from addnorm.outpaths import check_distinct, describe_os_error, out_file
 
     path = Path(args.dir) / "results.json"
     try:
+        if args.output is not None:
+            out_file(args.output, "--output")
+            check_distinct([(f"the run's {path}", path), ("--output", args.output)])
         if not path.is_file():
             raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
         text = render_results_doc(read_results(path))
         if args.output:
-            if Path(args.output).is_dir():
-                raise ValueError(f"--output {args.output!r} is a directory: give a file path")
             io.atomic_write_text(Path(args.output), text)
         else:
             sys.stdout.write(text)
@@ -233,7 +250,7 @@ def _doc(args: argparse.Namespace) -> int:
         print(f"addnorm lab doc: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"addnorm lab doc: error: cannot write {args.output}: {err}", file=sys.stderr)
+        print(f"addnorm lab doc: error: cannot write {args.output}: {describe_os_error(err)}", file=sys.stderr)
         return 2
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -364,11 +365,20 @@ def read_results(path: Path) -> dict:
     return data
 
 
+_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
 def _record_problem(r: dict) -> str:
     """What is wrong with one record of a results file ("" if nothing): merge copies its figures and the report
     embeds them, so a figure must be a relative path inside runs/."""
     if not isinstance(r["name"], str) or not r["name"]:
         return "has no name"
+    # merge builds runs/<name>-<key>/ from these two: "x/../../evil" would write outside --out
+    if not _SAFE_PART.fullmatch(r["name"]):
+        return f"has the name {r['name']!r}, which is not a plain file name (letters, digits, '.', '_', '-')"
+    key = r.get("key")
+    if key is not None and not (isinstance(key, str) and _SAFE_PART.fullmatch(key)):
+        return f"has the key {key!r}, which is not a plain file name (letters, digits, '.', '_', '-')"
     if r["verdict"] not in VERDICTS:
         return f"has the verdict {r['verdict']!r} (not one of {', '.join(VERDICTS)})"
     if not isinstance(r.get("metrics", {}), dict):

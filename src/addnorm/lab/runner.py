@@ -69,7 +69,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+        raise ValueError(f"device (--device) must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda", "mps"):  # meta computes nothing; xla and the rest are untested here
+        raise ValueError(f"device (--device) {device!r}: the lab runs on cpu, cuda (or mps where available)")
+    if dev.type == "mps" and not (torch.backends.mps.is_available()):
+        raise ValueError(f"device (--device) {device!r} was asked for but torch.backends.mps.is_available() is False")
     if dev.type == "cuda" and not torch.cuda.is_available():
         # fail before running anything, not once per experiment
         raise ValueError(f"device {device!r} was asked for but torch.cuda.is_available() is False")
@@ -111,6 +115,10 @@ def select(
         if n < 1 or not 1 <= k <= n:
             raise ValueError(f"shard K/N needs 1 <= K <= N, got {k}/{n}")
         indexed = [(i, e) for i, e in indexed if i % n == k - 1]
+        if not indexed:  # an empty run would replace OUT/results.json by an empty report
+            raise ValueError(
+                f"--shard {k}/{n} selects no experiment: the selection has {len(chosen)} (N must be at most that)"
+            )
     return indexed
 
 
@@ -135,6 +143,8 @@ class RunOptions:
     jobs: int | None = None
 
     def __post_init__(self) -> None:
+        if not str(self.out).strip():  # Path("") is ".": the report would land in the current folder
+            raise ValueError("--out is empty: give a directory path ('.' for the current folder)")
         self.out = Path(self.out)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
@@ -142,6 +152,12 @@ class RunOptions:
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be an int >= 1 (or None to keep torch's setting), got {self.threads!r}")
+        cores = os.cpu_count() or 1
+        if self.threads is not None and self.threads > cores:  # 100000 threads crashed the OpenMP runtime
+            raise ValueError(
+                f"threads (--threads) {self.threads} is more than the {cores} CPU core(s) of this machine: "
+                f"give at most {cores}"
+            )
         if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
             raise ValueError(f"jobs (--jobs) must be an int >= 1, got {self.jobs!r}")
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from addnorm.train.config import TrainConfig, TrainResult
-from addnorm.train.loop import detect_spikes, lr_at, reference_eval_loss
+from addnorm.train.loop import detect_spikes, finite_weights, lr_at, reference_eval_loss
 from addnorm.train.stacked import StackedLM, VmapLM
 
 __all__ = ["ENGINES", "train_batched"]
@@ -271,6 +271,9 @@ def train_batched(
             results[k].final_loss = v
             results[k].evals.append((shared.steps, v))
             results[k].eval_optimum = reference_eval_loss(data, cfgs[k])
+            # as in train(): the last update is seen by no training step; non-finite here means it diverged
+            if not math.isfinite(v) or not finite_weights(models[k]):
+                results[k].diverged = True
     for res, c in zip(results, cfgs):
         if res.diverged:
             res.final_loss = math.nan

@@ -13,6 +13,7 @@ A resumed run must use the settings of the run that wrote the checkpoint (``_RES
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
@@ -61,8 +62,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """torch.save into a temporary file in the same directory, fsync, then os.replace (addnorm.io)."""
-    atomic_write(path, lambda f: torch.save(state, f), binary=True)
+    """torch.save into memory, then the bytes into a temporary file in the same directory, fsync, os.replace
+    (addnorm.io). Serialising first keeps a full disk an OSError (ENOSPC) from our own write: inside torch.save
+    it surfaced as an opaque ``inline_container.cc`` RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write(path, lambda f: f.write(buffer.getbuffer()), binary=True)
 
 
 class CheckpointError(ValueError):

@@ -6,48 +6,28 @@
     torchrun --nproc_per_node 2 -m addnorm train --preset gpt2 --steps 200        # data-parallel
 
 ``--set key=value`` sets a TransformerConfig field (overriding the preset) or a TrainConfig field (``z_loss``,
-``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) or kept as
-strings. The report: final, best and optimum loss, spikes, max gradient norm, diverged or not; with ``--out``
-the JSONL log, a checkpoint (every 50 steps and at the end; ``--set checkpoint_every=N``), ``args.json`` (the
-flags, for ``--resume``), ``summary.json`` and ``loss.png``. ``--resume`` on a directory without a run is an error.
+``weight_decay``, ``schedule``, ...); values are read as Python literals (``3e-4``, ``true``, ``None``) and must
+fit the field's type (``true``/``false`` for a switch, a finite number for a rate, a word for a name). The report:
+final, best and optimum loss, spikes, max gradient norm, diverged or not (a non-finite loss or weight is a
+divergence: exit status 1); with ``--out`` the JSONL log, a checkpoint (every 50 steps and at the end;
+``--set checkpoint_every=N``), ``args.json`` (the flags, with --data's absolute path and SHA-256, for
+``--resume``), ``summary.json`` and ``loss.png``; one run at a time per ``--out``. ``--resume`` on a directory
+without a run, or after the --data file changed, is an error.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import contextlib
+import hashlib
 import json
 import math
+import typing
 from pathlib import Path
 
+from addnorm.train.sets import check_set_types, parse_sets
+
 __all__ = ["register", "parse_sets", "build_run", "run_training"]
-
-_TRUE, _FALSE = {"true", "yes", "on"}, {"false", "no", "off"}
-
-
-def _literal(text: str):
-    low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    if low in ("none", "null"):
-        return None
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_sets(items: list[str] | None) -> dict:
-    """``["a=1", "b=pre"]`` -> ``{"a": 1, "b": "pre"}``; an item without '=' is a ValueError naming it."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = _literal(value)
-    return out
 
 
 def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | None = None, data_seed: int = 0):
@@ -71,6 +51,9 @@ def build_run(*, preset: str, sets: dict, train_fields: dict, data_file: str | N
             f"--set: unknown field(s) {unknown}; model fields: {sorted(model_fields)}; "
             f"training fields: {sorted(tfields)}"
         )
+    sets = check_set_types(
+        sets, {**typing.get_type_hints(TrainConfig), **typing.get_type_hints(TransformerConfig)}
+    )  # a model field wins a name clash, as below
     tkw = {**train_fields, **{k: v for k, v in sets.items() if k in tfields and k not in model_fields}}
     cfg = TrainConfig(**tkw)
     data = TextData(data_file) if data_file else MarkovLanguage(seed=data_seed)
@@ -161,7 +144,7 @@ def resolve_run_args(args: argparse.Namespace) -> None:
             given, old = getattr(args, key), saved.get(key)
             if given is None:
                 setattr(args, key, old)
-            elif (parse_sets(given) != parse_sets(old)) if key == "set" else given != old:
+            elif _differs(key, given, old):
                 conflicts.append(f"--{key.replace('_', '-')} {given!r} (the run in {args.out} used {old!r})")
         if conflicts:
             raise ValueError(
@@ -172,17 +155,36 @@ def resolve_run_args(args: argparse.Namespace) -> None:
     for key, value in _DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.data_sha256 = None
+    if args.data is not None:
+        _pin_data(args, saved)
 
 
-def _prepare_out(out: str) -> Path:
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out!r} is a file, not a directory: give a directory path")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out!r}: cannot create the directory ({e.strerror or e})") from None
-    return path
+def _differs(key: str, given, old) -> bool:
+    if key == "set":
+        return parse_sets(given) != parse_sets(old)
+    if key == "data" and isinstance(given, str) and isinstance(old, str):  # one file, named from another folder
+        return Path(given).resolve() != Path(old).resolve()
+    return given != old
+
+
+def _pin_data(args: argparse.Namespace, saved: dict | None) -> None:
+    """Store --data as an absolute path with its SHA-256, so a resume from another folder reads the same file and
+    a resume after the file changed is refused (it would continue the run on other data)."""
+    path = Path(args.data).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"--data {args.data!r}: no such file ({path})")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    args.data, args.data_sha256 = str(path), digest.hexdigest()
+    old = (saved or {}).get("data_sha256")
+    if old and old != args.data_sha256:
+        raise ValueError(
+            f"--data {path}: the file changed since the run in {args.out} started (SHA-256 {args.data_sha256[:12]}, "
+            f"the run's {old[:12]}); resuming would continue on other data: restore the file, or train into a new --out"
+        )
 
 
 def _save_args(out: Path, args: argparse.Namespace) -> None:
@@ -190,22 +192,30 @@ def _save_args(out: Path, args: argparse.Namespace) -> None:
 
     data = {key: getattr(args, key) for key in _RUN_FLAGS}
     data["monitor"] = bool(args.monitor)
+    data["data_sha256"] = getattr(args, "data_sha256", None)
     atomic_write_json(out / ARGS_FILE, data)  # a crash never leaves half a file for --resume to read
 
 
 def run_training(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:  # holds --out's lock until the report is written
+        return _run_training(args, stack)
+
+
+def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import dataclasses
     import sys
 
+    from addnorm.lab.outdir import out_lock
+    from addnorm.outpaths import describe_os_error, out_dir
     from addnorm.train import distributed as D
     from addnorm.train.loop import train
 
     try:
+        if args.out is not None:  # "" is refused here: it used to mean "write nothing", silently
+            out_dir(args.out, create=False)
         resolve_run_args(args)
         if args.data_seed < 0:
             raise ValueError(f"--data-seed must be an int >= 0, got {args.data_seed}")
-        if args.out:
-            _prepare_out(args.out)
     except ValueError as e:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
@@ -232,9 +242,19 @@ def run_training(args: argparse.Namespace) -> int:
         return 2
     info = D.init_from_env(cfg.device)
     if args.out and info.is_main:
-        if args.resume and not (Path(args.out) / CHECKPOINT).exists():
-            print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
-        _save_args(Path(args.out), args)
+        try:
+            out_dir(args.out)
+            # one run per --out (two interleaved their log.jsonl), taken before anything is written into it
+            stack.enter_context(out_lock(Path(args.out), command="addnorm train"))
+            if args.resume and not (Path(args.out) / CHECKPOINT).exists():
+                print(f"addnorm train: no checkpoint in {args.out} yet: starting from step 0", file=sys.stderr)
+            _save_args(Path(args.out), args)
+        except ValueError as e:
+            print(f"addnorm train: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)}", file=sys.stderr)
+            return 2
     bar = None
     if info.is_main and not args.quiet:
         from tqdm import tqdm
@@ -260,7 +280,9 @@ def run_training(args: argparse.Namespace) -> int:
         print(f"addnorm train: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the log or a checkpoint: disk full, permissions, ...
-        print(f"addnorm train: error: cannot write into --out {args.out}: {e}", file=sys.stderr)
+        print(
+            f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)} ({e})", file=sys.stderr
+        )
         return 2
     except KeyboardInterrupt:
         every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
@@ -286,13 +308,20 @@ def run_training(args: argparse.Namespace) -> int:
         "figures": [],
     }
     if cfg.out_dir:
-        out = Path(cfg.out_dir)
-        png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
-        if png:
-            report["figures"].append(png)
         from addnorm.io import atomic_write_json
 
-        atomic_write_json(out / "summary.json", report)
+        out = Path(cfg.out_dir)
+        try:
+            png = _plot(result, out / "loss.png", f"{args.preset}: loss vs step")
+            if png:
+                report["figures"].append(png)
+            atomic_write_json(out / "summary.json", report)
+        except OSError as e:  # the run and its checkpoint are done; only the report could not be written
+            print(
+                f"addnorm train: error: cannot write the report into --out {args.out}: {describe_os_error(e)}",
+                file=sys.stderr,
+            )
+            return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -346,7 +375,11 @@ def register(subparsers) -> None:
     p.add_argument("--data-seed", type=int, help="seed of the synthetic language itself (default 0)")
     p.add_argument("--device", help="cpu or cuda (default cpu)")
     p.add_argument("--monitor", action="store_true", help="record per-layer telemetry every step into the log")
-    p.add_argument("--out", metavar="DIR", help="write log.jsonl, checkpoint.pt, summary.json, loss.png here")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write log.jsonl, checkpoint.pt, summary.json, loss.png here; one run at a time per directory",
+    )
     p.add_argument(
         "--resume",
         action="store_true",

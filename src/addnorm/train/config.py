@@ -67,19 +67,30 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
                 raise TypeError(f"TrainConfig.{name} must be a number, got {v!r}")
+            # inf is meaningless everywhere but diverge_factor (inf: never stop a run early)
+            if math.isinf(v) and name != "diverge_factor":
+                raise ValueError(f"TrainConfig.{name} must be a finite number, got {v!r}")
         for name in ("independent_wd", "monitor", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"TrainConfig.seed must be an int, got {self.seed!r}")
-        if not 0 <= self.seed < 2**32:  # torch.manual_seed overflows beyond 64 bits; one range for lab and train
-            raise ValueError(f"TrainConfig.seed must be in [0, 2**32), got {self.seed}")
+        # The lab's --seed is < 2**32 and its experiments train with seed + k (k < 1000), so 2**32 is too tight;
+        # torch.manual_seed takes < 2**64, and the loop adds 1_000_003 * rank: 2**63 leaves room for any rank.
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
             raise ValueError(
                 f"TrainConfig.device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}"
             ) from None
+        if device.type not in ("cpu", "cuda", "mps"):  # meta computes nothing; other backends are untested
+            raise ValueError(
+                f"TrainConfig.device (--device) must be cpu, cuda (or mps where available), got {self.device!r}"
+            )
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"TrainConfig.device is {self.device!r} but torch.backends.mps.is_available() is False")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TrainConfig.device is {self.device!r} but torch.cuda.is_available() is False")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -95,6 +106,11 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {getattr(self, name)!r}")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if not self.adam_eps > 0:  # eps 0 divides 0 by 0 for a parameter whose gradient is 0: NaN weights
+            raise ValueError(f"TrainConfig.adam_eps must be > 0, got {self.adam_eps}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("weight_decay", "z_loss", "min_lr_ratio"):

@@ -128,6 +128,12 @@ def _jsonable(obj):
     return obj
 
 
+def finite_weights(model: nn.Module) -> bool:
+    """Every floating parameter finite (one reduction per tensor; run before a checkpoint and at the end)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point())
+
+
 def _make_monitor(model: nn.Module, every: int):
     from addnorm.diagnostics import Monitor
 
@@ -232,6 +238,9 @@ def train(
             if res.diverged:
                 break
             if ckpt_path is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                if not finite_weights(raw):  # this step's update overflowed: never store it as a good state
+                    res.diverged = True
+                    break
                 write_checkpoint(ckpt_path, raw, opt, sched, step + 1, res, cfg, info)
     finally:
         if monitor is not None and hasattr(monitor, "detach"):
@@ -242,6 +251,10 @@ def train(
         res.final_loss = evaluate(model, data, cfg, info)
         res.evals.append((cfg.steps, res.final_loss))
         res.eval_optimum = reference_eval_loss(data, cfg)
+        # the last update is seen by no training step: a non-finite evaluation or weights mean it diverged
+        if not math.isfinite(res.final_loss) or not finite_weights(raw):
+            res.diverged = True
+            res.final_loss = math.nan
     finite = [v for _, v in res.evals if math.isfinite(v)]
     res.best_loss = min(finite) if finite else math.nan
     res.spikes = detect_spikes(res.losses, window=cfg.spike_window, sigma=cfg.spike_sigma)

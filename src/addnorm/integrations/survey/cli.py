@@ -97,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _survey(args: argparse.Namespace) -> int:
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         print("addnorm survey needs Hugging Face transformers: pip install 'addnorm[hf]'", file=sys.stderr)
         return 2
@@ -108,32 +108,20 @@ def _survey(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(types))
         return 0
-    if args.from_json and args.only:
-        print("addnorm survey: --from and --only cannot be combined (--from reads a whole survey)", file=sys.stderr)
+    try:  # every flag and output path checked before the survey (minutes) runs
+        _check_args(args, types)
+    except ValueError as e:
+        print(f"addnorm survey: {e}", file=sys.stderr)
         return 2
-    if args.time_limit < 0:
-        print(f"addnorm survey: --time-limit must be >= 0, got {args.time_limit:g}", file=sys.stderr)
-        return 2
-    if args.only:
-        unknown = [t for t in args.only if t not in types]
-        if unknown:
-            print(
-                f"addnorm survey: --only: unknown model type(s) {', '.join(unknown)} (see addnorm survey --list)",
-                file=sys.stderr,
-            )
-            return 2
-    if args.readme:
-        from pathlib import Path
-
-        try:
-            readme = Path(args.readme).read_text(encoding="utf-8")
-            report.update_readme(readme, {"transformers": "", "models": []})  # the markers are there
-        except (OSError, ValueError) as e:
-            print(f"addnorm survey: --readme {args.readme}: {e}", file=sys.stderr)
-            return 2
     if args.from_json:
         try:
             result = report.load(args.from_json)
+            why = args.readme and report.partial(result, types, transformers.__version__)
+            if why:  # the README's counts and fused families would describe a few rows as the whole
+                raise ValueError(
+                    f"{args.from_json}: {why}; --readme is rewritten from a whole survey only (--docs can "
+                    "render a partial one)"
+                )
         except ValueError as e:
             print(f"addnorm survey: --from: {e}", file=sys.stderr)
             return 2
@@ -165,10 +153,59 @@ def _survey(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(bar.total - bar.n)
             bar.close()
+    if args.only:  # marks the rows as partial: `--from` them refuses to rewrite a README
+        result["only"] = list(args.only)
     return _write(args, result)
 
 
+def _check_args(args: argparse.Namespace, types: list[str]) -> None:
+    """A ValueError naming the flag for anything that would fail or lose data once the survey has run."""
+    from pathlib import Path
+
+    from addnorm._limits import check_seconds
+    from addnorm.integrations.survey import report
+    from addnorm.outpaths import check_distinct, out_dir, out_file
+
+    if args.from_json and args.only:
+        raise ValueError("--from and --only cannot be combined (--from reads a whole survey)")
+    # below a second, an architecture is stopped while its config class is imported, which reads as a broken config
+    args.time_limit = check_seconds(args.time_limit, "--time-limit", minimum=1.0)
+    if args.only:
+        unknown = [t for t in args.only if t not in types]
+        if unknown:
+            raise ValueError(f"--only: unknown model type(s) {', '.join(unknown)} (see addnorm survey --list)")
+        if args.readme:
+            raise ValueError(
+                "--readme rewrites the README's counts and fused families from a whole survey: drop --only "
+                "(--docs can render the page of a few architectures)"
+            )
+    outputs = []
+    if args.docs is not None:
+        docs = out_file(args.docs, "--docs")
+        outputs += [("--docs", docs), ("its rows (--docs with .json)", docs.with_suffix(".json"))]
+    if args.readme is not None:
+        outputs.append(("--readme", out_file(args.readme, "--readme")))
+        try:
+            report.update_readme(Path(args.readme).read_text(encoding="utf-8"), {"transformers": "", "models": []})
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # the markers must be there
+            raise ValueError(f"--readme {args.readme}: {e}") from None
+    if not str(args.out).strip() or not (args.json or args.from_json):  # --out is written: survey.json, .md, .html
+        out = out_dir(args.out, "--out", create=False)
+        outputs += [(f"--out's {name}", out / name) for name in ("survey.json", "survey.md", "index.html")]
+    check_distinct(outputs)
+
+
 def _write(args: argparse.Namespace, result: dict) -> int:
+    from addnorm.outpaths import describe_os_error
+
+    try:
+        return _write_files(args, result)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile, ...
+        print(f"addnorm survey: error: cannot write the outputs: {describe_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _write_files(args: argparse.Namespace, result: dict) -> int:
     from pathlib import Path
 
     from addnorm.integrations.survey import report

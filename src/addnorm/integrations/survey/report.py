@@ -186,20 +186,60 @@ def dumps(result: dict) -> str:
 
 
 def load(path: Path) -> dict:
-    """A survey.json written by :func:`write` or ``addnorm survey --json``; ValueError naming the file if it is not
-    one."""
+    """A survey.json written by :func:`write` or ``addnorm survey --json``; ValueError naming the file and what is
+    wrong with it if it is not one (the README and the docs are rewritten from it: a damaged file must not reach
+    them)."""
     try:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read a survey from it ({type(e).__name__}: {e})") from e
-    if not (
-        isinstance(result, dict)
-        and isinstance(result.get("models"), list)
-        and "transformers" in result
-        and all(isinstance(r, dict) and "model_type" in r and "status" in r for r in result["models"])
-    ):
+    if not (isinstance(result, dict) and isinstance(result.get("models"), list) and "transformers" in result):
         raise ValueError(f"{path}: not a survey (expected {{'transformers': ..., 'models': [row, ...]}})")
+    problem = _survey_problem(result)
+    if problem:
+        raise ValueError(f"{path}: not a usable survey: {problem}")
     return result
+
+
+def _survey_problem(result: dict) -> str:
+    """What is wrong with a loaded survey ("" if nothing)."""
+    if not isinstance(result["transformers"], str) or not result["transformers"].strip():
+        return f"'transformers' is {result['transformers']!r}, not a version string"
+    rows = result["models"]
+    if not rows:
+        return "it has no rows ('models' is empty)"
+    seen = set()
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            return f"row {i} is not an object"
+        model_type = r.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            return f"row {i} has the model_type {model_type!r}"
+        if r.get("status") not in ("ok", "skipped"):
+            return f"row {model_type!r} has the status {r.get('status')!r} (not 'ok' or 'skipped')"
+        if model_type in seen:
+            return f"the model type {model_type!r} has two rows"
+        seen.add(model_type)
+    only = result.get("only")
+    if only is not None and not (isinstance(only, list) and all(isinstance(t, str) for t in only)):
+        return f"'only' is {only!r}, not a list of model types"
+    return ""
+
+
+def partial(result: dict, installed: list[str], version: str) -> str:
+    """Why ``result`` is not a whole survey ("" if it is one): it was run with ``--only``, or, for the installed
+    transformers ``version``, it lacks some of its ``installed`` model types. The README's counts and fused
+    families are rewritten only from a whole survey."""
+    if result.get("only"):
+        return f"it was run with --only {' '.join(result['only'])}"
+    if result["transformers"] == version:
+        missing = set(installed) - {r["model_type"] for r in result["models"]}
+        if missing:
+            return (
+                f"it covers {len(installed) - len(missing)} of the {len(installed)} architectures of transformers "
+                f"{version} (missing: {', '.join(sorted(missing)[:5])}{', ...' if len(missing) > 5 else ''})"
+            )
+    return ""
 
 
 # The README's generated paragraphs: each between "<!-- survey:NAME -->" and "<!-- /survey:NAME -->".
