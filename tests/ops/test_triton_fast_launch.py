@@ -151,7 +151,8 @@ def _set_fast(monkeypatch, on: bool):
 
 
 def _rows(m, n, dtype, *, pad=0, misalign=0):
-    """(m, n) rows: strided by n + pad, starting ``misalign`` elements into their buffer (16-byte misaligned)."""
+    """(m, n) rows: strided by n + pad, starting ``misalign`` elements into their buffer (16-byte misaligned). The
+    scenarios' tensors are made on the default device (a ``with torch.device(...)`` block picks the GPU)."""
     big = torch.randn(m * (n + pad) + misalign, dtype=torch.float32).to(dtype)
     return big[misalign:].view(m, n + pad)[:, :n]
 
@@ -210,6 +211,7 @@ def _fwd(
             zero_centered_weight=zc,
             cast_before_weight=cast,
         )
+        return tuple(t for t in (out, res_out, mean, rstd) if t is not None)
 
     return call
 
@@ -239,7 +241,7 @@ def _bwd(
     seed = torch.tensor(99, dtype=torch.int64) if p else None
 
     def call():
-        T.backward(
+        return T.backward(
             dout,
             dres,
             h,
@@ -526,3 +528,68 @@ def test_no_warning_from_triton_about_fp_fusion(stub):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _fwd(2, 32)()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On a GPU: the real compiled kernels (gpu_check.sh runs this file on CUDA)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _gpu_or_skip(device):
+    if device.type != "cuda" or T.interpreted():
+        pytest.skip("needs a GPU: bound launches exist only for compiled kernels")
+    if FL.unavailable_reason() is not None:
+        pytest.skip(f"bound launches are off here: {FL.unavailable_reason()}")
+
+
+def _results(make, device, seed=0):
+    """The scenario's outputs, on fresh inputs drawn from ``seed`` (in-place scenarios overwrite theirs)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        outputs = make()()
+    return [FL._bits(t.clone()) for t in outputs if t is not None]
+
+
+@pytest.mark.parametrize("name", [*SCENARIOS, *LOOPED])
+def test_bound_launches_are_bitwise_the_normal_launch_on_the_gpu(device, monkeypatch, name):
+    """Real kernels: Triton's normal launch, then the first use (checked inside fast_launch, which warns on a
+    difference: an error here), then the bound launch; every output bitwise equal."""
+    _gpu_or_skip(device)
+    if name in LOOPED:
+        monkeypatch.setattr(P, "TUNING", TINY)
+    make = {**SCENARIOS, **LOOPED}[name]
+    _set_fast(monkeypatch, False)
+    normal = _results(make, device)
+    _set_fast(monkeypatch, True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="addnorm: the bound launch", category=RuntimeWarning)
+        first = _results(make, device)
+        assert FL._bound and all(b.run is not None for b in FL._bound.values()), FL._bound
+        bound = _results(make, device)
+    for a, b, c in zip(normal, first, bound):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_bound_launches_under_cuda_graphs(device, monkeypatch):
+    """A launch bound before capture is captured and replays bitwise; a first use during capture is launched the
+    normal way and not bound (the check would synchronize inside the capture)."""
+    _gpu_or_skip(device)
+    _set_fast(monkeypatch, False)
+    expected = _results(SCENARIOS["no stats (inference)"], device)
+    for bind_first in (True, False):
+        _set_fast(monkeypatch, True)
+        torch.manual_seed(0)
+        with torch.device(device):
+            call = SCENARIOS["no stats (inference)"]()
+        if bind_first:
+            call()
+            assert len(FL._bound) == 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # captured on torch's own side stream
+            outputs = call()
+        assert len(FL._bound) == (1 if bind_first else 0)
+        for t in outputs:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(FL._bits(t), e) for t, e in zip(outputs, expected))
