@@ -396,7 +396,7 @@ def test_the_stub_catches_a_key_that_misses_a_specialization(stub, monkeypatch, 
             return "int"
         return real(a)
 
-    monkeypatch.setattr(FL, "_spec", blind_spec)
+    monkeypatch.setattr(FL, "_specs", lambda args: tuple(map(blind_spec, args)))
     make_a()()
     b = make_b()
     with pytest.raises(AssertionError, match="launched on a kernel compiled for"):
@@ -404,15 +404,18 @@ def test_the_stub_catches_a_key_that_misses_a_specialization(stub, monkeypatch, 
 
 
 def test_specialization_rule_matches_triton():
-    """_spec splits values exactly where Triton's native rule does (ints, floats, bools, None, tensors)."""
+    """_spec (and _specs, which inlines its common cases) splits values exactly where Triton's native rule does
+    (ints, floats, bools, None, tensors and parameters)."""
     ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, -(2**31), -(2**31) - 16]
     ints += [2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, -(2**63)]
     buf = torch.empty(64, dtype=torch.float32)
     tensors = [buf, buf[1:], buf[4:], buf.to(torch.bfloat16), buf.to(torch.bfloat16)[8:], buf.to(torch.bfloat16)[3:]]
-    tensors += [torch.empty(3, dtype=torch.int64), torch.empty(0, dtype=torch.float16)]
+    tensors += [torch.empty(3, dtype=torch.int64), torch.empty(0, dtype=torch.float16), torch.nn.Parameter(buf[4:])]
     values = [*ints, 0.0, 1.0, 1.5, -2.0, 1e300, True, False, None, *tensors]
     for a, b in itertools.combinations_with_replacement(values, 2):
-        assert (FL._spec(a) == FL._spec(b)) == (_native(a) == _native(b)), (a, b, _native(a), _native(b))
+        same = _native(a) == _native(b)
+        assert (FL._spec(a) == FL._spec(b)) == same, (a, b, _native(a), _native(b))
+        assert (FL._specs((a,)) == FL._specs((b,))) == same, (a, b, _native(a), _native(b))  # the inlined cases
 
 
 def test_the_launch_pins_fp_fusion_and_passes_the_planned_options(stub):

@@ -109,6 +109,22 @@ def _spec(a):
     return _UNKNOWN
 
 
+def _specs(args: tuple) -> tuple:
+    """_spec of every argument; the common cases inline (this runs on every launch: one call, not one per argument)."""
+    out = []
+    for a in args:
+        t = a.__class__
+        if t is Tensor:
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is float:
+            out.append("f")
+        elif t is int and a != 1 and -_I32 <= a < _I32:
+            out.append(a % 16 == 0)
+        else:
+            out.append(_spec(a))
+    return tuple(out)
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is installed (a profiler's): Triton 3.6 and 3.9 hold them in HookChains, empty unless
     one is added; anything else that is not None counts as a hook."""
@@ -119,10 +135,10 @@ class _Bound:
     """A compiled kernel's launcher and what it is called with besides the arguments. ``run`` None: the key keeps
     the normal launch (its first-use check failed, or the kernel's parameters are of a kind not bound here)."""
 
-    __slots__ = ("meta", "run", "function", "packed", "tail")
+    __slots__ = ("kernel", "meta", "run", "function", "packed", "tail")
 
-    def __init__(self, meta, compiled=None, tail=()):
-        self.meta = meta  # held: its id() is in the key, and stays unique while held
+    def __init__(self, kernel, meta, compiled=None, tail=()):
+        self.kernel, self.meta = kernel, meta  # held: their ids are in the key, and stay unique while held
         self.run = compiled.run if compiled is not None else None
         self.function = compiled.function if compiled is not None else None
         self.packed = compiled.packed_metadata if compiled is not None else None
@@ -132,14 +148,14 @@ class _Bound:
 _bound: dict = {}
 
 
-def _call(bound: _Bound, grid, device, args) -> None:
+def _call(bound: _Bound, grid, stream, args) -> None:
     """The launch JITFunction.run ends with, for a kernel already compiled (Triton 3.6 and 3.9 alike)."""
     n = len(grid)
     bound.run(
         grid[0],
         grid[1] if n > 1 else 1,
         grid[2] if n > 2 else 1,
-        driver.active.get_current_stream(device),
+        stream,
         bound.function,
         bound.packed,
         None,  # the launch metadata and the enter and exit hooks: only hooks read the metadata, and bound launches
@@ -162,20 +178,21 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
     ):
         kernel[grid](*args, **meta)
         return
-    device = driver.active.get_current_device()
+    active = driver.active
+    device = active.get_current_device()
     key = (
-        kernel,
+        id(kernel),  # ids, not the objects (a JITFunction hashes its source hash): the entry holds both
         id(meta),
         device,
         knobs.runtime.debug,
         knobs.compilation.instrumentation_mode,
         getattr(knobs.compilation, "fpsan_homomorphic_casts", None),  # 3.9 adds it to the options
-        *map(_spec, args),
+        _specs(args),
     )
     bound = _bound.get(key)
-    if bound is not None and bound.meta is meta:
+    if bound is not None and bound.meta is meta and bound.kernel is kernel:
         if bound.run is not None:
-            _call(bound, grid, device, args)
+            _call(bound, grid, active.get_current_stream(device), args)
         else:
             kernel[grid](*args, **meta)
         return
@@ -207,11 +224,11 @@ def _first_launch(kernel, grid, args, meta, device, key) -> None:
     if len(_bound) >= _MAX_KEYS:
         _bound.clear()
     tail = _tail(kernel, args, meta)
-    unknown = any(part is _UNKNOWN for part in key)
+    unknown = any(part is _UNKNOWN for part in key[-1])
     if tail is None or unknown:
         kernel[grid](*args, **meta)
         if not unknown:  # an _UNKNOWN part would make every such call a new key: do not fill the cache with them
-            _bound[key] = _Bound(meta)
+            _bound[key] = _Bound(kernel, meta)
         return
     tensors = list({id(a): a for a in args if isinstance(a, Tensor)}.values())
     too_big = 2 * sum(t.numel() * t.element_size() for t in tensors) > VERIFY_MAX_BYTES
@@ -225,14 +242,14 @@ def _first_launch(kernel, grid, args, meta, device, key) -> None:
     after = [t.clone() for t in tensors]
     for t, b in zip(tensors, before):
         t.copy_(b)
-    bound = _Bound(meta, compiled, tail)
-    _call(bound, grid, device, args)
+    bound = _Bound(kernel, meta, compiled, tail)
+    _call(bound, grid, driver.active.get_current_stream(device), args)
     if all(torch.equal(_bits(t), _bits(a)) for t, a in zip(tensors, after)):
         _bound[key] = bound
         return
     for t, a in zip(tensors, after):
         t.copy_(a)  # the normal launch's results stand
-    _bound[key] = _Bound(meta)
+    _bound[key] = _Bound(kernel, meta)
     warnings.warn(
         f"addnorm: the bound launch of {kernel.fn.__name__} differed from Triton's normal launch on first use; this "
         f"specialization keeps the normal launch (Triton {triton.__version__}; {ENV}=0 turns bound launches off)",
