@@ -231,10 +231,13 @@ def _bwd(
     cast=False,
     pad=0,
     misalign=0,
+    broadcast_dout=False,
 ):
     res_dtype = res_dtype or dtype
     h = _rows(m, n, res_dtype, pad=pad)
     dout = _rows(m, n, dtype, pad=pad, misalign=misalign)
+    if broadcast_dout:  # one row seen m times (row stride 0): read-only, the first-use check must not write it
+        dout = _rows(1, n, dtype).expand(m, n)
     dres = _rows(m, n, res_dtype) if dres_out else None
     w = torch.randn(n).to(dtype) if weight else None
     rstd, mean = torch.rand(m) + 0.5, None if rms else torch.randn(m)
@@ -278,6 +281,7 @@ SCENARIOS = {
     "bwd ln bias, M=1": lambda: _bwd(1, 300, torch.float32, rms=False, bias=True),
     "bwd dropout, zc, cast, fp32 stream": lambda: _bwd(5, 96, p=0.1, zc=True, cast=True, res_dtype=torch.float32),
     "bwd strided, misaligned dout": lambda: _bwd(4, 80, pad=3, misalign=1, dres_out=False),
+    "bwd broadcast dout": lambda: _bwd(6, 64, broadcast_dout=True),
 }
 LOOPED = {  # under TINY limits: the looped forward, the row-sums + tiles backward
     "looped fwd rms": lambda: _fwd(3, 200),

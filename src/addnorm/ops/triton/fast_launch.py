@@ -128,7 +128,7 @@ def _specs(args: tuple) -> tuple:
 def _hooked(hook) -> bool:
     """Whether a launch hook is installed (a profiler's): Triton 3.6 and 3.9 hold them in HookChains, empty unless
     one is added; anything else that is not None counts as a hook."""
-    return hook is not None and getattr(hook, "calls", True)
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class _Bound:
@@ -240,15 +240,18 @@ def _first_launch(kernel, grid, args, meta, device, key) -> None:
     if compiled is None or hasattr(compiled, "result") or getattr(compiled, "function", None) is None:
         return  # not a loaded CompiledKernel (an asynchronous compile, a hook that skipped it): stay normal
     after = [t.clone() for t in tensors]
-    for t, b in zip(tensors, before):
-        t.copy_(b)
+    # put back what the normal launch wrote (only that: an input may be a broadcast view, which cannot be written)
+    written = [i for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(_bits(b), _bits(a))]
+    for i in written:
+        tensors[i].copy_(before[i])
     bound = _Bound(kernel, meta, compiled, tail)
     _call(bound, grid, driver.active.get_current_stream(device), args)
     if all(torch.equal(_bits(t), _bits(a)) for t, a in zip(tensors, after)):
         _bound[key] = bound
         return
     for t, a in zip(tensors, after):
-        t.copy_(a)  # the normal launch's results stand
+        if not (t.numel() > 1 and 0 in t.stride()):  # a broadcast view cannot be written (nor was it, normally)
+            t.copy_(a)  # the normal launch's results stand
     _bound[key] = _Bound(kernel, meta)
     warnings.warn(
         f"addnorm: the bound launch of {kernel.fn.__name__} differed from Triton's normal launch on first use; this "
