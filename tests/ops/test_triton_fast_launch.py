@@ -507,6 +507,19 @@ def test_a_new_plan_object_is_a_new_key(stub, monkeypatch):
     assert len(FL._bound) == 2
 
 
+def test_row_counts_with_one_plan_share_a_bound_launch(stub):
+    """Prefills of many lengths: 40 and 56 rows of 4096 (one row per program, neither M divisible by 16) launch with
+    the same constexprs and options, so the second is bound without a first-use check of its own; 48 rows (M % 16
+    == 0) is another specialization."""
+    _fwd(40, 4096, stats=False)()
+    assert len(FL._bound) == 1 and stub.normal_launches == 1
+    _fwd(56, 4096, stats=False)()
+    assert len(FL._bound) == 1 and stub.normal_launches == 1
+    assert [c[1] for c in stub.calls[-2:]] == [(40, 1, 1), (56, 1, 1)]  # the grid is the call's own
+    _fwd(48, 4096, stats=False)()
+    assert len(FL._bound) == 2 and stub.normal_launches == 2
+
+
 def test_interpreted_kernels_are_never_bound(device):
     """Under TRITON_INTERPRET=1 the kernels are InterpretedFunctions (no compiled kernel): launched as they are."""
     if device.type != "cpu" or not T.interpreted():

@@ -198,14 +198,25 @@ _configs_tuning: list = [None]
 
 _CONFIGS_MAX = 1024  # distinct (shape, flags) keys kept: decode batch sizes vary, a model has few widths
 
+# One dict object per distinct set of constexprs and options, shared by every shape that launches with it: the bound
+# launches of addnorm.ops.triton.fast_launch key on the plan's identity, so prefills of many lengths (one plan key
+# each) share a few bound launches instead of each paying a first-use check.
+_metas: dict = {}
+
+
+def _interned(config: tuple) -> tuple:
+    return tuple(_metas.setdefault(tuple(c.items()), c) if isinstance(c, dict) else c for c in config)
+
 
 def cached_config(make, key):
     if _configs_tuning[0] is not TUNING:
         _configs.clear()
+        _metas.clear()
         _configs_tuning[0] = TUNING
     config = _configs.get(key)
     if config is None:
         if len(_configs) >= _CONFIGS_MAX:
             _configs.clear()
-        config = _configs[key] = make(*key[1:])
+            _metas.clear()
+        config = _configs[key] = _interned(make(*key[1:]))
     return config
