@@ -434,6 +434,30 @@ def test_the_launch_pins_fp_fusion_and_passes_the_planned_options(stub):
     assert fwd["enable_fp_fusion"] is True and stub.compiled[0].options["num_warps"] == fwd["num_warps"]
 
 
+def test_fp_fusion_stays_on_when_tritons_default_turns_it_off(tmp_path):
+    """Compiled for sm_90 (no GPU needed) with TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's default: the LayerNorm
+    forward still has its fused multiply-adds (unpinned, it compiled to none: different code, different bits)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import sm90_static as S; "
+        "(l,) = [l for l in S.record_launches([S.Shape(dtype=torch.bfloat16, is_rms=False, m=2, n=64)]) "
+        "if l.name == 'fwd_rows_kernel']; print(S.compile_sm90(l).asm['ptx'].count('fma.rn'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DEFAULT_FP_FUSION="0", TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tools)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0, done.stdout
+
+
 def test_no_kernel_reads_a_constexpr_global(stub):
     """Triton re-checks on every launch each global a kernel reads: none is left to check."""
     for name in KERNELS:

@@ -78,19 +78,27 @@ def _vec(t: Tensor | None) -> Tensor | None:
     return t.contiguous() if t is not None else None
 
 
-def _launch(kernel, grid, args: tuple, meta: dict, traceable: bool) -> None:
-    """Launch ``kernel``: through :mod:`addnorm.ops.triton.fast_launch` (Triton's normal launch the first time for
-    each specialization, the compiled kernel called directly after that), or (traceable) wrapped by
-    ``torch.library.wrap_triton``, which records the launch as a node that torch.compile sees into (only inside the
-    triton ops of :mod:`addnorm.ops.triton.compiled`; an eager launch through the wrapper costs ~1 ms of dispatch).
-    Traced launches leave out ``enable_fp_fusion``: torch forwards only num_warps-like options, Inductor compiles
-    the kernels with its own."""
+def _kernel(kernel, traceable: bool):
+    """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
+    as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton.compiled`; an
+    eager launch through the wrapper costs ~1 ms of dispatch). (benchmarks/bench_overhead.py replaces this function
+    to time the Python around the launches with no-op kernels.)"""
     if not traceable:
-        fast_launch.launch(kernel, grid, args, meta)
-        return
+        return kernel
     from torch.library import wrap_triton
 
-    wrap_triton(kernel)[grid](*args, **{k: v for k, v in meta.items() if k != "enable_fp_fusion"})
+    return wrap_triton(kernel)
+
+
+def _launch(kernel, grid, args: tuple, meta: dict, traceable: bool) -> None:
+    """Launch ``kernel``: eager launches through :mod:`addnorm.ops.triton.fast_launch` (Triton's normal launch the
+    first time for each specialization, the compiled kernel called directly after that); traced ones leave out
+    ``enable_fp_fusion`` (torch forwards only num_warps-like options; Inductor compiles with its own)."""
+    kernel = _kernel(kernel, traceable)
+    if not traceable:
+        fast_launch.launch(kernel, grid, args, meta)
+    else:
+        kernel[grid](*args, **{k: v for k, v in meta.items() if k != "enable_fp_fusion"})
 
 
 def _fwd_launch(
