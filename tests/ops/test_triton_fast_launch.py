@@ -75,9 +75,10 @@ class StubLauncher:
                 checksum += v.data_ptr() % 4093 + hash(v.dtype) % 97
             elif isinstance(v, (int, float)) and v is not None:
                 checksum += float(v)
-        for name, v in zip(names, args):
-            if name in OUTPUTS and isinstance(v, torch.Tensor) and v.numel() and v.is_contiguous():
-                v.view(-1)[0] = checksum % 61
+        with torch.inference_mode():  # as a kernel writes: regardless of the tensors' autograd state
+            for name, v in zip(names, args):
+                if name in OUTPUTS and isinstance(v, torch.Tensor) and v.numel() and v.is_contiguous():
+                    v.view(-1)[0] = checksum % 61
 
 
 class StubCompiled:
@@ -508,6 +509,33 @@ def test_nothing_is_bound_when_switched_off_or_on_another_version(stub, monkeypa
     assert "3.10.0" in FL.refresh()
     call()
     assert not FL._bound and stub.normal_launches == 3
+
+
+def test_first_use_check_leaves_inputs_alone_and_takes_inference_tensors(stub):
+    """The check writes back only what the launch wrote: the inputs' version counters (autograd's record of in-place
+    changes, which a tensor saved by another op must keep) do not move. Serving tensors made under inference_mode
+    may be launched on outside it: the check must not trip on them."""
+    x, r, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+    versions = [t._version for t in (x, r, w)]
+    out, res, _, _ = T.forward(
+        x,
+        r,
+        w,
+        None,
+        eps=1e-5,
+        is_rms=True,
+        dropout_p=0.0,
+        seed=None,
+        residual_dtype=torch.float32,
+        zero_centered_weight=False,
+        store_residual_out=True,
+    )
+    assert [t._version for t in (x, r, w)] == versions and len(FL._bound) == 1
+    with torch.inference_mode():
+        call = _fwd(4, 64, stats=False, inplace=True)
+    call()
+    call()
+    assert len(FL._bound) == 2 and all(b.run is not None for b in FL._bound.values())
 
 
 def test_too_large_to_check_is_launched_normally_until_a_smaller_call(stub, monkeypatch):

@@ -235,23 +235,27 @@ def _first_launch(kernel, grid, args, meta, device, key) -> None:
     if too_big or (any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()):
         kernel[grid](*args, **meta)  # checked (and bound) on a later call of this key
         return
-    before = [t.clone() for t in tensors]
-    compiled = kernel[grid](*args, **meta)
-    if compiled is None or hasattr(compiled, "result") or getattr(compiled, "function", None) is None:
-        return  # not a loaded CompiledKernel (an asynchronous compile, a hook that skipped it): stay normal
-    after = [t.clone() for t in tensors]
-    # put back what the normal launch wrote (only that: an input may be a broadcast view, which cannot be written)
-    written = [i for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(_bits(b), _bits(a))]
-    for i in written:
-        tensors[i].copy_(before[i])
-    bound = _Bound(kernel, meta, compiled, tail)
-    _call(bound, grid, driver.active.get_current_stream(device), args)
-    if all(torch.equal(_bits(t), _bits(a)) for t, a in zip(tensors, after)):
-        _bound[key] = bound
-        return
-    for t, a in zip(tensors, after):
-        if not (t.numel() > 1 and 0 in t.stride()):  # a broadcast view cannot be written (nor was it, normally)
-            t.copy_(a)  # the normal launch's results stand
+    # inference mode: the outputs may be inference tensors while this call is outside it (the kernels write them
+    # either way; copy_ would refuse), and nothing here is for autograd to see
+    with torch.inference_mode():
+        before = [t.clone() for t in tensors]
+        compiled = kernel[grid](*args, **meta)
+        if compiled is None or hasattr(compiled, "result") or getattr(compiled, "function", None) is None:
+            return  # not a loaded CompiledKernel (an asynchronous compile, a hook that skipped it): stay normal
+        after = [t.clone() for t in tensors]
+        # put back only what the normal launch wrote: an input may be a broadcast view (stride 0), which cannot be
+        # written, and another op's saved tensor, whose version must not change
+        written = [i for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(_bits(b), _bits(a))]
+        for i in written:
+            tensors[i].copy_(before[i])
+        bound = _Bound(kernel, meta, compiled, tail)
+        _call(bound, grid, driver.active.get_current_stream(device), args)
+        differ = [i for i, (t, a) in enumerate(zip(tensors, after)) if not torch.equal(_bits(t), _bits(a))]
+        if not differ:
+            _bound[key] = bound
+            return
+        for i in differ:
+            tensors[i].copy_(after[i])  # the normal launch's results stand
     _bound[key] = _Bound(kernel, meta)
     warnings.warn(
         f"addnorm: the bound launch of {kernel.fn.__name__} differed from Triton's normal launch on first use; this "
