@@ -1,95 +1,173 @@
 #!/usr/bin/env bash
-# The one GPU check for the Triton backend (188 s on an H200; 355 s with ADDNORM_COMPAT=1 ADDNORM_BENCH_LAYER=1;
-# benchmarks/results/gpu; torch preinstalled):
-#   1. make addnorm importable (source tree on PYTHONPATH if it is not installed),
-#   2. run the Triton tests on CUDA,
-#   3. the graph-safety checks (tools/gpu_graph_check.py: CUDA-graph capture with dropout draws fresh masks,
-#      no CUDA-graph skip under reduce-overhead, a tensor on cuda:1 when present, dresidual sharing, in-place ops)
-#      and the per-call host overhead of each backend (benchmarks/bench_overhead.py), both into graph.txt,
-#   4. run the add + RMSNorm benchmark table (bf16, fwd / bwd / fwd+bwd, N = 512 ... 262144),
-#   5. profile the device kernels of one call (tools/profile_kernels.py) and time a Llama-width transformers
-#      training step unpatched vs hf.apply (benchmarks/bench_hf_llama.py), into profile.txt and hf_llama.md.
-# Results (test log, CSV, JSON, environment) go to $OUT when set, else benchmarks/results/.
-# Usage: bash benchmarks/gpu_check.sh          (ADDNORM_BENCH_LAYER=1 also runs a short LayerNorm table;
-#                                              ADDNORM_COMPAT=1 the upstream flash-attention/Liger test files;
-#                                              ADDNORM_TUNE=1 also sweeps the Triton block sizes, ~3 more minutes)
+# The one GPU check for the Triton backend: one run of at most ADDNORM_GPU_CHECK_SECONDS (540 s), every step capped
+# by the time left (a step that would not get its minimum is skipped with a message), most important first:
+#   1. refuse a torch or triton that resolves inside the working tree (a carried .venv, site-packages or wheel would
+#      shadow the GPU image's build, and everything measured would be of the wrong build),
+#   2. the environment (GPU, driver, torch, triton, addnorm info) into gpu.txt,
+#   3. the registers and spills of the kernels as this machine's Triton compiles them (tools/sm90_static.py
+#      --on-device) into kernels_compiled.md: the image's Triton (3.6 so far) is not the 3.9 of the static table,
+#   4. the per-call host overhead (benchmarks/bench_overhead.py), with bound launches (the default) and with
+#      ADDNORM_TRITON_FAST_LAUNCH=0 (Triton's normal launch), into overhead.txt,
+#   5. the decode benchmark (benchmarks/bench_generate.py, when present) into generate.md,
+#   6. the Triton tests on CUDA (the bound launcher's bitwise check against the normal launch included) into
+#      tests.txt, then the graph-safety checks (tools/gpu_graph_check.py) into graph.txt,
+#   7. the add + RMSNorm table (bf16), the add + LayerNorm table with torch.compile beside it, the device kernels
+#      per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
+#   8. with time left and asked for: ADDNORM_COMPAT=1 (flash-attention's and Liger's test files), ADDNORM_TUNE=1.
+# Results go to $OUT when set (the device tool brings that folder back), else benchmarks/results/gpu.
+# Usage: bash benchmarks/gpu_check.sh        Exit status: 0 all ran and passed, 1 a step failed, 2 refused,
+#                                            3 nothing failed but steps were skipped or stopped at their cap.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS="${OUT:-benchmarks/results}"
+ROOT="$PWD"
+RESULTS="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$RESULTS"
+DEADLINE="${ADDNORM_GPU_CHECK_SECONDS:-540}"
+RESERVE=3 # seconds kept for the summary
 start=$(date +%s)
+failed=()
+incomplete=()
 
-# No pip install: the GPU machine reaches no package index, so pip's isolated build of the editable package (it
-# fetches setuptools) would fail there. Its image holds torch, triton, numba, numpy and tqdm: the source tree on
-# PYTHONPATH is enough when addnorm is not installed.
-python -c "import addnorm" 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-python -c "import addnorm, triton" || { echo "addnorm or triton does not import; see above"; exit 1; }
-# Optional third-party providers for the benchmark: wheels carried in .whl/ (Liger is pure Python, see
-# benchmarks/results/README.md). --no-deps and a separate target: they never replace the image's torch or triton.
+remaining() { echo $((DEADLINE - ($(date +%s) - start))); }
+
+# cap N: N seconds, or fewer when less is left before the deadline (less the summary's reserve)
+cap() {
+    local left=$(($(remaining) - RESERVE))
+    if ((left < $1)); then echo "$left"; else echo "$1"; fi
+}
+
+# step NAME MAX MIN LOG COMMAND...: run COMMAND for at most MAX seconds (fewer if the deadline is nearer), its
+# output shown and appended to LOG ('' for none); skipped with a message when fewer than MIN seconds are left
+step() {
+    local name=$1 max=$2 min=$3 log=$4
+    shift 4
+    local t
+    t=$(cap "$max")
+    if ((t < min)); then
+        echo "== $name: skipped, $(remaining) s left of $DEADLINE (needs $min s)"
+        incomplete+=("$name (skipped)")
+        return 0
+    fi
+    echo "== $name (at most $t s; $(remaining) s left)"
+    local rc
+    if [ -n "$log" ]; then
+        timeout --kill-after=5 "$t" "$@" 2>&1 | tee -a "$log"
+        rc=${PIPESTATUS[0]}
+    else
+        timeout --kill-after=5 "$t" "$@"
+        rc=$?
+    fi
+    if ((rc == 124 || rc == 137)); then
+        echo "   $name: stopped at its $t s cap"
+        incomplete+=("$name (stopped at $t s)")
+    elif ((rc != 0)); then
+        echo "   $name: exit status $rc"
+        failed+=("$name (exit $rc)")
+    fi
+    return 0
+}
+
+# -- 1. the image's torch and triton, not carried ones ----------------------------------------------------------
+# No pip install of the package: the GPU machine reaches no package index. The source tree on PYTHONPATH is enough.
+python -c "import addnorm" 2>/dev/null || export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+for wheel in .whl/*.whl; do
+    [ -e "$wheel" ] || continue
+    case "$(basename "$wheel")" in
+        torch-* | triton-* | pytorch_triton-* | nvidia_*)
+            echo "refusing: $wheel would shadow the GPU image's own torch/triton/CUDA build; leave it out of the tree"
+            exit 2
+            ;;
+    esac
+done
+# Optional third-party providers for the benchmarks (e.g. Liger, pure Python): --no-deps into their own target
 if ls .whl/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/bench-site .whl/*.whl \
-        && export PYTHONPATH="/tmp/bench-site${PYTHONPATH:+:$PYTHONPATH}"
+        && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/bench-site"
 fi
-# one file for the environment: the device tool brings back at most 8 files, and ADDNORM_BENCH_LAYER=1 writes 8 with it
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -m addnorm info; } > "$RESULTS/gpu.txt" 2>&1
+where=$(timeout 60 python -c "import torch, triton; print(torch.__file__); print(triton.__file__)") || {
+    echo "refusing: torch or triton does not import here (see above)"
+    exit 2
+}
+while read -r path; do
+    case "$path" in
+        "$ROOT"/*)
+            echo "refusing: $path is inside the working tree: a carried .venv/site-packages would shadow the GPU" \
+                "image's torch and triton (check what the run carries, and PYTHONPATH)"
+            exit 2
+            ;;
+    esac
+done <<<"$where"
+python -c "import addnorm" || {
+    echo "refusing: addnorm does not import (see above)"
+    exit 2
+}
 
-echo "== Triton tests on CUDA (kernels, and the triton ops under torch.compile)"
-timeout 180 python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_triton_add_norm.py tests/ops/test_triton_ops.py \
-    tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5 2>&1 | tee "$RESULTS/tests.txt"
-tests_rc=${PIPESTATUS[0]}
-echo "tests exit status $tests_rc after $(( $(date +%s) - start )) s"
+# -- 2. environment, 3. the kernels as compiled here ----------------------------------------------------------------
+# shellcheck disable=SC2016 # the Python code is quoted on purpose
+env_py='import torch, triton, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__,
+"cuda", torch.version.cuda); print("triton", triton.__version__, triton.__file__); print("gpu",
+torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
+: >"$RESULTS/gpu.txt"
+step "environment" 30 5 "$RESULTS/gpu.txt" bash -c \
+    "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c '$env_py'; python -m addnorm info"
+# ~60-100 s: 20 benchmark shapes (bf16, N = 512 ... 262144, RMS and LayerNorm), forward + backward, each variant
+# compiled once; the table is rewritten after every shape, so a step stopped at its cap keeps what it measured
+step "registers and spills of the kernels compiled here" 120 20 "" \
+    python tools/sm90_static.py --on-device --shapes bench --out "$RESULTS/kernels_compiled.md"
 
-echo "== graph-safety checks and per-call overhead"
-# ~45 s, estimated without a GPU: a few Triton JITs, three Inductor compiles (reduce-overhead; forward + backward and
-# the in-place op through the triton ops), then ~40 timed rows of 7 x 300 tiny calls
-timeout 100 python tools/gpu_graph_check.py 2>&1 | tee "$RESULTS/graph.txt"
-graph_rc=${PIPESTATUS[0]}
-timeout 45 python benchmarks/bench_overhead.py --device cuda --out '' 2>&1 | tee -a "$RESULTS/graph.txt"
+# -- 4. overhead, 5. decode ---------------------------------------------------------------------------------------
+: >"$RESULTS/overhead.txt"
+step "per-call overhead, bound launches" 60 20 "$RESULTS/overhead.txt" \
+    python benchmarks/bench_overhead.py --device cuda --out ''
+step "per-call overhead, Triton's normal launch (ADDNORM_TRITON_FAST_LAUNCH=0)" 60 20 "$RESULTS/overhead.txt" \
+    env ADDNORM_TRITON_FAST_LAUNCH=0 python benchmarks/bench_overhead.py --device cuda --out ''
+if [ -f benchmarks/bench_generate.py ]; then
+    step "decode benchmark (generate)" 150 40 "" \
+        python benchmarks/bench_generate.py --device cuda --out "$RESULTS/generate.md"
+else
+    echo "== decode benchmark: skipped, benchmarks/bench_generate.py is not in this tree"
+    incomplete+=("decode benchmark (no bench_generate.py)")
+fi
 
-echo "== benchmark: add + RMSNorm, bf16"
-# Budget, estimated without a GPU run: start-up and the copy-bandwidth run ~10 s; 6 sizes x 3 modes x the providers
-# present, each row ~25 calls of at most a few ms plus one fp32 reference (~15 s for addnorm, eager and compile);
-# Triton JIT of addnorm's kernels per N (~1 s each); 2 Inductor compiles for `compile` (dynamic shapes, see
-# make_provider). Liger, if carried, adds its JIT per N. A run cut short still leaves every finished N in the CSV/JSON.
-timeout 150 python benchmarks/bench_add_norm.py --norm rms --dtype bf16 \
-    --sizes 512,1024,4096,16384,65536,262144 --reps 20 --out "$RESULTS" 2>&1 | tee "$RESULTS/bench_rms.txt"
-bench_rc=${PIPESTATUS[0]}
+# -- 6. tests and graph checks --------------------------------------------------------------------------------------
+: >"$RESULTS/tests.txt"
+step "Triton tests on CUDA" 150 40 "$RESULTS/tests.txt" \
+    python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_triton_add_norm.py tests/ops/test_triton_ops.py \
+    tests/ops/test_triton_fast_launch.py \
+    tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5
+: >"$RESULTS/graph.txt"
+# ~45 s: a few JITs, three Inductor compiles (reduce-overhead), CUDA-graph capture with dropout
+step "graph-safety checks" 100 30 "$RESULTS/graph.txt" python tools/gpu_graph_check.py
 
-echo "== device kernels per call (torch.profiler): addnorm, eager, Liger"
-# ~20 s: 3 shapes x 2 modes x 3 providers, 5 profiled calls each; shows device time apart from host overhead
-timeout 90 python tools/profile_kernels.py --shapes 16384x4096,65536x1024,4096x16384 2>&1 \
-    | grep -v -i "warn" | tee "$RESULTS/profile.txt"
+# -- 7. tables -------------------------------------------------------------------------------------------------------
+step "add + RMSNorm table, bf16" 150 40 "$RESULTS/bench_rms.txt" \
+    python benchmarks/bench_add_norm.py --norm rms --dtype bf16 --sizes 512,1024,4096,16384,65536,262144 \
+    --reps 20 --out "$RESULTS"
+step "add + LayerNorm table, bf16, with torch.compile" 90 30 "$RESULTS/bench_layer.txt" \
+    python benchmarks/bench_add_norm.py --norm layer --dtype bf16 --modes fwd,fwd+bwd \
+    --providers addnorm,eager,compile,flash_attn,apex,liger --sizes 4096,65536 --reps 20 --out "$RESULTS"
+step "device kernels per call" 60 20 "$RESULTS/profile.txt" \
+    python tools/profile_kernels.py --shapes 16384x4096,65536x1024,4096x16384
+step "transformers Llama training step" 120 40 "$RESULTS/profile.txt" \
+    python benchmarks/bench_hf_llama.py --device cuda --dtype bf16 --layers 4 --hidden 4096 --heads 32 \
+    --vocab 32000 --batch 4 --seq 2048 --repeats 10 --out "$RESULTS/hf_llama.md"
 
-echo "== transformers Llama training step (hidden 4096, 4 layers, bf16): unpatched vs hf.apply"
-# ~30 s: 3 variants x 13 steps of batch 4 x 2048 tokens
-timeout 120 python benchmarks/bench_hf_llama.py --device cuda --dtype bf16 --layers 4 --hidden 4096 --heads 32 \
-    --vocab 32000 --batch 4 --seq 2048 --repeats 10 --out "$RESULTS/hf_llama.md" 2>&1 | tee -a "$RESULTS/profile.txt"
-
+# -- 8. optional ------------------------------------------------------------------------------------------------------
 if [ "${ADDNORM_COMPAT:-0}" = "1" ]; then
-    # flash-attention's and Liger's own test files against addnorm.compat on the Triton backend (docs/compat.md);
-    # the machine is offline: .compat-suites/ must travel with the tree (fetched where there is a network)
-    echo "== upstream test files (flash-attention, Liger) on CUDA"
-    # 8 pytest-xdist workers; the full grids (9,728 + 40 cases), flash-attention's stopped after 200 s if need be
-    timeout 300 python tools/compat_suites.py all --device cuda --backend triton \
+    # .compat-suites/ must travel with the tree (fetched where there is a network: tools/compat_suites.py)
+    step "upstream test files (flash-attention, Liger)" 300 60 "$RESULTS/tests.txt" \
+        python tools/compat_suites.py all --device cuda --backend triton \
         --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 200 \
-        --json "$RESULTS/compat.json" -- -n 8 2>&1 | tail -25 | tee -a "$RESULTS/tests.txt"
+        --json "$RESULTS/compat.json" -- -n 8
 fi
-
-if [ "${ADDNORM_BENCH_LAYER:-0}" = "1" ]; then
-    echo "== benchmark: add + LayerNorm, bf16"
-    timeout 60 python benchmarks/bench_add_norm.py --norm layer --dtype bf16 --modes fwd,fwd+bwd \
-        --providers addnorm,eager,flash_attn,apex,liger --sizes 4096,65536 --reps 20 --out "$RESULTS" 2>&1 \
-        | tee "$RESULTS/bench_layer.txt"
-fi
-
 if [ "${ADDNORM_TUNE:-0}" = "1" ]; then
-    # the block-size sweep (tools/tune_triton.py): about 100 settings, ~1 s of JIT each; the summary is in the
-    # log's last lines, every timing in tune_rms_bf16.csv / .json (with ADDNORM_BENCH_LAYER=1 too: 10 files, over
-    # the device tool's 8, so run the two options in separate calls)
-    echo "== tuning sweep: add + RMSNorm, bf16"
-    timeout 240 python tools/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS" 2>&1 | tee "$RESULTS/tune.txt"
+    step "tuning sweep: add + RMSNorm, bf16" 240 60 "$RESULTS/tune.txt" \
+        python tools/tune_triton.py --norm rms --dtype bf16 --out "$RESULTS"
 fi
 
-echo "done in $(( $(date +%s) - start )) s: tests rc=$tests_rc, graph checks rc=$graph_rc, benchmark rc=$bench_rc;" \
-     "results in $RESULTS"
-[ "$tests_rc" = 0 ] && [ "$graph_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "done in $(($(date +%s) - start)) s of $DEADLINE; results in $RESULTS"
+((${#failed[@]})) && echo "failed: ${failed[*]}"
+((${#incomplete[@]})) && echo "incomplete: ${incomplete[*]}"
+if ((${#failed[@]})); then exit 1; fi
+if ((${#incomplete[@]})); then exit 3; fi
+exit 0

@@ -4,6 +4,7 @@ the benchmark's shapes, then read registers, spills and shared memory from ptxas
     python tools/sm90_static.py                         # bf16 add + RMSNorm and LayerNorm, N = 512 ... 262144
     python tools/sm90_static.py --shapes test           # the small set the test suite compiles (every kernel once)
     python tools/sm90_static.py --tuning max_bwd_block_n=16384        # what a Tuning change does to the kernels
+    python tools/sm90_static.py --on-device --out k.md  # on a GPU: the kernels as compiled there, regs and spills
 
 Why: a kernel that spills registers to local memory, or that fits only one program per SM, cannot stream at memory
 bandwidth, and both are visible before any GPU run. What this cannot tell: achieved bandwidth, cache behaviour,
@@ -144,39 +145,95 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
         P._programs = lambda device, per_sm: per_sm * SM_COUNT
         for s in shapes:
             current["shape"] = s
-            meta = dict(device="meta")
-            rd = s.residual_dtype or s.dtype
-            x, r, w = torch.empty(s.m, s.n, dtype=s.dtype, **meta), torch.empty(s.m, s.n, dtype=rd, **meta), None
-            w = torch.empty(s.n, dtype=s.dtype, **meta)
-            b = None if s.is_rms else torch.empty(s.n, dtype=s.dtype, **meta)
-            opts = set(s.options.split(",")) - {""}
-            p = 0.1 if "dropout" in opts else 0.0
-            seed = torch.empty((), dtype=torch.int64, **meta) if p else None  # a device tensor, as _fwd_impl draws
-            common = dict(
-                is_rms=s.is_rms,
-                dropout_p=p,
-                seed=seed,
-                zero_centered_weight="zc" in opts,
-                cast_before_weight="cast" in opts,
-            )
-            out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True, **common)
-            T.backward(
-                torch.empty_like(out),
-                torch.empty_like(res),
-                res,
-                w,
-                mean,
-                rstd,
-                x_dtype=s.dtype,
-                residual_dtype=rd,
-                bias_dtype=None if s.is_rms else s.dtype,
-                **common,
-            )
+            launch_shape(s, torch.device("meta"))
     finally:
         for name, kernel in saved.items():
             setattr(T, name, kernel)
         P._programs = saved_programs
     return launches
+
+
+def launch_shape(s: Shape, device: torch.device) -> None:
+    """The forward and backward of one shape through the launchers, on ``device`` (meta: nothing is touched)."""
+    meta = dict(device=device)
+    rd = s.residual_dtype or s.dtype
+    x, r = torch.randn(s.m, s.n, dtype=s.dtype, **meta), torch.randn(s.m, s.n, dtype=rd, **meta)
+    w = torch.randn(s.n, dtype=s.dtype, **meta)
+    b = None if s.is_rms else torch.randn(s.n, dtype=s.dtype, **meta)
+    opts = set(s.options.split(",")) - {""}
+    p = 0.1 if "dropout" in opts else 0.0
+    seed = torch.zeros((), dtype=torch.int64, **meta) if p else None  # a device tensor, as _fwd_impl draws
+    common = dict(
+        is_rms=s.is_rms, dropout_p=p, seed=seed, zero_centered_weight="zc" in opts, cast_before_weight="cast" in opts
+    )
+    out, res, mean, rstd = T.forward(x, r, w, b, eps=1e-5, residual_dtype=rd, store_residual_out=True, **common)
+    T.backward(
+        torch.randn_like(out),
+        torch.randn_like(res),
+        res,
+        w,
+        mean,
+        rstd,
+        x_dtype=s.dtype,
+        residual_dtype=rd,
+        bias_dtype=None if s.is_rms else s.dtype,
+        **common,
+    )
+
+
+def compiled_on_device(shapes: list[Shape], out: str | None) -> list[dict]:
+    """Launch the kernels for real on this machine's GPU (Triton compiles them with its own version and ptxas), then
+    read from each compiled kernel Triton keeps the registers and spills the driver reports when it loads it
+    (``CompiledKernel.n_regs``/``n_spills``, Triton 3.6 and 3.9). The table is rewritten after every shape, so a run
+    stopped early keeps what it measured."""
+    rows: list[dict] = []
+    for s in shapes:
+        launch_shape(s, torch.device("cuda"))
+        torch.cuda.synchronize()
+        rows = []
+        for name in KERNELS:
+            kernel = getattr(T, name)
+            for caches in kernel.device_caches.values():
+                for compiled in list(caches[0].values()):
+                    if getattr(compiled, "n_regs", None) is None:
+                        continue  # compiled but never loaded (a warmup), or not a CompiledKernel
+                    const = {kernel.arg_names[k[0]]: v for k, v in compiled.src.constants.items() if len(k) == 1}
+                    ptrs = [t for t in compiled.src.signature.values() if t.startswith("*")]
+                    rows.append(
+                        dict(
+                            name=name,
+                            blocks=" ".join(f"{k}={v}" for k, v in const.items() if k.startswith("BLOCK_")),
+                            flags=" ".join(k for k, v in const.items() if v is True),
+                            types=",".join(sorted(set(ptrs))),
+                            num_warps=compiled.metadata.num_warps,
+                            registers=compiled.n_regs,
+                            spills=compiled.n_spills,
+                            shared_bytes=compiled.metadata.shared,
+                        )
+                    )
+        if out:
+            _write_device_table(rows, out)
+    return rows
+
+
+def _write_device_table(rows: list[dict], out: str) -> None:
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        "# Registers and spills of the Triton kernels as compiled on this GPU",
+        "",
+        f"`python tools/sm90_static.py --on-device --out ...`: {datetime.datetime.now():%Y-%m-%d %H:%M}, {gpu}, "
+        f"torch {torch.__version__}, triton {triton.__version__}. From each compiled kernel's load (the driver's "
+        "count), not predicted: compare with the static table of `sm90_static.py` (Triton 3.9's ptxas).",
+        "",
+        "| kernel | blocks | flags | pointer types | warps | regs/thread | spills | shared bytes |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['name']}` | {r['blocks']} | {r['flags']} | {r['types']} | {r['num_warps']} | {r['registers']} | "
+            f"{r['spills']} | {r['shared_bytes']} |"
+        )
+    Path(out).write_text("\n".join(lines) + "\n")
 
 
 def specialization(launch: Launch) -> tuple[dict, dict, dict]:
@@ -301,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         help="bench: the GPU benchmark's bf16 shapes; test: a small set covering every kernel variant",
     )
     p.add_argument("--out", default=None, help="write the table as Markdown to this file")
+    p.add_argument(
+        "--on-device",
+        action="store_true",
+        help="launch on this machine's GPU and report the registers/spills of the kernels it compiled (not sm_90 "
+        "predictions); writes --out after every shape",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON (one object per launch) instead")
     p.add_argument(
         "--tuning",
@@ -318,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--tuning: expected KNOB=INTEGER with KNOB one of {', '.join(sorted(fields))}; got {item!r}")
         overrides[knob] = int(value)
     P.TUNING = dataclasses.replace(P.TUNING, **overrides)
+    if a.on_device:
+        rows = compiled_on_device(shapes_for(a.shapes), a.out)
+        print(json.dumps(rows, indent=1) if a.json else "\n".join(str(r) for r in rows))
+        return 0
     reports = analyse(record_launches(shapes_for(a.shapes)))
     text = table(reports)
     if a.json:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from addnorm.reference import DROPOUT_SEED_OFFSET as _SEED_OFFSET
-
 try:
     import triton
     import triton.language as tl
@@ -39,24 +37,25 @@ except ImportError:  # the module still imports, so unavailable_reason() can say
     tl = SimpleNamespace(constexpr=None)
     _jit = lambda fn: fn  # noqa: E731
 
-# Whether the kernels below run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1") if triton is not None else False
-DROPOUT_SEED_OFFSET = tl.constexpr(_SEED_OFFSET) if triton is not None else _SEED_OFFSET
-
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
 # --------------------------------------------------------------------------------------------------------------
 
+# _round(v, dtype): v in dtype, rounded to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds),
+# so there it rounds on the bits. Chosen at import, not by a tl.constexpr global: Triton re-checks those per launch.
+if os.environ.get("TRITON_INTERPRET") == "1":
 
-@_jit
-def _round(v, dtype: tl.constexpr):
-    """v converted to dtype, rounding to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds),
-    which would bias every bf16 result on CPU; there the rounding is done on the bits instead."""
-    if _INTERPRETED and dtype == tl.bfloat16:
+    @_jit
+    def _round(v, dtype: tl.constexpr):
+        if dtype != tl.bfloat16:  # (the interpreter runs this as plain Python)
+            return v.to(dtype)
         bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
         bits += 0x7FFF + ((bits >> 16) & 1)  # add half an ulp of bf16, ties to even
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
+else:
+
+    @_jit
+    def _round(v, dtype: tl.constexpr):
         return v.to(dtype)
 
 
@@ -89,10 +88,11 @@ def _mix32(z):
 
 
 @_jit
-def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo):
+def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET: tl.constexpr):
     """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
-    of addnorm.reference, so the forward, the backward and every backend draw the same mask."""
-    key = _mix32((tl.load(Seed) + DROPOUT_SEED_OFFSET).to(tl.uint32))
+    of addnorm.reference (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
+    draw the same mask."""
+    key = _mix32((tl.load(Seed) + SEED_OFFSET).to(tl.uint32))
     z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
     keep = (z >> 8).to(tl.int32) >= keep_threshold
     if v.dtype == tl.float64:
@@ -140,6 +140,7 @@ def fwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,  # off under inference: no (M,) statistics to allocate per call
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -152,7 +153,7 @@ def fwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
     h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if HAS_DROPOUT:
-        h = _dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+        h = _dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
     if HAS_RESIDUAL:
         h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if STORE_RESIDUAL_OUT:
@@ -211,6 +212,7 @@ def fwd_looped_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -234,7 +236,7 @@ def fwd_looped_kernel(
         else:
             h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(acc_t)
         if HAS_DROPOUT:
-            h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+            h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
         if HAS_RESIDUAL:
             h += tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         if STORE_RESIDUAL_OUT:
@@ -319,6 +321,7 @@ def bwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
     RELOAD_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -367,7 +370,9 @@ def bwd_rows_kernel(
         if STORE_DRES:
             tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            dh = _dropout(dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+            dh = _dropout(
+                dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET
+            )
         tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
@@ -449,6 +454,7 @@ def bwd_tiles_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
     BLOCK_N: tl.constexpr,
 ):
     # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers
@@ -486,7 +492,7 @@ def bwd_tiles_kernel(
         if STORE_DRES:
             tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
         if HAS_DROPOUT:
-            dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo)
+            dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
         tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
     if HAS_WEIGHT:
         tl.store(DWPart + group * N + cols, dw_acc, mask=ok)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.contract import stats_dtype
-from addnorm.ops.triton import plan
+from addnorm.ops.triton import fast_launch, plan
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     bwd_row_sums_kernel,
     bwd_rows_kernel,
@@ -81,12 +81,24 @@ def _vec(t: Tensor | None) -> Tensor | None:
 def _kernel(kernel, traceable: bool):
     """The kernel to launch: itself, or (traceable) wrapped by ``torch.library.wrap_triton``, which records the launch
     as a node that torch.compile sees into (only inside the triton ops of :mod:`addnorm.ops.triton.compiled`; an
-    eager launch through the wrapper costs ~1 ms of dispatch)."""
+    eager launch through the wrapper costs ~1 ms of dispatch). (benchmarks/bench_overhead.py replaces this function
+    to time the Python around the launches with no-op kernels.)"""
     if not traceable:
         return kernel
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)
+
+
+def _launch(kernel, grid, args: tuple, meta: dict, traceable: bool) -> None:
+    """Launch ``kernel``: eager launches through :mod:`addnorm.ops.triton.fast_launch` (Triton's normal launch the
+    first time for each specialization, the compiled kernel called directly after that); traced ones leave out
+    ``enable_fp_fusion`` (torch forwards only num_warps-like options; Inductor compiles with its own)."""
+    kernel = _kernel(kernel, traceable)
+    if not traceable:
+        fast_launch.launch(kernel, grid, args, meta)
+    else:
+        kernel[grid](*args, **{k: v for k, v in meta.items() if k != "enable_fp_fusion"})
 
 
 def _fwd_launch(
@@ -130,7 +142,7 @@ def _fwd_launch(
         store_stats,
     )
     rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
-    _kernel(fwd_rows_kernel if rows else fwd_looped_kernel, traceable)[grid](*args, **meta)
+    _launch(fwd_rows_kernel if rows else fwd_looped_kernel, grid, args, meta, traceable)
 
 
 _scratch_tensors: dict = {}
@@ -178,65 +190,25 @@ def _bwd_launch(
         _, programs, meta = chosen
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
-        _kernel(bwd_rows_kernel, traceable)[(programs,)](
-            dout,
-            dres_out_,
-            h,
-            weight_,
-            mean_,
-            rstd,
-            dx,
-            dres_,
-            dw_part,
-            db_part,
-            dout.stride(0),
-            _row_stride(dres_out),
-            h.stride(0),
-            m,
-            n,
-            *drop,
-            **meta,
-        )
+        args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part)
+        args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+        _launch(bwd_rows_kernel, (programs,), args, meta, traceable)
     else:
         _, tiles, groups, sums, meta = chosen
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        _kernel(bwd_row_sums_kernel, traceable)[(m,)](
-            dout,
-            h,
-            weight_,
-            mean_,
-            rstd,
-            c1,
-            c2,
-            dout.stride(0),
-            h.stride(0),
-            n,
-            **sums,
+        _launch(
+            bwd_row_sums_kernel,
+            (m,),
+            (dout, h, weight_, mean_, rstd, c1, c2, dout.stride(0), h.stride(0), n),
+            sums,
+            traceable,
         )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        _kernel(bwd_tiles_kernel, traceable)[(tiles, groups)](
-            dout,
-            dres_out_,
-            h,
-            weight_,
-            mean_,
-            rstd,
-            c1,
-            c2,
-            dx,
-            dres_,
-            dw_part,
-            db_part,
-            dout.stride(0),
-            _row_stride(dres_out),
-            h.stride(0),
-            m,
-            n,
-            *drop,
-            **meta,
-        )
+        args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part)
+        args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+        _launch(bwd_tiles_kernel, (tiles, groups), args, meta, traceable)
     return dw_part, db_part
 
 

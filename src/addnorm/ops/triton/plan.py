@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from addnorm.reference import DROPOUT_SEED_OFFSET
+
 __all__ = ["Tuning", "TUNING", "bwd_config", "cached_config", "fwd_config"]
 
 
@@ -56,6 +58,12 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+# Triton's FP fusion (a * b + c as one fma), pinned rather than left to Triton's default: enabled by default up to
+# Triton 3.9 (what every measured and tested result of these kernels was produced with), disabled by default from
+# 3.10, which would change output bits. Eager launches pass it; under torch.compile Inductor compiles the kernels
+# with its own options (torch's wrap_triton forwards only num_warps/num_stages-like launch options).
+FP_FUSION = True
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -121,6 +129,8 @@ def fwd_config(
         STORE_RESIDUAL_OUT=store_residual_out,
         CAST_BEFORE_WEIGHT=cast,
         STORE_STATS=store_stats,
+        SEED_OFFSET=DROPOUT_SEED_OFFSET,
+        enable_fp_fusion=FP_FUSION,
     )
     blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
     if blocks is not None:
@@ -147,6 +157,8 @@ def bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_d
         HAS_DROPOUT=has_dropout,
         STORE_DRES=store_dres,
         CAST_BEFORE_WEIGHT=cast,
+        SEED_OFFSET=DROPOUT_SEED_OFFSET,
+        enable_fp_fusion=FP_FUSION,
     )
     max_block_n = TUNING.max_bwd_block_n
     if is_rms and narrow:
@@ -165,7 +177,14 @@ def bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_d
     block_n = _loop_block(TUNING.max_bwd_block_n)
     tiles = _cdiv(n, block_n)
     groups = max(1, min(m, _cdiv(_programs(device, TUNING.looped_programs_per_sm), tiles)))
-    sums = dict(HAS_WEIGHT=has_weight, IS_RMS=is_rms, ZERO_CENTERED=zc, BLOCK_N=block_n, num_warps=_warps(block_n))
+    sums = dict(
+        HAS_WEIGHT=has_weight,
+        IS_RMS=is_rms,
+        ZERO_CENTERED=zc,
+        BLOCK_N=block_n,
+        num_warps=_warps(block_n),
+        enable_fp_fusion=FP_FUSION,
+    )
     return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
 
 
@@ -179,14 +198,25 @@ _configs_tuning: list = [None]
 
 _CONFIGS_MAX = 1024  # distinct (shape, flags) keys kept: decode batch sizes vary, a model has few widths
 
+# One dict object per distinct set of constexprs and options, shared by every shape that launches with it: the bound
+# launches of addnorm.ops.triton.fast_launch key on the plan's identity, so prefills of many lengths (one plan key
+# each) share a few bound launches instead of each paying a first-use check.
+_metas: dict = {}
+
+
+def _interned(config: tuple) -> tuple:
+    return tuple(_metas.setdefault(tuple(c.items()), c) if isinstance(c, dict) else c for c in config)
+
 
 def cached_config(make, key):
     if _configs_tuning[0] is not TUNING:
         _configs.clear()
+        _metas.clear()
         _configs_tuning[0] = TUNING
     config = _configs.get(key)
     if config is None:
         if len(_configs) >= _CONFIGS_MAX:
             _configs.clear()
-        config = _configs[key] = make(*key[1:])
+            _metas.clear()
+        config = _configs[key] = _interned(make(*key[1:]))
     return config
