@@ -235,7 +235,7 @@ class _CheckFailed(Exception):
 # ---- CLI ------------------------------------------------------------------------------------------------------------
 def _print_human(findings: list, title: str) -> None:
     """Findings grouped by severity; the same finding in several modules (every layer, usually) printed once."""
-    from addnorm.diagnostics.doctor import SEVERITIES
+    from addnorm.diagnostics.doctor_findings import SEVERITIES
 
     print(f"addnorm doctor: {title}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
