@@ -41,10 +41,11 @@ from typing import Any
 from torch import nn
 
 from addnorm.diagnostics.blocks import find_blocks
+from addnorm.diagnostics.doctor_designs import explain
 from addnorm.diagnostics.doctor_findings import SEVERITIES, DoctorConfig, Finding, sort_findings
 from addnorm.diagnostics.doctor_norms import check_norms
 from addnorm.diagnostics.doctor_skip import block_direction, classify_blocks, uses_deepnorm
-from addnorm.diagnostics.doctor_walk import batch_shape, run_example
+from addnorm.diagnostics.doctor_walk import batch_shape, image_input, run_example
 
 __all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES"]
 
@@ -96,7 +97,7 @@ def diagnose(
         return sort_findings(findings)
 
     container = found[0][0].rpartition(".")[0] or "<root>"
-    kinds = classify_blocks(found, tr, findings, cfg)
+    kinds = classify_blocks(found, tr, findings, cfg, explain=explain)
     n_post, n_pre = kinds.count("post"), kinds.count("pre")
     L = len(found)
 
@@ -125,7 +126,20 @@ def diagnose(
             and order > last_end
             and id(modules.get("" if p == "<root>" else p)) not in block_ids
         ]
-        if last_end is not None and not after:
+        if last_end is not None and not after and image_input(example_batch):
+            findings.append(
+                Finding(
+                    code="missing-final-norm",
+                    severity="info",
+                    module=container,
+                    message="Pre-Norm blocks and no norm after the last one, in a vision encoder (its input is an "
+                    "image): such encoders hand their raw stream to a projector or adapter that normalizes it, as "
+                    "Pixtral, InternVL, RADIO, SAM3 and ViTDet do, so this is not an error here",
+                    fix="none needed when a projector or neck reads this output; if a head reads it directly, apply "
+                    "a final LayerNorm/RMSNorm first",
+                )
+            )
+        elif last_end is not None and not after:
             findings.append(
                 Finding(
                     code="missing-final-norm",
@@ -155,13 +169,20 @@ def diagnose(
                 )
             )
 
-    label = {"pre": "Pre-Norm", "post": "Post-Norm", "none": "no norm", "bad": "non-identity skip", None: "not checked"}
+    label = {
+        "pre": "Pre-Norm",
+        "post": "Post-Norm",
+        "none": "no norm",
+        "bad": "non-identity skip",
+        "design": "recognised design",
+        None: "not checked",
+    }
     counts = {k: kinds.count(k) for k in label if kinds.count(k)}
     if len(counts) == 1:
         placement = label[next(iter(counts))]
     else:
         placement = "mixed (" + ", ".join(f"{n} {label[k]}" for k, n in counts.items()) + ")"
-    direction = block_direction(found[0][1], tr.block_calls.get(0))
+    direction = block_direction(found, tr)
     name = type(found[0][1]).__name__
     # a class name that contradicts what the block does (addnorm's EncoderLayer with causal=True is a decoder-only
     # block) is left out rather than repeated

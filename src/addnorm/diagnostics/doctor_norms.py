@@ -64,6 +64,40 @@ def _feature_sizes(model: nn.Module) -> set[int]:
     return sizes
 
 
+def _channel_axis_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.GroupNorm, nn.LocalResponseNorm))
+
+
+def _channels_first(m: nn.Module, x: Tensor) -> bool:
+    """A norm whose normalized_shape is the channel dim of a (B, C, L) or (B, C, H, W) input."""
+    shape = getattr(m, "normalized_shape", None)
+    if shape is None or x.dim() not in (3, 4):
+        return False
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+    return shape == (x.shape[1],)
+
+
+def _per_position(m: nn.Module, args: tuple, cfg: DoctorConfig, axis: int) -> bool:
+    """Changing every feature (along ``axis``) of one position changes the norm's output at that position only."""
+    try:
+        c = copy.deepcopy(m).eval().float()
+        x = args[0].float()
+        with torch.no_grad():
+            y0 = first_tensor(c(x))
+            x2 = x.clone()
+            idx = [0] * x.dim()
+            idx[axis] = slice(None)
+            x2[tuple(idx)] = x2[tuple(idx)] * 3.0 + 1.0
+            y1 = first_tensor(c(x2))
+    except Exception:  # noqa: BLE001 - a norm that cannot be re-run alone is not vouched for
+        return False
+    if y0 is None or y1 is None or y0.shape != x.shape:
+        return False
+    diff = (y1 - y0).abs()
+    diff[tuple(idx)] = 0
+    return float(diff.max()) <= cfg.coupling_rtol * max(float(y0.abs().max()), 1e-6)
+
+
 def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorConfig) -> None:
     modules = dict(model.named_modules())
     features = _feature_sizes(model) | ({d_model} if d_model else set())
@@ -78,10 +112,36 @@ def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorCon
         if m is None or x is None or not x.is_floating_point():
             continue
         flagged = True
-        if path in tr.shape_errors:
+        channels_first = _channels_first(m, x)
+        if path in tr.shape_errors and channels_first and _per_position(m, args, cfg, axis=1):
+            findings.append(
+                Finding(
+                    code="channel-norm",
+                    severity="info",
+                    module=path,
+                    message=f"normalizes the channel axis of a convolutional module's (B, C, ...) input "
+                    f"{tuple(x.shape)}, each position on its own (checked): a channels-first LayerNorm, as ConvNeXt, "
+                    "SAM's neck and SqueezeBERT use, the right axis for that layout",
+                    fix="none needed",
+                )
+            )
+        elif path in tr.shape_errors:
             findings.append(
                 Finding(
                     code="norm-dimension", severity="error", module=path, message=tr.shape_errors[path], fix=norm_fix
+                )
+            )
+        elif is_batch_norm(m) and x.dim() != 4 and path in tr.after_projection:
+            findings.append(
+                Finding(
+                    code="channel-norm",
+                    severity="info",
+                    module=path,
+                    message=f"{type(m).__name__} straight after a convolution or linear projection: the conv-BN unit "
+                    "of convolutional modules (LeViT, Conformer's convolution module, FastSpeech2's postnet), "
+                    "statistics per channel over batch and positions by design, folded into the projection at "
+                    "inference",
+                    fix="none needed; mind padding in the batch statistics when training on padded sequences",
                 )
             )
         elif is_batch_norm(m) and x.dim() != 4:  # BatchNorm2d on (N, C, H, W): a CNN's norm, not a sequence's
@@ -96,6 +156,8 @@ def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorCon
                     fix="use LayerNorm or RMSNorm over the feature dim",
                 )
             )
+        elif is_batch_norm(m) or _channel_axis_norm(m):
+            flagged = False  # these normalize dim 1 (channels), never the last dim: the axis test below is not theirs
         elif x.dim() >= 2 and x.shape[-1] not in features and x.shape[-1] in (seq_len, batch_size):
             axis = "sequence" if x.shape[-1] == seq_len else "batch"
             findings.append(

@@ -19,7 +19,16 @@ from addnorm.diagnostics.anomaly import NonFiniteSentinel
 from addnorm.diagnostics.blocks import call_model, first_tensor, is_norm_module, output_logits
 from addnorm.diagnostics.doctor_findings import Finding
 
-__all__ = ["Trace", "run_example", "rms", "is_batch_norm", "batch_shape", "replace_first_tensor"]
+__all__ = [
+    "Trace",
+    "run_example",
+    "rms",
+    "is_batch_norm",
+    "batch_shape",
+    "image_input",
+    "replace_first_tensor",
+    "fed_by_projection",
+]
 
 
 def _detach(value: Any) -> Any:
@@ -57,6 +66,41 @@ def is_batch_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.modules.batchnorm._NormBase) or "BatchNorm" in name or "InstanceNorm" in name
 
 
+def image_input(batch: Any) -> bool:
+    """The example batch is an image (a floating (B, C, H, W) tensor, Hugging Face's ``pixel_values``) and carries
+    no token ids: the model is a vision encoder."""
+    values = (
+        list(batch.values())
+        if isinstance(batch, dict)
+        else list(batch)
+        if isinstance(batch, (tuple, list))
+        else [batch]
+    )
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    has_image = any(t.is_floating_point() and t.dim() == 4 for t in tensors)
+    return has_image and not any(not t.is_floating_point() and t.dim() == 2 for t in tensors)
+
+
+_VIEWS = ("view", "unsafeview", "reshape", "transpose", "permute", "t", "squeeze", "unsqueeze", "clone", "flatten")
+_PROJECTIONS = ("convolution", "addmm", "mm", "bmm", "linear", "matmul")
+
+
+def fed_by_projection(x: Tensor) -> bool:
+    """``x`` is the output of a convolution or a linear layer, up to reshapes (read from its autograd node): the
+    conv-BN unit of CNNs, where a BatchNorm is folded into the projection before it at inference."""
+    fn = x.grad_fn
+    for _ in range(8):
+        if fn is None:
+            return False
+        op = type(fn).__name__.lower().split("backward")[0]
+        if op in _PROJECTIONS:
+            return True
+        if op not in _VIEWS or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
+
+
 def batch_shape(batch: Any) -> tuple[int, ...] | None:
     """Shape of the first tensor of the example batch (token ids (B, T) or features (B, T, C))."""
     if isinstance(batch, dict):
@@ -77,6 +121,7 @@ class Trace:
     norm_calls: dict = field(default_factory=dict)  # norm path -> (args, order) of its first call
     norm_last: dict = field(default_factory=dict)  # norm path -> order of its last call (one module may run twice)
     shape_errors: dict = field(default_factory=dict)  # norm path -> message
+    after_projection: set = field(default_factory=set)  # norm paths whose input came straight from a conv/linear
 
 
 def run_example(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) -> Trace:
@@ -108,6 +153,8 @@ def run_example(model: nn.Module, batch: Any, blocks: list, findings: list[Findi
             if path not in tr.norm_calls:
                 tr.norm_calls[path] = (_detach(args), tr.order)
             tr.norm_last[path] = tr.order
+            if args and isinstance(args[0], Tensor) and fed_by_projection(args[0]):
+                tr.after_projection.add(path)
             shape = getattr(module, "normalized_shape", None)
             x = args[0] if args and isinstance(args[0], Tensor) else None
             if shape is not None and x is not None and not is_batch_norm(module):
