@@ -207,6 +207,12 @@ def _direction(block: nn.Module, call: tuple | None, seed: int) -> str | None:
         return None
     x = finite_input(x, seed).detach().clone().requires_grad_(True)
     args, kwargs = replace_first_tensor(args, kwargs, x)
+    if not all(bool(torch.isfinite(p).all()) for p in block.parameters()):
+        # NaN weights turn every gradient into NaN; the mask, which is what is asked about, is not in the weights
+        block = copy.deepcopy(block)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     # The gradient of the earlier positions' outputs with respect to the last position's input: a causal mask makes
     # it exactly zero (masked scores carry exact zeros back), while a bidirectional encoder's is merely small (a
     # layer-scaled branch over a thousand patches: 5e-6 of the whole in Qianfan-OCR's vision encoder). A forward
