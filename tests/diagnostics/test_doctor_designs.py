@@ -185,9 +185,8 @@ def _doctor_errors(model_type):
 
 @pytest.mark.parametrize("model_type", FAST)
 def test_released_architecture_has_no_doctor_error(model_type):
-    errors, findings = _doctor_errors(model_type)
+    errors, _ = _doctor_errors(model_type)
     assert not errors, errors
-    assert any(f.code == "summary" for f in findings) or any(f.code == "no-blocks" for f in findings)
 
 
 @pytest.mark.slow
