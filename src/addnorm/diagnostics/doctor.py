@@ -9,11 +9,18 @@ code                        severity  what is checked
 ``norm-dimension``          error     a norm whose normalized_shape does not match its input; a norm that
                                       normalizes over the sequence or batch axis (its input's last dim is the
                                       sequence length, or changing one position's features changes the output
-                                      at other positions); BatchNorm/InstanceNorm in a sequence model
+                                      at other positions); BatchNorm/InstanceNorm on a sequence's stream
+``channel-norm``            info      the norm of a convolutional module, checked as such: a channels-first
+                                      norm on (B, C, ...) that normalizes each position over C, or a
+                                      BatchNorm fed straight by a convolution/linear (conv-BN unit)
 ``residual-not-identity``   error     with every weight of a block's sublayers set to zero (norm gains reset
                                       to 1, biases to 0), the block must map x to x (Pre-Norm) or to Norm(x)
                                       (Post-Norm); anything else means the skip path is scaled or projected
+``skip-path-design``        info      a recognised deliberate design instead (hyper-connections, learnable
+                                      skip gates, branch lists, plain conv stacks, block-level residuals,
+                                      weightless token mixing): :mod:`~addnorm.diagnostics.doctor_designs`
 ``missing-final-norm``      error     a Pre-Norm stack with no norm between the last block and the output
+                                      (info on a vision encoder: its projector reads the stream)
 ``post-norm-deep``          warning   Post-Norm with 12 or more blocks (Xiong et al. 2020: needs warmup;
                                       Wang et al. 2022: DeepNorm) and no DeepNorm scaling found
 ``low-precision-stats``     warning   a norm whose mean/variance reduction runs in fp16/bf16 when fed half
@@ -27,8 +34,8 @@ code                        severity  what is checked
 
 This module runs the checks and adds the stack-level ones (``post-norm-deep``, ``missing-final-norm``,
 ``residual-growth``, the summary). The example run is in :mod:`~addnorm.diagnostics.doctor_walk`, the per-norm checks
-in :mod:`~addnorm.diagnostics.doctor_norms`, the per-block skip-path checks in :mod:`~addnorm.diagnostics.doctor_skip`,
-the findings and thresholds in :mod:`~addnorm.diagnostics.doctor_findings`. The command ``addnorm doctor`` (loading a
+in :mod:`~addnorm.diagnostics.doctor_norms`, the per-block skip-path checks in :mod:`~addnorm.diagnostics.doctor_skip`
+(the designs they recognise in :mod:`~addnorm.diagnostics.doctor_designs`), the findings and thresholds in :mod:`~addnorm.diagnostics.doctor_findings`. The command ``addnorm doctor`` (loading a
 user's file or a Hugging Face config) is in :mod:`addnorm.diagnostics.doctor_cli`.
 """
 

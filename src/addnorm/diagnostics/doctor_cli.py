@@ -5,8 +5,10 @@ The doctor executes the user's code by design, so it guards itself against what 
 
 - anything the target prints goes to stderr, never to stdout, which carries only the report (``--json`` stays
   parseable however chatty the factory or ``forward`` is);
-- a target that calls ``sys.exit(N)`` is a target that could not be loaded (exit 2), never a silent clean pass;
-- ``--timeout SECONDS`` bounds the whole load + check (SIGALRM: POSIX main thread only; elsewhere no limit);
+- a target that calls ``sys.exit(N)`` or ``os._exit(N)`` is a target that could not be loaded (exit 2), never a
+  silent clean pass (``os._exit`` is replaced while the target runs: it would end the process with no output);
+- ``--timeout SECONDS`` bounds the whole load + check (SIGALRM: POSIX main thread only; elsewhere no limit; at
+  most 1e9 s, beyond which the interval timer overflows);
 - Ctrl-C exits 130 with a message, like ``addnorm lab`` and ``addnorm train``.
 
 Exit status: 1 if any finding is an error, 2 if the target could not be loaded or checked, 130 on Ctrl-C, else 0.
