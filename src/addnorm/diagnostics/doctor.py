@@ -99,7 +99,7 @@ def diagnose(
         return sort_findings(findings)
     outs = [tr.block_out[i] for i in sorted(tr.block_out)]
     d_model = max({d for _, d in outs}, key=[d for _, d in outs].count) if outs else None
-    check_norms(model, tr, batch_shape(example_batch), d_model, findings, cfg)
+    check_norms(model, tr, batch_shape(example_batch), d_model, findings, cfg, image=image_input(example_batch))
     if not found or not tr.block_calls:
         return sort_findings(findings)
 

@@ -98,7 +98,8 @@ def _per_position(m: nn.Module, args: tuple, cfg: DoctorConfig, axis: int) -> bo
     return float(diff.max()) <= cfg.coupling_rtol * max(float(y0.abs().max()), 1e-6)
 
 
-def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorConfig) -> None:
+def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorConfig, *, image: bool = False) -> None:
+    """The per-norm checks on what the example run recorded; ``image``: the model reads images (a vision model)."""
     modules = dict(model.named_modules())
     features = _feature_sizes(model) | ({d_model} if d_model else set())
     seq_len = batch_shape[1] if batch_shape and len(batch_shape) >= 2 else None
@@ -131,14 +132,20 @@ def check_norms(model, tr: Trace, batch_shape, d_model, findings, cfg: DoctorCon
                     code="norm-dimension", severity="error", module=path, message=tr.shape_errors[path], fix=norm_fix
                 )
             )
-        elif is_batch_norm(m) and x.dim() != 4 and path in tr.after_projection:
+        # after a convolution anywhere; after a linear layer only in a vision model (LeViT's Linear + BatchNorm, a
+        # 1x1 convolution over patches): in a token model that is BatchNorm on a projected stream, the seeds' bug
+        elif (
+            is_batch_norm(m)
+            and x.dim() != 4
+            and (tr.after_projection.get(path) == "conv" or (image and tr.after_projection.get(path) == "linear"))
+        ):
             findings.append(
                 Finding(
                     code="channel-norm",
                     severity="info",
                     module=path,
                     message=f"{type(m).__name__} straight after a convolution or linear projection: the conv-BN unit "
-                    "of convolutional modules (LeViT, Conformer's convolution module, FastSpeech2's postnet), "
+                    "of convolutional modules (LeViT, Conformer's convolution module, FastSpeech2's postnet): "
                     "statistics per channel over batch and positions by design, folded into the projection at "
                     "inference",
                     fix="none needed; mind padding in the batch statistics when training on padded sequences",

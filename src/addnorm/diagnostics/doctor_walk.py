@@ -85,20 +85,21 @@ _VIEWS = ("view", "unsafeview", "reshape", "transpose", "permute", "t", "squeeze
 _PROJECTIONS = ("convolution", "addmm", "mm", "bmm", "linear", "matmul")
 
 
-def fed_by_projection(x: Tensor) -> bool:
-    """``x`` is the output of a convolution or a linear layer, up to reshapes (read from its autograd node): the
-    conv-BN unit of CNNs, where a BatchNorm is folded into the projection before it at inference."""
+def fed_by_projection(x: Tensor) -> str | None:
+    """ "conv" or "linear" when ``x`` is the output of a convolution or a linear layer, up to reshapes (read from its
+    autograd node; None without one): the conv-BN unit of CNNs, whose BatchNorm folds into the projection at
+    inference."""
     fn = x.grad_fn
     for _ in range(8):
         if fn is None:
-            return False
+            return None
         op = type(fn).__name__.lower().split("backward")[0]
         if op in _PROJECTIONS:
-            return True
+            return "conv" if op == "convolution" else "linear"
         if op not in _VIEWS or not fn.next_functions:
-            return False
+            return None
         fn = fn.next_functions[0][0]
-    return False
+    return None
 
 
 def batch_shape(batch: Any) -> tuple[int, ...] | None:
@@ -121,7 +122,7 @@ class Trace:
     norm_calls: dict = field(default_factory=dict)  # norm path -> (args, order) of its first call
     norm_last: dict = field(default_factory=dict)  # norm path -> order of its last call (one module may run twice)
     shape_errors: dict = field(default_factory=dict)  # norm path -> message
-    after_projection: set = field(default_factory=set)  # norm paths whose input came straight from a conv/linear
+    after_projection: dict = field(default_factory=dict)  # norm path -> "conv" | "linear" that fed it straight
 
 
 def run_example(model: nn.Module, batch: Any, blocks: list, findings: list[Finding]) -> Trace:
@@ -153,8 +154,9 @@ def run_example(model: nn.Module, batch: Any, blocks: list, findings: list[Findi
             if path not in tr.norm_calls:
                 tr.norm_calls[path] = (_detach(args), tr.order)
             tr.norm_last[path] = tr.order
-            if args and isinstance(args[0], Tensor) and fed_by_projection(args[0]):
-                tr.after_projection.add(path)
+            fed = fed_by_projection(args[0]) if args and isinstance(args[0], Tensor) else None
+            if fed is not None:
+                tr.after_projection[path] = fed
             shape = getattr(module, "normalized_shape", None)
             x = args[0] if args and isinstance(args[0], Tensor) else None
             if shape is not None and x is not None and not is_batch_norm(module):
