@@ -78,7 +78,7 @@ def _build(transformers, model_type: str, dtype=torch.float32):
 
 def _main_output(out) -> torch.Tensor:
     """What the model returns first: logits, else last_hidden_state, else its first tensor."""
-    from addnorm.diagnostics.monitor import first_tensor
+    from addnorm.diagnostics.blocks import first_tensor
 
     for name in ("logits", "last_hidden_state"):
         value = getattr(out, name, None)

@@ -18,13 +18,13 @@ import importlib
 
 _LAZY = {
     "Monitor": "addnorm.diagnostics.monitor",
-    "find_blocks": "addnorm.diagnostics.monitor",
+    "find_blocks": "addnorm.diagnostics.blocks",
     "layer_series": "addnorm.diagnostics.monitor",
     "SpikeDetector": "addnorm.diagnostics.anomaly",
     "NonFiniteSentinel": "addnorm.diagnostics.anomaly",
     "Jump": "addnorm.diagnostics.anomaly",
     "localize_jump": "addnorm.diagnostics.anomaly",
-    "Finding": "addnorm.diagnostics.doctor",
+    "Finding": "addnorm.diagnostics.doctor_findings",
     "diagnose": "addnorm.diagnostics.doctor",
 }
 

@@ -5,8 +5,10 @@ The doctor executes the user's code by design, so it guards itself against what 
 
 - anything the target prints goes to stderr, never to stdout, which carries only the report (``--json`` stays
   parseable however chatty the factory or ``forward`` is);
-- a target that calls ``sys.exit(N)`` is a target that could not be loaded (exit 2), never a silent clean pass;
-- ``--timeout SECONDS`` bounds the whole load + check (SIGALRM: POSIX main thread only; elsewhere no limit);
+- a target that calls ``sys.exit(N)`` or ``os._exit(N)`` is a target that could not be loaded (exit 2), never a
+  silent clean pass (``os._exit`` is replaced while the target runs: it would end the process with no output);
+- ``--timeout SECONDS`` bounds the whole load + check (SIGALRM: POSIX main thread only; elsewhere no limit; at
+  most 1e9 s, beyond which the interval timer overflows);
 - Ctrl-C exits 130 with a message, like ``addnorm lab`` and ``addnorm train``.
 
 Exit status: 1 if any finding is an error, 2 if the target could not be loaded or checked, 130 on Ctrl-C, else 0.
@@ -30,6 +32,7 @@ from addnorm._limits import time_limit
 
 __all__ = ["TargetError", "DoctorTimeout", "load_target", "build_hf_model", "register", "main"]
 
+MAX_TIMEOUT_S = 1e9  # about 31 years; setitimer raises OverflowError from 1e10 s
 DEFAULT_TIMEOUT_S = 600.0  # generous: building a random-init model from a large --hf-config takes minutes on a CPU
 
 
@@ -43,8 +46,33 @@ class DoctorTimeout(BaseException):
     in user code) cannot swallow it."""
 
 
+class _HardExit(SystemExit):
+    """What ``os._exit(n)`` raises while the doctor runs the target: it would end the process at once, with no
+    output and the target's status (0 reads as a clean pass)."""
+
+
 def _exit_text(e: SystemExit) -> str:
+    if isinstance(e, _HardExit):
+        return f"os._exit({e.code!r})"
     return f"sys.exit({e.code!r})" if e.code is not None else "sys.exit()"
+
+
+@contextlib.contextmanager
+def _no_hard_exit():
+    """Turn ``os._exit`` into a catchable exit while the target runs in this process. A forked child (a DataLoader
+    worker, multiprocessing) still exits for real: os._exit is how such children end."""
+    real, pid = os._exit, os.getpid()
+
+    def hard_exit(status: int = 0) -> None:
+        if os.getpid() != pid:
+            real(status)
+        raise _HardExit(status)
+
+    os._exit = hard_exit
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 # ---- loading targets ----------------------------------------------------------------------------------------------
@@ -63,7 +91,9 @@ def load_target(target: str) -> tuple[Any, Any]:
     if spec is None or spec.loader is None:
         raise TargetError(f"cannot import {path_str} as a Python module")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
+    # resolved once: a module that calls os.chdir at import would make a relative path resolve elsewhere afterwards
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)  # so the file can import its neighbours
     try:
         spec.loader.exec_module(module)
     except SystemExit as e:
@@ -71,7 +101,8 @@ def load_target(target: str) -> tuple[Any, Any]:
     except Exception as e:  # noqa: BLE001
         raise TargetError(f"importing {path_str} failed: {type(e).__name__}: {e}") from e
     finally:
-        sys.path.remove(str(path.resolve().parent))
+        if folder in sys.path:  # the module may have edited sys.path itself
+            sys.path.remove(folder)
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise TargetError(f"{path_str} has no attribute {factory_name!r}")
@@ -106,8 +137,14 @@ def _check_model_type(model_type: str, where: str) -> None:
     raise TargetError(f"--hf-config: {where} has model_type {model_type!r}, which transformers does not know; {hint}")
 
 
-def _short(e: Exception, limit: int = 300) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+def _short(e: Exception, limit: int = 500) -> str:
+    """One line: the whole message (transformers' validation errors put the cause on their second line), and the
+    chained cause when the message does not already say it."""
+    text = " ".join(str(e).split())
+    cause = e.__cause__ or e.__context__
+    cause_text = " ".join(str(cause).split()) if cause is not None else ""
+    if cause_text and cause_text not in text:
+        text += f" (caused by {type(cause).__name__}: {cause_text})"
     return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
 
 
@@ -205,7 +242,7 @@ def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
     """(findings, title); runs the user's code with its output sent to stderr."""
     from addnorm.diagnostics.doctor import diagnose
 
-    with _stdout_to_stderr():  # stdout carries only the report
+    with _stdout_to_stderr(), _no_hard_exit():  # stdout carries only the report
         if args.hf_config and args.target:
             raise TargetError("give either TARGET or --hf-config, not both")
         if args.hf_config:
@@ -235,7 +272,7 @@ class _CheckFailed(Exception):
 # ---- CLI ------------------------------------------------------------------------------------------------------------
 def _print_human(findings: list, title: str) -> None:
     """Findings grouped by severity; the same finding in several modules (every layer, usually) printed once."""
-    from addnorm.diagnostics.doctor import SEVERITIES
+    from addnorm.diagnostics.doctor_findings import SEVERITIES
 
     print(f"addnorm doctor: {title}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
@@ -305,6 +342,8 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0 (0: no limit), got {text!r}")
+    if value > MAX_TIMEOUT_S:  # the interval timer overflows above about 1e10 s on a 64-bit time_t
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:g} seconds (0: no limit), got {text!r}")
     return value
 
 

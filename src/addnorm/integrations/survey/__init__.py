@@ -144,7 +144,7 @@ def analyse(model, batch) -> dict[str, Any]:
 
 
 def _outputs(model, batch) -> torch.Tensor | None:
-    from addnorm.diagnostics.monitor import first_tensor
+    from addnorm.diagnostics.blocks import first_tensor
 
     torch.manual_seed(0)  # models that draw random numbers in forward (ViT-MAE's masking, VITS) draw the same ones
     with torch.no_grad():

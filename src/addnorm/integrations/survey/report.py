@@ -36,6 +36,23 @@ def _timed_out(row: dict) -> bool:
     return str(row.get("doctor_error", "")).startswith("_Timeout")
 
 
+_DOCTOR_KINDS = (("error", "error"), ("warning", "warning"), ("info", "note"))
+
+
+def _doctor_cell(findings: list[dict]) -> str:
+    """How many errors, warnings and notes, each with its codes: "1 warning (residual-growth); 2 notes
+    (skip-path-design x2)", or "-" for none. Notes are the recognised designs and checks left out, said apart
+    from the errors so that a released model's deliberate design does not read as a bug."""
+    parts = []
+    for severity, word in _DOCTOR_KINDS:
+        codes = Counter(f["code"] for f in findings if f["severity"] == severity)
+        n = sum(codes.values())
+        if n:
+            listed = ", ".join(f"{c}" + (f" x{k}" if k > 1 else "") for c, k in sorted(codes.items()))
+            parts.append(f"{n} {word}{'s' if n > 1 else ''} ({listed})")
+    return "; ".join(parts) or "-"
+
+
 def _cell(row: dict, key: str) -> str:
     value = row.get(key)
     if key == "doctor":
@@ -43,8 +60,7 @@ def _cell(row: dict, key: str) -> str:
             return "timed out" if _timed_out(row) else "crashed"
         if value is None:
             return ""
-        codes = Counter(f["code"] for f in value if f["severity"] in ("error", "warning"))
-        return ", ".join(f"{c}" + (f" x{n}" if n > 1 else "") for c, n in sorted(codes.items())) or "-"
+        return _doctor_cell(value)
     if key == "status" and row.get("status") == "skipped":
         return f"skipped: {row.get('reason', '')}"
     if key == "hf_apply" and row.get("hf_apply") == "fused":
@@ -66,6 +82,7 @@ def summary(result: dict) -> dict[str, Any]:
     dec = [r for r in ok if r.get("role") == "decoder"]
     count = lambda rs, k: dict(Counter(str(r.get(k)) for r in rs).most_common())  # noqa: E731
     findings = Counter(f["code"] for r in ok for f in r.get("doctor") or [] if f["severity"] in ("error", "warning"))
+    notes = Counter(f["code"] for r in ok for f in r.get("doctor") or [] if f["severity"] == "info")
     return {
         "architectures": len(rows),
         "analysed": len(ok),
@@ -78,6 +95,10 @@ def summary(result: dict) -> dict[str, Any]:
         "hf_apply": count(ok, "hf_apply"),
         "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
         "doctor_findings": dict(findings.most_common()),
+        "doctor_notes": dict(notes.most_common()),
+        "doctor_errors": sorted(
+            r["model_type"] for r in ok if any(f["severity"] == "error" for f in r.get("doctor") or [])
+        ),
         "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error") and not _timed_out(r)),
         "doctor_timeouts": sorted(r["model_type"] for r in ok if _timed_out(r)),
     }
@@ -102,6 +123,8 @@ def summary_markdown(result: dict) -> str:
         f"| all analysed: placement | {_counts_md(s['all_placement'])} |",
         f"| hf.apply | {_counts_md(s['hf_apply'])} |",
         f"| doctor findings (errors, warnings) | {_counts_md(s['doctor_findings'])} |",
+        f"| doctor notes (recognised designs, checks left out) | {_counts_md(s['doctor_notes'])} |",
+        f"| doctor errors on | {', '.join(s['doctor_errors']) or 'none'} |",
         "",
         f"Fused by hf.apply ({len(s['fused_families'])}): {', '.join(s['fused_families'])}.",
     ]

@@ -150,7 +150,7 @@ class Norms:
 
 
 def find_norms(model: nn.Module) -> Norms:
-    from addnorm.diagnostics.monitor import is_norm_module
+    from addnorm.diagnostics.blocks import is_norm_module
 
     info, modules = {}, {}
     for path, m in model.named_modules():
