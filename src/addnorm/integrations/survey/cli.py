@@ -41,7 +41,7 @@ each residual add; `src/addnorm/integrations/survey/trace.py`), not from class o
 - `hf_apply`: `fused` (the layer classes whose residual add + norm `hf.apply` fuses), `norms` (norms swapped only),
   `unsupported`; in every case the patched model's output was compared with the unpatched one (a difference would
   read `mismatch`).
-- `doctor`: the errors and warnings `addnorm doctor` reports on the same tiny model.
+- `doctor`: the errors, warnings and notes `addnorm doctor` reports on the same tiny model.
 
 Tiny configs have 2 layers, so depth-dependent findings (`post-norm-deep`) do not fire here; run
 `addnorm doctor --hf-config` on a real config for those.
