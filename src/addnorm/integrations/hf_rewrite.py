@@ -34,6 +34,7 @@ import types
 
 from torch import Tensor, nn
 
+from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
 
@@ -53,6 +54,9 @@ def _fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
     )
 
 
+_PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what norm_add's arguments describe
+
+
 def add_norm(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``: one fused call where :func:`_fusable`, else the add and the norm as written."""
     if _fusable(norm, a, b):
@@ -66,7 +70,8 @@ def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
     the weight shares y's dtype: HF's ``weight * x`` would promote), else as written."""
     w = getattr(norm, "weight", None)
     if (
-        _fusable(norm, y, a)
+        type(norm) in _PLAIN_NORMS  # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1)
+        and _fusable(norm, y, a)
         and len(norm.normalized_shape) == 1
         and (w is None or w.dtype == y.dtype)
         and getattr(norm, "residual_dtype", None) is None
