@@ -38,7 +38,16 @@ from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
 
-__all__ = ["RewriteResult", "add_norm", "norm_add", "norm_attributes", "rewrite_forward"]
+__all__ = [
+    "RewriteResult",
+    "add_norm",
+    "fused_runs",
+    "is_rewritten",
+    "norm_add",
+    "norm_attributes",
+    "record_fused_layers",
+    "rewrite_forward",
+]
 
 _ADD_NORM, _NORM_ADD = "_addnorm_add_norm", "_addnorm_norm_add"
 _MAX_SPLITS = 4  # ifs duplicated per forward: each copies the rest of the block once
@@ -54,12 +63,24 @@ def _fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
     )
 
 
+# Fused calls made by rewritten forwards so far. A rewrite may fuse a branch the model never takes (GPT-NeoX's
+# use_parallel_residual=False, when its default is True): the survey and the tests count a rewritten layer as fused
+# only when this moved during its forward.
+_FUSED_RUNS = [0]
+
+
+def fused_runs() -> int:
+    """How many fused calls the rewritten forwards have made in this process (compare two readings)."""
+    return _FUSED_RUNS[0]
+
+
 _PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what norm_add's arguments describe
 
 
 def add_norm(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``: one fused call where :func:`_fusable`, else the add and the norm as written."""
     if _fusable(norm, a, b):
+        _FUSED_RUNS[0] += 1
         return norm(a, b)
     s = a + b
     return norm(s), s
@@ -76,6 +97,7 @@ def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
         and (w is None or w.dtype == y.dtype)
         and getattr(norm, "residual_dtype", None) is None
     ):
+        _FUSED_RUNS[0] += 1
         return _norm_add_op(
             y,
             a,
@@ -419,9 +441,41 @@ def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
     forward = _rewrap(chain, new_inner)
     if forward is None:
         return None
+    forward._addnorm_rewritten = True  # read by is_rewritten
     return RewriteResult(forward, tuple(dict.fromkeys(rewriter.fused)), source)
 
 
 def norm_attributes(module: nn.Module) -> set[str]:
     """Names of ``module``'s direct children that are addnorm norms (what :func:`rewrite_forward` may fuse)."""
     return {name for name, child in module.named_children() if isinstance(child, (LayerNorm, RMSNorm))}
+
+
+def is_rewritten(cls: type) -> bool:
+    """Whether ``cls`` (a fused layer class) runs a forward of this module, which fuses only on the branches where
+    the add and the norm meet (see :func:`fused_runs`)."""
+    return getattr(getattr(cls, "forward", None), "_addnorm_rewritten", False)
+
+
+def record_fused_layers(model: nn.Module) -> tuple[set[str], list]:
+    """Hooks on ``model``'s fused layers (those :func:`addnorm.integrations.hf.apply` installed) that add the
+    original class name of each one that ran with a fused call to the returned set. A template forward always
+    fuses; a rewritten one counts when :func:`fused_runs` moved during it. Returns (set, handles): remove the
+    handles when done."""
+    ran: set[str] = set()
+    start: dict[int, int] = {}
+    handles = []
+    for m in model.modules():
+        cls = type(m)
+        if not cls.__name__.startswith("AddNormFused"):
+            continue
+        name = cls.__mro__[1].__name__
+        if is_rewritten(cls):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: start.__setitem__(id(mod), fused_runs())))
+            handles.append(
+                m.register_forward_hook(
+                    lambda mod, a, o, name=name: ran.add(name) if fused_runs() > start.get(id(mod), 1 << 62) else None
+                )
+            )
+        else:
+            handles.append(m.register_forward_hook(lambda mod, a, o, name=name: ran.add(name)))
+    return ran, handles
