@@ -458,6 +458,10 @@ def test_report_json_round_trip_and_readme_blocks(tmp_path):
     assert "3 of 4 architectures analysed in about 2 minutes" in summary
     assert new.startswith("# x\n") and "\nmiddle\n" in new and new.endswith("end\n")
     assert report.update_readme(new, result) == new  # rewriting is idempotent
+    # a fused encoder is counted, not named (the README names the decoder LMs; docs/survey.md lists every one)
+    encoder = {"model_type": "e", "status": "ok", "role": "encoder", "hf_apply": "fused", "doctor": []}
+    with_encoder = " ".join(report.update_readme(readme, {**result, "models": [*result["models"], encoder]}).split())
+    assert "in 3 architectures (2 decoder LMs, 1 encoders" in with_encoder and "`e`" not in with_encoder
     with pytest.raises(ValueError, match="no '<!-- survey:summary -->'"):
         report.update_readme(readme.split("middle")[0], result)
 
