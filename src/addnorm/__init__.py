@@ -33,6 +33,7 @@ _LAZY = {
     "rms_norm": "addnorm.ops",
     "add_norm_multi": "addnorm.ops",
     "add_norm_linear": "addnorm.ops",
+    "norm_add": "addnorm.ops",
     "available_backends": "addnorm.ops",
     "BackendUnavailableError": "addnorm.ops",
 }

@@ -72,6 +72,12 @@ def _build(transformers, model_type: str, dtype=torch.float32):
         generates = auto is not None and "input_ids" in batch
         torch.manual_seed(0)
         model = (auto if generates else transformers.AutoModel).from_config(config).eval()
+        fused = set(ROWS.get(model_type, {}).get("hf_fused_layers", []))
+        if generates and fused and not fused & {type(m).__name__ for m in model.modules()}:
+            # the generation head holds none of the layers the survey fused in the base model (ProphetNet's causal
+            # LM is its decoder alone; the survey fused its encoder): check the base model's output instead
+            torch.manual_seed(0)
+            model, generates = transformers.AutoModel.from_config(config).eval(), False
     randomize_norms(model)
     return model.to(dtype), batch, generates
 
@@ -106,23 +112,28 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
 
 
-# Families whose generation head fails on the unpatched tiny model, with transformers' error: generate() is not
-# compared for them (their output still is). Each must still fail unpatched (else the entry is stale and the test
-# says so), and the list is held short, so skipping cannot grow silently.
+# Families whose generation head fails on the unpatched tiny model, with transformers' error: their tokens are not
+# compared (their output still is, and the patched generate() must fail with the same error). Each must still fail
+# unpatched (else the entry is stale and the test says so), and the list is held short, so skipping cannot grow
+# silently. The hybrid linear-attention models came in with hf_rewrite (their layers fuse since).
+_LINEAR_CACHE = "transformers' cache of a linear-attention layer has no get_seq_length on the tiny config"
 GENERATE_FAILS_UNPATCHED = {
     "qwen3_omni_moe_thinker": "the thinker config has no vision_start_token_id, which its generate() reads",
+    "jamba": _LINEAR_CACHE,
+    "qwen3_5_moe_text": _LINEAR_CACHE,
+    "qwen3_5_text": _LINEAR_CACHE,
+    "qwen3_next": _LINEAR_CACHE,
+    "recurrent_gemma": _LINEAR_CACHE,
+    "rwkv": "its generate() sizes a state by the published width (4096), not the tiny config's",
 }
-MAX_GENERATE_SKIPS = 3
+MAX_GENERATE_SKIPS = 8
 
 
-def _fused_calls(model) -> list[str]:
-    """Records the class of each fused layer of ``model`` that runs (hooks; the caller removes them)."""
-    ran: list[str] = []
-    model._addnorm_test_hooks = [
-        m.register_forward_hook(lambda mod, a, o: ran.append(type(mod).__name__))
-        for m in model.modules()
-        if type(m).__name__.startswith("AddNormFused")
-    ]
+def _fused_calls(model) -> set[str]:
+    """Records the class of each fused layer of ``model`` that makes a fused call (hooks, kept on the model)."""
+    from addnorm.integrations.hf_rewrite import record_fused_layers
+
+    ran, model._addnorm_test_hooks = record_fused_layers(model)
     return ran
 
 
@@ -134,12 +145,13 @@ def test_fused_family_output_and_generate_unchanged(transformers, model_type):
 
     model, batch, generates = _build(transformers, model_type)
     ref = _forward(model, batch)
-    ref_tokens = None
+    ref_tokens = ref_failure = None
     if generates:
         try:
             ref_tokens = _generate(model, batch)
         except Exception as e:  # noqa: BLE001 - transformers' own generate() on the tiny config
             assert model_type in GENERATE_FAILS_UNPATCHED, f"{model_type}: unpatched generate() fails: {e!r}"
+            ref_failure = e
         else:
             assert model_type not in GENERATE_FAILS_UNPATCHED, f"{model_type} generates now: drop its entry"
     with warnings.catch_warnings():
@@ -148,7 +160,7 @@ def test_fused_family_output_and_generate_unchanged(transformers, model_type):
     assert hf.apply_status(model) == "fused", f"{model_type}: no layer fused (the survey fused it)"
     ran = _fused_calls(model)
     err = _rel_err(_forward(model, batch), ref)
-    assert ran, f"{model_type}: no fused layer ran in the forward"
+    assert ran, f"{model_type}: no fused layer made a fused call in the forward"
     assert err <= 1e-5, f"{model_type}: fp32 output differs by {err:.3g} of its scale"
     if ref_tokens is not None:
         tokens = _generate(model, batch)
@@ -156,7 +168,9 @@ def test_fused_family_output_and_generate_unchanged(transformers, model_type):
         assert tokens.shape[1] == prompt + NEW_TOKENS
         assert torch.equal(tokens, ref_tokens), f"{model_type}: generate() gives other tokens"
     elif generates:
-        pytest.skip(f"output checked; generate() not compared: {GENERATE_FAILS_UNPATCHED[model_type]}")
+        with pytest.raises(type(ref_failure)) as failure:  # apply changes nothing about how it fails
+            _generate(model, batch)
+        assert str(failure.value) == str(ref_failure)
 
 
 # One family per distinct structure the survey measured (norm, placement, zero-centred weight, bias, residual
@@ -182,58 +196,90 @@ def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("model_type", STRUCTURES)
 def test_bf16_output_per_structure(transformers, model_type, monkeypatch):
     """The README's bf16 claim beyond the hand-sized FAMILIES, with the torch backend and every weight in bf16 (input
-    and weight share a dtype): RMSNorm families bitwise equal; LayerNorm families within one bf16 ulp of the
-    output's largest magnitude (addnorm sums LayerNorm's fp32 statistics in another order than torch's kernel).
-    Two seeds of the norms' weights."""
+    and weight share a dtype): RMSNorm families bitwise equal. LayerNorm families (and those whose norm the survey
+    did not name): the fused output bitwise equal to ``fuse_residual=False``'s (the fused add costs no bit), and
+    that within LN_ULPS bf16 ulps of the output's largest magnitude (addnorm sums LayerNorm's fp32 statistics in
+    another order than torch's kernel; GPT-2 and BERT stay within one, test_hf_integration checks them). A family
+    whose unpatched model does not run in bf16 must fail the same way patched. Two seeds of the norms' weights."""
     from addnorm.integrations import hf
 
     monkeypatch.setenv("ADDNORM_BACKEND", "torch")
     model, batch, _ = _build(transformers, model_type, torch.bfloat16)
     batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
-    layer_norm = "layernorm" in str(ROWS[model_type].get("norm"))
+    rms = ROWS[model_type].get("norm") == "rmsnorm"
     for seed in (1, 2):
         randomize_norms(model, seed)
         model.to(torch.bfloat16)
-        ref = _forward(model, batch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hf.apply(model)
-        got = _forward(model, batch)
-        hf.revert(model)
+        try:
+            ref = _forward(model, batch)
+        except Exception as e:  # noqa: BLE001 - the family itself in bf16 (FastSpeech2-Conformer: fp32 internals)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf.apply(model)
+            with pytest.raises(type(e)):
+                _forward(model, batch)
+            return
+        outputs = {}
+        for fuse in (False, True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf.apply(model, fuse_residual=fuse)
+            outputs[fuse] = _forward(model, batch)
+            hf.revert(model)
+        got = outputs[True]
         assert got.dtype == ref.dtype == torch.bfloat16
-        if layer_norm:
-            assert _bf16_ulps(got, ref) <= 1.0, f"{model_type} seed {seed}: {_bf16_ulps(got, ref):.3g} ulps"
-        else:
+        if rms:
             assert torch.equal(got, ref), f"{model_type} seed {seed}: {_bf16_ulps(got, ref):.3g} ulps"
+        else:
+            assert torch.equal(got, outputs[False]), f"{model_type} seed {seed}: the fused add changed bits"
+            assert _bf16_ulps(got, ref) <= LN_ULPS, f"{model_type} seed {seed}: {_bf16_ulps(got, ref):.3g} ulps"
 
 
-def _grads(model, batch, probe: torch.Tensor) -> tuple[torch.Tensor, dict]:
+# Vision towers with many LayerNorms in a row (Hiera, PVT v2) amplify the one-ulp statistics difference of each
+# norm to ~3 ulps at the output, with the norms swapped alone (fuse_residual=False) as much as fused.
+LN_ULPS = 4.0
+
+
+def _grads(model, batch, probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(3)  # train mode: dropout draws the same numbers in both runs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = _main_output(model(**batch))
-    loss = (out.float() * probe).sum()  # a fixed random direction: every output element carries gradient
+    terms = out.float() * probe  # a fixed random direction: every output element carries gradient
+    loss = terms.sum()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the loss cancels terms of either sign; its rounding error follows their total magnitude, kept as its scale
+    scale = terms.detach().abs().sum()
+    return loss.detach(), scale, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("model_type", STRUCTURES)
 def test_training_step_gradients_per_structure(transformers, model_type):
-    """One backward in train mode: loss within 1e-5, each parameter's gradient within 1e-5 of its own scale (the
+    """One backward in train mode: loss within 1e-5 (see below), each parameter's gradient within 1e-5 of its own scale (the
     scale floored at 1e-4 of the largest gradient: a gradient that is zero in exact arithmetic holds only rounding
     noise, which another order of summation changes completely)."""
     from addnorm.integrations import hf
 
     model, batch, _ = _build(transformers, model_type)
     model.train()
-    probe = torch.randn(_forward(model, batch).shape, generator=torch.Generator().manual_seed(4))
-    loss_ref, ref = _grads(model, batch, probe)
+    try:
+        probe = torch.randn(_forward(model, batch).shape, generator=torch.Generator().manual_seed(4))
+    except Exception as e:  # noqa: BLE001 - the family itself in train mode (FastSpeech2-Conformer wants labels)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf.apply(model)
+        with pytest.raises(type(e)):
+            _forward(model, batch)
+        return
+    loss_ref, scale, ref = _grads(model, batch, probe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf.apply(model)
-    loss, got = _grads(model, batch, probe)
-    assert abs(loss.item() - loss_ref.item()) <= 1e-5 * max(abs(loss_ref.item()), 1.0)
+    loss, _, got = _grads(model, batch, probe)
+    # within 1e-5 of the loss, or 1e-7 of the terms' total magnitude (about one fp32 ulp of it: PVT v2's loss of 5.2
+    # sums terms of magnitude 8e3, and swapping its norms alone moves it by 7e-5)
+    assert abs(loss.item() - loss_ref.item()) <= max(1e-5 * max(abs(loss_ref.item()), 1.0), 1e-7 * scale.item())
     assert got.keys() == ref.keys() and ref
     floor = 1e-4 * max(g.abs().max().item() for g in ref.values())
     for name, g in ref.items():
@@ -292,4 +338,35 @@ def test_readme_lists_the_survey_fused_families():
         "`addnorm survey --from docs/survey.json --readme README.md`"
     )
     block = text.split("<!-- survey:hf-fused -->")[1].split("<!-- /survey:hf-fused -->")[0]
-    assert all(f"`{t}`" in block for t in ROWS if ROWS[t]["hf_apply"] == "fused")
+    decoders = report.readme_fused_decoders(SURVEY)
+    assert decoders and set(decoders) <= {t for t in ROWS if ROWS[t]["hf_apply"] == "fused"}
+    assert all(f"`{t}`" in block for t in decoders)
+
+
+# The families issue 25 found with their norms swapped but no add fused. Fused since by hf_rewrite (their own
+# forwards rewritten), addnorm.norm_add (the branch-output ones) and OnePlusWeightLayerNorm (Nemotron); each is in
+# ROWS, so the per-family test above checks its output and generate(). Not here, with the reason in docs/hf.md:
+# BLOOM, Phi, Cohere, Cohere2 and GPT-NeoX's default parallel layer (no add next to a norm inside the layer).
+ISSUE_25_FUSED = (
+    "biogpt",
+    "doge",
+    "exaone4",
+    "gpt_bigcode",
+    "granitemoeshared",
+    "jetmoe",
+    "minimax",
+    "mpt",
+    "nemotron",
+    "olmo2",
+    "olmo3",
+    "opt",
+    "persimmon",
+    "stablelm",
+    "xglm",
+)
+
+
+def test_the_families_issue_25_listed_unfused_are_fused():
+    rows = {r["model_type"]: r for r in SURVEY["models"]}
+    not_fused = {t: rows.get(t, {}).get("hf_apply", rows.get(t, {}).get("status")) for t in ISSUE_25_FUSED}
+    assert {t: v for t, v in not_fused.items() if v != "fused"} == {}

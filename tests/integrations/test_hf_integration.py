@@ -253,11 +253,13 @@ def test_gpt2_cross_attention_fuses_both_norms(monkeypatch):
 
 def test_layers_that_match_no_structure_are_left_alone(monkeypatch):
     """apply fuses only layers whose forward matches a template; with none matching (as with a transformers version
-    that rewrote its layers) the layers keep HF's forward, with a warning, and the model computes what it did."""
-    from addnorm.integrations import layer_match
+    that rewrote its layers, and no add next to a norm that hf_rewrite can rewrite) the layers keep HF's forward,
+    with a warning, and the model computes what it did."""
+    from addnorm.integrations import hf_rewrite, layer_match
 
     monkeypatch.setattr(layer_match, "_TEMPLATE_CANON", {})
     monkeypatch.setattr(layer_match, "_CACHE", {})
+    monkeypatch.setattr(hf_rewrite, "rewrite_forward", lambda cls, norms: None)
     model = _model("llama")
     ids = _ids()
     ref = _logits(model, ids)
@@ -266,6 +268,35 @@ def test_layers_that_match_no_structure_are_left_alone(monkeypatch):
     assert not any(type(m).__name__.startswith("AddNormFused") for m in model.modules())
     assert isinstance(model.model.norm, hf.CastBeforeWeightRMSNorm)  # the norms are still swapped
     _assert_rel(_logits(model, ids), ref, 1e-5, "unfused llama")
+
+
+def test_without_templates_the_rewritten_forward_fuses_llama(monkeypatch):
+    """hf_rewrite alone (the templates switched off) fuses Llama's layer from its own source: the same logits bit
+    for bit in fp32, one fused call per layer, generate() the same tokens."""
+    from addnorm.integrations import hf_rewrite, layer_match
+
+    monkeypatch.setattr(layer_match, "_TEMPLATE_CANON", {})
+    monkeypatch.setattr(layer_match, "_CACHE", {})
+    monkeypatch.setattr(hf, "_FUSED_CLASSES", {})  # a class fused by a template earlier in the session
+    # and the name the fused class is pickled under, given back to the template's class afterwards
+    monkeypatch.setattr(hf, "AddNormFusedLlamaDecoderLayer", None, raising=False)
+    model = _model("llama")
+    ids = _ids()
+    ref = _logits(model, ids)
+    ref_tokens = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.apply(model)
+    layer = model.model.layers[0]
+    assert hf_rewrite.is_rewritten(type(layer)) and type(layer)._addnorm_roles == {
+        "post_attention_layernorm": "post_attention_layernorm"
+    }
+    before = hf_rewrite.fused_runs()
+    got = _logits(model, ids)
+    assert hf_rewrite.fused_runs() - before == LAYERS
+    assert torch.equal(got, ref)
+    tokens = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(tokens, ref_tokens)
+    hf.revert(model)
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
 
 
 def test_norms_addnorm_does_not_reproduce_are_left_alone(monkeypatch):

@@ -286,16 +286,21 @@ PINNED = [
         dict(norm="rmsnorm", placement="sandwich", zero_centered_weight=True, final_norm=True, hf_apply="fused"),
     ),
     # post_attention_layernorm on the attention output before "residual + hidden_states"; (1.0 + self.weight.float())
-    ("olmo2", {}, dict(norm="rmsnorm", placement="branch-output", qk_norm=True, final_norm=True, hf_apply="norms")),
+    ("olmo2", {}, dict(norm="rmsnorm", placement="branch-output", qk_norm=True, final_norm=True, hf_apply="fused")),
     # hidden_states = self.post_attention_layernorm(self_attn(...)); residual + hidden_states; q_norm/k_norm
+    # (fused by hf_rewrite as one addnorm.norm_add call)
     ("olmo", {}, dict(norm="layernorm", placement="pre", eps=1e-5, bias=False, hf_apply="fused")),
     # OlmoLayerNorm: F.layer_norm(..., None, None, eps=1e-5): no weight, no bias, eps a literal
     ("cohere", {}, dict(norm="layernorm", placement="parallel", bias=False, hf_apply="norms")),
     # hidden_states = residual + hidden_states_attention + hidden_states_mlp (both read input_layernorm)
     ("gptj", {}, dict(norm="layernorm", placement="parallel", bias=True)),
     # hidden_states = attn_output + feed_forward_hidden_states + residual
-    ("gpt_neox", {"use_parallel_residual": True}, dict(placement="parallel")),
-    ("gpt_neox", {"use_parallel_residual": False}, dict(placement="pre")),
+    (
+        "gpt_neox",
+        {"use_parallel_residual": True},
+        dict(placement="parallel", hf_apply="norms", hf_fused_not_run=["GPTNeoXLayer"]),
+    ),
+    ("gpt_neox", {"use_parallel_residual": False}, dict(placement="pre", hf_apply="fused")),
     # if self.use_parallel_residual: mlp_output + attn_output + hidden_states, else attn_output + hidden_states ...
     ("granite", {"residual_multiplier": 0.25}, dict(placement="pre", residual_scale="branch*0.25", hf_apply="fused")),
     # hidden_states = residual + hidden_states * self.residual_multiplier
@@ -304,6 +309,11 @@ PINNED = [
     ("t5", {}, dict(norm="rmsnorm", placement="pre", eps=1e-6, bias=False, role="encoder-decoder", final_norm=True)),
     # T5LayerFF: forwarded_states = self.layer_norm(hidden_states); hidden_states + self.dropout(forwarded)
     ("mixtral", {}, dict(norm="rmsnorm", placement="pre", hf_apply="fused")),
+    ("opt", {}, dict(norm="layernorm", placement="pre", bias=True, hf_apply="fused")),
+    ("opt", {"do_layer_norm_before": False}, dict(norm="layernorm", hf_apply="fused")),  # OPT-350m's post-norm
+    # residual + hidden_states; if not self.do_layer_norm_before: norm; reshape(-1, size(-1)); residual = ...; norm
+    ("nemotron", {}, dict(norm="layernorm", zero_centered_weight=True, bias=True, hf_apply="fused")),
+    # NemotronLayerNorm1P: F.layer_norm(x, ..., self.weight + 1.0, self.bias, eps)
     ("phi", {}, dict(norm="layernorm", placement="parallel", bias=True)),
     # hidden_states = attn_outputs + feed_forward_hidden_states + residual
     ("modernbert", {}, dict(norm="layernorm", placement="mixed", sublayers=["none", "pre"], final_norm=True)),
@@ -448,6 +458,10 @@ def test_report_json_round_trip_and_readme_blocks(tmp_path):
     assert "3 of 4 architectures analysed in about 2 minutes" in summary
     assert new.startswith("# x\n") and "\nmiddle\n" in new and new.endswith("end\n")
     assert report.update_readme(new, result) == new  # rewriting is idempotent
+    # a fused encoder is counted, not named (the README names the decoder LMs; docs/survey.md lists every one)
+    encoder = {"model_type": "e", "status": "ok", "role": "encoder", "hf_apply": "fused", "doctor": []}
+    with_encoder = " ".join(report.update_readme(readme, {**result, "models": [*result["models"], encoder]}).split())
+    assert "in 3 architectures (2 decoder LMs, 1 encoders" in with_encoder and "`e`" not in with_encoder
     with pytest.raises(ValueError, match="no '<!-- survey:summary -->'"):
         report.update_readme(readme.split("middle")[0], result)
 

@@ -12,6 +12,7 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
     Llama, Mistral, Qwen, T5, ...   y = weight * to(x.dtype)(x * rstd)           rstd in fp32; cast BEFORE the weight
     Gemma, Gemma2, Gemma3, ...      y = to(x.dtype)(x * rstd * (1 + weight))     all in fp32, one rounding
     nn.LayerNorm, OLMo, Cohere ...  y = to(x.dtype)((x - mean) * rstd * w + b)   all in fp32, one rounding
+    Nemotron (LayerNorm1P)          the same with w = (weight + 1) formed in the weight's dtype (hf_norms)
 
   These are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
   value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma.
@@ -31,6 +32,9 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
     sandwich     x + N2(attn(N1(x))), then N3: the attention add fused with N3 (Gemma2, Gemma3)
     post-output  N(dropout(dense(h)) + x) (BERT and the many families that copy its output sublayers)
     GPT-2 block  ln_2 (and ln_cross_attn) fused with the add before it (matched by its source lines)
+    rewritten    any other forward with an add next to a norm: its own source with that add and norm made one
+                 call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
+                 (:mod:`addnorm.integrations.hf_rewrite`)
 
 The add that ends each layer stays a plain add: fusing it with the next layer's input norm would change what the
 layers pass each other, which generation, hooks and hidden-state outputs rely on. The new forward keeps the
@@ -180,7 +184,7 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
         if not patch.classes:
             warnings.warn(
                 f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
-                "sandwich, post-output, GPT-2 block); its norms were swapped, its adds left as they are",
+                "sandwich, post-output, GPT-2 block, an add next to a norm); its norms were swapped, its adds left as they are",
                 stacklevel=2,
             )
 

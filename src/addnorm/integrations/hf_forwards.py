@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from addnorm.integrations import layer_match
+from addnorm.integrations import hf_rewrite, layer_match
 
 __all__ = ["LayerRule", "Signature", "from_transformers", "layer_rule"]
 
@@ -197,4 +197,8 @@ def layer_rule(module: nn.Module) -> tuple[LayerRule, dict[str, str]] | None:
     if _is_gpt2_block(cls):
         cross = {"norm_cross": "ln_cross_attn"} if hasattr(module, "ln_cross_attn") else {}
         return LayerRule(_gpt2_forward, ("norm2",) + tuple(cross)), {**_GPT2_ROLES, **cross}
+    # any other forward with a residual add next to a norm: its own source rewritten (hf_rewrite)
+    rewritten = hf_rewrite.rewrite_forward(cls, hf_rewrite.norm_attributes(module))
+    if rewritten is not None:
+        return LayerRule(rewritten.forward, rewritten.fused), {attr: attr for attr in rewritten.fused}
     return None

@@ -7,11 +7,12 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
-from addnorm.ops.add_norm import add_rms_norm
+from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 
 __all__ = [
     "CastBeforeWeightRMSNorm",
     "HFRMSNorm",
+    "OnePlusWeightLayerNorm",
     "cast_before_weight_norm",
     "layer_norm_like",
     "rms_eps",
@@ -58,6 +59,17 @@ class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
 
 class HFRMSNorm(_VarianceEpsilonAlias, RMSNorm):
     """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
+
+
+class OnePlusWeightLayerNorm(LayerNorm):
+    """LayerNorm scaling by ``1 + weight``, the gain formed as Nemotron's LayerNorm1P forms it: ``weight + 1`` in the
+    weight's dtype, then a plain LayerNorm. (``zero_centered_weight`` adds the 1 in fp32, which in bf16 is another
+    gain: 1 + w rounded to bf16 keeps 8 bits.) ``forward(x, residual)`` fuses the residual add; the ``+ 1`` is one
+    extra op on the weight vector per call."""
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        w = None if self.weight is None else self.weight + 1.0
+        return self._forward(add_layer_norm, x, residual, (w, self.bias, self.eps))
 
 
 def rms_eps(module: nn.Module) -> float:

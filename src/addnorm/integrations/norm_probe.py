@@ -38,7 +38,8 @@ class NormInfo:
     weight: bool
     bias: bool
     width: int
-    addnorm: str | None  # "layernorm" | "rmsnorm" | "rmsnorm-cast-before-weight" | "rmsnorm-zero-centered" | None
+    # "layernorm" | "layernorm-one-plus-weight" | "rmsnorm" | "rmsnorm-cast-before-weight" | "rmsnorm-zero-centered"
+    addnorm: str | None
 
 
 def _vectors(m: nn.Module) -> dict[str, Tensor] | None:
@@ -121,12 +122,14 @@ def _formula(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | Non
 
 def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     """The addnorm module that reproduces ``m`` (per ``info.addnorm``), holding ``m``'s very Parameters."""
-    from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
+    from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm, OnePlusWeightLayerNorm
     from addnorm.nn.norms import LayerNorm
 
     n, eps = info.width, info.eps
     if info.addnorm == "layernorm":
         new = LayerNorm(n, eps=eps, elementwise_affine=info.weight, bias=info.bias, device=device)
+    elif info.addnorm == "layernorm-one-plus-weight":
+        new = OnePlusWeightLayerNorm(n, eps=eps, elementwise_affine=info.weight, bias=info.bias, device=device)
     elif info.addnorm == "rmsnorm-cast-before-weight":
         new = CastBeforeWeightRMSNorm(n, eps=eps, device=device)
     elif info.addnorm in ("rmsnorm", "rmsnorm-zero-centered"):
@@ -227,7 +230,7 @@ def _probe(m: nn.Module, params: dict, n: int) -> NormInfo | None:
 def _with_addnorm(unit: nn.Module, info: NormInfo, x: Tensor) -> NormInfo:
     """``info`` with the addnorm module that matches ``unit`` (the fp32 copy with random gains) exactly, if any."""
     if info.kind == "layernorm":
-        options = ["layernorm"] if not info.zero_centered_weight else []
+        options = ["layernorm"] if not info.zero_centered_weight else ["layernorm-one-plus-weight"]
     elif info.zero_centered_weight:
         options = [] if info.bias else ["rmsnorm-zero-centered"]
     else:

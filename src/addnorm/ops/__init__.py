@@ -5,6 +5,7 @@ from addnorm.ops.add_norm_inplace import add_layer_norm_, add_rms_norm_
 from addnorm.ops.add_norm_linear import add_norm_linear
 from addnorm.ops.add_norm_multi import AddNormOutputs, add_norm_multi
 from addnorm.ops.backends import BackendUnavailableError, available_backends, resolve_backend
+from addnorm.ops.norm_add import norm_add
 
 __all__ = [
     "add_layer_norm",
@@ -16,6 +17,7 @@ __all__ = [
     "add_norm_multi",
     "AddNormOutputs",
     "add_norm_linear",
+    "norm_add",
     "BackendUnavailableError",
     "available_backends",
     "resolve_backend",

@@ -156,10 +156,11 @@ def _outputs(model, batch) -> torch.Tensor | None:
 def _hf_apply(model, batch) -> dict[str, Any]:
     """What hf.apply does to the model, and whether the output is unchanged (fp32, within 1e-5 of its scale).
 
-    Only fused layers that ran in the survey's forward count as checked: a vision tower of a vision-language model
-    does not run on text alone, so its fused layers are listed apart (``hf_fused_not_run``) and do not make the row
-    "fused"."""
-    from addnorm.integrations import hf
+    Only fused layers that made a fused call in the survey's forward count as checked: a vision tower of a
+    vision-language model does not run on text alone, and a rewritten forward may fuse only a branch the config does
+    not take (GPT-NeoX's non-parallel one), so those layers are listed apart (``hf_fused_not_run``) and do not make
+    the row "fused"."""
+    from addnorm.integrations import hf, hf_rewrite
 
     ref = _outputs(model, batch)
     try:
@@ -168,12 +169,7 @@ def _hf_apply(model, batch) -> dict[str, Any]:
             hf.apply(model)
     except ValueError as e:
         return {"hf_apply": "unsupported", "hf_apply_reason": str(e)}
-    ran: set[str] = set()
-    handles = [
-        m.register_forward_hook(lambda mod, a, o: ran.add(type(mod).__mro__[1].__name__))
-        for m in model.modules()
-        if type(m).__name__.startswith("AddNormFused")
-    ]
+    ran, handles = hf_rewrite.record_fused_layers(model)  # layers that made a fused call, not only ran
     try:
         got = _outputs(model, batch)
         err = (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)

@@ -266,15 +266,27 @@ def partial(result: dict, installed: list[str], version: str) -> str:
 
 
 # The README's generated paragraphs: each between "<!-- survey:NAME -->" and "<!-- /survey:NAME -->".
+def readme_fused_decoders(result: dict) -> list[str]:
+    """The fused architectures the README names: the decoder LMs (what people serve); the others it counts."""
+    return sorted(
+        r["model_type"]
+        for r in result["models"]
+        if r.get("status") == "ok" and r.get("hf_apply") == "fused" and r.get("role") == "decoder"
+    )
+
+
 def _readme_fused(result: dict) -> str:
     s = summary(result)
     fused = s["fused_families"]
+    decoders = readme_fused_decoders(result)
     return (
         f"With transformers {result['transformers']}, `hf.apply` fuses the residual add and norm in {len(fused)} "
-        f"architectures and swaps only the norms in {s['hf_apply'].get('norms', 0)} more "
+        f"architectures ({len(decoders)} decoder LMs, {len(fused) - len(decoders)} encoders, encoder-decoders and "
+        f"vision towers) and swaps only the norms in {s['hf_apply'].get('norms', 0)} more "
         f"({s['hf_apply'].get('unsupported', 0)} have no norm it reproduces; {s['skipped']} are not built tiny on "
-        "CPU). Fused, as the survey found them (`docs/survey.json`; tests/integrations/test_hf_every_family.py checks each one): "
-        + ", ".join(f"`{t}`" for t in fused)
+        "CPU). The fused decoder LMs, as the survey found them (`docs/survey.json`; "
+        "tests/integrations/test_hf_every_family.py checks every fused architecture; all of them: `docs/survey.md`): "
+        + ", ".join(f"`{t}`" for t in decoders)
         + "."
     )
 

@@ -133,6 +133,9 @@ def _shrink(d: dict) -> dict:
     kv = out.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
         out["num_key_value_heads"] = heads
+    # None means one KV head per query head in most configs; some models (Nemotron) divide by it unguarded
+    if isinstance(heads, int) and "num_key_value_heads" in out and kv is None:
+        out["num_key_value_heads"] = heads
     return out
 
 
