@@ -79,9 +79,10 @@ def _encode(v, KIND: tl.constexpr, BITWISE: tl.constexpr):
         mag = bits & 0x7FFFFFFF
         normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MBITS)
         # below the smallest normal: k = rint(|v| * 2^(BIAS - 1 + MBITS)), the subnormal code (2^MBITS: min normal)
-        a = mag.to(tl.float32, bitcast=True) * (2.0 ** (BIAS - 1 + MBITS))
+        small = mag < ((128 - BIAS) << 23)
+        a = tl.where(small, mag, 0).to(tl.float32, bitcast=True) * (2.0 ** (BIAS - 1 + MBITS))  # (no NaN*2^k)
         sub = ((a + _RNE_MAGIC) - _RNE_MAGIC).to(tl.uint32)
-        code = tl.where(mag < ((128 - BIAS) << 23), sub, normal)
+        code = tl.where(small, sub, normal)
         code = tl.where(mag > 0x7F800000, 0x7F, code)
         return (code | sign).to(tl.uint8)
 
@@ -109,6 +110,15 @@ def _scale(amax, nans, ub, qmax, min_scale, HAS_UB: tl.constexpr, BITWISE: tl.co
         amax = tl.where(amax > ub, ub, amax)
     s = _div(amax, qmax, BITWISE)
     return tl.where(s < min_scale, min_scale, s)
+
+
+@_jit
+def encode_kernel(V, Q, n, qmax, KIND: tl.constexpr, BITWISE: tl.constexpr, BLOCK: tl.constexpr):
+    """Q = the codes of float32 V saturated: the encoder alone, for the tests."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    v = tl.load(V + offs, mask=ok, other=0.0)
+    tl.store(Q + offs, _codes(v, 1.0, qmax, KIND, BITWISE), mask=ok)
 
 
 @_jit
