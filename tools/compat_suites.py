@@ -72,6 +72,8 @@ class Suite:
     pip_spec: str = ""  # an sdist that ships the files
     github: str = ""  # owner/repo, fetched at `commit` when no sdist ships them
     commit: str = ""
+    # (test function, why) never run here: each is printed with its reason in the summary
+    deselect: tuple[tuple[str, str], ...] = ()
 
 
 SUITES = {
@@ -87,6 +89,23 @@ SUITES = {
         files=("test/__init__.py", "test/conftest.py", "test/utils.py", "test/transformers/test_fused_add_rms_norm.py"),
         tests=("test/transformers/test_fused_add_rms_norm.py",),
         pip_spec="liger-kernel==0.8.5",
+    ),
+    "flashinfer": Suite(
+        "flashinfer",
+        files=("tests/utils/test_norm.py",),
+        tests=("tests/utils/test_norm.py",),
+        github="flashinfer-ai/flashinfer",
+        commit="01fcf9dd7b597457db8ee3d2de3c135e93afb4c7",
+        deselect=tuple(
+            (name, "a 4 GB buffer behind torch.cuda.mem_get_info (FlashInfer's GPU-memory probe, CUDA only)")
+            for name in (
+                "test_rmsnorm_int64_stride",
+                "test_rmsnorm_quant_int64_stride",
+                "test_fused_add_rmsnorm_int64_stride",
+                "test_fused_add_rmsnorm_quant_int64_stride",
+            )
+        )
+        + (("test_norm_compilation_without_fp8", "builds FlashInfer's own CUDA sources with nvcc (its JIT)"),),
     ),
 }
 
@@ -168,6 +187,26 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
                 )
             ]
         return []
+    if suite == "flashinfer":
+        return [
+            Rule(
+                "import: flashinfer -> addnorm.compat.flashinfer",
+                r"^import flashinfer$",
+                "import addnorm.compat.flashinfer as flashinfer",
+            ),
+            Rule(
+                "import: flashinfer.utils.device_support_pdl -> addnorm.compat.flashinfer's",
+                r"^from flashinfer\.utils import device_support_pdl$",
+                "from addnorm.compat.flashinfer import device_support_pdl",
+            ),
+            Rule(
+                "import: flashinfer.jit (its nvcc JIT, used only by the deselected compilation test) -> None",
+                r"^from flashinfer\.jit import env as jit_env\nfrom flashinfer\.jit\.core import gen_jit_spec$",
+                "jit_env = gen_jit_spec = None  # addnorm compat_suites: FlashInfer's nvcc JIT (test deselected)",
+            ),
+            Rule(f'.to(0) -> .to("{device}")', r"\.to\(0\)", f'.to("{device}")'),
+            Rule(f'device="cuda" -> "{device}"', r"device=" + dev, f'device="{device}"'),
+        ]
     raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
 
 
@@ -434,6 +473,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
             "--rootdir",
             str(run_dir),
             *suite.tests,
+            *(f"--deselect={t}::{name}" for t in suite.tests for name, _ in suite.deselect),
             *args.pytest_args,
         ]
         print(f"== {suite.name}: {info['origin']} @ {info['version']}", flush=True)
@@ -454,6 +494,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         upstream = "\n".join((src / rel).read_text() for rel in suite.tests)
     summary = summarize(results["cases"], upstream)
     summary["deselected"] = results["deselected"]
+    summary["deselected_by_suite"] = {name: why for name, why in suite.deselect}
     summary["not_run"] = results["selected"] - len(results["cases"])  # stopped by --max-seconds
     summary.update(
         suite=suite.name,
@@ -484,6 +525,8 @@ def print_summary(s: dict) -> None:
         f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
         f"load {s['load_before']} -> {s['load_after']}"
     )
+    for name, why in s.get("deselected_by_suite", {}).items():
+        print(f"   deselected {name}: {why}")
     for reason, n in s["upstream_skips"].items():
         print(f"   skipped by the upstream test itself ({n}): {reason}")
     for reason, n in s["other_skips"].items():
