@@ -39,8 +39,9 @@ __all__ = ["quant_forward", "unavailable_reason"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _KIND = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}
-# round-half-even to an integer by adding and subtracting 1.5 * 2^23 (exact for |v| < 2^22)
-_RNE_MAGIC = 12582912.0
+# round-half-even to an integer by adding and subtracting 1.5 * 2^23 (exact for |v| < 2^22); a constexpr, as
+# compiled kernels may read no other globals
+_RNE_MAGIC = tl.constexpr(12582912.0) if triton is not None else 12582912.0
 
 
 def unavailable_reason(device: torch.device, quant_dtype: torch.dtype) -> str | None:
