@@ -35,11 +35,13 @@ meaningless. The scale's value is not checked (that would synchronize with the d
 Kernel backends (``cpu``, ``triton``) are modules with
 
     quant_forward(x, residual, weight, bias, h_out, q, scales, scale, scale_ub, *, eps, is_rms, qmax, min_scale,
-                  group_size, zero_centered_weight, cast_before_weight) -> None
+                  group_size, zero_centered_weight, cast_before_weight, x_dtype) -> None
         x, residual, h_out: (M, N) rows (last dim contiguous, rows may be strided; h_out may be residual itself,
         which is the in-place form); q: (M, N) contiguous in quant_dtype; scales: (M, N // group_size) float32
         (dynamic) or None (static); scale: the static scale (one float32 element) or None; scale_ub: one float32
-        element or None; group_size: N for per token.
+        element or None; group_size: N for per token; weight and bias already in the statistics dtype (weight
+        stored as w - 1 when zero_centered_weight); x_dtype: what cast_before_weight rounds to. The backend's
+        ``unavailable_reason(device, quant_dtype)`` says where it cannot run.
 """
 
 from __future__ import annotations
