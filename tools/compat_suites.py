@@ -1,10 +1,11 @@
-"""Run flash-attention's and Liger-Kernel's OWN test files against addnorm.compat (issue 18's "done when").
+"""Run flash-attention's, Liger-Kernel's and FlashInfer's OWN test files against addnorm.compat (issues 18, 26).
 
     python tools/compat_suites.py liger --backend cpu                           # fetches liger-kernel's sdist
     python tools/compat_suites.py flash-attn --backend cpu --hidden 192         # one hidden size of the grid
     TRITON_INTERPRET=1 python tools/compat_suites.py flash-attn --backend triton --seqlen 16 --hidden 192
     python tools/compat_suites.py all --device cuda --backend triton            # a GPU: full grid, full seqlen
     python tools/compat_suites.py flash-attn --source flash-attn=DIR            # offline: a folder of the files
+    python tools/compat_suites.py flashinfer --backend cpu --subsample 4        # FlashInfer's tests/utils/test_norm.py
 
 What it does, per suite:
 
@@ -12,7 +13,9 @@ What it does, per suite:
    - liger: ``pip download --no-deps --no-binary :all: liger-kernel==0.8.5`` (the sdist ships ``test/``);
    - flash-attn: its sdists ship only ``tests/*.py`` (not ``tests/ops/triton/``), so the file is fetched from
      GitHub at the pinned commit; where GitHub is unreachable, pass a folder holding
-     ``tests/ops/triton/test_layer_norm.py`` with ``--source flash-attn=DIR``.
+     ``tests/ops/triton/test_layer_norm.py`` with ``--source flash-attn=DIR``;
+   - flashinfer: ``tests/utils/test_norm.py`` from GitHub at the pinned commit (or ``--source flashinfer=DIR``);
+     its tests that cannot run off a GPU by their own design are deselected, each with its reason in the summary.
    Their files are never committed to this repository. The version/commit and each file's sha256 are printed.
 2. Copies them into a run folder and rewrites ONLY (each rule listed in the summary; a rule that no longer
    matches the upstream text is an error, not a silent no-op):
@@ -72,6 +75,8 @@ class Suite:
     pip_spec: str = ""  # an sdist that ships the files
     github: str = ""  # owner/repo, fetched at `commit` when no sdist ships them
     commit: str = ""
+    # (test function, why, on CUDA too) not run: each is printed with its reason in the summary
+    deselect: tuple[tuple[str, str, bool], ...] = ()
 
 
 SUITES = {
@@ -87,6 +92,23 @@ SUITES = {
         files=("test/__init__.py", "test/conftest.py", "test/utils.py", "test/transformers/test_fused_add_rms_norm.py"),
         tests=("test/transformers/test_fused_add_rms_norm.py",),
         pip_spec="liger-kernel==0.8.5",
+    ),
+    "flashinfer": Suite(
+        "flashinfer",
+        files=("tests/utils/test_norm.py",),
+        tests=("tests/utils/test_norm.py",),
+        github="flashinfer-ai/flashinfer",
+        commit="01fcf9dd7b597457db8ee3d2de3c135e93afb4c7",
+        deselect=tuple(
+            (name, "a 4 GB buffer behind torch.cuda.mem_get_info (FlashInfer's GPU-memory probe, CUDA only)", False)
+            for name in (
+                "test_rmsnorm_int64_stride",
+                "test_rmsnorm_quant_int64_stride",
+                "test_fused_add_rmsnorm_int64_stride",
+                "test_fused_add_rmsnorm_quant_int64_stride",
+            )
+        )
+        + (("test_norm_compilation_without_fp8", "builds FlashInfer's own CUDA sources with nvcc (its JIT)", True),),
     ),
 }
 
@@ -168,6 +190,26 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
                 )
             ]
         return []
+    if suite == "flashinfer":
+        return [
+            Rule(
+                "import: flashinfer -> addnorm.compat.flashinfer",
+                r"^import flashinfer$",
+                "import addnorm.compat.flashinfer as flashinfer",
+            ),
+            Rule(
+                "import: flashinfer.utils.device_support_pdl -> addnorm.compat.flashinfer's",
+                r"^from flashinfer\.utils import device_support_pdl$",
+                "from addnorm.compat.flashinfer import device_support_pdl",
+            ),
+            Rule(
+                "import: flashinfer.jit (its nvcc JIT, used only by the deselected compilation test) -> None",
+                r"^from flashinfer\.jit import env as jit_env\nfrom flashinfer\.jit\.core import gen_jit_spec$",
+                "jit_env = gen_jit_spec = None  # addnorm compat_suites: FlashInfer's nvcc JIT (test deselected)",
+            ),
+            Rule(f'.to(0) -> .to("{device}")', r"\.to\(0\)", f'.to("{device}")'),
+            Rule(f'device="cuda" -> "{device}"', r"device=" + dev, f'device="{device}"'),
+        ]
     raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
 
 
@@ -398,6 +440,10 @@ def summarize(results: dict, upstream_text: str) -> dict:
     }
 
 
+def _deselected(suite: Suite, device: str) -> list[tuple[str, str]]:
+    return [(name, why) for name, why, on_cuda in suite.deselect if on_cuda or device != "cuda"]
+
+
 def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> dict:
     src, info = get_sources(suite, args.cache, source)
     files = {rel: sha256(src / rel) for rel in suite.files}
@@ -434,6 +480,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
             "--rootdir",
             str(run_dir),
             *suite.tests,
+            *(f"--deselect={t}::{name}" for t in suite.tests for name, _ in _deselected(suite, args.device)),
             *args.pytest_args,
         ]
         print(f"== {suite.name}: {info['origin']} @ {info['version']}", flush=True)
@@ -454,6 +501,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         upstream = "\n".join((src / rel).read_text() for rel in suite.tests)
     summary = summarize(results["cases"], upstream)
     summary["deselected"] = results["deselected"]
+    summary["deselected_by_suite"] = dict(_deselected(suite, args.device))
     summary["not_run"] = results["selected"] - len(results["cases"])  # stopped by --max-seconds
     summary.update(
         suite=suite.name,
@@ -484,6 +532,8 @@ def print_summary(s: dict) -> None:
         f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
         f"load {s['load_before']} -> {s['load_after']}"
     )
+    for name, why in s.get("deselected_by_suite", {}).items():
+        print(f"   deselected {name}: {why}")
     for reason, n in s["upstream_skips"].items():
         print(f"   skipped by the upstream test itself ({n}): {reason}")
     for reason, n in s["other_skips"].items():

@@ -36,6 +36,10 @@ _LAZY = {
     "norm_add": "addnorm.ops",
     "available_backends": "addnorm.ops",
     "BackendUnavailableError": "addnorm.ops",
+    "add_rms_norm_quant": "addnorm.ops",
+    "add_layer_norm_quant": "addnorm.ops",
+    "add_rms_norm_quant_": "addnorm.ops",
+    "add_layer_norm_quant_": "addnorm.ops",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -6,6 +6,7 @@ from addnorm.ops.add_norm_linear import add_norm_linear
 from addnorm.ops.add_norm_multi import AddNormOutputs, add_norm_multi
 from addnorm.ops.backends import BackendUnavailableError, available_backends, resolve_backend
 from addnorm.ops.norm_add import norm_add
+from addnorm.ops.quant import add_layer_norm_quant, add_layer_norm_quant_, add_rms_norm_quant, add_rms_norm_quant_
 
 __all__ = [
     "add_layer_norm",
@@ -21,4 +22,8 @@ __all__ = [
     "BackendUnavailableError",
     "available_backends",
     "resolve_backend",
+    "add_rms_norm_quant",
+    "add_layer_norm_quant",
+    "add_rms_norm_quant_",
+    "add_layer_norm_quant_",
 ]
