@@ -13,7 +13,8 @@
 #      tests.txt, then the graph-safety checks (tools/gpu_graph_check.py) into graph.txt,
 #   7. the add + RMSNorm table (bf16), the add + LayerNorm table with torch.compile beside it, the device kernels
 #      per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
-#   8. with time left and asked for: ADDNORM_COMPAT=1 (flash-attention's and Liger's test files), ADDNORM_TUNE=1.
+#   8. with time left and asked for: ADDNORM_COMPAT=1 (flash-attention's and Liger's test files), ADDNORM_QUANT=1
+#      (the quantized ops' CUDA tests and table), ADDNORM_TUNE=1.
 # Results go to $OUT when set (the device tool brings that folder back), else benchmarks/results/gpu.
 # Usage: bash benchmarks/gpu_check.sh        Exit status: 0 all ran and passed, 1 a step failed, 2 refused,
 #                                            3 nothing failed but steps were skipped or stopped at their cap.
@@ -159,6 +160,14 @@ if [ "${ADDNORM_COMPAT:-0}" = "1" ]; then
         python tools/compat_suites.py all --device cuda --backend triton \
         --source flash-attn=.compat-suites/flash-attn --source liger=.compat-suites/liger --max-seconds 200 \
         --json "$RESULTS/compat.json" -- -n 8
+fi
+if [ "${ADDNORM_QUANT:-0}" = "1" ]; then
+    # add + norm + FP8/INT8 (addnorm.add_rms_norm_quant ...): the hardware conversion on sm_89+, and its table
+    step "quantized add + norm: tests on CUDA" 120 30 "$RESULTS/quant_tests.txt" \
+        python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_quant_cuda.py
+    step "quantized add + norm: table" 120 30 "" \
+        python benchmarks/bench_quant.py --device cuda --backend triton \
+        --shapes 4096x4096,16384x4096,4096x8192,16384x8192 --reps 50 --out "$RESULTS/quant_cuda"
 fi
 if [ "${ADDNORM_TUNE:-0}" = "1" ]; then
     step "tuning sweep: add + RMSNorm, bf16" 240 60 "$RESULTS/tune.txt" \
