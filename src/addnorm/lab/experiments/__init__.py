@@ -11,6 +11,7 @@ MODULES: list[str] = [
     "training",
     "training_logits",
     "training_norms",
+    "training_newer",
 ]
 
 for _m in MODULES:
