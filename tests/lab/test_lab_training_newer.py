@@ -89,3 +89,41 @@ def test_train_task_probes_hidden_states_and_tracks_the_mean_logit_without_chang
     assert probed["hidden_init"][0]["rms"] != probed["hidden_final"][0]["rms"]  # trained in between
     assert len(probed["mean_logit_curve"]) == 6 and math.isfinite(probed["mean_logit_late"])
     assert probed["mean_logit_min"] == min(probed["mean_logit_curve"])  # one value per step at 6 points
+
+
+# ---- ReZero -----------------------------------------------------------------------------------------------------
+def test_rezero_verdict():
+    ok = dict(
+        ex_none=[1.0, 1.0, 0.2],
+        div_none=[False, True, False],
+        ex_rezero=[0.2] * 3,
+        ex_pre=[0.25] * 3,
+        early_rezero=[1.0, 1.1, 1.0],
+        early_pre=[1.5] * 3,
+    )
+    passed, extra, reason = W.rezero_verdict(**ok)
+    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
+    assert W.rezero_verdict(**{**ok, "ex_none": [0.2] * 3, "div_none": [False] * 3})[0] is False  # x + F(x) trains
+    assert W.rezero_verdict(**{**ok, "early_rezero": [2.0] * 3})[0] is False  # ReZero not faster
+    assert W.rezero_verdict(**{**ok, "ex_rezero": [0.9] * 3})[0] is False  # ReZero does not train either
+    passed, _, reason = W.rezero_verdict(**{**ok, "ex_pre": [0.9, 0.9, 0.2]})
+    assert passed is None and "Pre-LN did not train" in reason
+
+
+def test_first_half_mean():
+    assert W.first_half_mean([4.0, 2.0, 1.0, 1.0]) == 3.0
+    assert W.first_half_mean([4.0, None, 1.0, 1.0]) is None
+
+
+def test_rezero_and_branch_output_models_build_fused_and_unfused_alike():
+    from addnorm.nn import TransformerLM
+
+    for placement in ("rezero", "branch-output"):
+        torch.manual_seed(0)
+        fused = TransformerLM(C.model_config(placement=placement, n_layers=2))
+        torch.manual_seed(0)
+        plain = TransformerLM(C.model_config(placement=placement, n_layers=2, fuse_add_norm=False))
+        x = torch.randint(0, C.VOCAB, (2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), plain(x))
+        assert fused.final_norm is None if placement == "rezero" else fused.final_norm is not None
