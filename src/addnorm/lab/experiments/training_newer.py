@@ -273,8 +273,11 @@ def peri_ln_training(ctx: Context) -> Result:
     source="Zhu et al. 2025, Transformers without Normalization, arXiv:2503.10622 (DyT vs LayerNorm across "
     "models; alpha init sensitivity for LLMs, section 7)",
     config={
+        "version": 2,
         "lr": 3e-3,
         "layers": 4,
+        "init_std": 1.0,
+        "tie_embeddings": False,
         "alphas": [0.1, 0.5, 2.0],
         "default": {"steps": 300, "seeds": 3},
         "quick": {"steps": 20, "seeds": 2, "alphas": [0.5]},
@@ -284,11 +287,25 @@ def dyt_experiment(ctx: Context) -> Result:
     """Zhu et al. replace every LayerNorm/RMSNorm (and the final norm) by DyT and report matching quality, with
     alpha's init mattering mostly for LLMs. Scaled here as ln-vs-rms-training: Pre-LN, 4 layers, d = 32, Adam lr
     3e-3, warmup 10% then cosine, 300 steps, 3 seeds; LayerNorm vs DyT with alpha init 0.5 (the paper's default),
-    and DyT with alpha init 0.1 and 2.0 for the sensitivity, all paired by seed."""
+    and DyT with alpha init 0.1 and 2.0 for the sensitivity, all paired by seed.
+
+    Setup change after the first run (2026-12-01, written before the rerun; criterion unchanged): with the lab's
+    N(0, 0.02) token embeddings, DyT at alpha 0.1 and 0.5 stayed at the stuck level (excess 1.07/1.34/1.37 at seeds
+    0-2, LayerNorm 0.15/0.23/0.26): DyT does not rescale its input as a norm does, so it sees activations of size
+    ~0.02 where tanh is linear and the blocks' inputs stay tiny. That is the lab's init, not DyT's: the models DyT
+    replaces norms in feed it unit-scale inputs (ViT patch embeddings; the LLaMA runs of the paper scale their
+    embeddings up). Every arm, LayerNorm included, now uses unit-scale untied token and position embeddings
+    (``init_std`` 1, an untied Xavier LM head: the consistent init of placement-comparison), which gives the stream
+    unit scale at init. (Scaling the N(0, 0.02) embeddings by sqrt(d) was considered and rejected: RMS 0.11.)"""
     s = settings(ctx)
     steps, alphas = s["steps"], list(s["alphas"])
     seeds = seed_list(ctx, s["seeds"])
-    base = {"placement": "pre", "n_layers": s["layers"]}
+    base = {
+        "placement": "pre",
+        "n_layers": s["layers"],
+        "init_std": s["init_std"],
+        "tie_embeddings": s["tie_embeddings"],
+    }
     arms = {"layernorm": ({**base, "norm": "layernorm"}, {})}
     for a in alphas:
         arms[f"dyt {a:g}"] = ({**base, "norm": "dyt", "norm_kwargs": {"alpha_init": a}}, {})
@@ -324,7 +341,8 @@ def dyt_experiment(ctx: Context) -> Result:
         "seeds": seeds,
         "per_seed": {**{f"{k} excess": ex[k] for k in arms}, "DyT spread over alpha inits": spread},
         "setup": f"Zhu et al. 2025 at d = 32: Pre-LN, {s['layers']} layers, Adam lr {s['lr']:g}, {steps} steps, "
-        f"{len(seeds)} seeds; LayerNorm vs DyT (alpha init {alphas})",
+        f"{len(seeds)} seeds, unit-scale untied embeddings (init_std {s['init_std']:g}); LayerNorm vs DyT (alpha "
+        f"init {alphas})",
         **extra,
     }
     line = (
