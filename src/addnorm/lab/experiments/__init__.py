@@ -12,6 +12,7 @@ MODULES: list[str] = [
     "training_logits",
     "training_norms",
     "training_newer",
+    "training_residuals",
 ]
 
 for _m in MODULES:

@@ -1,6 +1,6 @@
 """Training experiments on the placements and norm replacements the field argues about now (issue 27): Peri-LN's
-bounded hidden states during training, DynamicTanh in place of the norms, and ReZero (no norm, a zero-initialised
-scalar on each branch).
+bounded hidden states during training and DynamicTanh in place of the norms. The criteria and controls of ReZero and
+Mix-LN (experiments in :mod:`training_residuals`) are stated here too, with the shared tolerances.
 
 Same model, language, seeds and rules as :mod:`training` (its docstring): every run is a ``ctx.map`` task
 (:func:`train_task`, here with ``hidden_probe`` for the hidden states), every verdict a pure ``*_verdict`` function
@@ -39,6 +39,9 @@ GROWTH_CONTROL = 2.0
 FAR_MORE = 2.0
 # "At least as well" / "parity": the same tolerance as ln-vs-rms-training (max of 0.05 nats and 10% of the baseline).
 PARITY_ABS, PARITY_REL = 0.05, 0.10
+# Mix-LN: Pre-LN's per-layer gradient profile counts as non-uniform (the positive control) above this coefficient
+# of variation across layers (a profile whose layers differ by about +-20% around their mean).
+NONUNIFORM = 0.2
 
 CRITERIA = {
     "peri-ln-training": (
@@ -59,6 +62,12 @@ CRITERIA = {
         "loss over the first half of the run is lower than Pre-LN's (paired by seed). Reproduced iff both hold at a "
         "strict majority of the seeds (at least 2)."
     ),
+    "mix-ln-training": (
+        "Per seed, u(p) = the coefficient of variation (std / mean) across layers of each layer's gradient norm, "
+        "averaged over the training steps the monitor recorded (step 0 left out): 0 for a perfectly uniform profile. "
+        "Reproduced iff, at a strict majority of the seeds (at least 2), u(Mix-LN) < u(Pre-LN) and excess(Mix-LN) <= "
+        f"excess(Pre-LN) + max({PARITY_ABS} nats, {PARITY_REL:.0%} of Pre-LN's), paired by seed."
+    ),
 }
 PRECONDITIONS = {
     "peri-ln-training": (
@@ -73,6 +82,10 @@ PRECONDITIONS = {
     "rezero": (
         f"Pre-LN trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds: otherwise the LR or the "
         "depth is too hard for any placement and no comparison with it says anything."
+    ),
+    "mix-ln-training": (
+        f"Pre-LN trains (excess < {TRAINED_EXCESS} nats) and its gradient profile is not uniform (u > {NONUNIFORM:g}), "
+        "each at a strict majority of the seeds: otherwise there is nothing for Mix-LN to make more uniform."
     ),
 }
 
@@ -138,39 +151,6 @@ def dyt_verdict(ex_ln: Sequence[float | None], ex_dyt: Sequence[float | None]) -
     per_seed = [parity(d, l) for l, d in zip(ex_ln, ex_dyt)]
     passed, details, reason = majority(per_seed, "the losses")
     return passed, {"parity_by_seed": per_seed, **details}, reason
-
-
-def first_half_mean(curve: Sequence[float | None]) -> float | None:
-    """Mean of the first half of a subsampled loss curve (a missing point, i.e. a diverged chunk: None)."""
-    half = list(curve[: max(1, len(curve) // 2)])
-    return sum(half) / len(half) if half and all(map(finite, half)) else None
-
-
-def rezero_verdict(
-    ex_none: Sequence[float | None],
-    div_none: Sequence[bool],
-    ex_rezero: Sequence[float | None],
-    ex_pre: Sequence[float | None],
-    early_rezero: Sequence[float | None],
-    early_pre: Sequence[float | None],
-) -> Verdict:
-    """Per seed (paired): excess losses, whether the unnormalized run diverged, first-half mean training losses."""
-    n = len(ex_pre)
-    if n == 0 or any(len(x) != n for x in (ex_none, div_none, ex_rezero, early_rezero, early_pre)):
-        return None, {}, "the arms' seeds are not paired"
-    reason = control([finite(v) and v < TRAINED_EXCESS for v in ex_pre], "Pre-LN did not train")
-    if reason:
-        return None, {}, reason
-    per_seed = []
-    for en, dn, ez, fz, fp in zip(ex_none, div_none, ex_rezero, early_rezero, early_pre):
-        none_fails = bool(dn) or not finite(en) or en >= TRAINED_EXCESS
-        if not finite(ez) or fp is None:
-            per_seed.append(None)
-            continue
-        per_seed.append(none_fails and ez < TRAINED_EXCESS and fz is not None and fz < fp)
-    passed, details, reason = majority(per_seed, "the losses")
-    faster = [None if a is None or b is None else a < b for a, b in zip(early_rezero, early_pre)]
-    return passed, {"holds_by_seed": per_seed, "rezero_faster_by_seed": faster, **details}, reason
 
 
 # ------------------------------------------------------------------------------------------------ peri-ln
@@ -350,68 +330,5 @@ def dyt_experiment(ctx: Context) -> Result:
         + "; ".join(f"DyT alpha {k[4:]} {fmt_seeds(ex[k])}" for k in dyts)
         + f" (parity with alpha 0.5 at {extra.get('seeds_agreeing', 'n/a')} seeds); spread over alpha inits "
         f"{fmt_seeds(spread)} nats."
-    )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
-
-
-# ------------------------------------------------------------------------------------------------ ReZero
-@_register(
-    "rezero",
-    claim="x + a F(x) with a learned scalar a initialised to 0 and no norm (ReZero) trains a deep stack that the "
-    "unnormalized residual stack x + F(x) cannot, and converges faster than Pre-LN.",
-    source="Bachlechner et al. 2020, ReZero is All You Need: Fast Convergence at Large Depth, arXiv:2003.04887 "
-    "(Table 2/3: convergence speed vs Pre-/Post-LN; the unnormalized residual Transformer fails at depth)",
-    config={
-        "lr": 3e-3,
-        "default": {"layers": 12, "steps": 200, "seeds": 3},
-        "quick": {"layers": 2, "steps": 20, "seeds": 2},
-    },
-)
-def rezero_experiment(ctx: Context) -> Result:
-    """Bachlechner et al. train 12-layer (and deeper) Transformers: the vanilla residual stack without norm does not
-    train, ReZero converges 56% faster than Pre-LN on enwiki8. Scaled here: 12 layers, d = 32, Adam lr 3e-3 (the
-    lr of the ln-vs-rms and dyt runs), warmup 10% then cosine, 200 steps (the 2-minute budget), 3 seeds; arms
-    x + F(x) (placement "none", no final norm), ReZero (placement "rezero", no norm anywhere) and Pre-LN with its
-    final norm. Convergence speed: the mean training loss over the first half of the run."""
-    s = settings(ctx)
-    steps, layers = s["steps"], s["layers"]
-    seeds = seed_list(ctx, s["seeds"])
-    arms = {p: ({"placement": p, "n_layers": layers}, {}) for p in ("none", "rezero", "pre")}
-    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
-    keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
-    ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
-    div = seed_values(runs, "none", seeds, "diverged")
-    early = {p: [first_half_mean(runs[(p, sd)]["loss_curve"]) for sd in seeds] for p in arms}
-    passed, extra, reason = rezero_verdict(ex["none"], div, ex["rezero"], ex["pre"], early["rezero"], early["pre"])
-    names = {"none": "x + F(x), no norm", "rezero": "ReZero", "pre": "Pre-LN"}
-    figures = []
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 1, figsize=(6, 3.5))
-        plot_curves(ax, runs, list(arms), seeds, steps, names)
-        ax.set_xlabel("step (line style: seed)")
-        ax.set_ylabel("train loss")
-        ax.set_title(f"{layers} layers, Adam lr {s['lr']:g}", fontsize=9)
-        ax.legend(fontsize=8)
-        figures = save(plt, fig, ctx, "rezero.png")
-    metrics = {
-        "criterion": CRITERIA["rezero"],
-        "steps": steps,
-        "layers": layers,
-        "seeds": seeds,
-        "per_seed": {
-            **{f"{names[p]} excess": ex[p] for p in arms},
-            **{f"{names[p]} first-half loss": early[p] for p in arms},
-        },
-        "diverged_none": div,
-        "setup": f"Bachlechner et al. 2020 at d = 32: {layers} layers, Adam lr {s['lr']:g}, warmup 10% then cosine, "
-        f"{steps} steps, {len(seeds)} seeds",
-        **extra,
-    }
-    line = (
-        f"Excess loss by seed ({len(seeds)}): x + F(x) {fmt_seeds(ex['none'])}, ReZero {fmt_seeds(ex['rezero'])}, "
-        f"Pre-LN {fmt_seeds(ex['pre'])}; mean train loss over the first half: ReZero {fmt_seeds(early['rezero'])}, "
-        f"Pre-LN {fmt_seeds(early['pre'])} (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)

@@ -189,6 +189,7 @@ def train_task(
     init_record: bool = False,
     hidden_probe: bool = False,
     track_mean_logit: bool = False,
+    layer_grads: bool = False,
 ) -> dict:
     """One training run of the tiny LM, as a ``ctx.map`` task. ``model``: TransformerConfig overrides (a
     ``vocab_size`` there makes the model's vocabulary larger than the language's: unused tokens); ``train``:
@@ -196,7 +197,8 @@ def train_task(
     With ``train["monitor"]`` the monitor's records give the max attention logit (needs ``record_logits``) and,
     with ``init_record``, the per-layer record at step 0 is returned. ``hidden_probe``: :func:`hidden_stats` on
     the first validation batch before and after training. ``track_mean_logit``: the mean output logit of every
-    training step (over positions and the whole vocabulary), as a curve and its late value."""
+    training step (over positions and the whole vocabulary), as a curve and its late value. ``layer_grads`` (with
+    ``train["monitor"]``): each layer's gradient norm averaged over the monitor's records after step 0."""
     from addnorm.nn import TransformerLM
     from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
@@ -255,6 +257,15 @@ def train_task(
     if hidden_probe:
         out["hidden_init"] = hidden_init
         out["hidden_final"] = hidden_stats(net, probe_x)
+    if layer_grads:
+        recs = [rec.get("layers", []) for rec in res.records if rec.get("step", 0) > 0]
+        n_layers = min((len(r) for r in recs), default=0)
+        out["layer_grad_mean"] = [
+            _num(sum(r[i]["grad_norm"] for r in recs) / len(recs))
+            if all(finite(r[i].get("grad_norm")) for r in recs)
+            else None
+            for i in range(n_layers)
+        ]
     if track_mean_logit:
         late = [v for v in mean_logits[-tail:] if math.isfinite(v)]
         out["mean_logit_curve"] = _subsample(mean_logits, curve_points)
