@@ -15,7 +15,7 @@ from addnorm.lab.experiments import training_logits as L
 from addnorm.lab.experiments import training_norms as N
 from addnorm.lab.experiments import training_setup as C
 
-NAMES = ("warmup", "depth-sweep", "lr-sensitivity", "z-loss", "placement-comparison", "ln-vs-rms-training")
+NAMES = ("warmup", "depth-sweep", "lr-sensitivity", "z-loss", "ln-vs-rms-training")
 
 
 def test_all_training_experiments_are_registered_with_criterion_precondition_and_public_source():
@@ -70,21 +70,36 @@ def test_warmup_verdict_is_inconclusive_when_a_control_fails():
 NEVER = {"post": {6: [False] * 3, 24: [False] * 3}, "deepnorm": {6: [False] * 3, 24: [False] * 3}}
 
 
+LONG_FAILS = [1.1, 1.0, 0.9]  # deep Post-LN with the long warmup: still far worse than shallow Post-LN
+
+
 def test_depth_verdict_pass_and_fail():
     ok = {"post": {6: [0.2, 0.3, 0.35], 24: [1.0, 1.0, 1.0]}, "deepnorm": {6: [0.1] * 3, 24: [0.08] * 3}}
-    passed, extra, reason = T.depth_verdict(ok, NEVER)
+    passed, extra, reason = T.depth_verdict(ok, NEVER, LONG_FAILS)
     assert passed is True and reason == "" and extra["degrade_post"] == pytest.approx([0.8, 0.7, 0.65])
+    assert extra["degrade_post_long_warmup"] == pytest.approx([0.9, 0.7, 0.55])
+    assert extra["long_warmup_rescues_depth_at_seeds"] == "0/3"
     deep_div = {"post": NEVER["post"], "deepnorm": {6: [False] * 3, 24: [True, True, False]}}
-    assert T.depth_verdict(ok, deep_div)[0] is False
+    assert T.depth_verdict(ok, deep_div, LONG_FAILS)[0] is False
     flat = {"post": {6: [0.2] * 3, 24: [0.25] * 3}, "deepnorm": ok["deepnorm"]}
-    assert T.depth_verdict(flat, NEVER)[0] is False
+    assert T.depth_verdict(flat, NEVER, LONG_FAILS)[0] is False
     deep_also_bad = {"post": ok["post"], "deepnorm": {6: [0.1] * 3, 24: [0.9] * 3}}
-    assert T.depth_verdict(deep_also_bad, NEVER)[0] is False
+    assert T.depth_verdict(deep_also_bad, NEVER, LONG_FAILS)[0] is False
+
+
+def test_depth_verdict_fails_when_the_long_warmup_rescues_deep_post_ln():
+    ok = {"post": {6: [0.2, 0.3, 0.35], 24: [1.0, 1.0, 1.0]}, "deepnorm": {6: [0.1] * 3, 24: [0.08] * 3}}
+    rescued = [0.25, 0.3, 1.0]  # within 0.1 nats of shallow Post-LN at two seeds
+    passed, extra, reason = T.depth_verdict(ok, NEVER, rescued)
+    assert passed is False and reason == "" and extra["long_warmup_rescues_depth_at_seeds"] == "2/3"
+    passed, _, reason = T.depth_verdict(ok, NEVER, None)
+    assert passed is None and "long warmup" in reason
+    assert T.depth_verdict(ok, NEVER, [1.0, 1.0])[0] is None  # not paired
 
 
 def test_depth_verdict_is_inconclusive_when_shallow_post_ln_does_not_train():
     stuck = {"post": {6: [1.03, 1.03, 0.2], 24: [1.03] * 3}, "deepnorm": {6: [0.1] * 3, 24: [0.05] * 3}}
-    passed, _, reason = T.depth_verdict(stuck, NEVER)
+    passed, _, reason = T.depth_verdict(stuck, NEVER, LONG_FAILS)
     assert passed is None and "Post-LN at L=6 did not train" in reason
 
 
@@ -96,22 +111,37 @@ def test_lr_sensitivity_formula():
     assert L.lr_sensitivity([1.0, 1.0], [3.0, 3.0]) == 0.0
 
 
+def _logits(pre: float, qk: float, n: int = 3) -> dict:
+    """Max attention logit per LR of a 3-point grid: Pre-LN reaching ``pre`` at the top LR, QK-norm ``qk``."""
+    return {"pre": [[5.0, 50.0, pre]] * n, "pre+qk": [[3.0, 4.0, qk]] * n}
+
+
 def test_lr_verdict_pass_and_fail():
     low = {"pre": [0.1] * 3, "pre+qk": [0.1] * 3}
-    passed, extra, reason = L.lr_verdict({"pre": [0.23, 0.24, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
+    lg = _logits(5e4, 8.0)
+    passed, extra, reason = L.lr_verdict({"pre": [0.23, 0.24, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, lg)
     assert passed is True and reason == "" and extra["qk_lower_at_seeds"] == "2/3"
-    passed, extra, _ = L.lr_verdict({"pre": [0.23, 0.04, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, [40.0] * 3)
+    assert extra["qk_logit_bounded_by_seed"] == [True] * 3
+    passed, extra, _ = L.lr_verdict({"pre": [0.23, 0.04, 0.26], "pre+qk": [0.05, 0.06, 0.3]}, low, lg)
     assert passed is False and extra["qk_lower_at_seeds"] == "1/3"
-    assert L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [1.5] * 3)[0] is False  # logits did not grow
-    passed, _, reason = L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, [None] * 3)
+    # the mechanism: QK-norm's logit above the bound at one LR of the grid fails the seed
+    unbounded = {"pre": lg["pre"], "pre+qk": [[3.0, 4.0, 8.0], [3.0, 400.0, 8.0], [3.0, 4.0, 250.0]]}
+    passed, extra, _ = L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, unbounded)
+    assert passed is False and extra["qk_logit_bounded_by_seed"] == [True, False, False]
+    nonfinite = {"pre": lg["pre"], "pre+qk": [[3.0, None, 8.0]] * 3}
+    passed, _, reason = L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 3}, low, nonfinite)
     assert passed is None and "finite" in reason
-    assert L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 2}, low, [40.0] * 3)[0] is None  # not paired
+    assert L.lr_verdict({"pre": [0.2] * 3, "pre+qk": [0.1] * 2}, low, lg)[0] is None  # not paired
 
 
-def test_lr_verdict_is_inconclusive_when_the_lowest_lr_did_not_converge():
+def test_lr_verdict_is_inconclusive_when_a_control_fails():
     unconverged = {"pre": [1.9, 1.8, 0.1], "pre+qk": [0.1, 0.1, 0.1]}
-    passed, _, reason = L.lr_verdict({"pre": [0.6] * 3, "pre+qk": [0.5] * 3}, unconverged, [40.0] * 3)
+    passed, _, reason = L.lr_verdict({"pre": [0.6] * 3, "pre+qk": [0.5] * 3}, unconverged, _logits(5e4, 8.0))
     assert passed is None and "lowest LR did not converge" in reason
+    # Pre-LN's logits never passed the bound: the growth QK-norm prevents did not occur, the bound tests nothing
+    low = {"pre": [0.1] * 3, "pre+qk": [0.1] * 3}
+    passed, _, reason = L.lr_verdict({"pre": [0.6] * 3, "pre+qk": [0.5] * 3}, low, _logits(60.0, 8.0))
+    assert passed is None and "never exceeded" in reason
 
 
 # ---- z-loss ---------------------------------------------------------------------------------------------------
@@ -130,27 +160,30 @@ def test_z_loss_verdict_is_inconclusive_without_the_instability():
 
 
 # ---- placements -----------------------------------------------------------------------------------------------
-def test_placement_verdict_needs_five_of_six_inits():
-    g = {"pre": [2.2, 2.0, 2.1, 1.9, 2.3, 2.0], "sandwich": [1.4, 1.3, 1.5, 1.2, 1.6, 2.5], "post": [1.0] * 6}
-    passed, extra, reason = N.placement_verdict(g)
-    assert passed is True and reason == "" and extra["inits_agreeing"] == "5/6" and extra["inits_needed"] == 5
-    assert extra["holds_by_init"][5] is False  # Sandwich grew more than Pre-LN at that init
-    g_two_fail = dict(g, pre=[2.2, 1.2, 2.1, 1.9, 2.3, 2.0])  # one init where Pre-LN barely grows
-    passed, extra, _ = N.placement_verdict(g_two_fail)
-    assert passed is False and extra["inits_agreeing"] == "4/6"
+def test_increment_ratio_separates_linear_from_exponential_growth():
+    lin_var = [math.sqrt(1 + 0.5 * k) for k in range(25)]  # Lemma 2: variance linear in depth
+    assert N.increment_ratio(lin_var) == pytest.approx(1.0)
+    assert 2.5 < N.increment_ratio([1.0 + k for k in range(25)]) < 3.5  # RMS linear: increments grow linearly
+    assert N.increment_ratio([1.1**k for k in range(25)]) > 8  # 1.1x per layer: far outside the linear range
+    assert N.increment_ratio([5.0] + lin_var[1:]) == pytest.approx(1.0)  # block 0 left out
+    assert N.increment_ratio([1.0] * 25) is None  # no growth at all: no ratio
+    assert N.increment_ratio(lin_var[:4]) is None and N.increment_ratio(lin_var[:10] + [None]) is None
 
 
-def test_placement_verdict_needs_every_init_below_six_and_finite_profiles():
-    assert N.placement_verdict({"pre": [2.0, 1.4], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})[0] is False
-    assert N.placement_verdict({"pre": [2.0, 1.6], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})[0] is True
-    passed, _, reason = N.placement_verdict({"pre": [2.0, None], "sandwich": [1.0, 1.0], "post": [1.0, 1.0]})
+def test_placement_check_needs_five_of_six_inits_in_the_linear_range():
+    passed, extra, reason = N.placement_check([1.0, 1.2, 0.9, 1.4, 0.8, 9.0])
+    assert passed is True and reason == "" and extra["inits_agreeing"] == "5/6"
+    assert extra["holds_by_init"][5] is False
+    assert N.placement_check([1.0, 3.0, 0.9, 1.4, 0.8, 9.0])[0] is False  # two inits look exponential
+    assert N.placement_check([1.0, 2.5])[0] is False and N.placement_check([1.0, 1.9])[0] is True
+    passed, _, reason = N.placement_check([1.0, None])
     assert passed is None and "finite" in reason
 
 
-def test_placement_verdict_is_inconclusive_when_post_ln_residual_is_not_flat():
-    g = {"pre": [5.0] * 6, "sandwich": [1.5] * 6, "post": [1.0, 1.4, 1.0, 1.0, 1.0, 1.0]}
-    passed, _, reason = N.placement_verdict(g)
-    assert passed is None and "broken" in reason
+def test_placement_comparison_is_a_demonstration_now():
+    import addnorm.lab.experiments  # noqa: F401
+
+    assert EXPERIMENTS["placement-comparison"].kind == "demonstration"
 
 
 def test_quarter_growth_leaves_block_0_out_and_averages_quarters():
@@ -171,24 +204,22 @@ def test_ratio_ci():
         N.ratio_ci([1.0], [1.0])
 
 
-def test_ln_rms_verdict():
-    fast = {"plain": (0.5, 0.48, 0.52), "addnorm": (0.9, 0.88, 0.93)}
-    passed, extra, reason = N.ln_rms_verdict([0.2, 0.21, 0.19], [0.21, 0.2, 0.3], fast)
-    assert passed is True and reason == "" and extra["speed"] == {"plain": "no slower", "addnorm": "no slower"}
-    assert N.ln_rms_verdict([0.2] * 3, [0.4] * 3, fast)[0] is False  # the losses differ
-    slower = {"plain": (0.5, 0.48, 0.52), "addnorm": (1.2, 1.1, 1.3)}
-    assert N.ln_rms_verdict([0.2] * 3, [0.2] * 3, slower)[0] is False
-    straddles = {"plain": (0.5, 0.48, 0.52), "addnorm": (1.04, 0.98, 1.1)}
-    passed, _, reason = N.ln_rms_verdict([0.2] * 3, [0.2] * 3, straddles)
-    assert passed is None and "straddles" in reason and "addnorm" in reason
-
-
-def test_ln_rms_verdict_is_inconclusive_when_layernorm_does_not_train_or_timing_fails():
-    fast = {"plain": (0.5, 0.48, 0.52)}
-    passed, _, reason = N.ln_rms_verdict([1.0, 1.0, 0.2], [1.0, 1.0, 0.2], fast)
+def test_ln_rms_verdict_is_loss_parity_only():
+    passed, extra, reason = N.ln_rms_verdict([0.2, 0.21, 0.19], [0.21, 0.2, 0.3])
+    assert passed is True and reason == "" and extra["loss_parity_by_seed"] == [True, True, False]
+    assert N.ln_rms_verdict([0.2] * 3, [0.4] * 3)[0] is False  # the losses differ
+    passed, _, reason = N.ln_rms_verdict([1.0, 1.0, 0.2], [1.0, 1.0, 0.2])
     assert passed is None and "LayerNorm model did not train" in reason
-    passed, _, reason = N.ln_rms_verdict([0.2] * 3, [0.2] * 3, {"plain": (math.nan, 0.4, 0.6)})
-    assert passed is None and "not finite" in reason
+
+
+def test_speed_is_a_benchmark_reading_not_a_verdict():
+    rows = N.speed_rows(
+        {"a": (0.5, 0.48, 0.52), "b": (1.2, 1.1, 1.3), "c": (1.04, 0.98, 1.1), "d": (math.nan, 0.4, 0.6)}
+    )
+    assert rows == {"a": "no slower", "b": "slower", "c": "undecided", "d": "n/a"}
+    import inspect
+
+    assert list(inspect.signature(N.ln_rms_verdict).parameters) == ["excess_ln", "excess_rms"]
 
 
 def test_norm_timing_task_times_four_matched_implementations_interleaved():

@@ -50,7 +50,26 @@ PLACEMENT_FORMULAS = {
     "none": lambda r, x, f: x + f(x),
     "post-noskip": lambda r, x, f: _ln(r.norm, f(x)),
     "pre-noskip": lambda r, x, f: f(_ln(r.norm, x)),
+    "rezero": lambda r, x, f: x + r.rezero_alpha * f(x),
+    "branch-output": lambda r, x, f: x + _ln(r.norm_out, f(x)),
 }
+
+
+def test_rezero_starts_as_the_identity_and_learns_its_scalar():
+    r = Residual(_sublayer(), D, placement="rezero").double()
+    x = torch.randn(2, D, dtype=torch.float64)
+    torch.testing.assert_close(r(x), x)
+    assert r.norm is None and r.norm_out is None and float(r.rezero_alpha) == 0.0
+    r(x).sum().backward()
+    assert r.rezero_alpha.grad is not None and float(r.rezero_alpha.grad) != 0.0  # a = 0 still gets a gradient
+
+
+def test_branch_output_normalizes_the_branch_not_the_stream():
+    r = Residual(_sublayer(), D, placement="branch-output").double()
+    assert r.norm is None and r.norm_out is not None
+    x = 100 * torch.randn(4, D, dtype=torch.float64)
+    delta = r(x) - x  # what was added: a LayerNorm output with unit weight, zero bias: RMS 1 per row
+    torch.testing.assert_close(delta.pow(2).mean(-1), torch.ones(4, dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
 def test_every_placement_has_a_formula_here():

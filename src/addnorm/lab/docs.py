@@ -12,6 +12,7 @@ from typing import Any
 
 from addnorm.lab.formatting import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, per_seed_table
 from addnorm.lab.report import md_table
+from addnorm.lab.seeds_advice import seeds_section
 
 MACHINE_NOTE = (
     "Each machine repeats its own numbers exactly (same code, seed and torch version), but high-LR training runs "
@@ -89,6 +90,7 @@ def render_results_doc(doc: dict[str, Any]) -> str:
         ) + [""]
         for r in records:
             lines += _section(r)
+    lines += seeds_section(experiments)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -39,6 +39,7 @@ from addnorm.lab.formatting import (
     per_seed_table,
     timing_text,
 )
+from addnorm.lab.seeds_advice import seeds_section
 
 RESULTS_FILE = "results.json"
 MARKDOWN_FILE = "report.md"
@@ -205,6 +206,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines += ["", f"# {KIND_TITLES[kind][0]}"]
         for r in records:
             lines += ["", f"## {r['name']}", "", *md_experiment_body(r)]
+    lines += ["", *seeds_section(doc["experiments"])]
     return "\n".join(lines) + "\n"
 
 

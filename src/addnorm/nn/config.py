@@ -117,7 +117,7 @@ class TransformerConfig:
         ``d_ff=None``: 4 * d_model, or for gated FFNs (swiglu/geglu) 8/3 * d_model rounded up to a multiple of 8
         (same parameter count). ``embed_scale``: multiply token embeddings by sqrt(d_model) (original Transformer,
     Gemma). ``final_norm=None``: on for placements whose stream leaves the last layer
-        unnormalized (pre, sandwich, mix, pre-noskip, parallel). ``placement="mix"``: Post-LN for the first
+        unnormalized (pre, sandwich, mix, pre-noskip, branch-output, parallel; not rezero, which has no norm). ``placement="mix"``: Post-LN for the first
         ``floor(mix_ln_fraction * n_layers)`` layers, Pre-LN after (Mix-LN). ``deepnorm_alpha/beta``: override the
         values :func:`deepnorm_coefficients` derives from the depth. ``fuse_add_norm``: run each pre-norm residual
         add together with the next norm as one fused call (same numbers, fewer memory passes).
@@ -208,7 +208,7 @@ class TransformerConfig:
     def use_final_norm(self) -> bool:
         if self.final_norm is not None:
             return bool(self.final_norm)
-        return self.parallel or self.placement in ("pre", "sandwich", "mix", "pre-noskip")
+        return self.parallel or self.placement in ("pre", "sandwich", "mix", "pre-noskip", "branch-output")
 
     @property
     def decoder_layers(self) -> int:

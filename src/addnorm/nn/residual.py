@@ -8,6 +8,8 @@ residual add, i.e. to F's output, after Norm_out for sandwich):
     "deepnorm"     Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022); alpha > 1 from the depth
     "sandwich"     x + Norm_out(F(Norm_in(x)))         Sandwich-LN / Peri-LN
     "none"         x + F(x)                            no norm at all
+    "rezero"       x + a * F(x), a a learned scalar    ReZero (Bachlechner et al. 2020): a = 0 at init, no norm
+    "branch-output" x + Norm(F(x))                     the norm on the branch's output only (OLMo 2's "reordered")
     "post-noskip"  Norm(F(x))                          lab only: no residual path
     "pre-noskip"   F(Norm(x))                          lab only: no residual path
 
@@ -45,10 +47,10 @@ __all__ = [
     "scale_weights_",
 ]
 
-PLACEMENTS = ("post", "pre", "deepnorm", "sandwich", "none", "post-noskip", "pre-noskip")
+PLACEMENTS = ("post", "pre", "deepnorm", "sandwich", "none", "post-noskip", "pre-noskip", "rezero", "branch-output")
 
 # placements whose output is "stream + branch" with nothing after the add: the add can fuse with the next norm
-_ENDS_WITH_ADD = ("pre", "sandwich", "none")
+_ENDS_WITH_ADD = ("pre", "sandwich", "none", "rezero", "branch-output")
 # placements whose branch input is Norm(stream): that norm can fuse with the previous add
 _STARTS_WITH_NORM = ("pre", "sandwich")
 _NEEDS_NORM = ("post", "pre", "deepnorm", "sandwich", "post-noskip", "pre-noskip")
@@ -61,7 +63,8 @@ class Residual(nn.Module):
     ``norm_padding_mask`` (True at padded positions) reaches only the norms that use one (batchnorm).
     ``norm`` is a kind for :func:`make_norm`; ``norm_kwargs`` go to it (bias, zero_centered_weight, backend, ...).
     Attributes: ``sublayer``, ``norm`` (the placement's norm; Norm_in for sandwich; None for "none"),
-    ``norm_out`` (sandwich only), ``alpha`` (deepnorm only).
+    ``norm_out`` (sandwich's Norm_out; branch-output's only norm), ``alpha`` (deepnorm only), ``rezero_alpha``
+    (rezero only: the learned scalar on the branch, 0 at init, so every block starts as the identity).
     """
 
     def __init__(
@@ -97,7 +100,8 @@ class Residual(nn.Module):
         self.d_model = d_model
         self.alpha = None if alpha is None else float(alpha)
         self.norm = make_norm(norm, d_model, eps, **kw) if placement in _NEEDS_NORM else None
-        self.norm_out = make_norm(norm, d_model, eps, **kw) if placement == "sandwich" else None
+        self.norm_out = make_norm(norm, d_model, eps, **kw) if placement in ("sandwich", "branch-output") else None
+        self.rezero_alpha = nn.Parameter(torch.zeros(())) if placement == "rezero" else None
         self.dropout = nn.Dropout(dropout)
 
     # The pieces, used by forward and by the fused chains of addnorm.nn.layers
@@ -112,17 +116,20 @@ class Residual(nn.Module):
         return self.placement in _STARTS_WITH_NORM
 
     def branch(self, h: Tensor, *args, **kwargs) -> Tensor:
-        """Dropout(F(h)), or Dropout(Norm_out(F(h))) for sandwich: what is added to the stream."""
+        """Dropout(F(h)), Dropout(Norm_out(F(h))) for sandwich and branch-output, Dropout(a * F(h)) for rezero: what
+        is added to the stream."""
         y = self.sublayer(h, *args, **kwargs)
         if self.norm_out is not None:
             y = self.norm_out(y)
+        if self.rezero_alpha is not None:
+            y = self.rezero_alpha * y
         return self.dropout(y)
 
     def forward(self, x: Tensor, *args, norm_padding_mask: Tensor | None = None, **kwargs) -> Tensor:
         p = self.placement
         if p in ("pre", "sandwich"):
             return x + self.branch(call_norm(self.norm, x, padding_mask=norm_padding_mask), *args, **kwargs)
-        if p == "none":
+        if p in ("none", "rezero", "branch-output"):
             return x + self.branch(x, *args, **kwargs)
         if p == "post":
             # Norm(x + F(x)) is itself one fused add+norm

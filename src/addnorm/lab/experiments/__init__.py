@@ -11,6 +11,8 @@ MODULES: list[str] = [
     "training",
     "training_logits",
     "training_norms",
+    "training_newer",
+    "training_residuals",
 ]
 
 for _m in MODULES:

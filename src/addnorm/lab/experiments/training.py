@@ -63,8 +63,11 @@ CRITERIA = {
     ),
     "depth-sweep": (
         "Per seed, degrade(p) = excess loss at the deepest L minus at the shallowest L. Reproduced iff "
-        "degrade(Post-LN) > 0.1 nats, degrade(DeepNorm) < degrade(Post-LN) / 2 and no DeepNorm run diverged, at a "
-        "strict majority of the seeds (at least 2), paired by seed."
+        "degrade(Post-LN) > 0.1 nats, degrade(DeepNorm) < degrade(Post-LN) / 2, no DeepNorm run diverged, and the "
+        "deep Post-LN arm with the long warmup is also worse than shallow Post-LN by > 0.1 nats (a long warmup does "
+        "not rescue depth), at a strict majority of the seeds (at least 2), paired by seed. (The long-warmup arm was "
+        "added 2026-12-01 before its first run: without it 'fails with depth' was not separated from 'needs more "
+        "warmup with depth'.)"
     ),
 }
 PRECONDITIONS = {
@@ -129,9 +132,12 @@ def warmup_verdict(
 
 
 def depth_verdict(
-    excess: dict[str, dict[int, Sequence[float]]], diverged: dict[str, dict[int, Sequence[bool]]]
+    excess: dict[str, dict[int, Sequence[float]]],
+    diverged: dict[str, dict[int, Sequence[bool]]],
+    long_warmup: Sequence[float] | None = None,
 ) -> Verdict:
-    """``excess[p][L]`` and ``diverged[p][L]``: per-seed values for p in "post" and "deepnorm" (others ignored)."""
+    """``excess[p][L]`` and ``diverged[p][L]``: per-seed values for p in "post" and "deepnorm" (others ignored);
+    ``long_warmup``: per seed, the excess of Post-LN at the deepest L trained with the long warmup (required)."""
     depths = sorted(excess["post"])
     if len(depths) < 2:
         return None, {}, "the sweep needs at least two depths"
@@ -143,18 +149,29 @@ def depth_verdict(
     if reason:
         return None, {}, reason
     n = len(excess["post"][lo])
+    if long_warmup is None or len(long_warmup) != n:
+        return None, {}, "the deep Post-LN arm with the long warmup is missing or not paired by seed"
     degrade: dict[str, list[float | None]] = {"post": [], "deepnorm": []}
     for p in degrade:
         for s in range(n):
             a, b = excess[p][hi][s], excess[p][lo][s]
             degrade[p].append(a - b if finite(a) and finite(b) else None)
+    degrade_long = [a - b if finite(a) and finite(b) else None for a, b in zip(long_warmup, excess["post"][lo])]
     per_seed = []
     for s in range(n):
-        dp, dd = degrade["post"][s], degrade["deepnorm"][s]
+        dp, dd, dl = degrade["post"][s], degrade["deepnorm"][s], degrade_long[s]
         deep_ok = not any(diverged["deepnorm"][L][s] for L in diverged["deepnorm"])
-        per_seed.append(None if dp is None or dd is None else (dp > 0.1 and dd < dp / 2 and deep_ok))
+        per_seed.append(None if None in (dp, dd, dl) else (dp > 0.1 and dd < dp / 2 and deep_ok and dl > 0.1))
     passed, details, reason = majority(per_seed, "the depth degradation")
-    return passed, {"degrade_post": degrade["post"], "degrade_deepnorm": degrade["deepnorm"], **details}, reason
+    rescued = sum(1 for d in degrade_long if d is not None and d <= 0.1)
+    details = {
+        "degrade_post": degrade["post"],
+        "degrade_deepnorm": degrade["deepnorm"],
+        "degrade_post_long_warmup": degrade_long,
+        "long_warmup_rescues_depth_at_seeds": f"{rescued}/{n}",
+        **details,
+    }
+    return passed, details, reason
 
 
 # ------------------------------------------------------------------------------------------------ experiments
@@ -230,28 +247,36 @@ def warmup_experiment(ctx: Context) -> Result:
     claim="Post-LN gets worse (or fails) as depth grows; DeepNorm trains stably at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, arXiv:2203.00555 (Fig. 1, section 5)",
     config={
+        "version": 3,
         "lr": 1e-3,
         "warmup": 40,
-        "default": {"depths": [6, 24], "steps": 400, "seeds": 3},
-        "quick": {"depths": [1, 3], "steps": 20, "warmup": 2, "seeds": 2},
+        "default": {"depths": [6, 24], "steps": 400, "seeds": 3, "long_warmup": 250},
+        "quick": {"depths": [1, 3], "steps": 20, "warmup": 2, "seeds": 2, "long_warmup": 10},
     },
 )
 def depth_sweep(ctx: Context) -> Result:
     """DeepNet (Wang et al. 2022) shows Post-LN failing to train as depth grows (its 18L-18L+ runs diverge on WMT
     at lr 5e-4 with warmup) while DeepNorm trains at any depth. Scaled here: decoder-only, d = 32, L = 6 vs 24;
     Adam lr 1e-3, warmup 40 then cosine, 400 steps (issue 13's setting; 48 layers cost too much). The LR is the one at which shallow Post-LN trains (issue 13: at
-    lr 4e-3 Post-LN was stuck at every depth, so depth could not be what broke it)."""
+    lr 4e-3 Post-LN was stuck at every depth, so depth could not be what broke it).
+
+    DeepNet's claim is that deep Post-LN fails even with warmup. A third arm, Post-LN at the deepest L with the long
+    warmup that rescues shallow Post-LN in the warmup experiment (250 of 400 steps, cosine after), separates "fails
+    with depth" from "needs more warmup with depth": the claim needs it to be worse than shallow Post-LN too."""
     s = settings(ctx)
     depths, steps, lr = sorted(s["depths"]), s["steps"], s["lr"]
     seeds = seed_list(ctx, s["seeds"])
     placements = ("post", "deepnorm")
     arms = {(p, n): ({"placement": p, "n_layers": n}, {}) for p in placements for n in depths}
+    long_key = ("post-long-warmup", max(depths))
+    arms[long_key] = ({"placement": "post", "n_layers": max(depths)}, {"warmup": s["long_warmup"]})
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
     runs = dict(zip(keys, ctx.map(train_task, tasks)))
     ex = {p: {n: seed_values(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
     div = {p: {n: seed_values(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
-    passed, extra, reason = depth_verdict(ex, div)
+    ex_long = seed_values(runs, long_key, seeds, "excess")
+    passed, extra, reason = depth_verdict(ex, div, ex_long)
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -265,6 +290,14 @@ def depth_sweep(ctx: Context) -> Result:
                     color=f"C{i}",
                     label=p if k == 0 else None,
                 )
+        for k in range(len(seeds)):
+            axes[0].plot(
+                [max(depths)],
+                [nan(ex_long[k])],
+                "s",
+                color="C2",
+                label=f"post, warmup {s['long_warmup']}" if k == 0 else None,
+            )
         axes[0].set_xscale("log")
         axes[0].minorticks_off()  # only the swept depths as ticks: log-axis minor labels overlapped them
         axes[0].set_xticks(depths, [str(n) for n in depths])
@@ -274,10 +307,10 @@ def depth_sweep(ctx: Context) -> Result:
         plot_curves(
             axes[1],
             runs,
-            [(p, max(depths)) for p in placements],
+            [(p, max(depths)) for p in placements] + [long_key],
             seeds,
             steps,
-            {(p, max(depths)): p for p in placements},
+            {**{(p, max(depths)): p for p in placements}, long_key: f"post, warmup {s['long_warmup']}"},
         )
         axes[1].set_title(f"{max(depths)} layers", fontsize=9)
         axes[1].set_xlabel("step")
@@ -290,13 +323,17 @@ def depth_sweep(ctx: Context) -> Result:
         "steps": steps,
         "lr": lr,
         "seeds": seeds,
-        "per_seed": {f"{p} excess L={n}": ex[p][n] for p in placements for n in depths},
+        "per_seed": {
+            **{f"{p} excess L={n}": ex[p][n] for p in placements for n in depths},
+            f"post excess L={max(depths)} warmup {s['long_warmup']}": ex_long,
+        },
         "diverged": {f"{p} L={n}": div[p][n] for p in placements for n in depths},
         "max_grad_norm": {
             f"{p} L={n}": seed_values(runs, (p, n), seeds, "max_grad_norm") for p in placements for n in depths
         },
         "setup": f"DeepNet (Wang et al. 2022) depth scaling at d = 32: L = {depths}, Adam lr {lr:g}, warmup "
-        f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
+        f"{s['warmup']} then cosine, {steps} steps, {len(seeds)} seeds; deep Post-LN also with warmup "
+        f"{s['long_warmup']}",
         **extra,
     }
     line = (
@@ -304,6 +341,7 @@ def depth_sweep(ctx: Context) -> Result:
         + str(len(seeds))
         + "): "
         + "; ".join(f"{p} " + ", ".join(f"L={n} {fmt_seeds(ex[p][n])}" for n in depths) for p in placements)
+        + f"; post L={max(depths)} with warmup {s['long_warmup']} {fmt_seeds(ex_long)}"
         + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)

@@ -6,7 +6,8 @@ verdict a pure ``*_verdict`` function with a control, decided by a strict majori
 Repeatability of ``ln-vs-rms-training`` (two default runs on one shared 2-core machine at load 5-7, 2026-11-30):
 RMS/LN time ratio, written out 0.70 (95% CI 0.57-0.85) then 0.83 (0.71-0.98); addnorm's cpu kernels 0.91
 (0.76-1.08) then 1.12 (0.96-1.30). Both runs: inconclusive (the addnorm interval straddles 1.05), the losses
-identical (they are deterministic). The verdict did not flip; the point estimates moved by ~0.2 under that load.
+identical (they are deterministic). The point estimates moved by ~0.2 under that load. Since issue 27 the speed is
+a benchmark row, not part of the verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from addnorm.lab.experiments.training_setup import (
     TRAINED_EXCESS,
     control,
     finite,
+    fmt,
     fmt_seeds,
     grid_tasks,
     majority,
@@ -39,38 +41,38 @@ from addnorm.lab.experiments.training_setup import (
 PLACEMENTS = ("pre", "post", "sandwich", "mix", "dyt", "deepnorm")
 # "No slower": RMSNorm's time ratio to LayerNorm at most this (5% allows for matched-but-not-identical code).
 SPEED_TOLERANCE = 1.05
+# The range of the increment ratio r (placement-comparison) read as "variance grows linearly in depth": r = 1 exactly
+# for linear growth; [0.5, 2] leaves room for init noise and still excludes linear RMS growth (r ~ 3) and any
+# exponential growth faster than ~1.03x per layer at 24 layers.
+LINEAR_R = (0.5, 2.0)
 
 CRITERIA = {
     "placement-comparison": (
-        "Per init, g(p) = mean residual RMS over the top quarter of layers / mean over the bottom quarter, block 0 "
-        "left out (the block next to the embeddings is an edge effect). Reproduced iff g(Pre-LN) > 1.5 (Lemma 2 "
-        "predicts about 2 at 24 layers) and g(Sandwich) < g(Pre-LN), both at >= 5 of 6 inits (all of them when "
-        "fewer than 6 run). The per-layer gradient profiles are shown, not tested here: Xiong et al.'s gradient "
-        "claim (Fig. 3) is tested by xiong-init-gradients in the architecture the paper measured."
+        "A demonstration, not counted (issue 27: no cited paper claims slower growth at init). Per init, "
+        "v_l = residual RMS^2 after layer l and r = mean increment v_(l+1) - v_l over the top half of the layers / "
+        "over the bottom half (block 0 left out): about 1 when the variance grows linearly in depth (Lemma 2), 3 when "
+        f"the RMS grows linearly, q^L when it grows q-fold per layer (1.1x per layer at 24 layers: ~9). It shows "
+        f"what it should iff Pre-LN's r is in [{LINEAR_R[0]}, {LINEAR_R[1]}] (linear variance growth) at >= 5 of 6 "
+        "inits (all of them when fewer than 6 run). The other placements and the gradient profiles are shown."
     ),
     "ln-vs-rms-training": (
-        "Quality, per seed: |excess(LayerNorm) - excess(RMSNorm)| < max(0.05 nats, 10% of LayerNorm's excess), at "
-        "a strict majority of the seeds (at least 2). Speed: the norm alone (forward + backward, fp32), LayerNorm "
-        "and RMSNorm interleaved, for two matched pairs (both written out the same way in plain torch; both "
-        "through addnorm's cpu kernels); per pair the 95% t-interval of the geometric-mean time ratio RMS/LN is "
-        f"'no slower' when its upper end <= {SPEED_TOLERANCE}, 'slower' when its lower end > {SPEED_TOLERANCE}. "
-        "Reproduced iff quality holds and both pairs are no slower; not reproduced iff quality fails or a pair is "
-        "slower; otherwise inconclusive."
+        "Per seed: |excess(LayerNorm) - excess(RMSNorm)| < max(0.05 nats, 10% of LayerNorm's excess). Reproduced iff "
+        "that holds at a strict majority of the seeds (at least 2), paired by seed. The speed of the norm is a "
+        "benchmark row shown with the result (the norm alone, fwd+bwd, two matched pairs, 95% interval of the time "
+        "ratio), not part of the verdict: no counted verdict depends on wall-clock time (issue 27; until 2026-12-01 "
+        "it also required 'no slower', and flipped to inconclusive under machine load)."
     ),
 }
 PRECONDITIONS = {
-    "placement-comparison": (
-        "Post-LN's residual RMS is flat across layers (g in [0.9, 1.1]) at every init: a LayerNorm after each add "
-        "sets it, so anything else means the measurement is broken."
-    ),
+    "placement-comparison": "",
     "ln-vs-rms-training": (
-        f"The LayerNorm model trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds, and every "
-        "timing is finite."
+        f"The LayerNorm model trains (excess < {TRAINED_EXCESS} nats) at a strict majority of the seeds (a parity "
+        "of two untrained models would say nothing)."
     ),
 }
 
 
-def _register(name: str, *, claim: str, source: str, config: dict):
+def _register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical"):
     return experiment(
         name,
         claim=claim,
@@ -78,6 +80,7 @@ def _register(name: str, *, claim: str, source: str, config: dict):
         config={"version": 2, **config},
         criterion=CRITERIA[name],
         precondition=PRECONDITIONS[name],
+        kind=kind,
     )
 
 
@@ -88,30 +91,29 @@ def inits_needed(n: int) -> int:
     return n - 1 if n >= 6 else n
 
 
-def placement_verdict(growth: dict[str, Sequence[float | None]]) -> tuple:
-    """``growth[p]``: per init (same init order for every placement), the top-quarter / bottom-quarter ratio g of
-    the residual RMS profile at init, for "pre", "sandwich" and "post" (the control)."""
-    post = growth["post"]
-    flat = [finite(r) and 0.9 <= r <= 1.1 for r in post]
-    if not post or not all(flat):
-        return (
-            None,
-            {},
-            (
-                f"Post-LN's residual RMS profile is not flat (g in [0.9, 1.1]) at {flat.count(False)} of "
-                f"{len(post)} inits: the measurement is broken"
-            ),
-        )
-    n = len(post)
-    per_init: list[bool | None] = []
-    for k in range(n):
-        pre, sand = growth["pre"][k], growth["sandwich"][k]
-        per_init.append(None if not (finite(pre) and finite(sand)) else bool(pre > 1.5 and sand < pre))
+def increment_ratio(profile: Sequence[float | None]) -> float | None:
+    """r = mean increment of v = RMS^2 over the top half of the layers / over the bottom half, block 0 left out
+    (the block next to the embeddings is an edge effect). Linear variance growth gives 1, linear RMS growth ~3,
+    q-fold RMS growth per layer q^(2 * half) (a top/bottom ratio of the RMS itself cannot tell these apart)."""
+    vals = list(profile[1:])
+    if len(vals) < 5 or not all(map(finite, vals)):
+        return None
+    v = [x * x for x in vals]
+    inc = [b - a for a, b in zip(v, v[1:])]
+    half = len(inc) // 2
+    bottom, top = sum(inc[:half]) / half, sum(inc[-half:]) / half
+    return top / bottom if bottom > 0 else None
+
+
+def placement_check(ratio_pre: Sequence[float | None]) -> tuple:
+    """``ratio_pre``: Pre-LN's increment ratio r per init. True iff r is in LINEAR_R at all but one of 6 inits."""
+    n = len(ratio_pre)
+    per_init = [None if not finite(r) else bool(LINEAR_R[0] <= r <= LINEAR_R[1]) for r in ratio_pre]
     need = inits_needed(n)
     decided = [v for v in per_init if v is not None]
     wins = sum(decided)
     details = {"inits_agreeing": f"{wins}/{n}", "inits_needed": need, "holds_by_init": per_init}
-    if len(decided) < need:
+    if n == 0 or len(decided) < need:
         return None, details, f"only {len(decided)} of {n} inits gave finite profiles"
     return wins >= need, details, ""
 
@@ -129,38 +131,31 @@ def ratio_ci(ln_times: Sequence[float], rms_times: Sequence[float]) -> tuple[flo
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def ln_rms_verdict(
-    excess_ln: Sequence[float], excess_rms: Sequence[float], ratio_cis: dict[str, Sequence[float]]
-) -> tuple:
-    """``excess_*``: per seed (paired); ``ratio_cis[pair]`` = (geomean, low, high) of RMS/LN time ratios."""
+def ln_rms_verdict(excess_ln: Sequence[float], excess_rms: Sequence[float]) -> tuple:
+    """``excess_*``: per seed (paired). Loss parity only; the norm's speed is reported, never a verdict."""
     reason = control([finite(v) and v < TRAINED_EXCESS for v in excess_ln], "the LayerNorm model did not train")
-    if not reason and not all(all(map(finite, ci)) for ci in ratio_cis.values()):
-        reason = "a norm timing was not finite"
-    if reason or not ratio_cis:
-        return None, {}, reason or "no norm timings"
+    if reason:
+        return None, {}, reason
     parity_seed = []
     for a, b in zip(excess_ln, excess_rms):
         parity_seed.append(None if not (finite(a) and finite(b)) else abs(a - b) < max(0.05, 0.1 * abs(a)))
     parity, details, reason = majority(parity_seed, "the losses")
-    if parity is None:
-        return None, details, reason
-    speed = {
-        k: "no slower" if hi <= SPEED_TOLERANCE else "slower" if lo > SPEED_TOLERANCE else "undecided"
-        for k, (_, lo, hi) in ratio_cis.items()
+    return parity, {"loss_parity_by_seed": parity_seed, **details}, reason
+
+
+def speed_rows(ratio_cis: dict[str, Sequence[float]]) -> dict[str, str]:
+    """Benchmark reading of each pair's (geomean, low, high) time ratio RMS/LN: 'no slower' / 'slower' /
+    'undecided' against SPEED_TOLERANCE (shown in the report's timings, not used by any verdict)."""
+    return {
+        k: "n/a"
+        if not all(map(finite, ci))
+        else "no slower"
+        if ci[2] <= SPEED_TOLERANCE
+        else "slower"
+        if ci[1] > SPEED_TOLERANCE
+        else "undecided"
+        for k, ci in ratio_cis.items()
     }
-    details = {"loss_parity_by_seed": parity_seed, "speed": speed, **details}
-    if not parity or "slower" in speed.values():
-        return False, details, ""
-    if "undecided" in speed.values():
-        return (
-            None,
-            details,
-            (
-                f"the time ratio's confidence interval straddles {SPEED_TOLERANCE} for "
-                + ", ".join(k for k, v in speed.items() if v == "undecided")
-            ),
-        )
-    return True, details, ""
 
 
 # ------------------------------------------------------------------------------------------------ placements
@@ -181,14 +176,16 @@ def quarter_growth(profile: Sequence[float | None]) -> float | None:
 
 @_register(
     "placement-comparison",
-    claim="At initialization, norm placement sets how the residual stream grows with depth: Pre-LN's stream grows "
-    "with depth (Xiong et al.'s Lemma 2), Sandwich/Peri-LN's (an extra norm on each branch's output) grows more "
-    "slowly than Pre-LN's, Post-LN's stays at the norm's scale.",
+    claim="At initialization, norm placement sets how the residual stream grows with depth: Pre-LN's stream variance "
+    "grows linearly with depth (Xiong et al.'s Lemma 2), not exponentially; Post-LN's stays at the norm's scale; "
+    "Sandwich/Peri-LN, Mix-LN, DyT and DeepNorm shown alongside.",
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 (Lemma 2); "
     "Ding et al. 2021, CogView (Sandwich-LN), arXiv:2105.13290; Kim et al. 2025, Peri-LN, arXiv:2502.02732; shown "
     "alongside: Li et al. 2024, Mix-LN, arXiv:2412.13795; Zhu et al. 2025, Transformers without Normalization "
     "(DyT), arXiv:2503.10622; Wang et al. 2022, DeepNet, arXiv:2203.00555",
+    kind="demonstration",
     config={
+        "version": 3,
         "placements": list(PLACEMENTS),
         "init_std": 1.0,
         "tie_embeddings": False,
@@ -212,8 +209,13 @@ def placement_comparison(ctx: Context) -> Result:
     First run of this version (seed 0, 2026-11-30): Pre-LN's g was 1.9-2.7 at all 6 inits, as Lemma 2 predicts,
     but Sandwich's (2.0-2.5) was lower than Pre-LN's at only 2 of 6: not reproduced. Read with care: Peri-LN's
     evidence is about the hidden states *during training* (Pre-LN's grow large, Peri-LN's stay bounded), while at
-    init both add about one unit-RMS branch output per sublayer. The init-time half of the claim is what this
-    experiment tests; a training-time version (residual RMS after training at a high LR) is left to do."""
+    init both add about one unit-RMS branch output per sublayer.
+
+    Issue 27 (2026-12-01, before the rerun): no cited paper makes the init-time Sandwich claim, and g cannot tell
+    linear from exponential growth (linear variance growth gives g ~ 1.8-2.4 at 24 layers, 1.1x per layer 2.36),
+    while its control (Post-LN flat) held by construction. So this is now a demonstration of Lemma 2 with a
+    statistic that separates the two: the increment ratio r of the variance (:func:`increment_ratio`). Peri-LN's
+    training-time claim is tested by peri-ln-training."""
     s = settings(ctx)
     layers, placements = s["layers"], list(s["placements"])
     seeds = seed_list(ctx, s["seeds"])
@@ -230,7 +232,13 @@ def placement_comparison(ctx: Context) -> Result:
     grad_profile = {p: [_layer_profile(runs[(p, sd)]["init_record"], "grad_norm") for sd in seeds] for p in placements}
     growth = {p: [quarter_growth(v) for v in res_profile[p]] for p in placements}
     grad_growth = {p: [quarter_growth(v) for v in grad_profile[p]] for p in placements}
-    passed, extra, reason = placement_verdict(growth)
+    ratio = {p: [increment_ratio(v) for v in res_profile[p]] for p in placements}
+    calibration = {  # r of ideal 24-layer profiles: what linear and exponential growth look like to the statistic
+        "linear variance": increment_ratio([math.sqrt(1 + 0.5 * k) for k in range(layers + 1)]),
+        "linear RMS": increment_ratio([1.0 + k for k in range(layers + 1)]),
+        "1.1x per layer": increment_ratio([1.1**k for k in range(layers + 1)]),
+    }
+    passed, extra, reason = placement_check(ratio["pre"])
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -244,11 +252,13 @@ def placement_comparison(ctx: Context) -> Result:
                 axes[1].plot(
                     [nan(v) for v in grad_profile[p][k]], style, color=f"C{i}", lw=1, label=p if k == 0 else None
                 )
-            axes[2].plot([i] * len(seeds), [nan(v) for v in growth[p]], "o", color=f"C{i}", alpha=0.7)
+            axes[2].plot([i] * len(seeds), [nan(v) for v in ratio[p]], "o", color=f"C{i}", alpha=0.7)
         axes[0].set_title("residual RMS after each layer (init)", fontsize=9)
         axes[1].set_title("gradient norm per layer (init; shown, not tested)", fontsize=9)
-        axes[2].set_title("g = top / bottom quarter of residual RMS (one dot per init)", fontsize=9)
-        axes[2].axhline(1.5, color="k", ls="--", lw=0.8)
+        axes[2].set_title("r = top / bottom half mean increment of RMS^2 (one dot per init)", fontsize=9)
+        for bound in LINEAR_R:
+            axes[2].axhline(bound, color="k", ls="--", lw=0.8)
+        axes[2].set_yscale("log")
         axes[2].set_xticks(range(len(placements)), placements, fontsize=8)
         for ax in axes[:2]:
             ax.set_xlabel("layer (line style: init)")
@@ -256,6 +266,7 @@ def placement_comparison(ctx: Context) -> Result:
             ax.legend(fontsize=7)
         figures = save(plt, fig, ctx, "placement_profiles.png")
     per_seed = {
+        **{f"{p} residual r": ratio[p] for p in placements},
         **{f"{p} residual g": growth[p] for p in placements},
         **{f"{p} grad g": grad_growth[p] for p in placements},
     }
@@ -264,6 +275,7 @@ def placement_comparison(ctx: Context) -> Result:
         "layers": layers,
         "seeds": seeds,
         "per_seed": per_seed,
+        "r_calibration": calibration,
         "residual_rms_init": {f"{p} seed {sd}": res_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
         "grad_norm_init": {f"{p} seed {sd}": grad_profile[p][k] for p in placements for k, sd in enumerate(seeds)},
         "setup": (
@@ -273,11 +285,12 @@ def placement_comparison(ctx: Context) -> Result:
         **extra,
     }
     line = (
-        "Residual RMS growth g (top / bottom quarter of layers, block 0 out) by init: "
-        + ", ".join(f"{p} {fmt_seeds(growth[p])}" for p in placements)
-        + f"; Pre-LN grows and Sandwich grows less at {extra.get('inits_agreeing', 'n/a')} inits (at init only: "
-        "Peri-LN's evidence is about training, not tested here). Gradient "
-        "profiles (shown, not tested) g: " + ", ".join(f"{p} {fmt_seeds(grad_growth[p])}" for p in placements) + "."
+        "Increment ratio r of the residual variance (top / bottom half of layers, block 0 out; linear variance 1, "
+        + ", ".join(f"{k} {fmt(v)}" for k, v in calibration.items() if k != "linear variance")
+        + ") by init: "
+        + ", ".join(f"{p} {fmt_seeds(ratio[p])}" for p in placements)
+        + f"; Pre-LN's variance grows linearly (r in {list(LINEAR_R)}) at {extra.get('inits_agreeing', 'n/a')} inits. "
+        "RMS growth g (top / bottom quarter): " + ", ".join(f"{p} {fmt_seeds(growth[p])}" for p in placements) + "."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
@@ -334,7 +347,8 @@ def norm_timing_task(*, rows: int, hidden: int, reps: int, seed: int) -> dict:
 
 @_register(
     "ln-vs-rms-training",
-    claim="RMSNorm trains to the same loss as LayerNorm, and the norm itself (forward + backward) is no slower.",
+    claim="RMSNorm trains to the same loss as LayerNorm (its speed, the paper's other claim, is measured as a "
+    "benchmark row shown with the result, not a verdict).",
     source="Zhang & Sennrich 2019, Root Mean Square Layer Normalization, arXiv:1910.07467",
     config={
         "layers": 4,
@@ -350,7 +364,11 @@ def ln_vs_rms(ctx: Context) -> Result:
     backward), with implementations of matched quality: both written out the same way in torch, and both through
     addnorm's cpu kernels; interleaved, 30 repetitions, 95% interval of the ratio. (Issue 13: the model's step
     time put the norm at a small share and compared torch's fused F.layer_norm with an unfused F.rms_norm; its
-    ratio moved between 1.03 and 1.19 from run to run.) Timings go to ``Result.timings``."""
+    ratio moved between 1.03 and 1.19 from run to run.) Timings go to ``Result.timings``.
+
+    Issue 27 (2026-12-01, before the rerun): the verdict is loss parity only. The speed criterion flipped the verdict
+    to inconclusive in 2 of 4 recorded runs under machine load; a verdict that changes with the machine's load is not
+    a verdict, so the speed is now a benchmark row (``timings["speed_reading"]``) shown next to the result."""
     s = settings(ctx)
     steps, seeds = s["steps"], seed_list(ctx, s["seeds"])
     arms = {
@@ -364,7 +382,7 @@ def ln_vs_rms(ctx: Context) -> Result:
     )[0]
     ex = {k: seed_values(runs, k, seeds, "excess") for k in arms}
     cis = {pair: ratio_ci(t["ln"], t["rms"]) for pair, t in times.items()}
-    passed, extra, reason = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"], cis)
+    passed, extra, reason = ln_rms_verdict(ex["layernorm"], ex["rmsnorm"])
     median_ms = {pair: {k: 1e3 * sorted(v)[len(v) // 2] for k, v in t.items()} for pair, t in times.items()}
     figures = []
     plt = pyplot()
@@ -400,11 +418,13 @@ def ln_vs_rms(ctx: Context) -> Result:
     timings = {
         "norm_median_ms": median_ms,
         "ratio_rms_over_ln": {p: {"geomean": g, "ci95": [lo, hi]} for p, (g, lo, hi) in cis.items()},
+        "speed_reading": speed_rows(cis),
         "norm_times_s": times,
     }
     line = (
         f"Excess loss by seed ({len(seeds)}): LayerNorm {fmt_seeds(ex['layernorm'])}, RMSNorm "
-        f"{fmt_seeds(ex['rmsnorm'])}; the norm alone ({s['rows']}x{s['hidden']}, fwd+bwd, {s['reps']} interleaved "
+        f"{fmt_seeds(ex['rmsnorm'])} (parity at {extra.get('seeds_agreeing', 'n/a')} seeds). Benchmark row, not part "
+        f"of the verdict: the norm alone ({s['rows']}x{s['hidden']}, fwd+bwd, {s['reps']} interleaved "
         "reps), time RMS/LN: "
         + ", ".join(
             f"{p} {g:.2f} (95% CI {lo:.2f}-{hi:.2f}; {median_ms[p]['ln']:.1f} vs {median_ms[p]['rms']:.1f} ms)"

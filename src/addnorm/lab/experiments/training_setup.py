@@ -146,13 +146,59 @@ def _num(x) -> float | None:
     return float(x) if finite(x) else None
 
 
+@torch.no_grad()
+def hidden_stats(net, x: torch.Tensor) -> list[dict]:
+    """Per block of ``net`` (a TransformerLM), statistics of its output (the residual stream) on tokens ``x``: RMS,
+    max |h|, and max |h| / median |h| (Sun et al. 2024's "massive activations" are thousands of times the
+    median)."""
+    outs: list[torch.Tensor] = []
+
+    def grab(module, args, out):
+        outs.append((out[0] if isinstance(out, (tuple, list)) else out).detach().float())
+
+    hooks = [block.register_forward_hook(grab) for block in net.blocks]
+    was_training = net.training
+    net.eval()
+    try:
+        net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+        net.train(was_training)
+    stats = []
+    for h in outs:
+        a = h.abs()
+        med = float(a.median())
+        stats.append(
+            {
+                "rms": _num(float(h.pow(2).mean().sqrt())),
+                "max_abs": _num(float(a.max())),
+                "max_over_median": _num(float(a.max()) / med) if med > 0 else None,
+            }
+        )
+    return stats
+
+
 def train_task(
-    *, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB, curve_points: int = 50, init_record: bool = False
+    *,
+    model: dict,
+    train: dict,
+    lang_seed: int,
+    vocab: int = VOCAB,
+    curve_points: int = 50,
+    init_record: bool = False,
+    hidden_probe: bool = False,
+    track_mean_logit: bool = False,
+    layer_grads: bool = False,
 ) -> dict:
-    """One training run of the tiny LM, as a ``ctx.map`` task. ``model``: TransformerConfig overrides;
-    ``train``: TrainConfig keywords (``seed`` sets the model init and the batches); ``lang_seed``: the language.
+    """One training run of the tiny LM, as a ``ctx.map`` task. ``model``: TransformerConfig overrides (a
+    ``vocab_size`` there makes the model's vocabulary larger than the language's: unused tokens); ``train``:
+    TrainConfig keywords (``seed`` sets the model init and the batches); ``lang_seed``: the language.
     With ``train["monitor"]`` the monitor's records give the max attention logit (needs ``record_logits``) and,
-    with ``init_record``, the per-layer record at step 0 is returned."""
+    with ``init_record``, the per-layer record at step 0 is returned. ``hidden_probe``: :func:`hidden_stats` on
+    the first validation batch before and after training. ``track_mean_logit``: the mean output logit of every
+    training step (over positions and the whole vocabulary), as a curve and its late value. ``layer_grads`` (with
+    ``train["monitor"]``): each layer's gradient norm averaged over the monitor's records after step 0."""
     from addnorm.nn import TransformerLM
     from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
@@ -160,7 +206,23 @@ def train_task(
     cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
     torch.manual_seed(cfg.seed)
     net = TransformerLM(model_config(**{"vocab_size": vocab, **model}))
-    res = run(net, CachedBatches(language(lang_seed, vocab)), cfg)
+    data = CachedBatches(language(lang_seed, vocab))
+    probe_x = data.batch(0, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")[0]
+    hidden_init = hidden_stats(net, probe_x) if hidden_probe else None
+    mean_logits: list[float] = []
+    hook = None
+    if track_mean_logit:
+
+        def record_mean(module, args, out):
+            if torch.is_grad_enabled():  # training steps only, not the evaluations
+                mean_logits.append(float(out.detach().float().mean()))
+
+        hook = net.lm_head.register_forward_hook(record_mean)
+    try:
+        res = run(net, data, cfg)
+    finally:
+        if hook is not None:
+            hook.remove()
     reference = res.eval_optimum
     if reference is None:  # a diverged run has no final evaluation: score its validation tokens anyway
         from addnorm.train.loop import reference_eval_loss
@@ -192,6 +254,23 @@ def train_task(
     }
     if init_record:  # the loop stores monitor records JSON-ready
         out["init_record"] = res.records[0] if res.records else None
+    if hidden_probe:
+        out["hidden_init"] = hidden_init
+        out["hidden_final"] = hidden_stats(net, probe_x)
+    if layer_grads:
+        recs = [rec.get("layers", []) for rec in res.records if rec.get("step", 0) > 0]
+        n_layers = min((len(r) for r in recs), default=0)
+        out["layer_grad_mean"] = [
+            _num(sum(r[i]["grad_norm"] for r in recs) / len(recs))
+            if all(finite(r[i].get("grad_norm")) for r in recs)
+            else None
+            for i in range(n_layers)
+        ]
+    if track_mean_logit:
+        late = [v for v in mean_logits[-tail:] if math.isfinite(v)]
+        out["mean_logit_curve"] = _subsample(mean_logits, curve_points)
+        out["mean_logit_late"] = _num(sum(late) / len(late)) if late else None
+        out["mean_logit_min"] = _num(min(mean_logits)) if mean_logits else None
     return out
 
 

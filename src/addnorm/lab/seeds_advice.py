@@ -1,0 +1,113 @@
+"""What the seeds say: each checkable statement of the three source articles (``../shared/seeds/``, in Chinese,
+paraphrased here) with the lab experiment that tests it, and the lab's reading. The verdict column is filled from
+the run being reported, so the section never quotes a verdict the run did not produce; a statement no experiment
+tests yet says so.
+
+The readings were written from the recorded runs (docs/lab-notes.md) and say where the lab contradicts a seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (seed and place, the statement, experiments that test it, the lab's reading)
+ADVICE: list[tuple[str, str, tuple[str, ...], str]] = [
+    (
+        "000, section 4 point 1",
+        "Xiong et al. showed that Post-Norm's layer outputs grow in variance linearly with depth at init, Pre-Norm's "
+        "stay stable",
+        ("xiong-init-gradients", "placement-comparison"),
+        "Contradicted: Xiong et al.'s Lemma 2 says the reverse, and the lab measures the reverse: Pre-LN's residual "
+        "variance grows linearly with depth (increment ratio ~1), Post-LN's is fixed by its norm.",
+    ),
+    (
+        "000, section 4 point 1; 004, section 2.5",
+        "Pre-Norm can skip warmup; Post-Norm is more sensitive to warmup",
+        ("warmup",),
+        "Tested at 6 layers: Post-LN without warmup ends far worse, Pre-LN does not care.",
+    ),
+    (
+        "000, section 4 (DeepNorm)",
+        "DeepNorm keeps a Post-Norm-style stack trainable at great depth",
+        ("depth-sweep", "deepnet-update-size"),
+        "Tested at 6 and 24 layers (not 1,000): DeepNorm trains at both depths where Post-LN degrades.",
+    ),
+    (
+        "003, 4.5 point 1",
+        "At 6 layers or fewer, Post-LN and Pre-LN are about the same",
+        ("warmup",),
+        "Holds only with warmup: without it 6-layer Post-LN ends about 1 nat worse than Pre-LN; with a 250-step "
+        "warmup they are close.",
+    ),
+    (
+        "003, 4.5 point 2",
+        "From 12 layers up use Pre-LN; a 24-layer Post-LN did not converge",
+        ("depth-sweep",),
+        "Tested at 24 layers: Post-LN degrades by about 0.9 nats against 6 layers, also with a long warmup (see the "
+        "depth-sweep verdict of this run).",
+    ),
+    (
+        "003, 4.5 point 3",
+        "Switching a Post-LN-pretrained model to Pre-LN for fine-tuning loses against fine-tuning it as it is",
+        (),
+        "Not tested yet (finetune-post-to-pre is not built).",
+    ),
+    (
+        "003, 4.5 point 4",
+        "LayerNorm in fp16 overflows or turns to NaN in training; clamp or compute it in fp32",
+        ("half-precision-stats",),
+        "The numerics are demonstrated (fp16 statistics overflow above 65504); a training-time test (fp16-layernorm) "
+        "is not built yet.",
+    ),
+    (
+        "004, section 6 point 1",
+        "Scaling each residual branch's output by a factor shrinking with depth keeps the stream's variance from "
+        "swelling at init and lets a deep stack start stably",
+        ("rezero",),
+        "The extreme case (branch scale 0 at init, ReZero) is tested by rezero; the depth-dependent factor itself "
+        "(branch-scaling) is not built yet.",
+    ),
+    (
+        "004, section 6 point 2",
+        "A norm's eps and gamma init matter far less than placement and warmup",
+        (),
+        "Not tested yet (norm-hyperparameters is not built).",
+    ),
+    (
+        "004, section 6 point 3",
+        "Log each layer's residual-stream norm; the first layer whose norm jumps locates the culprit",
+        (),
+        "Not tested yet (localize-divergence is not built).",
+    ),
+    (
+        "000, section 3; 004, section 2.5",
+        "BatchNorm does not suit Transformers: batch statistics are noisy and variable-length batches do not align",
+        ("batchnorm-vs-layernorm",),
+        "Only the sanity check runs (BatchNorm's statistics mix positions); the training test (batchnorm-training) "
+        "is not built yet.",
+    ),
+]
+
+
+def seeds_section(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of the "What the seeds say" section for a run's experiment records."""
+    verdicts = {r.get("name"): r.get("verdict") for r in records}
+
+    def tested(names: tuple[str, ...]) -> str:
+        if not names:
+            return "no experiment yet"
+        return "; ".join(f"{n}: {verdicts[n]}" if n in verdicts else f"{n}: not in this run" for n in names)
+
+    lines = [
+        "## What the seeds say",
+        "",
+        "Each checkable statement of the source articles (paraphrased), the experiment that tests it with its verdict "
+        "in this run, and the lab's reading, including where the lab contradicts a seed.",
+        "",
+        "| seed | statement | tested by (verdict) | the lab's reading |",
+        "|---|---|---|---|",
+    ]
+    for where, statement, names, reading in ADVICE:
+        cells = [where, statement, tested(names), reading]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines + [""]
