@@ -41,10 +41,15 @@ def _check_inplace(x, residual, weight, bias) -> None:
                     "under torch.no_grad() or torch.inference_mode() (or use add_rms_norm/add_layer_norm to train)"
                 )
     # everything is checked before anything is written: a refusal leaves both tensors as they were
-    if x is residual:  # (also under torch.compile, where the storage check below cannot run)
-        raise ValueError("x and residual must not share memory: both are written")
     if torch.compiler.is_compiling():
-        return  # dynamo cannot read storage pointers; a compiled graph sees aliasing among its inputs itself
+        # dynamo cannot read storage pointers, and an exception raised while tracing reaches a fullgraph=True
+        # caller as "Unsupported: Observed exception": the one tensor passed twice is refused by an op of the
+        # graph instead, which raises eager's ValueError when the compiled code runs, before anything is written
+        if x is residual:
+            torch.ops.addnorm.refuse_aliased_(x)
+        return
+    if x is residual:
+        raise ValueError(_ALIASED)
     for name, t in (("x", x), ("residual", residual)):
         # an expanded (stride-0) view: writing it would store several results in one element
         if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
@@ -57,7 +62,22 @@ def _check_inplace(x, residual, weight, bias) -> None:
         if x.untyped_storage()._cdata == residual.untyped_storage()._cdata:
             raise ValueError("x and residual must not share memory: both are written (views of one meta storage)")
     elif x.numel() and x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
-        raise ValueError("x and residual must not share memory: both are written")
+        raise ValueError(_ALIASED)
+
+
+_ALIASED = "x and residual must not share memory: both are written"
+
+
+@torch.library.custom_op("addnorm::refuse_aliased_", mutates_args=("x",))
+def _refuse_aliased(x: Tensor) -> None:
+    """What a compiled graph runs in place of an in-place op given one tensor as x and residual. Declared as
+    mutating x so that nothing reading x is ordered before it, and so that it is not removed as dead code."""
+    raise ValueError(_ALIASED)
+
+
+@_refuse_aliased.register_fake
+def _(x):
+    return None
 
 
 def _rows(t: Tensor) -> Tensor | None:
