@@ -123,6 +123,12 @@ def variants(model, compile_forward: str | None):
     return {**out, **compiled}
 
 
+def hf_is_applied(model) -> bool:
+    from addnorm.integrations import hf
+
+    return hf.is_applied(model)
+
+
 class _Stamps:
     """A logits processor that records the time after each forward (it runs once per generated token)."""
 

@@ -279,7 +279,7 @@ def decode_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compare(src: str, rounds: int, reps: int, inner: int) -> list[dict]:
+def compare(src: str, rounds: int, reps: int, inner: int, shapes) -> list[dict]:
     """The decode rows ``rounds`` times with PYTHONPATH=src ("before") and with this checkout ("after"), alternating
     in one run: per contender, the median over rounds of each round's median ratio, and the range."""
     import subprocess
@@ -289,7 +289,7 @@ def compare(src: str, rounds: int, reps: int, inner: int) -> list[dict]:
     for i in range(rounds):
         for side, path in (("before", src), ("after", here)) if i % 2 == 0 else (("after", here), ("before", src)):
             cmd = [sys.executable, __file__, "--decode-only", "--json", "--out", "", "--reps", str(reps)]
-            cmd += ["--inner", str(inner)]
+            cmd += ["--inner", str(inner), "--decode-shapes", ",".join(f"{m}x{n}" for m, n in shapes)]
             env = {**os.environ, "PYTHONPATH": path}
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             for r in json.loads(out)["rows"]:
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             + decode_markdown([r for r in rows if r.get("mode") == "decode"])
         )
     if a.compare_with:
-        cmp_rows = compare(a.compare_with, a.rounds, a.reps, a.inner)
+        cmp_rows = compare(a.compare_with, a.rounds, a.reps, a.inner, a.decode_shapes)
         env["compare"] = cmp_rows
         table += "\n\n" + compare_markdown(cmp_rows, a.compare_with, a.rounds)
     if a.out:
