@@ -121,7 +121,11 @@ def torch_add_norm(
 
 
 def _any_requires_grad(x, residual, weight) -> bool:
-    return x.requires_grad or (residual is not None and residual.requires_grad) or (weight is not None and weight.requires_grad)
+    return (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad)
+    )
 
 
 def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
