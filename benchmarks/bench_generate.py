@@ -310,6 +310,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(path: str, text: str, partial: tuple[int, int] | None = None) -> None:
+    from addnorm.io import atomic_write_text
+
+    note = f"(partial: {partial[0]} of {partial[1]} cases so far)\n\n" if partial else ""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), "# generate() end to end (benchmarks/bench_generate.py)\n\n" + note + text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--family", type=_choices(("llama", "gpt2")), default=["llama", "gpt2"], help="llama,gpt2")
@@ -354,19 +362,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r[{bar:<30}] {done[0]}/{total} generate() calls", end="", file=sys.stderr, flush=True)
 
     rows, profiles = [], []
-    for case in cases:
+    for i, case in enumerate(cases, 1):
         got = run_case(*case, a, progress)
         rows += got["rows"]
         profiles.append(got["profile"])
+        if a.out and i < len(cases):  # a long run on a busy machine keeps what it measured so far
+            _write(a.out, markdown(dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)), (i, len(cases)))
     if not a.no_progress:
         print(file=sys.stderr)
     result = dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)
     text = markdown(result)
     if a.out:
-        from addnorm.io import atomic_write_text
-
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(a.out), "# generate() end to end (benchmarks/bench_generate.py)\n\n" + text + "\n")
+        _write(a.out, text)
     print(json.dumps(result, indent=1) if a.json else text)
     bad = [r for r in rows if not r["same_tokens"]]
     if bad:
