@@ -18,6 +18,17 @@ call take a few microseconds). "x eager" divides by the baseline in the same run
     in-place <b>     addnorm.add_rms_norm_(x, r, w, backend=b)  (serving: nothing allocated on cpu/triton)
     kernel <b>       the backend's forward_into on preallocated outputs: the launch with no API around it
 
+The decode rows (``--decode``, on by default on CPU: 1x4096 and 8x4096 bf16 under inference_mode, issue 25 item 2)
+time every contender round-robin (one sample of each in turn, so load drift hits them all alike) and report the
+median and range of the per-round ratio to the row's baseline (eager for the functional and in-place calls;
+``x + r; LlamaRMSNorm`` for the module hf.apply installs on Llama; ``F.layer_norm(x + r)`` for LayerNorm):
+
+    addnorm <b> / in-place <b> / module    add_rms_norm, add_rms_norm_, addnorm.nn.RMSNorm(x, r); b = auto, torch, cpu
+    hf fused                               CastBeforeWeightRMSNorm(x, r), what hf.apply installs on Llama layers
+
+``--compare-with SRC --rounds K`` runs the decode rows K times alternately with ``PYTHONPATH=SRC`` (e.g. a worktree
+of the previous code) and with this checkout's src, and writes both sides in one table ("before/after").
+
 Modes: "inference" runs under torch.inference_mode (what serving does); "train" has inputs that require grad, so
 the forward also builds its autograd node. The machine's load average is recorded before and after: on a shared
 machine every number is an upper bound.
@@ -37,6 +48,9 @@ from pathlib import Path
 
 DEFAULT_SHAPES = ((8, 64), (8, 4096))
 TARGET = 3.0  # issue 15: the kernel route's call at most 3x eager's two ops
+DECODE_SHAPES = ((1, 4096), (8, 4096))
+# issue 25 item 2, on CPU at decode sizes (bf16, inference_mode): the public call <= 1.1x eager, in place <= 1.0x
+DECODE_TARGETS = {"addnorm auto": 1.1, "in-place auto": 1.0}
 
 
 def _time(fn, sync, reps: int, inner: int) -> tuple[float, float]:
@@ -147,7 +161,14 @@ def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = F
                         x_eager=best * 1e6 / base_us,
                     )
                 )
-    env = dict(
+    return rows, _env(device, load_before)
+
+
+def _env(device: str, load_before) -> dict:
+    import torch
+
+    dev = torch.device(device)
+    return dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
@@ -157,7 +178,154 @@ def run(device: str, shapes, reps: int, inner: int, triton_python_only: bool = F
         loadavg_before=load_before,
         loadavg_after=os.getloadavg(),
     )
-    return rows, env
+
+
+def _decode_cases(m: int, n: int, dtype):
+    """(name, baseline name, fn) for one decode shape: every fn computes what its baseline computes."""
+    import torch
+    import torch.nn.functional as F
+
+    import addnorm
+    from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(m, n, generator=g).to(dtype) for _ in range(2))
+    w, b = ((1 + 0.1 * torch.randn(n, generator=g)).to(dtype) for _ in range(2))
+    xi, ri = x.clone(), r.clone()  # the in-place calls' own tensors (rewritten by every call)
+    cases = [("eager", "eager", lambda: F.rms_norm(x + r, (n,), w, 1e-6))]
+    for bk in ("auto", "torch", "cpu"):
+        cases.append((f"addnorm {bk}", "eager", lambda bk=bk: addnorm.add_rms_norm(x, r, w, 1e-6, backend=bk)))
+    for bk in ("auto", "torch", "cpu"):
+        cases.append((f"in-place {bk}", "eager", lambda bk=bk: addnorm.add_rms_norm_(xi, ri, w, 1e-6, backend=bk)))
+    module = addnorm.nn.RMSNorm(n, eps=1e-6, dtype=dtype).requires_grad_(False)
+    module.weight.copy_(w)
+    cases.append(("module", "eager", lambda: module(x, r)))
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        LlamaRMSNorm = None
+    if LlamaRMSNorm is not None:
+        hf = LlamaRMSNorm(n, eps=1e-6).to(dtype).requires_grad_(False)
+        hf.weight.copy_(w)
+        fused = CastBeforeWeightRMSNorm(n, eps=1e-6, dtype=dtype).requires_grad_(False)
+        fused.weight = hf.weight
+        cases.append(("hf eager (x + r; LlamaRMSNorm)", "hf eager (x + r; LlamaRMSNorm)", lambda: hf(x + r)))
+        cases.append(("hf fused", "hf eager (x + r; LlamaRMSNorm)", lambda: fused(x, r)))
+    ln = "eager layer_norm"
+    cases.append((ln, ln, lambda: F.layer_norm(x + r, (n,), w, b, 1e-5)))
+    cases.append(("addnorm layer_norm auto", ln, lambda: addnorm.add_layer_norm(x, r, w, b, 1e-5)))
+    xl, rl = x.clone(), r.clone()
+    cases.append(("in-place layer_norm auto", ln, lambda: addnorm.add_layer_norm_(xl, rl, w, b, 1e-5)))
+    return cases
+
+
+def run_decode(shapes, reps: int, inner: int, dtype_name: str = "bf16") -> list[dict]:
+    """The decode rows: round-robin samples, paired ratios to each row's baseline (see the module docstring)."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    torch.set_num_threads(1)
+    rows = []
+    for m, n in shapes:
+        cases = _decode_cases(m, n, dtype)
+        samples = {name: [] for name, _, _ in cases}
+        with torch.inference_mode():
+            for _, _, fn in cases:  # warm up: first calls compile, import and resolve
+                for _ in range(max(10, inner // 10)):
+                    fn()
+            for _ in range(reps):
+                for name, _, fn in cases:
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        fn()
+                    samples[name].append((time.perf_counter() - t0) / inner)
+        for name, base, _ in cases:
+            ratios = [a / b for a, b in zip(samples[name], samples[base])]
+            rows.append(
+                dict(
+                    m=m,
+                    n=n,
+                    dtype=dtype_name,
+                    mode="decode",
+                    contender=name,
+                    baseline=base,
+                    us=min(samples[name]) * 1e6,
+                    median_us=statistics.median(samples[name]) * 1e6,
+                    x_baseline=statistics.median(ratios),
+                    x_baseline_range=(min(ratios), max(ratios)),
+                )
+            )
+    return rows
+
+
+def decode_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| M x N | dtype | contender | baseline | median us | best us | x baseline (median) | range |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lo, hi = r["x_baseline_range"]
+        lines.append(
+            f"| {r['m']}x{r['n']} | {r['dtype']} | {r['contender']} | {r['baseline']} | {r['median_us']:.1f} | "
+            f"{r['us']:.1f} | {r['x_baseline']:.2f} | {lo:.2f}-{hi:.2f} |"
+        )
+    targets = [r for r in rows if r["contender"] in DECODE_TARGETS]
+    if targets:
+        lines += ["", "| target (issue 25 item 2) | M x N | measured (median) | met |", "|---|---|---:|---|"]
+        for r in targets:
+            t = DECODE_TARGETS[r["contender"]]
+            met = "yes" if r["x_baseline"] <= t else "no"
+            lines.append(f"| {r['contender']} <= {t:g}x eager | {r['m']}x{r['n']} | {r['x_baseline']:.2f}x | {met} |")
+    return "\n".join(lines)
+
+
+def compare(src: str, rounds: int, reps: int, inner: int, shapes) -> list[dict]:
+    """The decode rows ``rounds`` times with PYTHONPATH=src ("before") and with this checkout ("after"), alternating
+    in one run: per contender, the median over rounds of each round's median ratio, and the range."""
+    import subprocess
+
+    here = str(Path(__file__).resolve().parent.parent / "src")
+    per = {"before": {}, "after": {}}
+    for i in range(rounds):
+        for side, path in (("before", src), ("after", here)) if i % 2 == 0 else (("after", here), ("before", src)):
+            cmd = [sys.executable, __file__, "--decode-only", "--json", "--out", "", "--reps", str(reps)]
+            cmd += ["--inner", str(inner), "--decode-shapes", ",".join(f"{m}x{n}" for m, n in shapes)]
+            env = {**os.environ, "PYTHONPATH": path}
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            for r in json.loads(out)["rows"]:
+                per[side].setdefault((r["m"], r["n"], r["contender"]), []).append(r["x_baseline"])
+    result = []
+    for key in per["after"]:
+        b, a = per["before"].get(key, []), per["after"][key]
+        result.append(
+            dict(
+                m=key[0],
+                n=key[1],
+                contender=key[2],
+                before=statistics.median(b) if b else None,
+                before_range=(min(b), max(b)) if b else None,
+                after=statistics.median(a),
+                after_range=(min(a), max(a)),
+            )
+        )
+    return result
+
+
+def compare_markdown(rows: list[dict], src: str, rounds: int) -> str:
+    fmt = lambda v, rg: "-" if v is None else f"{v:.2f} ({rg[0]:.2f}-{rg[1]:.2f})"  # noqa: E731
+    lines = [
+        f"Before (`PYTHONPATH={src}`) and after (this checkout), {rounds} alternating rounds of the decode rows; "
+        "x baseline, median over rounds (range):",
+        "",
+        "| M x N | contender | before | after |",
+        "|---|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['m']}x{r['n']} | {r['contender']} | {fmt(r['before'], r['before_range'])} | "
+            f"{fmt(r['after'], r['after_range'])} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict], env: dict) -> str:
@@ -214,7 +382,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU only: add the Triton route's rows with every kernel launch a no-op (its Python cost)",
     )
+    p.add_argument("--no-decode", action="store_true", help="CPU: leave out the decode rows (1x4096, 8x4096 bf16)")
+    p.add_argument("--decode-only", action="store_true", help="CPU: only the decode rows")
+    p.add_argument(
+        "--decode-shapes", type=_shapes, default=list(DECODE_SHAPES), help="decode rows' MxN (1x4096,8x4096)"
+    )
+    p.add_argument("--compare-with", default="", help="a src folder of other code: before/after decode rows")
+    p.add_argument("--rounds", type=int, default=4, help="alternating rounds of --compare-with (default 4)")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1; got {a.rounds}")
+    if a.compare_with and not (Path(a.compare_with) / "addnorm").is_dir():
+        p.error(f"--compare-with must be a folder holding the addnorm package; got {a.compare_with!r}")
     if a.reps < 1 or a.inner < 1:
         p.error(f"--reps and --inner must be >= 1; got {a.reps}, {a.inner}")
     try:
@@ -229,8 +408,25 @@ def main(argv: list[str] | None = None) -> int:
         if a.device != "cpu":
             p.error(f"--triton-python-only runs on CPU tensors; got --device {a.device}")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors reach the launchers
-    rows, env = run(a.device, a.shapes, a.reps, a.inner, a.triton_python_only)
-    table = markdown(rows, env)
+    decode = a.device == "cpu" and not a.no_decode and not a.triton_python_only
+    if a.decode_only:
+        if a.device != "cpu":
+            p.error(f"--decode-only runs on CPU tensors; got --device {a.device}")
+        rows, env = [], _env(a.device, os.getloadavg())
+    else:
+        rows, env = run(a.device, a.shapes, a.reps, a.inner, a.triton_python_only)
+    table = markdown(rows, env) if rows else ""
+    if decode:
+        rows += run_decode(a.decode_shapes, a.reps, a.inner)
+        env["loadavg_after"] = os.getloadavg()
+        table += (
+            "\n\nDecode rows (round-robin, paired ratios; bf16, inference_mode, one torch thread):\n\n"
+            + decode_markdown([r for r in rows if r.get("mode") == "decode"])
+        )
+    if a.compare_with:
+        cmp_rows = compare(a.compare_with, a.rounds, a.reps, a.inner, a.decode_shapes)
+        env["compare"] = cmp_rows
+        table += "\n\n" + compare_markdown(cmp_rows, a.compare_with, a.rounds)
     if a.out:
         from addnorm.io import atomic_write_json, atomic_write_text
 

@@ -55,7 +55,8 @@ def test_bench_overhead_rows_and_files(tmp_path, capsys):
         ("train", "addnorm cpu"),
     ]:
         assert expected in names
-    assert all(r["x_eager"] > 0 for r in data["rows"])
+    assert all(r["x_eager"] > 0 for r in data["rows"] if r["mode"] != "decode")
+    assert {r["mode"] for r in data["rows"]} == {"inference", "train", "decode"}  # decode rows by default on CPU
     assert next(r for r in data["rows"] if r["contender"] == "eager")["x_eager"] == 1.0
     text = (tmp_path / "overhead.md").read_text()
     assert "load average before" in text and "target: kernel route <= 3x eager" in text
@@ -103,3 +104,28 @@ def test_gpu_graph_check_says_it_needs_a_gpu():
         [sys.executable, str(ROOT / "tools" / "gpu_graph_check.py")], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+def test_bench_overhead_decode_rows_pair_each_contender_with_its_baseline(capsys):
+    argv = ["--decode-only", "--decode-shapes", "1x64", "--reps", "2", "--inner", "2", "--out", "", "--json"]
+    assert bench_overhead.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    by = {r["contender"]: r for r in rows}
+    for name in ("eager", "addnorm auto", "addnorm torch", "addnorm cpu", "in-place auto", "module"):
+        assert by[name]["baseline"] == "eager" and by[name]["dtype"] == "bf16" and by[name]["mode"] == "decode"
+    assert by["addnorm layer_norm auto"]["baseline"] == "eager layer_norm"
+    for r in rows:
+        lo, hi = r["x_baseline_range"]
+        assert lo <= r["x_baseline"] <= hi
+        if r["contender"] == r["baseline"]:
+            assert r["x_baseline"] == 1.0
+
+
+def test_bench_overhead_compare_runs_both_sides(capsys):
+    src = str(ROOT / "src")
+    argv = ["--decode-only", "--decode-shapes", "1x64", "--reps", "1", "--inner", "2", "--out", ""]
+    assert bench_overhead.main([*argv, "--compare-with", src, "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    assert f"Before (`PYTHONPATH={src}`)" in text and "| 1x64 | in-place auto |" in text
+    with pytest.raises(SystemExit):
+        bench_overhead.main([*argv, "--compare-with", str(ROOT / "docs")])

@@ -401,17 +401,15 @@ def test_cast_before_weight_matches_llama_rmsnorm_in_bf16():
 def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    import addnorm.nn.norms as norms
-
     calls = []
-    real = norms.add_rms_norm
-    monkeypatch.setattr(norms, "add_rms_norm", lambda *a, **k: calls.append((a[2], k)) or real(*a, **k))
+    real = add_norm_ops.run_add_norm  # (x, residual, weight, bias, eps, is_rms, p, residual_dtype, zc, cbw, ...)
+    monkeypatch.setattr(add_norm_ops, "run_add_norm", lambda *a: calls.append((a[2], a[9])) or real(*a))
     old = LlamaRMSNorm(32, eps=1e-6).bfloat16()
     new = hf_norms.cast_before_weight_norm(old)
     x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
     new(x, r)
-    ((weight, kwargs),) = calls
-    assert weight is not None and kwargs["cast_before_weight"]  # the weight is applied inside the fused op
+    ((weight, cast_before_weight),) = calls
+    assert weight is not None and cast_before_weight  # the weight is applied inside the fused op
     # an fp32 weight with bf16 activations: HF's output is fp32 (type promotion), and so is addnorm's
     old32 = LlamaRMSNorm(32, eps=1e-6)
     with torch.no_grad():
@@ -483,3 +481,23 @@ def test_apply_to_a_model_already_on_the_gpu(family):
         assert all(p.is_cuda for p in model.parameters())
         got = model(ids).logits
     _assert_rel(got, ref, 1e-5, f"{family} logits on the GPU")
+
+
+def test_keyword_only_binding_fast_path_binds_and_refuses_like_the_general_one():
+    """generate() calls a layer with keywords only: the one-merge path of _bound_arguments gives the general path's
+    dict, and an unknown or a missing argument still raises its TypeError."""
+    from addnorm.integrations import hf_forwards
+
+    def forward(self, hidden_states, mask, position=None, cache=None):
+        return hidden_states
+
+    layer = type("Layer", (), {"_addnorm_signature": hf_forwards.Signature.of(forward)})()
+    bound = hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "cache": 2})
+    assert bound == {"mask": 1, "position": None, "cache": 2}
+    assert hf_forwards._bound_arguments(layer, None, (1,), {"cache": 2}) == bound  # the general path
+    # the old keyword is renamed as transformers' deprecate_kwarg does
+    assert hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "past_key_values": 2}) == bound
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "bogus": 3})
+    with pytest.raises(TypeError, match="missing required arguments: mask"):
+        hf_forwards._bound_arguments(layer, None, (), {"cache": 2})

@@ -25,21 +25,37 @@ class Signature:
     names: tuple[str, ...]  # named parameters, in order
     defaults: dict  # name -> default, for those that have one
     var_keyword: bool  # whether the original takes **kwargs
+    # decided once per class for the per-call fast path of _bound_arguments (all keywords, no renaming, no unknown
+    # name, nothing missing): the names as a set, those without a default, and whether the old keyword
+    # ``past_key_values`` is renamed to ``cache``
+    name_set: frozenset = frozenset()
+    required: tuple[str, ...] = ()
+    renames_cache: bool = False
 
     @classmethod
     def of(cls, fn) -> Signature:
         params = list(inspect.signature(fn).parameters.values())[2:]
         named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        names = tuple(p.name for p in named)
+        defaults = {p.name: p.default for p in named if p.default is not p.empty}
         return cls(
-            names=tuple(p.name for p in named),
-            defaults={p.name: p.default for p in named if p.default is not p.empty},
+            names=names,
+            defaults=defaults,
             var_keyword=any(p.kind is p.VAR_KEYWORD for p in params),
+            name_set=frozenset(names),
+            required=tuple(n for n in names if n not in defaults),
+            renames_cache="cache" in names and "past_key_values" not in names,
         )
 
 
 def _bound_arguments(self, hidden_states, args, kwargs) -> dict:
     """The original forward's arguments after hidden_states, by name, defaults filled in, **kwargs flattened."""
     sig: Signature = self._addnorm_signature
+    if not args and not (sig.renames_cache and "past_key_values" in kwargs):
+        # how generate() calls a layer: keywords only. One dict merge; the checks below only when it is not clean
+        out = {**sig.defaults, **kwargs}
+        if (sig.var_keyword or kwargs.keys() <= sig.name_set) and all(n in out for n in sig.required):
+            return out
     where = f"{type(self).__name__}.forward()"
     if len(args) > len(sig.names):
         raise TypeError(f"{where} takes {len(sig.names) + 1} positional arguments, got {len(args) + 1}")

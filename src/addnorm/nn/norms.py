@@ -10,18 +10,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from addnorm.ops import add_norm as _ops
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _flatten_normalized(x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
-    """Merge the normalized trailing dims into one, so the functional ops normalize over the last dim only."""
+def _check_trailing(name: str, x: Tensor, normalized_shape: tuple[int, ...]) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     k = len(normalized_shape)
-    if tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape):
+    if x.dim() < k or tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape):
         raise ValueError(
-            f"input's trailing shape must be normalized_shape {tuple(normalized_shape)}, got {tuple(x.shape)}"
+            f"{name}'s trailing shape must be normalized_shape {tuple(normalized_shape)}, got {tuple(x.shape)}"
         )
+
+
+def _flatten_normalized(name: str, x: Tensor, normalized_shape: tuple[int, ...]) -> Tensor:
+    """Merge the normalized trailing dims into one, so the functional ops normalize over the last dim only."""
+    _check_trailing(name, x, normalized_shape)
+    k = len(normalized_shape)
     return x if k == 1 else x.reshape(*x.shape[: x.dim() - k], -1)
 
 
@@ -65,10 +73,37 @@ class _AddNormMixin:
         b = getattr(self, "bias", None)
         return w, (b.reshape(-1) if b is not None else None)
 
+    def _forward_rows(self, x: Tensor, residual: Tensor | None, is_rms: bool):
+        """One normalized dim (every Transformer norm): the op called directly, positionally, with the module's
+        parameters as they are: no reshapes (a 1-D weight is already flat, the output has x's shape) and no keyword
+        layer. What the op validates (the weight's dtype, shape and device, eps, the backend) is read from the module
+        on each call, so a parameter replaced or converted after the first call is checked like the first one."""
+        shape = self.normalized_shape
+        if not isinstance(x, Tensor) or x.shape[-1:] != shape:
+            _check_trailing("input", x, shape)
+        if residual is not None and (not isinstance(residual, Tensor) or residual.shape[-1:] != shape):
+            _check_trailing("residual", residual, shape)
+        # through the module attribute: every add + norm call goes through run_add_norm, which tests count
+        out, res_out = _ops.run_add_norm(
+            x,
+            residual,
+            self.weight,
+            None if is_rms else self.bias,
+            self.eps,
+            is_rms,
+            0.0,
+            self.residual_dtype,
+            self.zero_centered_weight,
+            getattr(self, "cast_before_weight", False),
+            None,
+            self.backend,
+        )
+        return out if residual is None else (out, res_out)
+
     def _forward(self, fn, x: Tensor, residual: Tensor | None, params: tuple):
         shape = x.shape
-        xf = _flatten_normalized(x, self.normalized_shape)
-        rf = _flatten_normalized(residual, self.normalized_shape) if residual is not None else None
+        xf = _flatten_normalized("input", x, self.normalized_shape)
+        rf = _flatten_normalized("residual", residual, self.normalized_shape) if residual is not None else None
         out, res_out = fn(
             xf,
             rf,
@@ -108,6 +143,8 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
+        if len(self.normalized_shape) == 1 and (self.weight is None or self.weight.dim() == 1):
+            return self._forward_rows(x, residual, False)
         w, b = self._norm_params()
         return self._forward(add_layer_norm, x, residual, (w, b, self.eps))
 
@@ -133,5 +170,7 @@ class RMSNorm(_AddNormMixin, nn.RMSNorm):
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
+        if len(self.normalized_shape) == 1 and (self.weight is None or self.weight.dim() == 1):
+            return self._forward_rows(x, residual, True)
         w, _ = self._norm_params()
         return self._forward(add_rms_norm, x, residual, (w, self.eps))

@@ -94,6 +94,68 @@ def torch_add_norm(
     out_dtype,
 ):
     """The torch backend: (out, residual_out), with run_add_norm's arguments less ``backend``."""
+    if (
+        is_rms
+        and dropout_p == 0.0
+        and not zero_centered_weight
+        and x.dtype is residual_dtype
+        and out_dtype is residual_dtype
+        and (residual is None or residual.dtype is residual_dtype)
+        and (weight is None or weight.dtype is residual_dtype)
+        and not (torch.is_grad_enabled() and _any_requires_grad(x, residual, weight))
+    ):
+        return torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight)
+    return torch_add_norm_general(
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+    )
+
+
+def _any_requires_grad(x, residual, weight) -> bool:
+    return (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad)
+    )
+
+
+def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
+    """The torch backend's RMSNorm when x, the residual, the weight and both outputs share one dtype and nothing is
+    differentiated (decode): the two ops eager code runs, which give the contract's bits. ``x + residual`` in a half
+    dtype is the fp32 sum rounded once, and F.rms_norm on a half tensor computes in fp32 and rounds once, as the
+    general path does explicitly (tests/ops/test_fast_path.py checks both bit for bit over awkward shapes). Not for
+    gradients: autograd through the half-dtype ops rounds intermediate values the contract's backward does not."""
+    h = x if residual is None else x + residual
+    n = (x.shape[-1],)
+    if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
+        out = F.rms_norm(h, n, None, eps)
+        return (out if weight is None else out * weight), h
+    return F.rms_norm(h, n, weight, eps), h
+
+
+def torch_add_norm_general(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    is_rms,
+    dropout_p,
+    residual_dtype,
+    zero_centered_weight,
+    cast_before_weight,
+    out_dtype,
+):
+    """The torch backend written out in the statistics dtype: every case, differentiable."""
     cd = stats_dtype(x.dtype, residual_dtype)
     h = as_dtype(x, cd)
     if dropout_p > 0.0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import torch_add_norm
+from addnorm.ops.add_norm import torch_add_norm, torch_rms_norm_one_dtype
 from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import default_rms_eps, stats_dtype, validate
 
@@ -40,13 +40,44 @@ def _check_inplace(x, residual, weight, bias) -> None:
                     f"{name} requires grad and grad mode is on: the in-place ops record no gradient; call them "
                     "under torch.no_grad() or torch.inference_mode() (or use add_rms_norm/add_layer_norm to train)"
                 )
-    # (eager only: dynamo cannot read storage pointers; a compiled graph sees aliasing among its inputs itself)
-    if (
-        not torch.compiler.is_compiling()
-        and x.numel()
-        and (x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
-    ):
-        raise ValueError("x and residual must not share memory: both are written")
+    # everything is checked before anything is written: a refusal leaves both tensors as they were
+    if torch.compiler.is_compiling():
+        # dynamo cannot read storage pointers, and an exception raised while tracing reaches a fullgraph=True
+        # caller as "Unsupported: Observed exception": the one tensor passed twice is refused by an op of the
+        # graph instead, which raises eager's ValueError when the compiled code runs, before anything is written
+        if x is residual:
+            torch.ops.addnorm.refuse_aliased_(x)
+        return
+    if x is residual:
+        raise ValueError(_ALIASED)
+    for name, t in (("x", x), ("residual", residual)):
+        # an expanded (stride-0) view: writing it would store several results in one element
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(
+                f"{name} has elements that share memory (an expanded or stride-0 view, shape {tuple(t.shape)}, "
+                f"strides {t.stride()}): it cannot be written in place; pass {name}.clone()"
+            )
+    if x.device.type == "meta":
+        # meta tensors have no memory (every data pointer is 0): only views of one storage alias
+        if x.untyped_storage()._cdata == residual.untyped_storage()._cdata:
+            raise ValueError("x and residual must not share memory: both are written (views of one meta storage)")
+    elif x.numel() and x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        raise ValueError(_ALIASED)
+
+
+_ALIASED = "x and residual must not share memory: both are written"
+
+
+@torch.library.custom_op("addnorm::refuse_aliased_", mutates_args=("x",))
+def _refuse_aliased(x: Tensor) -> None:
+    """What a compiled graph runs in place of an in-place op given one tensor as x and residual. Declared as
+    mutating x so that nothing reading x is ordered before it, and so that it is not removed as dead code."""
+    raise ValueError(_ALIASED)
+
+
+@_refuse_aliased.register_fake
+def _(x):
+    return None
 
 
 def _rows(t: Tensor) -> Tensor | None:
@@ -65,6 +96,18 @@ def _inplace_impl(
     cast_before_weight: bool,
     backend: str,
 ) -> None:
+    if (
+        backend == "torch"
+        and is_rms
+        and not zero_centered_weight
+        and x.dtype is residual.dtype
+        and (weight is None or weight.dtype is x.dtype)
+    ):
+        # one dtype (decode): residual += x, then x = RMSNorm(residual) with the torch backend's one-dtype ops,
+        # whose bits are the out-of-place call's; written in place, nothing but the norm's result allocated
+        residual.add_(x)
+        x.copy_(torch_rms_norm_one_dtype(residual, None, weight, eps, cast_before_weight)[0])
+        return
     x2, r2 = _rows(x), _rows(residual)
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write

@@ -106,8 +106,10 @@ def _empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     whole huge pages inside this tensor; it is advice, so a failure changes nothing.
     """
     t = torch.empty(shape, dtype=dtype)
+    if _madvise is None or shape[0] * shape[1] * dtype.itemsize < _HUGE_MIN_BYTES:
+        return t  # (decided from the shape: a decode step's outputs skip the arithmetic below)
     nbytes = t.numel() * t.element_size()
-    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+    if nbytes >= _HUGE_MIN_BYTES:
         start = (t.data_ptr() + _HUGE_PAGE - 1) & -_HUGE_PAGE
         end = (t.data_ptr() + nbytes) & -_HUGE_PAGE
         if end > start:
@@ -144,6 +146,21 @@ def _vector(t: torch.Tensor | None, dtype: torch.dtype, plus_one: bool, dummy: n
     if plus_one:
         t = t + 1  # zero-centered weight: the stored parameter is w - 1
     return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+# Statistics nobody reads (inference calls) go to scratch kept per thread and reused while M and the dtype repeat, as
+# they do call after call of a decode step: no allocation per call. Per thread because the kernels release the GIL
+# (two threads may run them at once); only the kernels write it, and nothing reads it.
+_scratch_state = threading.local()
+
+
+def _scratch(m: int, dtype: torch.dtype, is_rms: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    key = (m, dtype)
+    cached = getattr(_scratch_state, "buffers", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.empty(m, dtype=dtype), torch.empty(m, dtype=dtype))
+        _scratch_state.buffers = cached
+    return cached[1], (None if is_rms else cached[2])
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -223,8 +240,7 @@ def forward_into(
     call it to time the kernel without the cost of faulting in fresh output pages."""
     m, n = x.shape
     if rstd is None:  # the numba kernels write the (M,) statistics row by row: give them scratch
-        rstd = torch.empty(m, dtype=stats_dtype(x.dtype, (res_out if res_out is not None else x).dtype))
-        mean = None if is_rms else torch.empty_like(rstd)
+        rstd, mean = _scratch(m, stats_dtype(x.dtype, (res_out if res_out is not None else x).dtype), is_rms)
     sd = rstd.dtype
     X, sx = _rows(x)
     store = res_out is not None

@@ -1,0 +1,387 @@
+"""generate() end to end: transformers causal LMs built from configs, unpatched vs hf.apply, prefill and decode.
+
+Each model (random weights, nothing downloaded: Llama with RMSNorm and Llama's cast order, GPT-2 with LayerNorm) is
+deep-copied three times and run as
+
+    unpatched   the transformers model as it is
+    fused       addnorm.integrations.hf.apply(model): addnorm norms, residual add + norm fused where recognised
+    norms       hf.apply(model, fuse_residual=False): addnorm norms, the model's own residual adds
+
+Each sample is one greedy ``generate()`` of T new tokens after a prompt of P tokens; a logits processor stamps the
+time after every forward, so one call gives the prefill (the first forward: P tokens per sequence) and the decode
+steps (the remaining T - 1 forwards, one token each). The variants run round-robin (their order rotated each round),
+so load drift on a shared machine hits all alike; ratios are paired per round and their median is reported with the
+range. Every variant's greedy tokens must equal the unpatched model's: a difference is an error (exit 1).
+
+The profile line gives the share of an unpatched decode step spent in the norm modules (forward hooks around each
+norm, timed over whole decode steps) and in the residual adds (``x + r`` at the step's shape, timed alone, times the
+adds per step): what fusing can save at most.
+
+    python benchmarks/bench_generate.py                               # CPU: llama + gpt2, batch 1 and 8, fp32, bf16
+    python benchmarks/bench_generate.py --family llama --batch 1 --json
+    python benchmarks/bench_generate.py --compile                     # + a torch.compile'd forward of each variant
+    python benchmarks/bench_generate.py --device cuda --dtype bf16 --hidden 4096 --layers 8 --heads 32 \\
+        --prompt 512 --new 64 --out benchmarks/results/gpu/generate.md    # static cache + compiled forward
+
+On CUDA every variant also runs as serving does: ``cache_implementation="static"``, with which generate() compiles the
+forward itself (transformers' CompileConfig: ``torch.compile(mode="reduce-overhead")``, CUDA graphs), labelled
+"+graphs". On CPU ``--compile`` compiles each
+variant's forward with ``torch.compile(dynamic=True)`` (the dynamic cache; no graphs on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "generate.md"
+VARIANTS = ("unpatched", "fused", "norms")
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be integers >= 1, got {text!r}")
+    return values
+
+
+def _choices(allowed):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def build_model(family: str, a, dtype, device):
+    """A causal LM from a config, random weights (seeded), in eval mode."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("bench_generate.py needs transformers: pip install 'addnorm[hf]'") from None
+    torch.manual_seed(0)
+    positions = a.prompt + a.new + 8
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=a.hidden,
+            intermediate_size=a.hidden * 8 // 3 // 64 * 64 or 64,
+            num_hidden_layers=a.layers,
+            num_attention_heads=a.heads,
+            num_key_value_heads=a.heads,
+            vocab_size=a.vocab,
+            max_position_embeddings=positions,
+            tie_word_embeddings=False,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(
+            n_embd=a.hidden, n_layer=a.layers, n_head=a.heads, vocab_size=a.vocab, n_positions=positions
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    model.generation_config.pad_token_id = 0
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def variants(model, compile_forward: str | None):
+    """name -> model: the unpatched copy and the two hf.apply copies (and their compiled forms)."""
+    from addnorm.integrations import hf
+
+    out = {"unpatched": model, "fused": hf.apply(copy.deepcopy(model)), "norms": hf.apply(copy.deepcopy(model), False)}
+    if compile_forward is None:
+        return out
+    import torch
+
+    if compile_forward == "graphs":
+        # the same models, run with cache_implementation="static": on CUDA generate() then compiles the forward
+        # itself (transformers' CompileConfig: torch.compile mode "reduce-overhead", i.e. CUDA graphs), which is how
+        # transformers serves decode; compiling it here as well would nest two compilations
+        return {**out, **{f"{name}+graphs": m for name, m in out.items()}}
+    compiled = {}
+    for name, m in out.items():
+        c = copy.deepcopy(m) if name == "unpatched" else m
+        c.forward = torch.compile(c.forward, dynamic=True)
+        compiled[f"{name}+compile"] = c
+    return {**out, **compiled}
+
+
+def hf_is_applied(model) -> bool:
+    from addnorm.integrations import hf
+
+    return hf.is_applied(model)
+
+
+class _Stamps:
+    """A logits processor that records the time after each forward (it runs once per generated token)."""
+
+    def __init__(self, sync):
+        self.sync, self.times = sync, []
+
+    def __call__(self, input_ids, scores):
+        self.sync()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def generate_once(model, ids, new: int, sync, static: bool):
+    """(tokens, prefill seconds, decode seconds per token) of one greedy generate()."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    stamps = _Stamps(sync)
+    kw = dict(cache_implementation="static") if static else {}
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([stamps]),
+            **kw,
+        )
+    t = stamps.times
+    decode = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
+    return out, t[0] - t0, decode
+
+
+def norm_share(model, ids, new: int, sync) -> dict:
+    """Share of an unpatched decode step in norm modules (hooks) and residual adds (``x + r`` timed alone)."""
+    import torch
+    from torch import nn
+
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")]
+    spent, stack = [0.0], []
+
+    def pre(_m, _i):
+        sync()
+        stack.append(time.perf_counter())
+
+    def post(_m, _i, _o):
+        sync()
+        spent[0] += time.perf_counter() - stack.pop()
+
+    handles = [h for m in norms for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        generate_once(model, ids, 1, sync, False)  # prefill alone: its norm time is taken off below
+        prefill_norms = spent[0]
+        spent[0] = 0.0
+        _, prefill, decode = generate_once(model, ids, new, sync, False)
+    finally:
+        for h in handles:
+            h.remove()
+    steps = new - 1
+    norm_s = max(0.0, spent[0] - prefill_norms) / steps if steps else float("nan")
+    hidden = model.config.hidden_size
+    x = torch.randn(ids.shape[0], 1, hidden, dtype=model.dtype, device=ids.device)
+    r = torch.randn_like(x)
+    with torch.inference_mode():
+        for _ in range(20):
+            x + r
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            x + r
+        sync()
+    add_s = (time.perf_counter() - t0) / 200 * 2 * model.config.num_hidden_layers  # two residual adds a layer
+    return dict(norm_modules=len(norms), norm_share=norm_s / decode, add_share=add_s / decode, decode_s=decode)
+
+
+def run_case(family, batch, dtype_name, a, progress) -> dict:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    device = torch.device(a.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model = build_model(family, a, dtype, device)
+    compile_kind = "graphs" if device.type == "cuda" else ("compile" if a.compile else None)
+    models = variants(model, compile_kind)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, a.vocab, (batch, a.prompt), generator=g).to(device)
+    names = list(models)
+    static = {n: n.endswith("+graphs") for n in names}
+    tokens, samples = {}, {n: [] for n in names}
+    for n in names:  # warm-up (and compilation), and the tokens each variant generates
+        tokens[n] = generate_once(models[n], ids, a.new, sync, static[n])[0]
+        progress()
+    mismatched = [n for n in names if not torch.equal(tokens[n], tokens[names[0]])]
+    for i in range(a.repeats):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for n in order:
+            samples[n].append(generate_once(models[n], ids, a.new, sync, static[n])[1:])
+            progress()
+    share = norm_share(model, ids, a.new, sync)
+    rows = []
+    for n in names:
+        base = "unpatched+graphs" if static[n] else ("unpatched+compile" if "+" in n else "unpatched")
+        pre = [s[0] for s in samples[n]]
+        dec = [s[1] for s in samples[n]]
+        pre_ratio = [b[0] / s[0] for s, b in zip(samples[n], samples[base])]  # > 1: faster than the baseline
+        dec_ratio = [b[1] / s[1] for s, b in zip(samples[n], samples[base])]
+        rows.append(
+            dict(
+                family=family,
+                batch=batch,
+                dtype=dtype_name,
+                variant=n,
+                baseline=base,
+                prefill_tok_s=batch * a.prompt / statistics.median(pre),
+                prefill_ms=statistics.median(pre) * 1e3,
+                prefill_ms_range=(min(pre) * 1e3, max(pre) * 1e3),
+                decode_ms_per_token=statistics.median(dec) * 1e3,
+                decode_ms_range=(min(dec) * 1e3, max(dec) * 1e3),
+                prefill_speedup=statistics.median(pre_ratio),
+                prefill_speedup_range=(min(pre_ratio), max(pre_ratio)),
+                decode_speedup=statistics.median(dec_ratio),
+                decode_speedup_range=(min(dec_ratio), max(dec_ratio)),
+                same_tokens=n not in mismatched,
+            )
+        )
+    return dict(rows=rows, profile=dict(family=family, batch=batch, dtype=dtype_name, **share))
+
+
+def _env(a) -> dict:
+    import torch
+
+    dev = torch.device(a.device)
+    return dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command=" ".join(["python", "benchmarks/bench_generate.py", *sys.argv[1:]]),
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        cores=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+        python=platform.python_version(),
+        loadavg=os.getloadavg(),
+    )
+
+
+def markdown(result: dict) -> str:
+    env, a = result["env"], result["args"]
+    load = ", ".join(f"{v:.1f}" for v in env["loadavg"])
+    lines = [
+        f"`{env['command']}`: {env['date']} - {env['device']}, {env['cores']} cores, {env['torch_threads']} torch "
+        f"thread(s), torch {env['torch']}, transformers {env['transformers']}; load average at the end {load}.",
+        f"Models: hidden {a['hidden']}, {a['layers']} layers, {a['heads']} heads, vocab {a['vocab']}, random "
+        f"weights; prompt {a['prompt']} tokens, {a['new']} new tokens (greedy), {a['repeats']} round-robin samples.",
+        "",
+        "| model | batch | dtype | variant | prefill tok/s | prefill vs baseline | decode ms/token (range) | "
+        "decode vs baseline (range) | same tokens |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        dlo, dhi = r["decode_ms_range"]
+        slo, shi = r["decode_speedup_range"]
+        lines.append(
+            f"| {r['family']} | {r['batch']} | {r['dtype']} | {r['variant']} | {r['prefill_tok_s']:.0f} | "
+            f"{r['prefill_speedup']:.3f}x | {r['decode_ms_per_token']:.2f} ({dlo:.2f}-{dhi:.2f}) | "
+            f"{r['decode_speedup']:.3f}x ({slo:.3f}-{shi:.3f}) | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
+    lines += ["", "Profile of an unpatched decode step (norm modules timed by hooks; residual adds timed alone):", ""]
+    for p in result["profiles"]:
+        lines.append(
+            f"- {p['family']} batch {p['batch']} {p['dtype']}: norms {100 * p['norm_share']:.1f}% + residual adds "
+            f"{100 * p['add_share']:.1f}% of a {1e3 * p['decode_s']:.2f} ms step ({p['norm_modules']} norm modules)"
+        )
+    return "\n".join(lines)
+
+
+def _write(path: str, text: str, partial: tuple[int, int] | None = None) -> None:
+    from addnorm.io import atomic_write_text
+
+    note = f"(partial: {partial[0]} of {partial[1]} cases so far)\n\n" if partial else ""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), "# generate() end to end (benchmarks/bench_generate.py)\n\n" + note + text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--family", type=_choices(("llama", "gpt2")), default=["llama", "gpt2"], help="llama,gpt2")
+    p.add_argument("--batch", type=_int_list, default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument("--dtype", type=_choices(("fp32", "bf16")), default=["fp32", "bf16"], help="fp32,bf16")
+    p.add_argument("--hidden", type=_positive, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--layers", type=_positive, default=4, help="decoder layers (default 4)")
+    p.add_argument("--heads", type=_positive, default=16, help="attention heads (default 16)")
+    p.add_argument("--vocab", type=_positive, default=4096, help="vocabulary (default 4096)")
+    p.add_argument("--prompt", type=_positive, default=64, help="prompt tokens P (default 64)")
+    p.add_argument("--new", type=_positive, default=16, help="new tokens T (default 16; >= 2 to time decode)")
+    p.add_argument("--repeats", type=_positive, default=5, help="round-robin samples per variant (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1; 0 keeps torch's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--compile", action="store_true", help="CPU: also torch.compile'd forwards (CUDA: always)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown file ('' writes nothing)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    a = p.parse_args(argv)
+    if a.new < 2:
+        p.error("--new must be >= 2: decode is timed between the first and the last forward")
+    if a.hidden % a.heads:
+        p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
+    import torch
+
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        p.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    if device.type == "cpu" and a.threads > 0:
+        torch.set_num_threads(a.threads)
+    cases = [(f, b, d) for f in a.family for b in a.batch for d in a.dtype]
+    per_case = (2 if a.compile or device.type == "cuda" else 1) * len(VARIANTS) * (a.repeats + 1)
+    total, done = len(cases) * per_case, [0]
+
+    def progress():
+        done[0] += 1
+        if not a.no_progress:
+            bar = "#" * (30 * done[0] // total)
+            print(f"\r[{bar:<30}] {done[0]}/{total} generate() calls", end="", file=sys.stderr, flush=True)
+
+    rows, profiles = [], []
+    for i, case in enumerate(cases, 1):
+        got = run_case(*case, a, progress)
+        rows += got["rows"]
+        profiles.append(got["profile"])
+        if a.out and i < len(cases):  # a long run on a busy machine keeps what it measured so far
+            _write(a.out, markdown(dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)), (i, len(cases)))
+    if not a.no_progress:
+        print(file=sys.stderr)
+    result = dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)
+    text = markdown(result)
+    if a.out:
+        _write(a.out, text)
+    print(json.dumps(result, indent=1) if a.json else text)
+    bad = [r for r in rows if not r["same_tokens"]]
+    if bad:
+        names = ", ".join(f"{r['family']} b{r['batch']} {r['dtype']} {r['variant']}" for r in bad)
+        print(f"error: greedy tokens differ from the unpatched model's: {names}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
