@@ -160,3 +160,31 @@ def test_a_full_disk_while_writing_is_a_message(tmp_path, capsys, monkeypatch, r
     assert main(["survey", "--from", str(saved), "--docs", str(tmp_path / "s.md"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no space left on the device" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["config_class", "config_defaults", "model_build"])
+def test_a_timeout_while_building_is_reported_as_a_timeout(monkeypatch, where):
+    """The time limit's exception passes the build steps' `except Exception` (it was reported as "config class not
+    importable: _Timeout" when it fired during the config import)."""
+    import transformers
+    from transformers.models.auto import configuration_auto
+
+    from addnorm.integrations import survey
+    from addnorm.integrations.survey import tiny
+
+    def expire(*args, **kwargs):
+        raise tiny.SurveyTimeout("over the survey's limit of 1 CPU seconds per architecture")
+
+    if where == "config_class":
+
+        class Mapping(dict):
+            __getitem__ = expire
+
+        monkeypatch.setattr(configuration_auto, "CONFIG_MAPPING", Mapping())
+    elif where == "config_defaults":
+        monkeypatch.setattr(tiny, "config_class", lambda model_type: expire)
+    else:
+        monkeypatch.setattr(transformers.AutoModel, "from_config", expire)
+    row = survey.survey_one("llama", doctor=False, time_limit=None)
+    assert row["status"] == "skipped"
+    assert row["reason"] == "build: over the survey's limit of 1 CPU seconds per architecture"

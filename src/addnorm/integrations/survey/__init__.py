@@ -27,23 +27,19 @@ import torch
 
 from addnorm._limits import time_limit
 from addnorm.integrations.survey import trace
-from addnorm.integrations.survey.tiny import SkipModel, build, model_types, tiny_config
+from addnorm.integrations.survey.tiny import SkipModel, SurveyTimeout, build, model_types, tiny_config
 
 __all__ = ["survey", "survey_one", "model_types", "tiny_config", "build", "SkipModel"]
 
 TIME_LIMIT_S = 20.0  # CPU seconds per architecture: a few default configs stay large after shrinking (audio codecs)
 
 
-class _Timeout(Exception):
-    pass
-
-
 def _time_limit(seconds: float | None):
-    """Raise _Timeout after ``seconds`` of this process's CPU time (not wall time: on a loaded machine the same model
+    """Raise SurveyTimeout after ``seconds`` of this process's CPU time (not wall time: on a loaded machine the same model
     takes several times longer by the clock, and which ones are skipped should not depend on the neighbours)."""
 
     def expire():
-        raise _Timeout(f"over the survey's limit of {seconds:g} CPU seconds per architecture")
+        raise SurveyTimeout(f"over the survey's limit of {seconds:g} CPU seconds per architecture")
 
     return time_limit(seconds, expire, cpu_time=True)
 
@@ -218,7 +214,7 @@ def survey_one(model_type: str, *, doctor: bool = True, time_limit: float | None
         row["status"] = "ok"
     except SkipModel as e:
         row.update(status="skipped", reason=str(e))
-    except _Timeout as e:
+    except SurveyTimeout as e:
         row.update(status="skipped", reason=f"{stage}: {e}")
     except Exception as e:  # noqa: BLE001 - the architecture's own code failed on the tiny config
         if stage == "build" or stage == "forward" and "placement" not in row:

@@ -33,7 +33,8 @@ COLUMNS = (
 
 def _timed_out(row: dict) -> bool:
     """The doctor ran past the survey's CPU-time limit (a slow model on a busy machine), rather than crashing."""
-    return str(row.get("doctor_error", "")).startswith("_Timeout")
+    # "_Timeout" in surveys written before the exception had a public name
+    return str(row.get("doctor_error", "")).startswith(("SurveyTimeout", "_Timeout"))
 
 
 _DOCTOR_KINDS = (("error", "error"), ("warning", "warning"), ("info", "note"))

@@ -139,6 +139,11 @@ def _shrink(d: dict) -> dict:
     return out
 
 
+class SurveyTimeout(Exception):
+    """The survey's CPU-time limit for one architecture ran out. Raised from a timer signal wherever the code happens
+    to be, so every ``except Exception`` on the way that turns a failure into a reason lets it through first."""
+
+
 def config_names() -> set[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -150,6 +155,8 @@ def config_class(model_type: str):
 
     try:
         return CONFIG_MAPPING[model_type]
+    except SurveyTimeout:
+        raise  # a slow import is over the time limit, not a missing dependency
     except Exception as e:  # noqa: BLE001 - a missing optional dependency surfaces here
         raise SkipModel(f"config class not importable: {type(e).__name__}: {e}") from e
 
@@ -164,6 +171,8 @@ def tiny_config(model_type: str, **overrides: Any):
         data.pop("model_type", None)
         data.pop("transformers_version", None)
         config = cls.from_dict(data)
+    except SurveyTimeout:
+        raise
     except Exception as e:  # noqa: BLE001
         raise SkipModel(f"config cannot be built from its defaults: {type(e).__name__}: {str(e)[:200]}") from e
     for attr in ("use_cache",):
@@ -234,6 +243,8 @@ def build(model_type: str, *, seed: int = 0, batch_size: int = 2, seq_len: int =
     torch.manual_seed(seed)
     try:
         model = transformers.AutoModel.from_config(config)
+    except SurveyTimeout:
+        raise
     except Exception as e:  # noqa: BLE001
         raise SkipModel(f"model cannot be built: {type(e).__name__}: {str(e)[:200]}") from e
     model.eval()
