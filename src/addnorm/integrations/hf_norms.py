@@ -14,7 +14,6 @@ __all__ = [
     "HFRMSNorm",
     "OnePlusWeightLayerNorm",
     "cast_before_weight_norm",
-    "layer_norm_like",
     "rms_eps",
     "share_params",
     "zero_centered_norm",
@@ -98,14 +97,3 @@ def zero_centered_norm(old: nn.Module) -> nn.Module:
     n = old.weight.shape[0]
     new = RMSNorm(n, eps=rms_eps(old), zero_centered_weight=True, device="meta")
     return share_params(new, old, ("weight",))
-
-
-def layer_norm_like(old: nn.LayerNorm) -> nn.Module:
-    new = LayerNorm(
-        old.normalized_shape,
-        eps=old.eps,
-        elementwise_affine=old.elementwise_affine,
-        bias=old.bias is not None,
-        device="meta",
-    )
-    return share_params(new, old)
