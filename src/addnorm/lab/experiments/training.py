@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -44,6 +44,7 @@ from addnorm.lab.experiments.training_setup import (
     nan,
     plot_curves,
     pyplot,
+    registrar,
     save,
     seed_list,
     seed_values,
@@ -82,15 +83,7 @@ PRECONDITIONS = {
 }
 
 
-def _register(name: str, *, claim: str, source: str, config: dict):
-    return experiment(
-        name,
-        claim=claim,
-        source=source,
-        config={"version": 2, **config},
-        criterion=CRITERIA[name],
-        precondition=PRECONDITIONS[name],
-    )
+register = registrar(CRITERIA, PRECONDITIONS, version=2)
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -175,7 +168,7 @@ def depth_verdict(
 
 
 # ------------------------------------------------------------------------------------------------ experiments
-@_register(
+@register(
     "warmup",
     claim="Post-LN trained with Adam needs learning-rate warmup (without it, it ends clearly worse); Pre-LN does "
     "not depend on warmup.",
@@ -242,7 +235,7 @@ def warmup_experiment(ctx: Context) -> Result:
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
 
 
-@_register(
+@register(
     "depth-sweep",
     claim="Post-LN gets worse (or fails) as depth grows; DeepNorm trains stably at every depth.",
     source="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, arXiv:2203.00555 (Fig. 1, section 5)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     Verdict,
@@ -24,6 +24,7 @@ from addnorm.lab.experiments.training_setup import (
     nan,
     plot_curves,
     pyplot,
+    registrar,
     save,
     seed_list,
     seed_values,
@@ -94,15 +95,7 @@ PRECONDITIONS = {
 }
 
 
-def _register(name: str, *, claim: str, source: str, config: dict):
-    return experiment(
-        name,
-        claim=claim,
-        source=source,
-        config={"version": 2, **config},
-        criterion=CRITERIA[name],
-        precondition=PRECONDITIONS[name],
-    )
+register = registrar(CRITERIA, PRECONDITIONS, version=2)
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -178,7 +171,7 @@ def z_loss_verdict(
 
 
 # ------------------------------------------------------------------------------------------------ lr-sensitivity
-@_register(
+@register(
     "lr-sensitivity",
     claim="Without QK-layernorm the max attention logit grows with the learning rate; QK-layernorm lowers LR "
     "sensitivity (mean excess over the LR grid of min(loss, loss_0) - loss*).",
@@ -298,7 +291,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------ z-loss
-@_register(
+@register(
     "z-loss",
     claim="At a high learning rate without weight decay the output log-partition log Z drifts far negative (output "
     "logit divergence); z-loss 1e-4 * (log Z)^2 prevents it.",

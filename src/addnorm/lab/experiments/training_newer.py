@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -25,6 +25,7 @@ from addnorm.lab.experiments.training_setup import (
     nan,
     plot_curves,
     pyplot,
+    registrar,
     save,
     seed_list,
     seed_values,
@@ -90,15 +91,7 @@ PRECONDITIONS = {
 }
 
 
-def _register(name: str, *, claim: str, source: str, config: dict):
-    return experiment(
-        name,
-        claim=claim,
-        source=source,
-        config={"version": 1, **config},
-        criterion=CRITERIA[name],
-        precondition=PRECONDITIONS[name],
-    )
+register = registrar(CRITERIA, PRECONDITIONS, version=1)
 
 
 def parity(a: float | None, baseline: float | None) -> bool | None:
@@ -154,7 +147,7 @@ def dyt_verdict(ex_ln: Sequence[float | None], ex_dyt: Sequence[float | None]) -
 
 
 # ------------------------------------------------------------------------------------------------ peri-ln
-@_register(
+@register(
     "peri-ln-training",
     claim="During training at a high learning rate, Pre-LN's hidden states grow far more than Peri-LN's (a norm on "
     "each sublayer's input and output), and Peri-LN trains at least as well.",
@@ -246,7 +239,7 @@ def peri_ln_training(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------ DyT
-@_register(
+@register(
     "dyt",
     claim="DynamicTanh (gamma * tanh(alpha x) + beta, alpha a learned scalar initialised to 0.5) in place of every "
     "norm trains to the same loss as LayerNorm; how much the result depends on alpha's init is measured.",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -31,6 +31,7 @@ from addnorm.lab.experiments.training_setup import (
     nan,
     plot_curves,
     pyplot,
+    registrar,
     save,
     seed_list,
     seed_values,
@@ -72,16 +73,7 @@ PRECONDITIONS = {
 }
 
 
-def _register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical"):
-    return experiment(
-        name,
-        claim=claim,
-        source=source,
-        config={"version": 2, **config},
-        criterion=CRITERIA[name],
-        precondition=PRECONDITIONS[name],
-        kind=kind,
-    )
+register = registrar(CRITERIA, PRECONDITIONS, version=2)
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
@@ -174,7 +166,7 @@ def quarter_growth(profile: Sequence[float | None]) -> float | None:
     return (sum(top) / q) / (sum(bottom) / q)
 
 
-@_register(
+@register(
     "placement-comparison",
     claim="At initialization, norm placement sets how the residual stream grows with depth: Pre-LN's stream variance "
     "grows linearly with depth (Xiong et al.'s Lemma 2), not exponentially; Post-LN's stays at the norm's scale; "
@@ -345,7 +337,7 @@ def norm_timing_task(*, rows: int, hidden: int, reps: int, seed: int) -> dict:
     return times
 
 
-@_register(
+@register(
     "ln-vs-rms-training",
     claim="RMSNorm trains to the same loss as LayerNorm (its speed, the paper's other claim, is measured as a "
     "benchmark row shown with the result, not a verdict).",

@@ -16,7 +16,7 @@ from addnorm.lab.experiments.training_newer import (
     NONUNIFORM,
     PARITY_ABS,
     PARITY_REL,
-    _register,
+    register,
 )
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -111,7 +111,7 @@ def mix_verdict(
 
 
 # ------------------------------------------------------------------------------------------------ ReZero
-@_register(
+@register(
     "rezero",
     claim="x + a F(x) with a learned scalar a initialised to 0 and no norm (ReZero) trains a deep stack that the "
     "unnormalized residual stack x + F(x) cannot, and converges faster than Pre-LN.",
@@ -174,7 +174,7 @@ def rezero_experiment(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------ Mix-LN
-@_register(
+@register(
     "mix-ln-training",
     claim="During training, Mix-LN (Post-LN in the first quarter of the layers, Pre-LN after) has a more uniform "
     "per-layer gradient-norm profile than Pre-LN, at no loss cost.",

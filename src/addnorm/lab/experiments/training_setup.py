@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from addnorm.lab.core import Context
+from addnorm.lab.core import Context, experiment
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH = 32, 32, 2, 32, 8
 # A run "trains" when its excess loss is below this. The runs that fail to train here sit at about 1.03 nats of
@@ -364,3 +364,22 @@ def plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int, 
                 lw=1,
                 label=(names or {}).get(label, str(label)) if k == 0 else None,
             )
+
+
+def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, version: int):
+    """The experiment decorator of one training module: each experiment's criterion and control are looked up by its
+    name in the module's tables (so they stay written down in one place, before any run), and ``version`` is put into
+    every config (raising it invalidates cached results when a setup changes)."""
+
+    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical"):
+        return experiment(
+            name,
+            claim=claim,
+            source=source,
+            config={"version": version, **config},
+            criterion=criteria[name],
+            precondition=preconditions[name],
+            kind=kind,
+        )
+
+    return register
