@@ -284,7 +284,10 @@ def test_a_norm_that_is_not_addnorms_is_not_fused():
     layer = PreNorm()
     layer.norm2 = nn.LayerNorm(W)
     assert "norm2" not in hf_rewrite.norm_attributes(layer)
-    assert hf_rewrite.rewrite_forward(PreNorm, hf_rewrite.norm_attributes(layer)) is None
+    result = hf_rewrite.rewrite_forward(PreNorm, hf_rewrite.norm_attributes(layer))
+    # only the add it returns is rewritten (handed to the next layer's input norm once linked); norm2 is not fused
+    assert result.fused == () and result.forward._addnorm_handoff
+    assert "_addnorm_add_norm(" not in result.source
 
 
 def test_tracebacks_show_the_rewritten_source():

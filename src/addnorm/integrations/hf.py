@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from addnorm.integrations import norm_probe
+from addnorm.integrations import hf_handoff, norm_probe
 from addnorm.integrations.hf_forwards import LayerRule, Signature, from_transformers, layer_rule
 from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
@@ -122,6 +122,7 @@ class _Patch:
 
     modules: list[tuple[nn.Module, str, nn.Module, nn.Module]] = field(default_factory=list)  # parent, name, old, new
     classes: list[tuple[nn.Module, type]] = field(default_factory=list)  # module, its original class
+    links: list[tuple[nn.Module, nn.Module, type]] = field(default_factory=list)  # hf_handoff.link's record
     fuse_residual: bool = True
 
 
@@ -181,6 +182,9 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             cls = type(module)
             module.__class__ = _fused_class(cls, rule, roles)
             patch.classes.append((module, cls))
+        # a layer whose returned add has no norm after it in the layer (parallel blocks): fused with the next
+        # layer's input norm, which then finds its output computed (hf_handoff)
+        patch.links = hf_handoff.link(model, dict(patch.classes))
         if not patch.classes:
             warnings.warn(
                 f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
@@ -216,6 +220,7 @@ def revert(model: nn.Module) -> nn.Module:
     if not is_applied(model):
         raise ValueError("model: not patched by addnorm.integrations.hf.apply (nothing to revert)")
     patch: _Patch = getattr(model, _PATCH_ATTR)
+    hf_handoff.unlink(patch.links)
     for module, cls in reversed(patch.classes):
         module.__class__ = cls
     for parent, name, old, new in reversed(patch.modules):

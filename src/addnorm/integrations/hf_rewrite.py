@@ -34,6 +34,8 @@ import types
 
 from torch import Tensor, nn
 
+from addnorm.integrations.hf_handoff import _FUSED_RUNS, _HANDOFF, add_handoff, fused_runs, rewrite_tail
+from addnorm.integrations.hf_handoff import fusable as _fusable
 from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
@@ -53,27 +55,6 @@ _ADD_NORM, _NORM_ADD = "_addnorm_add_norm", "_addnorm_norm_add"
 _MAX_SPLITS = 4  # ifs duplicated per forward: each copies the rest of the block once
 
 
-def _fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
-    return (
-        isinstance(norm, (LayerNorm, RMSNorm))
-        and isinstance(a, Tensor)
-        and isinstance(b, Tensor)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-    )
-
-
-# Fused calls made by rewritten forwards so far. A rewrite may fuse a branch the model never takes (GPT-NeoX's
-# use_parallel_residual=False, when its default is True): the survey and the tests count a rewritten layer as fused
-# only when this moved during its forward.
-_FUSED_RUNS = [0]
-
-
-def fused_runs() -> int:
-    """How many fused calls the rewritten forwards have made in this process (compare two readings)."""
-    return _FUSED_RUNS[0]
-
-
 _PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what norm_add's arguments describe
 
 
@@ -91,7 +72,8 @@ def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
     the weight shares y's dtype: HF's ``weight * x`` would promote), else as written."""
     w = getattr(norm, "weight", None)
     if (
-        type(norm) in _PLAIN_NORMS  # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1)
+        # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1); hf_handoff's only consumes
+        getattr(type(norm), "_addnorm_base", type(norm)) in _PLAIN_NORMS
         and _fusable(norm, y, a)
         and len(norm.normalized_shape) == 1
         and (w is None or w.dtype == y.dtype)
@@ -419,12 +401,19 @@ def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
     fn.decorator_list = []
     rewriter = _Rewriter(set(norms))
     fn.body = rewriter.block(fn.body)
-    if not rewriter.fused:
+    # the add it returns, fused with the next layer's input norm once linked: in a layer, one that calls its norms
+    calls_norm = any(_self_attr(n) in norms for n in ast.walk(fn))
+    handoffs = rewrite_tail(fn) if calls_norm else 0
+    if not rewriter.fused and not handoffs:
         return None
     factory = ast.FunctionDef(
         name="_addnorm_factory",
         args=ast.arguments(
-            posonlyargs=[], args=[ast.arg(_ADD_NORM), ast.arg(_NORM_ADD)], kwonlyargs=[], kw_defaults=[], defaults=[]
+            posonlyargs=[],
+            args=[ast.arg(_ADD_NORM), ast.arg(_NORM_ADD), ast.arg(_HANDOFF)],
+            kwonlyargs=[],
+            kw_defaults=[],
+            defaults=[],
         ),
         body=[fn, ast.Return(ast.Name(fn.name, ast.Load()))],
         decorator_list=[],
@@ -435,13 +424,14 @@ def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
     namespace: dict = {}
     exec(compile(source, filename, "exec", dont_inherit=True), inner.__globals__, namespace)  # noqa: S102
-    new_inner = namespace["_addnorm_factory"](add_norm, norm_add)
+    new_inner = namespace["_addnorm_factory"](add_norm, norm_add, add_handoff)
     new_inner.__defaults__, new_inner.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
     new_inner.__qualname__, new_inner.__module__ = inner.__qualname__, inner.__module__
     forward = _rewrap(chain, new_inner)
     if forward is None:
         return None
     forward._addnorm_rewritten = True  # read by is_rewritten
+    forward._addnorm_handoff = handoffs > 0  # read by hf_handoff.link
     return RewriteResult(forward, tuple(dict.fromkeys(rewriter.fused)), source)
 
 

@@ -156,7 +156,7 @@ def _hf_apply(model, batch) -> dict[str, Any]:
     vision-language model does not run on text alone, and a rewritten forward may fuse only a branch the config does
     not take (GPT-NeoX's non-parallel one), so those layers are listed apart (``hf_fused_not_run``) and do not make
     the row "fused"."""
-    from addnorm.integrations import hf, hf_rewrite
+    from addnorm.integrations import hf, hf_rewrite, hf_why
 
     ref = _outputs(model, batch)
     try:
@@ -173,6 +173,8 @@ def _hf_apply(model, batch) -> dict[str, Any]:
         out = {"hf_apply": "fused" if ran else "norms", "hf_apply_rel_err": err, "hf_fused_layers": sorted(ran)}
         if set(fused) - ran:
             out["hf_fused_not_run"] = sorted(set(fused) - ran)
+        if not ran:
+            out["hf_apply_reason"] = hf_why.unfused_reason(model)
         if not err <= 1e-5:
             out["hf_apply_reason"] = f"output differs from the unpatched model (relative error {err:.3g})"
             out["hf_apply"] = "mismatch"

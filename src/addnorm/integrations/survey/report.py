@@ -66,6 +66,8 @@ def _cell(row: dict, key: str) -> str:
         return f"skipped: {row.get('reason', '')}"
     if key == "hf_apply" and row.get("hf_apply") == "fused":
         return "fused (" + ", ".join(row.get("hf_fused_layers", [])) + ")"
+    if key == "hf_apply" and row.get("hf_apply") == "norms" and row.get("hf_apply_reason"):
+        return f"norms ({row['hf_apply_reason']})"  # why no add was fused
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
