@@ -291,14 +291,15 @@ PINNED = [
     # (fused by hf_rewrite as one addnorm.norm_add call)
     ("olmo", {}, dict(norm="layernorm", placement="pre", eps=1e-5, bias=False, hf_apply="fused")),
     # OlmoLayerNorm: F.layer_norm(..., None, None, eps=1e-5): no weight, no bias, eps a literal
-    ("cohere", {}, dict(norm="layernorm", placement="parallel", bias=False, hf_apply="norms")),
-    # hidden_states = residual + hidden_states_attention + hidden_states_mlp (both read input_layernorm)
+    ("cohere", {}, dict(norm="layernorm", placement="parallel", bias=False, hf_apply="fused")),
+    # hidden_states = residual + hidden_states_attention + hidden_states_mlp (both read input_layernorm); the sum
+    # fused with the next layer's input_layernorm (hf_handoff)
     ("gptj", {}, dict(norm="layernorm", placement="parallel", bias=True)),
     # hidden_states = attn_output + feed_forward_hidden_states + residual
     (
         "gpt_neox",
         {"use_parallel_residual": True},
-        dict(placement="parallel", hf_apply="norms", hf_fused_not_run=["GPTNeoXLayer"]),
+        dict(placement="parallel", hf_apply="fused", hf_fused_not_run=None),
     ),
     ("gpt_neox", {"use_parallel_residual": False}, dict(placement="pre", hf_apply="fused")),
     # if self.use_parallel_residual: mlp_output + attn_output + hidden_states, else attn_output + hidden_states ...
@@ -314,13 +315,24 @@ PINNED = [
     # residual + hidden_states; if not self.do_layer_norm_before: norm; reshape(-1, size(-1)); residual = ...; norm
     ("nemotron", {}, dict(norm="layernorm", zero_centered_weight=True, bias=True, hf_apply="fused")),
     # NemotronLayerNorm1P: F.layer_norm(x, ..., self.weight + 1.0, self.bias, eps)
-    ("phi", {}, dict(norm="layernorm", placement="parallel", bias=True)),
+    ("phi", {}, dict(norm="layernorm", placement="parallel", bias=True, hf_apply="fused")),
     # hidden_states = attn_outputs + feed_forward_hidden_states + residual
     ("modernbert", {}, dict(norm="layernorm", placement="mixed", sublayers=["none", "pre"], final_norm=True)),
     # ModernBertEncoderLayer: self.attn_norm = nn.Identity() if layer_id == 0 else nn.LayerNorm(...): the first
     # layer's attention reads the (embedding-normalized) stream without a norm of its own
     ("llava", {}, dict(role="decoder", norm="rmsnorm", placement="pre", hf_apply="fused")),
     # a vision-language model: on text alone only the language model (Llama) runs; its layers are what is fused
+    (
+        "bloom",
+        {},
+        dict(
+            norm="layernorm",
+            hf_apply="norms",
+            hf_apply_reason="BloomBlock: the adds are inside calls (self.self_attention(...) -> "
+            "self.post_attention_layernorm)",
+        ),
+    ),
+    # BloomAttention: output_tensor = dropout_add(output_tensor, residual, ...); the block reads its return value
 ]
 
 

@@ -36,9 +36,13 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
                  call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
                  (:mod:`addnorm.integrations.hf_rewrite`)
 
-The add that ends each layer stays a plain add: fusing it with the next layer's input norm would change what the
-layers pass each other, which generation, hooks and hidden-state outputs rely on. The new forward keeps the
-original's signature and return value, so generation with a KV cache and gradient checkpointing keep working. HF's
+A rewritten layer also hands the add it returns to the norm that reads it next (the next layer's input norm, or
+the norm after the loop over the layers): one fused call computes the sum and that norm's output, the layer returns
+the sum as before, and the norm returns the output it was given when called on that very, unchanged, tensor
+(:mod:`addnorm.integrations.hf_handoff`). This is how parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J:
+``x + attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). A template layer's last add stays a
+plain add. The new forward keeps the original's signature and return value, so generation with a KV cache and
+gradient checkpointing keep working (with checkpointing on, and under torch.compile, there is no handoff). HF's
 dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as
 the unpatched model. Hooks registered on the replaced norm modules do not move to the new ones; register them after
 ``apply``. Which families of the installed transformers fuse: ``addnorm survey`` (docs/survey.md).
