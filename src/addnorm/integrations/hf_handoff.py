@@ -69,7 +69,8 @@ def _version(t: Tensor | None):
 
 def _state(norm: nn.Module, s: Tensor) -> tuple:
     """What must not have changed between the fused call and the norm's own call for ``n`` to be its output."""
-    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    params = norm._parameters  # not getattr: nn.Module's attribute lookup costs microseconds per call
+    w, b = params.get("weight"), params.get("bias")
     return (_version(s), w, _version(w), b, _version(b), torch.is_grad_enabled())
 
 
