@@ -250,3 +250,61 @@ def test_operands_of_other_dtypes_add_unfused():
     a, b = torch.randn(2, W), torch.randn(2, W, dtype=torch.float64)
     out, runs = _runs(hf_handoff.add_handoff, layer, a, b)
     assert runs == 0 and out.dtype == torch.float64 and torch.equal(out, a + b)
+
+
+# ---- hf.apply on a parallel family of the installed transformers -------------------------------------------------
+
+
+@pytest.fixture
+def phi():
+    pytest.importorskip("transformers")
+    from addnorm.integrations import hf
+    from addnorm.integrations.norm_probe import randomize_norms
+
+    model = hf.tiny_model("phi", num_hidden_layers=3)
+    randomize_norms(model)
+    return model
+
+
+def test_phi_links_each_layer_and_the_final_norm_and_reverts(phi):
+    from addnorm.integrations import hf
+
+    ids = torch.randint(0, phi.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = phi(ids).logits
+    ref_tokens = phi.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.apply(phi)
+    consumers = [type(layer.input_layernorm).__name__ for layer in phi.model.layers[1:]]
+    assert consumers == ["AddNormHandoffLayerNorm"] * 2
+    assert type(phi.model.final_layernorm).__name__ == "AddNormHandoffLayerNorm"
+    with torch.no_grad():
+        got, runs = _runs(lambda: phi(ids).logits)
+    assert runs == 3 and (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    tokens = phi.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(tokens, ref_tokens)
+    for clone in (copy.deepcopy(phi), pickle.loads(pickle.dumps(phi))):
+        with torch.no_grad():
+            assert torch.equal(clone(ids).logits, got)
+    hf.revert(phi)
+    assert not any(type(m).__name__.startswith("AddNorm") for m in phi.modules())
+    assert not any("_addnorm_next" in m.__dict__ for m in phi.modules())
+
+
+def test_phi_gradient_checkpointing_trains_as_unpatched(phi):
+    from addnorm.integrations import hf
+
+    ids = torch.randint(0, phi.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for patched in (False, True):
+        model = copy.deepcopy(phi)
+        if patched:
+            hf.apply(model)
+        model.activation_checkpointing_enable()  # sets gradient_checkpointing on each layer
+        model.train()
+        model.config.use_cache = False
+        torch.manual_seed(0)
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
