@@ -9,7 +9,8 @@ reports one row:
                           the decoder of an encoder-decoder, the language model of a vision-language model)
     eps, zero_centered_weight, bias, final_norm, qk_norm, residual_scale, role (encoder/decoder/encoder-decoder)
     hf_apply              fused | norms | unsupported (what addnorm.integrations.hf.apply does; its output is
-                          compared with the unpatched model's, and a difference is reported, not hidden)
+                          compared with the unpatched model's, and a difference is reported, not hidden;
+                          hf_apply_reason: why, for norms, unsupported and mismatch)
     doctor                the findings of addnorm's doctor on the same model
     status                ok | skipped (with the reason)
 

@@ -38,9 +38,9 @@ each residual add; `src/addnorm/integrations/survey/trace.py`), not from class o
 - `placement`, per residual add: `pre` x + F(N(x)), `post` N(x + F(x)), `sandwich` x + N2(F(N1(x))),
   `branch-output` x + N(F(x)), `parallel` two branches read the same stream; `mixed` when sublayers or layers
   differ. Measured on the last stack that runs (the decoder of an encoder-decoder, the language model of a VLM).
-- `hf_apply`: `fused` (the layer classes whose residual add + norm `hf.apply` fuses), `norms` (norms swapped only),
-  `unsupported`; in every case the patched model's output was compared with the unpatched one (a difference would
-  read `mismatch`).
+- `hf_apply`: `fused` (the layer classes whose residual add + norm `hf.apply` fuses), `norms` (norms swapped only,
+  with the reason read from the layers' forwards: where the values their norms read are made), `unsupported`; in
+  every case the patched model's output was compared with the unpatched one (a difference would read `mismatch`).
 - `doctor`: the errors, warnings and notes `addnorm doctor` reports on the same tiny model.
 
 Tiny configs have 2 layers, so depth-dependent findings (`post-norm-deep`) do not fire here; run
