@@ -196,7 +196,7 @@ def _bwd_launch(
         cast,
         h.device,
     )
-    k = wide.team_size(n)
+    k = wide.team_size(n, backward=True)
     if k:
         team = (wide.WIDE, k, *key)
         config = wide.bwd_plan(*team) if traceable else plan.cached_config(wide.bwd_plan, ("team-bwd", *team))

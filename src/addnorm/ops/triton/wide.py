@@ -14,6 +14,7 @@ a plain rounded sum, is bitwise the same for every K).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -44,18 +45,24 @@ class WideTuning:
     enabled: bool = field(default_factory=_env_enabled)  # off by default: no GPU has measured the team kernels yet
     team: int = 0  # > 0: every row of any width goes through teams of this many programs (tests: K = 1 ... 8)
     chunk: int = 8192  # columns a program holds when K is chosen from N: the rows path's proven width at 32 warps
+    # the backward holds more per element (h, dy, xhat, g, w and the dw/db sums): at 8192 columns a program sm_90
+    # spills 40-88 bytes a thread with 32 warps (64 registers at most) and 32-80 with 16 (tools/sm90_static.py);
+    # 4096 at 16 warps (8 elements a thread) does not
+    bwd_chunk: int = 4096
     max_team: int = 64  # a team never has more programs than this (N = 262144 takes 32 at chunk 8192)
     # GPU: the two-kernel fallback instead of the team kernel (the interpreter always takes it: its programs run
     # one after another, so a spin-wait would never end). Tests compare the two bit for bit on a GPU.
     fallback: bool = False
 
     def __post_init__(self):
-        for name in ("team", "chunk", "max_team"):
+        for name in ("team", "chunk", "bwd_chunk", "max_team"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "team" else 1):
                 raise ValueError(f"WideTuning.{name} must be an integer >= {0 if name == 'team' else 1}, got {v!r}")
-        if self.chunk & (self.chunk - 1):
-            raise ValueError(f"WideTuning.chunk must be a power of two, got {self.chunk}")
+        for name in ("chunk", "bwd_chunk"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"WideTuning.{name} must be a power of two, got {v}")
 
 
 WIDE = WideTuning()
@@ -64,18 +71,19 @@ WIDE = WideTuning()
 def refresh() -> WideTuning:
     """Read ``ADDNORM_TRITON_TEAM`` again (it is read when this module is imported)."""
     global WIDE
-    WIDE = WideTuning(enabled=_env_enabled(), team=WIDE.team, chunk=WIDE.chunk, max_team=WIDE.max_team)
+    WIDE = dataclasses.replace(WIDE, enabled=_env_enabled())
     return WIDE
 
 
-def team_size(n: int, wide: WideTuning | None = None) -> int:
-    """K, the programs sharing a row of n elements; 0: no team (the rows or looped path). From n only."""
+def team_size(n: int, backward: bool = False, wide: WideTuning | None = None) -> int:
+    """K, the programs sharing a row of n elements in the forward (or the backward); 0: no team (the rows or looped
+    path). From n and the tunings only."""
     wide = wide or WIDE
     if wide.team:
         return wide.team
     if not wide.enabled or n <= plan.TUNING.max_fwd_block_n:
         return 0
-    return min(wide.max_team, -(-n // wide.chunk))
+    return min(wide.max_team, -(-n // (wide.bwd_chunk if backward else wide.chunk)))
 
 
 def chunk_of(n: int, k: int) -> int:
