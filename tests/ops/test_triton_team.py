@@ -293,6 +293,17 @@ def test_programs_per_sm_from_registers_warps_and_shared_memory():
     assert W.programs_per_sm(54, 16, limits=small) == 1
 
 
+def test_looped_groups_fill_whole_waves():
+    """The looped backward's row groups from what the GPU holds (Tuning.looped_programs_per_sm = 4 on 132 SMs: a
+    target of 528 programs; the compiled tiles kernel fits 2 per SM: 264 resident)."""
+    assert W.looped_groups(64, 264, 528, 10**6) == 8  # N = 262144: 512 programs, 2 waves (the fixed rule: 9, 3)
+    assert W.looped_groups(16, 264, 528, 10**6) == 33  # N = 65536: 528, 2 waves, as the fixed rule
+    assert W.looped_groups(16, 528, 528, 10**6) == 33  # 4 fit: one wave
+    assert W.looped_groups(64, 264, 528, 5) == 5  # never more groups than rows
+    assert W.looped_groups(64, 600, 528, 10**6) == 9  # at least one wave
+    assert W.looped_groups(1024, 264, 528, 10**6) == 1  # more tiles than a wave holds: one group
+
+
 # --------------------------------------------------------------------------------------------------------------
 # On a GPU: the team kernel itself (spin-waits), in a subprocess under a timeout
 # --------------------------------------------------------------------------------------------------------------

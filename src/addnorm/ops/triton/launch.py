@@ -222,6 +222,13 @@ def _bwd_launch(
             sums,
             traceable,
         )
+        if wide.WIDE.sized_grids and h.is_cuda and not traceable and not interpreted():
+            probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, c1, c1)
+            probe += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+            resident = wide.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
+            groups = wide.looped_groups(
+                tiles, resident, plan._programs(h.device, plan.TUNING.looped_programs_per_sm), m
+            )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
         args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, dw_part, db_part)

@@ -34,10 +34,15 @@ from addnorm.ops.triton.team import (
 __all__ = ["ENV", "WIDE", "WideTuning", "programs_per_sm", "refresh", "team_size"]
 
 ENV = "ADDNORM_TRITON_TEAM"
+ENV_SIZED_GRIDS = "ADDNORM_TRITON_SIZED_GRIDS"
 
 
 def _env_enabled() -> bool:
     return os.environ.get(ENV) == "1"
+
+
+def _env_sized_grids() -> bool:
+    return os.environ.get(ENV_SIZED_GRIDS) == "1"
 
 
 @dataclass(kw_only=True, frozen=True)  # frozen: plans are cached per WIDE object
@@ -53,6 +58,10 @@ class WideTuning:
     # GPU: the two-kernel fallback instead of the team kernel (the interpreter always takes it: its programs run
     # one after another, so a spin-wait would never end). Tests compare the two bit for bit on a GPU.
     fallback: bool = False
+    # the looped backward's row groups in whole waves of what the GPU holds of the compiled tiles kernel (from its
+    # registers, looped_groups) instead of Tuning.looped_programs_per_sm per SM; opt-in until measured
+    # (ADDNORM_TRITON_SIZED_GRIDS=1)
+    sized_grids: bool = field(default_factory=_env_sized_grids)
 
     def __post_init__(self):
         for name in ("team", "chunk", "bwd_chunk", "max_team"):
@@ -69,9 +78,9 @@ WIDE = WideTuning()
 
 
 def refresh() -> WideTuning:
-    """Read ``ADDNORM_TRITON_TEAM`` again (it is read when this module is imported)."""
+    """Read ``ADDNORM_TRITON_TEAM`` and ``ADDNORM_TRITON_SIZED_GRIDS`` again (read when this module is imported)."""
     global WIDE
-    WIDE = dataclasses.replace(WIDE, enabled=_env_enabled())
+    WIDE = dataclasses.replace(WIDE, enabled=_env_enabled(), sized_grids=_env_sized_grids())
     return WIDE
 
 
@@ -151,6 +160,16 @@ def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> 
     n = sms * programs_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, limits)
     _resident[key] = (meta, n)
     return n
+
+
+def looped_groups(tiles: int, resident: int, target: int, m: int) -> int:
+    """Row groups of the looped backward's (column tiles x row groups) grid: the whole waves of the ``resident``
+    programs the GPU holds at once that fit in ``target`` programs (at least one wave), and never more groups than
+    rows. The fixed rule (``target`` / tiles groups, rounded up) assumed 4 programs per
+    SM where the compiled kernel fits 2: at N = 262144, 64 tiles x 9 groups = 576 programs run as 3 waves of 264;
+    here 64 x 8 = 512, two."""
+    waves = max(1, target // resident)
+    return max(1, min(m, waves * resident // tiles))
 
 
 # --------------------------------------------------------------------------------------------------------------
