@@ -79,7 +79,7 @@ def _fwd_combine(
 ):  # fmt: skip
     """(mean, rstd) of the row from its K partials, combined in the fixed order 0, 1, ..., K - 1."""
     total = tl.load(WS + slot, volatile=VOLATILE)
-    for k in tl.static_range(1, K):
+    for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
         total += tl.load(WS + slot + 2 * k, volatile=VOLATILE)
     mean = total / N
     if IS_RMS:
@@ -87,7 +87,7 @@ def _fwd_combine(
         mean = mean * 0.0
     else:
         m2 = mean * 0.0
-        for k in tl.static_range(K):
+        for k in range(K):
             n_k = _chunk_count(k, N, CHUNK).to(mean.dtype)
             delta = tl.load(WS + slot + 2 * k, volatile=VOLATILE) / tl.maximum(n_k, 1.0) - mean
             m2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE) + n_k * delta * delta
@@ -145,12 +145,12 @@ def _bwd_publish(WS, slot, k, g, xhat, IS_RMS: tl.constexpr):
 def _bwd_combine(WS, slot, N, K: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr):
     """(mean_j(g * xhat), mean_j(g)) of the row from its K partials, in the fixed order 0, 1, ..., K - 1."""
     s1 = tl.load(WS + slot, volatile=VOLATILE)
-    for k in tl.static_range(1, K):
+    for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
         s1 += tl.load(WS + slot + 2 * k, volatile=VOLATILE)
     s2 = s1 * 0.0
     if not IS_RMS:
         s2 = tl.load(WS + slot + 1, volatile=VOLATILE)
-        for k in tl.static_range(1, K):
+        for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
             s2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE)
     return s1 / N, s2 / N
 
