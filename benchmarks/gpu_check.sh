@@ -18,8 +18,9 @@
 # ADDNORM_WIDE=1 (issue 28, wide rows) runs its steps right after step 2, before everything else: the team kernels'
 # GPU tests (team == fallback bit for bit, M * N > 2^31 elements, in place past 16384), the bf16 tables at
 # N = 16384 ... 262144 with the team kernels on (ADDNORM_TRITON_TEAM=1) and with the looped grids sized from the
-# compiled kernel (ADDNORM_TRITON_SIZED_GRIDS=1), the device kernels per call at the looped shapes (1024 x 65536,
-# 256 x 262144) both ways, and, where the profiler is permitted, ncu's DRAM bytes per kernel.
+# compiled kernel (ADDNORM_TRITON_SIZED_GRIDS=1), the one-pass forward at N = 32768 against the looped one, the
+# device kernels per call at the looped shapes (1024 x 65536, 256 x 262144) both ways, and, where the profiler is
+# permitted, ncu's DRAM bytes per kernel.
 # Results go to $OUT when set (the device tool brings that folder back), else benchmarks/results/gpu.
 # Usage: bash benchmarks/gpu_check.sh        Exit status: 0 all ran and passed, 1 a step failed, 2 refused,
 #                                            3 nothing failed but steps were skipped or stopped at their cap.
@@ -123,6 +124,11 @@ wide_steps() {
     step "wide rows: add + RMSNorm, bf16, looped grids sized from the compiled kernel" 60 20 "$RESULTS/wide.txt" \
         env ADDNORM_TRITON_SIZED_GRIDS=1 python benchmarks/bench_add_norm.py --norm rms --dtype bf16 \
         --providers addnorm --sizes 32768,65536,262144 --reps 20 --out "$RESULTS/wide_sized"
+    # issue 28 item 2: the rows forward at 32 warps up to N = 32768 (sm_90: 55/61 registers, no spills) against
+    # the looped forward there; tune_triton times both settings with the benchmark's code
+    step "wide rows: one-pass forward to N = 32768 (Tuning.max_fwd_block_n)" 60 20 "$RESULTS/wide.txt" bash -c \
+        "for norm in rms layer; do python tools/tune_triton.py --norm \$norm --dtype bf16 --sizes 32768 --modes fwd \
+        --knobs max_fwd_block_n --out '$RESULTS/wide_tune' || exit 1; done"
     step "wide rows: device kernels per call at the looped shapes, default then team" 90 20 "$RESULTS/wide.txt" \
         bash -c "python tools/profile_kernels.py --providers addnorm --shapes 1024x65536,256x262144 &&
         ADDNORM_TRITON_TEAM=1 python tools/profile_kernels.py --providers addnorm --shapes 1024x65536,256x262144"
