@@ -150,7 +150,7 @@ def _fwd_launch(
     if k:
         team = (wide.WIDE, k, *key)
         config = wide.fwd_plan(*team) if traceable else plan.cached_config(wide.fwd_plan, ("team-fwd", *team))
-        wide.fwd_launch(config, args, m, x.device, rstd.dtype, interpreted(), _launcher(traceable))
+        wide.fwd_launch(config, args, m, x.device, rstd.dtype, interpreted() or traceable, _launcher(traceable))
         return
     rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
     _launch(fwd_rows_kernel if rows else fwd_looped_kernel, grid, args, meta, traceable)
@@ -202,7 +202,9 @@ def _bwd_launch(
         config = wide.bwd_plan(*team) if traceable else plan.cached_config(wide.bwd_plan, ("team-bwd", *team))
         tensors = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
         strides = (dout.stride(0), _row_stride(dres_out), h.stride(0))
-        return wide.bwd_launch(config, tensors, strides, drop, m, n, h.device, acc, interpreted(), _launcher(traceable))
+        return wide.bwd_launch(
+            config, tensors, strides, drop, m, n, h.device, acc, interpreted() or traceable, _launcher(traceable)
+        )
     chosen = plan.bwd_config(*key) if traceable else plan.cached_config(plan.bwd_config, ("bwd", *key))
     if chosen[0]:
         _, programs, meta = chosen

@@ -208,15 +208,18 @@ def bwd_plan(wide, k, m, n, narrow, *flags):
     return k, chunk, meta, dict(meta, launch_cooperative_grid=True), sums
 
 
-def _use_team_kernel(device: torch.device, interpreted: bool) -> bool:
-    return device.type == "cuda" and not interpreted and not WIDE.fallback
+def _use_team_kernel(device: torch.device, two_kernels: bool) -> bool:
+    """The team kernel, or the fallback's two kernels: those in Triton's interpreter, under torch.compile (traced
+    launches: the grid is sized from a compiled kernel, which fake tensors cannot give) and when asked for."""
+    return device.type == "cuda" and not two_kernels and not WIDE.fallback
 
 
-def fwd_launch(config, args: tuple, m: int, device, acc, interpreted: bool, run) -> None:
+def fwd_launch(config, args: tuple, m: int, device, acc, two_kernels: bool, run) -> None:
     """Launch the team forward on ``args`` (fwd_rows_kernel's argument tuple), with ``run(kernel, grid, args,
-    meta)`` (launch.py's launch). On a GPU with too few resident programs for one team, the fallback runs."""
+    meta)`` (launch.py's launch); ``two_kernels``: the fallback (see _use_team_kernel). On a GPU with too few
+    resident programs for one team, the fallback runs too."""
     k, _, meta, team_meta = config
-    if _use_team_kernel(device, interpreted):
+    if _use_team_kernel(device, two_kernels):
         flags = torch.zeros(1, dtype=torch.int32, device=device)  # placeholder for the occupancy query
         ws = torch.empty(2 * 2 * k, dtype=acc, device=device)
         teams = min(m, resident_programs(fwd_team_kernel, (*args, ws, flags), team_meta, device) // k)
@@ -230,14 +233,14 @@ def fwd_launch(config, args: tuple, m: int, device, acc, interpreted: bool, run)
     run(fwd_finish_kernel, (m, k), (*args, ws), meta)
 
 
-def bwd_launch(config, tensors: tuple, strides: tuple, drop: tuple, m: int, n: int, device, acc, interpreted, run):
+def bwd_launch(config, tensors: tuple, strides: tuple, drop: tuple, m: int, n: int, device, acc, two_kernels, run):
     """The team backward: ``tensors`` = (dout, dres_out, h, weight, mean, rstd, dx, dres) with placeholders for
     what is absent, ``strides`` = (dout, dres_out, h), ``drop`` the dropout arguments. Returns (dw_part, db_part)."""
     k, _, meta, team_meta, sums = config
     dout, dres_out, h, weight, mean, rstd, dx, dres = tensors
     head = (dout, dres_out, h, weight, mean, rstd, dx, dres)
     tail = (*strides, m, n, *drop)
-    if _use_team_kernel(device, interpreted):
+    if _use_team_kernel(device, two_kernels):
         flags = torch.zeros(1, dtype=torch.int32, device=device)
         ws = torch.empty(2 * 2 * k, dtype=acc, device=device)
         probe = (*head, ws, ws, *tail, ws, flags)
