@@ -254,6 +254,32 @@ def test_team_plans_do_not_depend_on_m(device):
     assert bplans[0][:2] == (16, 4096) and bplans[0][2]["num_warps"] == 16
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+def test_the_launchers_take_teams_past_the_rows_path_when_on(device, monkeypatch, enabled):
+    """The automatic choice through the launchers, scaled down (rows path to 64 columns, chunks of 32 forward and
+    16 backward): N = 200 runs teams of 7 and 13 programs when the team path is on, the looped kernels when off."""
+    monkeypatch.setattr(P, "TUNING", P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64))
+    monkeypatch.setattr(W, "WIDE", W.WideTuning(enabled=enabled, chunk=32, bwd_chunk=16))
+    launched = []
+    for module, names in (
+        (W, ("fwd_partials_kernel", "fwd_finish_kernel", "bwd_partials_kernel", "bwd_finish_kernel")),
+        (T, ("fwd_looped_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")),
+    ):
+        for name in names:
+            monkeypatch.setattr(module, name, _Recorder(getattr(module, name), launched, name))
+    _check(LN, *_inputs(3, 200, torch.bfloat16, device))
+    grids = dict(launched)
+    if enabled:
+        assert grids == {
+            "fwd_partials_kernel": (3, 7),
+            "fwd_finish_kernel": (3, 7),
+            "bwd_partials_kernel": (3, 13),
+            "bwd_finish_kernel": (13, 1),  # the interpreter's 4 persistent programs, over 13 chunks: 1 row group
+        }
+    else:
+        assert set(grids) == {"fwd_looped_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel"}
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
