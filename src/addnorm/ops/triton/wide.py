@@ -4,7 +4,7 @@ launched, and how many programs an SM holds (the grids of persistent kernels are
 The team path is opt-in until a GPU run has measured it (issue 28): ``ADDNORM_TRITON_TEAM=1`` (read at import,
 :func:`refresh` reads it again) or ``WIDE = WideTuning(enabled=True)``; tests force a team size with
 ``WideTuning(team=K)``. With it on, rows wider than the forward's rows path (``Tuning.max_fwd_block_n``) are
-split into K = ceil(N / chunk) chunks, forward and backward.
+split into K = ceil(N / chunk) chunks in the forward, ceil(N / bwd_chunk) in the backward.
 
 What a row's bits depend on: K, CHUNK and the warp count come from N (and the Tuning) only, never from M or the
 device's size, so a row normalizes to the same bits in any batch and at any position. Across K the statistics are
@@ -31,7 +31,19 @@ from addnorm.ops.triton.team import (
     fwd_team_kernel,
 )
 
-__all__ = ["ENV", "WIDE", "WideTuning", "programs_per_sm", "refresh", "team_size"]
+__all__ = [
+    "ENV",
+    "ENV_SIZED_GRIDS",
+    "SMLimits",
+    "WIDE",
+    "WideTuning",
+    "chunk_of",
+    "looped_groups",
+    "programs_per_sm",
+    "refresh",
+    "resident_programs",
+    "team_size",
+]
 
 ENV = "ADDNORM_TRITON_TEAM"
 ENV_SIZED_GRIDS = "ADDNORM_TRITON_SIZED_GRIDS"
