@@ -15,6 +15,12 @@
 #      per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
 #   8. with time left and asked for: ADDNORM_COMPAT=1 (flash-attention's and Liger's test files), ADDNORM_QUANT=1
 #      (the quantized ops' CUDA tests and table), ADDNORM_TUNE=1.
+# ADDNORM_WIDE=1 (issue 28, wide rows) runs its steps right after step 2, before everything else: the team kernels'
+# GPU tests (team == fallback bit for bit, M * N > 2^31 elements, in place past 16384), the bf16 tables at
+# N = 16384 ... 262144 with the team kernels on (ADDNORM_TRITON_TEAM=1) and with the looped grids sized from the
+# compiled kernel (ADDNORM_TRITON_SIZED_GRIDS=1), the one-pass forward at N = 32768 against the looped one, the
+# device kernels per call at the looped shapes (1024 x 65536, 256 x 262144) both ways, and, where the profiler is
+# permitted, ncu's DRAM bytes per kernel.
 # Results go to $OUT when set (the device tool brings that folder back), else benchmarks/results/gpu.
 # Usage: bash benchmarks/gpu_check.sh        Exit status: 0 all ran and passed, 1 a step failed, 2 refused,
 #                                            3 nothing failed but steps were skipped or stopped at their cap.
@@ -103,6 +109,41 @@ python -c "import addnorm" || {
     exit 2
 }
 
+# -- ADDNORM_WIDE=1: wide rows (issue 28), first when asked for ---------------------------------------------------
+wide_steps() {
+    : >"$RESULTS/wide.txt"
+    # the team kernel spins until its team meets: its bit-for-bit test runs in a subprocess under a timeout
+    step "wide rows: GPU tests (team kernels, > 2^31 elements, in place)" 150 40 "$RESULTS/wide.txt" \
+        python -m pytest -q -p no:cacheprovider tests/ops/test_triton_team.py tests/ops/test_triton_wide_cuda.py \
+        --durations=5
+    mkdir -p "$RESULTS/wide_team" "$RESULTS/wide_sized"
+    step "wide rows: add + RMSNorm and add + LayerNorm, bf16, team kernels" 150 40 "$RESULTS/wide.txt" bash -c \
+        "for norm in rms layer; do ADDNORM_TRITON_TEAM=1 python benchmarks/bench_add_norm.py --norm \$norm \
+        --dtype bf16 --providers addnorm --sizes 4096,16384,32768,65536,262144 --reps 20 \
+        --out '$RESULTS/wide_team' || exit 1; done"
+    step "wide rows: add + RMSNorm, bf16, looped grids sized from the compiled kernel" 60 20 "$RESULTS/wide.txt" \
+        env ADDNORM_TRITON_SIZED_GRIDS=1 python benchmarks/bench_add_norm.py --norm rms --dtype bf16 \
+        --providers addnorm --sizes 32768,65536,262144 --reps 20 --out "$RESULTS/wide_sized"
+    # issue 28 item 2: the rows forward at 32 warps up to N = 32768 (sm_90: 55/61 registers, no spills) against
+    # the looped forward there; tune_triton times both settings with the benchmark's code
+    step "wide rows: one-pass forward to N = 32768 (Tuning.max_fwd_block_n)" 60 20 "$RESULTS/wide.txt" bash -c \
+        "for norm in rms layer; do python tools/tune_triton.py --norm \$norm --dtype bf16 --sizes 32768 --modes fwd \
+        --knobs max_fwd_block_n --out '$RESULTS/wide_tune' || exit 1; done"
+    step "wide rows: device kernels per call at the looped shapes, default then team" 90 20 "$RESULTS/wide.txt" \
+        bash -c "python tools/profile_kernels.py --providers addnorm --shapes 1024x65536,256x262144 &&
+        ADDNORM_TRITON_TEAM=1 python tools/profile_kernels.py --providers addnorm --shapes 1024x65536,256x262144"
+    if command -v ncu >/dev/null; then
+        # DRAM bytes per kernel (the 4-units target against the looped path's 5 and 6); a machine without
+        # profiling permission (ERR_NVGPUCTRPERM) says so here and the step is not counted as failed
+        step "wide rows: ncu DRAM bytes, 1024 x 65536, default then team" 90 30 "$RESULTS/wide.txt" bash -c \
+            "for team in 0 1; do ADDNORM_TRITON_TEAM=\$team ncu --target-processes all --metrics \
+            dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k 'regex:add_norm|fwd|bwd' \
+            python tools/profile_kernels.py --providers addnorm --shapes 1024x65536 --calls 1 \
+            || echo 'ncu: not permitted here or failed (see above)'; done"
+    else
+        echo "== wide rows: ncu DRAM bytes: skipped, ncu is not on PATH"
+    fi
+}
 # -- 2. environment, 3. the kernels as compiled here ----------------------------------------------------------------
 # shellcheck disable=SC2016 # the Python code is quoted on purpose
 env_py='import torch, triton, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__,
@@ -111,6 +152,10 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
 : >"$RESULTS/gpu.txt"
 step "environment" 30 5 "$RESULTS/gpu.txt" bash -c \
     "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c '$env_py'; python -m addnorm info"
+if [ "${ADDNORM_WIDE:-0}" = "1" ]; then
+    wide_steps
+fi
+
 # ~60-100 s: 20 benchmark shapes (bf16, N = 512 ... 262144, RMS and LayerNorm), forward + backward, each variant
 # compiled once; the table is rewritten after every shape, so a step stopped at its cap keeps what it measured
 step "registers and spills of the kernels compiled here" 120 20 "" \

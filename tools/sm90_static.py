@@ -42,18 +42,28 @@ from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
+from addnorm.ops.triton import wide as WIDE  # noqa: E402
 
 KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
+# the wide rows' team kernels (addnorm.ops.triton.team, launched by wide.py): the team kernel a GPU runs, and the
+# two-kernel fallback the interpreter runs (and a GPU with WideTuning(fallback=True))
+TEAM_KERNELS = (
+    "fwd_team_kernel",
+    "fwd_partials_kernel",
+    "fwd_finish_kernel",
+    "bwd_team_kernel",
+    "bwd_partials_kernel",
+    "bwd_finish_kernel",
+)
 SM_COUNT = 132  # H100 SXM / H200
-# Hopper per-SM limits: 64K 32-bit registers, 2048 threads, 32 resident blocks, 227 KB shared memory per block
-REGS_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM, SMEM_PER_SM = 65536, 2048, 32, 228 * 1024
 TYPE_NAMES = {
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
     torch.float32: "fp32",
     torch.float64: "fp64",
     torch.int64: "i64",
-}  # i64: the dropout seed
+    torch.int32: "i32",
+}  # i64: the dropout seed; i32: the team kernels' counters
 DTYPES = {v: k for k, v in TYPE_NAMES.items()}
 BENCH_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -66,6 +76,7 @@ class Shape:
     n: int
     residual_dtype: torch.dtype | None = None  # None: x's dtype
     options: str = ""  # "cast", "zc", "dropout": the kernel variants the shape also exercises
+    team: str = ""  # "team": the wide rows' team kernels (opt-in, WideTuning); "fallback": their two-kernel form
 
 
 @dataclass(kw_only=True)
@@ -96,10 +107,8 @@ class Report:
 
     @property
     def programs_per_sm(self) -> int:
-        threads = 32 * self.num_warps
-        regs = ((self.registers + 7) // 8) * 8 * threads  # registers are allocated in units of 8 per thread
-        by_smem = SMEM_PER_SM // self.shared_bytes if self.shared_bytes else BLOCKS_PER_SM
-        return max(0, min(REGS_PER_SM // regs, THREADS_PER_SM // threads, BLOCKS_PER_SM, by_smem))
+        # what the team launcher sizes its grid from on a GPU (from the compiled kernel there)
+        return WIDE.programs_per_sm(self.registers, self.num_warps, self.shared_bytes)
 
 
 def shapes_for(which: str) -> list[Shape]:
@@ -114,12 +123,29 @@ def shapes_for(which: str) -> list[Shape]:
             Shape(dtype=torch.float64, is_rms=False, m=2, n=20000, options="zc,dropout"),
             # RMSNorm's widest one-pass backward (Tuning.max_bwd_block_n_rms_16bit): 16 warps, must not spill
             Shape(dtype=torch.bfloat16, is_rms=True, m=4, n=16384, options="cast,zc,dropout"),
+            # the team kernels and their fallback, every variant (K = 9 chunks of 8192 at N = 70000)
+            *(
+                Shape(
+                    dtype=torch.bfloat16,
+                    is_rms=is_rms,
+                    m=4,
+                    n=70000,
+                    residual_dtype=torch.float32,
+                    options="cast,zc,dropout",
+                    team=team,
+                )
+                for is_rms in (False, True)
+                for team in ("team", "fallback")
+            ),
         ]
-    # the benchmark's shapes: M * N = 2^26 elements, bf16, a residual of x's dtype, weight (and bias for LayerNorm)
+    # the benchmark's shapes: M * N = 2^26 elements, bf16, a residual of x's dtype, weight (and bias for LayerNorm);
+    # rows wider than the forward's rows path also with the team kernels (opt-in) and their fallback
     return [
-        Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n)
+        Shape(dtype=torch.bfloat16, is_rms=is_rms, m=max(1, (1 << 26) // n), n=n, team=team)
         for is_rms in (True, False)
         for n in BENCH_SIZES
+        for team in ("", "team", "fallback")
+        if not team or n > P.TUNING.max_fwd_block_n
     ]
 
 
@@ -138,23 +164,41 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             )
 
     saved = {name: getattr(T, name) for name in KERNELS}
-    saved_programs = P._programs
+    saved_team = {name: getattr(WIDE, name) for name in TEAM_KERNELS}
+    saved_programs, saved_use, saved_resident = P._programs, WIDE._use_team_kernel, WIDE.resident_programs
     try:
         for name in KERNELS:
             setattr(T, name, Recorder(saved[name]))
+        for name in TEAM_KERNELS:
+            setattr(WIDE, name, Recorder(saved_team[name]))
         P._programs = lambda device, per_sm: per_sm * SM_COUNT
+        # meta tensors: the team kernel as on a GPU, its grid as if a team of every size fitted (only the
+        # compiled kernel matters here)
+        WIDE._use_team_kernel = lambda device, interpreted: current["shape"].team == "team"
+        WIDE.resident_programs = lambda kernel, args, meta, device: SM_COUNT * meta["K"]
         for s in shapes:
             current["shape"] = s
             launch_shape(s, torch.device("meta"))
     finally:
         for name, kernel in saved.items():
             setattr(T, name, kernel)
-        P._programs = saved_programs
+        for name, kernel in saved_team.items():
+            setattr(WIDE, name, kernel)
+        P._programs, WIDE._use_team_kernel, WIDE.resident_programs = saved_programs, saved_use, saved_resident
     return launches
 
 
 def launch_shape(s: Shape, device: torch.device) -> None:
     """The forward and backward of one shape through the launchers, on ``device`` (meta: nothing is touched)."""
+    saved = WIDE.WIDE
+    WIDE.WIDE = WIDE.WideTuning(enabled=bool(s.team), fallback=s.team == "fallback")
+    try:
+        _launch_shape(s, device)
+    finally:
+        WIDE.WIDE = saved
+
+
+def _launch_shape(s: Shape, device: torch.device) -> None:
     meta = dict(device=device)
     rd = s.residual_dtype or s.dtype
     x, r = torch.randn(s.m, s.n, dtype=s.dtype, **meta), torch.randn(s.m, s.n, dtype=rd, **meta)
@@ -191,8 +235,8 @@ def compiled_on_device(shapes: list[Shape], out: str | None) -> list[dict]:
         launch_shape(s, torch.device("cuda"))
         torch.cuda.synchronize()
         rows = []
-        for name in KERNELS:
-            kernel = getattr(T, name)
+        for name in KERNELS + TEAM_KERNELS:
+            kernel = getattr(T, name) if name in KERNELS else getattr(WIDE, name)
             for caches in kernel.device_caches.values():
                 for compiled in list(caches[0].values()):
                     if getattr(compiled, "n_regs", None) is None:
@@ -317,7 +361,7 @@ def analyse(launches: list[Launch]) -> list[Report]:
             seen[key] = (*ptxas_info(compiled.asm["ptx"]), int(compiled.metadata.shared))
         divisible = ",".join(launch.kernel.arg_names[i] for (i,) in sorted(attrs) if attrs[(i,)])
         regs, st, ld, shared = seen[key]
-        blocks = {k: v for k, v in const.items() if k.startswith("BLOCK_")}
+        blocks = {k: v for k, v in const.items() if k.startswith("BLOCK_") or k in ("K", "CHUNK")}
         reports.append(
             Report(
                 name=launch.name,
@@ -382,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides[knob] = int(value)
     P.TUNING = dataclasses.replace(P.TUNING, **overrides)
     if a.on_device:
-        rows = compiled_on_device(shapes_for(a.shapes), a.out)
+        # not the team kernels: on a GPU they run for real, and a team that never met would hang the run (their
+        # own test runs them in a subprocess under a timeout); the static table has them
+        rows = compiled_on_device([s for s in shapes_for(a.shapes) if not s.team], a.out)
         print(json.dumps(rows, indent=1) if a.json else "\n".join(str(r) for r in rows))
         return 0
     reports = analyse(record_launches(shapes_for(a.shapes)))

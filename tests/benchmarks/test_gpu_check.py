@@ -118,3 +118,15 @@ def test_fake_python_is_what_the_script_ran(tree):
     env = {**os.environ, "PATH": f"{tree / 'bin'}:{os.environ['PATH']}"}
     which = subprocess.run(["bash", "-c", "command -v python"], capture_output=True, text=True, env=env).stdout
     assert which.strip() == str(tree / "bin" / "python") and sys.executable != which.strip()
+
+
+def test_wide_rows_steps_run_first_when_asked(tree, monkeypatch):
+    """ADDNORM_WIDE=1 (issue 28): the wide-row steps run right after the environment, each under the deadline."""
+    monkeypatch.setenv("ADDNORM_WIDE", "1")
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if "cuda" not in p))
+    done, _ = _run(tree, deadline=60, sleep=0)
+    out = done.stdout
+    order = [out.find(s) for s in ("== environment", "== wide rows: GPU tests", "== wide rows: add + RMSNorm and")]
+    assert -1 not in order and order == sorted(order), out
+    assert out.find("== wide rows: device kernels per call") < out.find("== registers and spills"), out
+    assert "ncu DRAM bytes" in out, out  # run, or skipped with a message where ncu is not on PATH

@@ -477,7 +477,19 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "bwd_rows_kernel",
         "bwd_row_sums_kernel",
         "bwd_tiles_kernel",
+        # the wide rows' team kernels (opt-in) and their two-kernel fallback: compiled mode differs from the
+        # interpreter the other tests run them in (the team kernel's spin-wait, the loop-carried row counter)
+        "fwd_team_kernel",
+        "fwd_partials_kernel",
+        "fwd_finish_kernel",
+        "bwd_team_kernel",
+        "bwd_partials_kernel",
+        "bwd_finish_kernel",
     }
+    # the team kernels hold a row's chunk in registers across the team's meeting: no spill at all, and the grid
+    # sized from programs/SM must have room for a team
+    team = [r for r in rows if "team" in r["name"] or "partials" in r["name"] or "finish" in r["name"]]
+    assert all(r["spill_stores"] == r["spill_loads"] == 0 and r["programs_per_sm"] >= 1 for r in team), team
     # A tile that no longer fits in registers spills hundreds of bytes per thread and costs bandwidth on every element;
     # a register or two is noise (Triton 3.6's ptxas spills 8 bytes in bwd_tiles_kernel, 3.9's none). bf16 kernels
     # must stay under 4 registers' worth, and every kernel must fit on an SM.

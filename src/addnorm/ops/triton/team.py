@@ -1,0 +1,391 @@
+"""Wide rows by teams: K programs share one row, each holding a chunk of CHUNK columns in registers (the kernels;
+:mod:`addnorm.ops.triton.wide` chooses K and launches them).
+
+Per row, program k of the team computes its chunk's partial statistics and publishes them:
+    forward   RMSNorm: s_k = sum(h^2);   LayerNorm: s_k = sum(h), m2_k = sum((h - s_k / n_k)^2)  (Chan's partials)
+    backward  s1_k = sum(g * xhat);      LayerNorm also s2_k = sum(g)
+then the K partials are combined in the fixed order k = 0, 1, ..., K - 1 (one scalar add after another, so no
+reduction tree that a layout or warp count could reorder), giving the row's statistics bit for bit the same in
+every program of the team, whichever arrives first:
+    RMSNorm   var = (s_0 + ... + s_{K-1}) / N
+    LayerNorm mean = (s_0 + ... + s_{K-1}) / N,  M2 = sum_k m2_k + n_k * (s_k / n_k - mean)^2  (Chan et al.,
+              the K-way form of the pairwise merge: exact, no E[h^2] - E[h]^2 cancellation), var = M2 / N
+and every program normalizes (or finishes dx) from its own registers.
+
+Two ways to meet, the same helpers:
+- ``*_team_kernel`` (GPU): a persistent grid of teams, all programs resident (cooperative launch); a program
+  publishes into a double-buffered workspace slot (team, row parity), arrives on that slot's counter and spins
+  until the whole team has arrived; one pass over the row: 4 units of traffic forward and backward;
+- ``*_partials_kernel`` then ``*_finish_kernel`` (Triton's interpreter, which runs programs one after another, so a
+  spin-wait would never end; and ``WideTuning(fallback=True)`` on a GPU): the partials go to an (M, K) workspace,
+  and a second kernel reads the chunk again, combines the same partials with the same helper and finishes.
+The partials, their combination and the finishing arithmetic are the same functions in both, so the fallback gives
+the team kernel's bits by construction (checked on a GPU by tests/ops/test_triton_team.py).
+
+No atomics but the team counters (integers): dw/db are partial rows (one per team or row group) summed afterwards.
+"""
+
+from __future__ import annotations
+
+from addnorm.ops.triton.kernels import _dropout, _dweight_term, _jit, _round, _rsqrt, _weight, tl
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared helpers: the math both ways run
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _chunk_count(k, N, CHUNK: tl.constexpr):
+    """Columns of the row in chunk k (0 for chunks past the row's end: N = 96 at K = 8 leaves two empty)."""
+    return tl.minimum(tl.maximum(N - k * CHUNK, 0), CHUNK)
+
+
+@_jit
+def _fwd_h(
+    X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
+    acc_t: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, ROUND_TO_RES: tl.constexpr,
+    STORE: tl.constexpr, SEED_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """The chunk's h = keep * x * scale + residual, rounded to residual_out's dtype (ROUND_TO_RES) and stored when
+    STORE: the value the statistics and the normalization see, as the rows kernel computes it."""
+    h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(acc_t)
+    if HAS_DROPOUT:
+        h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+    if HAS_RESIDUAL:
+        h += tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(acc_t)
+    if ROUND_TO_RES:
+        stored = _round(h, ResOut.dtype.element_ty)
+        if STORE:
+            tl.store(ResOut + row * N + cols, stored, mask=ok)
+        h = stored.to(acc_t)
+    return h
+
+
+@_jit
+def _fwd_publish(WS, slot, k, h, ok, n_k, IS_RMS: tl.constexpr):
+    """Write chunk k's partials into workspace slot ``slot`` (K pairs): (sum h^2, -) or (sum h, M2 about its mean)."""
+    if IS_RMS:
+        tl.store(WS + slot + 2 * k, tl.sum(h * h, axis=0))
+    else:
+        s = tl.sum(h, axis=0)
+        d = tl.where(ok, h - s / tl.maximum(n_k, 1).to(h.dtype), 0.0)
+        tl.store(WS + slot + 2 * k, s)
+        tl.store(WS + slot + 2 * k + 1, tl.sum(d * d, axis=0))
+
+
+@_jit
+def _fwd_combine(
+    WS, slot, N, eps, K: tl.constexpr, CHUNK: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr
+):  # fmt: skip
+    """(mean, rstd) of the row from its K partials, combined in the fixed order 0, 1, ..., K - 1."""
+    total = tl.load(WS + slot, volatile=VOLATILE)
+    for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
+        total += tl.load(WS + slot + 2 * k, volatile=VOLATILE)
+    mean = total / N
+    if IS_RMS:
+        var = mean
+        mean = mean * 0.0
+    else:
+        m2 = mean * 0.0
+        for k in range(K):
+            n_k = _chunk_count(k, N, CHUNK).to(mean.dtype)
+            delta = tl.load(WS + slot + 2 * k, volatile=VOLATILE) / tl.maximum(n_k, 1.0) - mean
+            m2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE) + n_k * delta * delta
+        var = m2 / N
+    return mean, _rsqrt(var + eps)
+
+
+@_jit
+def _fwd_finish(
+    Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+):  # fmt: skip
+    """out = (h - mean) * rstd (* w + b) for the chunk; the team's first program stores the row's statistics."""
+    if STORE_STATS:
+        if k == 0:
+            tl.store(Rstd + row, rstd)
+            if not IS_RMS:
+                tl.store(Mean + row, mean)
+    y = (h - mean) * rstd
+    if CAST_BEFORE_WEIGHT:
+        y = _round(y, Out.dtype.element_ty).to(acc_t)
+    if HAS_WEIGHT:
+        y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+    tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t: tl.constexpr,
+               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    """(dy, xhat, g = dy * w, rstd) of the chunk."""
+    h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
+    dy = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
+    rstd = tl.load(Rstd + row)
+    if IS_RMS:
+        xhat = h * rstd
+    else:
+        xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * w
+    return dy, xhat, g, rstd
+
+
+@_jit
+def _bwd_publish(WS, slot, k, g, xhat, IS_RMS: tl.constexpr):
+    tl.store(WS + slot + 2 * k, tl.sum(g * xhat, axis=0))
+    if not IS_RMS:
+        tl.store(WS + slot + 2 * k + 1, tl.sum(g, axis=0))
+
+
+@_jit
+def _bwd_combine(WS, slot, N, K: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr):
+    """(mean_j(g * xhat), mean_j(g)) of the row from its K partials, in the fixed order 0, 1, ..., K - 1."""
+    s1 = tl.load(WS + slot, volatile=VOLATILE)
+    for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
+        s1 += tl.load(WS + slot + 2 * k, volatile=VOLATILE)
+    s2 = s1 * 0.0
+    if not IS_RMS:
+        s2 = tl.load(WS + slot + 1, volatile=VOLATILE)
+        for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
+            s2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE)
+    return s1 / N, s2 / N
+
+
+@_jit
+def _bwd_finish(
+    DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed, keep_threshold, scale_hi,
+    scale_mid, scale_lo, acc_t: tl.constexpr, HAS_DRES_OUT: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, SEED_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dresidual_out): dresidual, then dx through dropout."""
+    if IS_RMS:
+        dh = (g - xhat * c1) * rstd
+    else:
+        dh = (g - c2 - xhat * c1) * rstd
+    if HAS_DRES_OUT:
+        dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
+    if STORE_DRES:
+        tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
+    if HAS_DROPOUT:
+        dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+    tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _team_meet(Flags, slot, target):
+    """Arrive on the team's counter for this slot and wait until it reaches ``target`` (K arrivals per use of the
+    slot: counters only grow, so a slot is reused without a reset). The barrier before the release makes every
+    thread's partial store part of what the arrival publishes; the acquire loads order the reads after it."""
+    tl.debug_barrier()
+    tl.atomic_add(Flags + slot, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(Flags + slot, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(Flags + slot, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward kernels. Arguments: fwd_rows_kernel's (kernels.py), then the workspace (and the team counters).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def fwd_team_kernel(
+    X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
+    scale_mid, scale_lo,
+    WS,  # (teams, 2, K, 2) acc: each team's two slots of K partial pairs (double-buffered by row parity)
+    Flags,  # (teams, 2) int32, zeroed: arrivals per slot
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, STORE_STATS: tl.constexpr,
+    K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # program pid is chunk pid % K of team pid // K; team t takes rows t, t + teams, ...: its K programs walk the
+    # same rows in the same order, and the slot of the i-th row is reused at row i + 2 only after the team met at
+    # row i + 1, which every program reaches after it has read row i's partials
+    acc_t = Rstd.dtype.element_ty
+    pid = tl.program_id(0)
+    k = pid % K
+    team = pid // K
+    teams = tl.num_programs(0) // K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    n_k = _chunk_count(k, N, CHUNK)
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    i = 0
+    for r in range(team, M, teams):
+        row = tl.cast(r, tl.int64)
+        slot = team * 2 + i % 2
+        h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
+                   scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, STORE_RESIDUAL_OUT, True, SEED_OFFSET)  # fmt: skip
+        _fwd_publish(WS, slot * 2 * K, k, h, ok, n_k, IS_RMS)
+        _team_meet(Flags, slot, K * (i // 2 + 1))
+        mean, rstd = _fwd_combine(WS, slot * 2 * K, N, eps, K, CHUNK, IS_RMS, True)
+        _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                    ZERO_CENTERED, CAST_BEFORE_WEIGHT, STORE_STATS)  # fmt: skip
+        i += 1
+
+
+@_jit
+def fwd_partials_kernel(
+    X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
+    scale_mid, scale_lo,
+    WS,  # (M, K, 2) acc: the partials of every row
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, STORE_STATS: tl.constexpr,
+    K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # program (row, k): the fallback's first half, residual_out and the partials of chunk k
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
+               scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, STORE_RESIDUAL_OUT, True, SEED_OFFSET)  # fmt: skip
+    _fwd_publish(WS, row * 2 * K, k, h, ok, _chunk_count(k, N, CHUNK), IS_RMS)
+
+
+@_jit
+def fwd_finish_kernel(
+    X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
+    scale_mid, scale_lo,
+    WS,  # (M, K, 2) acc: fwd_partials_kernel's partials
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, STORE_STATS: tl.constexpr,
+    K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # program (row, k): the fallback's second half. h again: residual_out as stored, or x (+ residual) recomputed
+    # by the same helper when residual_out is not stored; out may be x (in place): each element is read by the
+    # thread that then writes it
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    if STORE_RESIDUAL_OUT:
+        h = tl.load(ResOut + row * N + cols, mask=ok, other=0.0).to(acc_t)
+    else:
+        h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
+                   scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, False, False, SEED_OFFSET)  # fmt: skip
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    mean, rstd = _fwd_combine(WS, row * 2 * K, N, eps, K, CHUNK, IS_RMS, False)
+    _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                ZERO_CENTERED, CAST_BEFORE_WEIGHT, STORE_STATS)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward kernels. Arguments: bwd_rows_kernel's (kernels.py), then the workspace (and the team counters).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def bwd_team_kernel(
+    DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
+    DWPart, DBPart,  # (teams, N) acc: each team's partial sums of dout * xhat and dout
+    stride_dout, stride_dres_out, stride_h, M, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
+    WS,  # (teams, 2, K, 2) acc
+    Flags,  # (teams, 2) int32, zeroed
+    HAS_DRES_OUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DB: tl.constexpr, IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    acc_t = Rstd.dtype.element_ty
+    pid = tl.program_id(0)
+    k = pid % K
+    team = pid // K
+    teams = tl.num_programs(0) // K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    w = tl.zeros([CHUNK], dtype=acc_t)
+    if HAS_WEIGHT:
+        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    dw_acc = tl.zeros([CHUNK], dtype=acc_t)
+    db_acc = tl.zeros([CHUNK], dtype=acc_t)
+    i = 0
+    for r in range(team, M, teams):
+        row = tl.cast(r, tl.int64)
+        slot = team * 2 + i % 2
+        dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
+                                       HAS_WEIGHT)  # fmt: skip
+        if HAS_WEIGHT:
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+        if HAS_DB:
+            db_acc += dy
+        _bwd_publish(WS, slot * 2 * K, k, g, xhat, IS_RMS)
+        _team_meet(Flags, slot, K * (i // 2 + 1))
+        c1, c2 = _bwd_combine(WS, slot * 2 * K, N, K, IS_RMS, True)
+        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed,
+                    keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
+                    STORE_DRES, SEED_OFFSET)  # fmt: skip
+        i += 1
+    if HAS_WEIGHT:
+        tl.store(DWPart + team * N + cols, dw_acc, mask=ok)
+    if HAS_DB:
+        tl.store(DBPart + team * N + cols, db_acc, mask=ok)
+
+
+@_jit
+def bwd_partials_kernel(
+    DOut, H, W, Mean, Rstd, stride_dout, stride_h, N,
+    WS,  # (M, K, 2) acc
+    HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, K: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    # program (row, k): the two row sums' partials of chunk k
+    acc_t = Rstd.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    w = tl.zeros([CHUNK], dtype=acc_t)
+    if HAS_WEIGHT:
+        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
+                                   HAS_WEIGHT)  # fmt: skip
+    _bwd_publish(WS, row * 2 * K, k, g, xhat, IS_RMS)
+
+
+@_jit
+def bwd_finish_kernel(
+    DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
+    DWPart, DBPart,  # (groups, N) acc
+    stride_dout, stride_dres_out, stride_h, M, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
+    WS,  # (M, K, 2) acc: bwd_partials_kernel's partials
+    HAS_DRES_OUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DB: tl.constexpr, IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # program (k, group): chunk k of rows group, group + groups, ...; its dw/db partial row stays in registers
+    acc_t = Rstd.dtype.element_ty
+    k = tl.program_id(0)
+    group = tl.program_id(1)
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < N
+    w = tl.zeros([CHUNK], dtype=acc_t)
+    if HAS_WEIGHT:
+        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    dw_acc = tl.zeros([CHUNK], dtype=acc_t)
+    db_acc = tl.zeros([CHUNK], dtype=acc_t)
+    for r in range(group, M, tl.num_programs(1)):
+        row = tl.cast(r, tl.int64)
+        dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
+                                       HAS_WEIGHT)  # fmt: skip
+        if HAS_WEIGHT:
+            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+        if HAS_DB:
+            db_acc += dy
+        c1, c2 = _bwd_combine(WS, row * 2 * K, N, K, IS_RMS, False)
+        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed,
+                    keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
+                    STORE_DRES, SEED_OFFSET)  # fmt: skip
+    if HAS_WEIGHT:
+        tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
+    if HAS_DB:
+        tl.store(DBPart + group * N + cols, db_acc, mask=ok)
