@@ -82,17 +82,21 @@ def count_bytes(provider: str, mode: str, m: int, n: int, dtype: torch.dtype, no
     forward:  read x, residual (2 MN s); read weight (+bias) (N s each); write out, residual_out (2 MN s);
               write rstd (+mean) (4 M each, fp32)                                     ~ 4 MN s
     backward: read dout, dresidual_out, residual_out (3 MN s); read weight; read rstd (+mean);
-              write dx, dresidual (2 MN s); write dweight (+dbias) (N s each)         ~ 5 MN s
+              write dx (MN s), which is also dresidual; write dweight (+dbias) (N s each)   ~ 4 MN s
+              (dx and dresidual are the same values when x and residual share a dtype and there is no dropout, as
+              in this benchmark: one write, returned for both, as eager autograd does for h = x + r too. Until
+              2026-12-01 this counted 5 MN s, two writes, which overstated backward GB/s by up to 5/4 and
+              fwd+bwd by 9/8 in the tables measured before; see benchmarks/results/README.md.)
               (fp32 partial rows of the two-stage reduction are ~ 2 x SMs x N x 4: ignored, they vanish for big M)
-    fwd+bwd:  the sum                                                                 ~ 9 MN s
-    For bf16 at M N = 2^26: forward 512 MiB, backward 640 MiB.
+    fwd+bwd:  the sum                                                                 ~ 8 MN s
+    For bf16 at M N = 2^26: forward 512 MiB, backward 512 MiB.
     """
     del provider  # same minimum for every provider, see the docstring
     s = torch.empty((), dtype=dtype).element_size()
     params = 1 if norm == "rms" else 2  # weight, plus bias for LayerNorm
     stats = 1 if norm == "rms" else 2  # rstd, plus mean
     fwd = 2 * m * n * s + params * n * s + 2 * m * n * s + stats * 4 * m
-    bwd = 3 * m * n * s + params * n * s + stats * 4 * m + 2 * m * n * s + params * n * s
+    bwd = 3 * m * n * s + params * n * s + stats * 4 * m + m * n * s + params * n * s
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 

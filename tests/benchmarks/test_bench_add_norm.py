@@ -39,6 +39,9 @@ def test_count_bytes_napkin_math():
     fwd_bwd = bench_add_norm.count_bytes("eager", "fwd+bwd", m, n, torch.bfloat16, "layer")
     parts = sum(bench_add_norm.count_bytes("eager", mode, m, n, torch.bfloat16, "layer") for mode in ("fwd", "bwd"))
     assert fwd_bwd == parts
+    # backward: read dout, dresidual_out, residual_out, write dx once (it is also dresidual): 4 MN x 2 bytes,
+    # plus the weight read and dweight written, and the fp32 rstd read (issue 28: it used to charge two writes)
+    assert bench_add_norm.count_bytes("addnorm", "bwd", m, n, torch.bfloat16, "rms") == 8 * m * n + 4 * n + 4 * m
 
 
 def test_unknown_provider_is_rejected():
