@@ -194,7 +194,7 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
             torch.ops.addnorm.add_norm_(*args, name)
     else:
         # eager calls skip the custom op's dispatch (~100 us on CPU, more than a small kernel takes)
-        _inplace_impl(*args, resolve_backend(backend, x.device, x.numel()))
+        _inplace_impl(*args, resolve_backend(backend, x.device))
     return x, residual
 
 

@@ -104,7 +104,7 @@ def _run(
     cast = bool(cast_before_weight) and (weight is not None or bias is not None) and x.dtype != cd
     if out is not None:
         _check_out(out, x, quant_dtype)
-    name = resolve_backend(backend, x.device, x.numel())
+    name = resolve_backend(backend, x.device)
     if name in _QUANT_MODULES:
         reason = quant_module(name).unavailable_reason(x.device, quant_dtype)
         if reason is not None:
