@@ -28,7 +28,7 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
         without dropout).
 
     Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
-    the backend or the batch size (auto's size switch): the seed is drawn on x's device by
+    the backend: the seed is drawn on x's device by
     :func:`addnorm.ops.contract.draw_seed`; element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of
     (seed, i * N + j) are >= ceil(p * 2^24) (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements
     are multiplied by 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
