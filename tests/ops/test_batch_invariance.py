@@ -285,3 +285,29 @@ def test_triton_plans_do_not_depend_on_the_batch_size(n):
                 assert _meta(cfg) == first, f"N={n}, flags {flags}: M={m} plans {cfg}, M=1 {configs[1]}"
         for m, (rows, grid, meta) in fwd.items():  # the grid still covers every row
             assert grid[0] * (meta["BLOCK_M"] if rows else 1) >= m
+
+
+# ---- On a GPU: the compiled kernels (what the interpreter cannot show) -------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("n", [128, 1000, 4096, 20000])  # several rows a program, one, and the looped path
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_triton_on_the_gpu_row_does_not_depend_on_the_batch(n, is_rms):
+    if (reason := backends.unavailable_reason("triton", torch.device("cuda"))) is not None:
+        pytest.skip(reason)
+    x, r, w, b = (t.cuda() for t in _row_inputs(n, torch.bfloat16, torch.float32))
+    dout_row = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).cuda()
+    want = None
+    # M = 1 and multiples of 16 are what Triton specializes integer arguments on; 4097 spans many programs
+    for m, pos, rows in _placements(n, (1, 2, 16, 33, 4097), seed=10):
+        xs, rs = rows(x.cpu(), 0).cuda().requires_grad_(), rows(r.cpu(), 1).cuda().requires_grad_()
+        out, res = _call(is_rms, xs, rs, w, b, "triton")
+        (out.float() * rows(dout_row.cpu(), 2).cuda()).sum().backward()
+        q, _, scales = addnorm.add_rms_norm_quant(xs.detach(), rs.detach(), w, quant_dtype=torch.int8, backend="triton")
+        got = out[pos], res[pos], xs.grad[pos], rs.grad[pos], q[pos], scales[pos]
+        if want is None:
+            want = got
+            continue
+        for name, a, e in zip(("out", "residual_out", "dx", "dresidual", "q", "scales"), got, want, strict=True):
+            _assert_same_bits(a, e, f"{name}, N={n}, M={m}, row {pos}")
