@@ -180,6 +180,7 @@ fi
 step "Triton tests on CUDA" 150 40 "$RESULTS/tests.txt" \
     python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_triton_add_norm.py tests/ops/test_triton_ops.py \
     tests/ops/test_triton_fast_launch.py \
+    tests/ops/test_batch_invariance.py::test_triton_on_the_gpu_row_does_not_depend_on_the_batch \
     tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5
 : >"$RESULTS/graph.txt"
 # ~45 s: a few JITs, three Inductor compiles (reduce-overhead), CUDA-graph capture with dropout

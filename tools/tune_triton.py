@@ -62,7 +62,7 @@ def _launch_plan(tuning: P.Tuning, m: int, n: int, mode: str, rms_16bit: bool = 
     ``rms_16bit``: RMSNorm on 2-byte types, whose backward has its own row limit (max_bwd_block_n_rms_16bit)."""
 
     def path(max_block_n: int):
-        return P._rows_blocks(m, n, max_block_n) or min(tuning.loop_block_n, max_block_n)
+        return P._rows_blocks(n, max_block_n) or min(tuning.loop_block_n, max_block_n)
 
     saved = P.TUNING
     try:

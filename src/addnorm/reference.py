@@ -60,6 +60,33 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# ATen's CPU reductions sum a reduction with a single output (one row) of at least GRAIN_SIZE elements in two passes
+# split across threads when there is more than one thread; any other row count gets each row summed by one thread
+# in one fixed order. So a row of >= 32768 elements alone would get other bits than the same row in a batch
+# (batch invariance: docs/kernels.md): a lone row is reduced as one of two identical rows instead.
+ATEN_GRAIN_SIZE = 32768
+
+
+def lone_wide_row(t: Tensor) -> bool:
+    """Whether reducing t's last dim hits ATen's split reduction: one row, >= ATEN_GRAIN_SIZE elements, on a CPU
+    with more than one intra-op thread. Never under torch.compile, whose generated code is its own (and does not
+    promise batch invariance)."""
+    return (
+        t.numel() == t.shape[-1] >= ATEN_GRAIN_SIZE
+        and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and torch.get_num_threads() > 1
+    )
+
+
+def row_mean(t: Tensor, keepdim: bool = False) -> Tensor:
+    """``t.mean(dim=-1, keepdim=keepdim)``, with the bits a row gets in a batch of any size (see lone_wide_row)."""
+    if t.dim() and lone_wide_row(t):
+        m = t.reshape(1, -1).expand(2, -1).mean(dim=-1)[:1]
+        return m.reshape(*t.shape[:-1], 1) if keepdim else m.reshape(t.shape[:-1])
+    return t.mean(dim=-1, keepdim=keepdim)
+
+
 def _effective_weight(weight: Tensor | None, zero_centered_weight: bool, dtype: torch.dtype) -> Tensor | None:
     if weight is None:
         return None
@@ -99,9 +126,9 @@ def layer_norm_ref(
     cd = compute_dtype or acc_dtype(x.dtype)
     od = out_dtype or x.dtype
     h = x.to(cd)
-    mean = h.mean(dim=-1)
+    mean = row_mean(h)
     # two-pass variance: no E[x^2] - E[x]^2 cancellation
-    var = (h - mean.unsqueeze(-1)).square().mean(dim=-1)
+    var = row_mean((h - mean.unsqueeze(-1)).square())
     rstd = torch.rsqrt(var + eps)
     xhat = (h - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     w = _effective_weight(weight, zero_centered_weight, cd)
@@ -126,7 +153,7 @@ def rms_norm_ref(
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     h = x.to(cd)
-    rstd = torch.rsqrt(h.square().mean(dim=-1) + eps)
+    rstd = torch.rsqrt(row_mean(h.square()) + eps)
     xhat = h * rstd.unsqueeze(-1)
     y = _affine(xhat, _effective_weight(weight, zero_centered_weight, cd), None, od if cast_before_weight else None)
     return y.to(od), rstd
@@ -150,9 +177,9 @@ def _norm_bwd(
     dyf = dy.to(cd)
     w = _effective_weight(weight, zero_centered_weight, cd)
     g = dyf * w if w is not None else dyf
-    proj = (g * xhat).mean(dim=-1, keepdim=True)
+    proj = row_mean(g * xhat, keepdim=True)
     if mean is not None:
-        dh = rs * (g - g.mean(dim=-1, keepdim=True) - xhat * proj)
+        dh = rs * (g - row_mean(g, keepdim=True) - xhat * proj)
     else:
         dh = rs * (g - xhat * proj)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - rows of any leading shape

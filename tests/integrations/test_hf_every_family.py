@@ -262,11 +262,15 @@ def _grads(model, batch, probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("model_type", STRUCTURES)
-def test_training_step_gradients_per_structure(transformers, model_type):
+def test_training_step_gradients_per_structure(transformers, model_type, monkeypatch):
     """One backward in train mode: loss within 1e-5 (see below), each parameter's gradient within 1e-5 of its own scale (the
     scale floored at 1e-4 of the largest gradient: a gradient that is zero in exact arithmetic holds only rounding
-    noise, which another order of summation changes completely)."""
+    noise, which another order of summation changes completely). With the torch backend, which auto picked at these
+    sizes until it stopped choosing by size (issue 26): the numba cpu backend's fp32 sums move a few families'
+    gradients past 1e-5 (diffllama, doge, lara_mini)."""
     from addnorm.integrations import hf
+
+    monkeypatch.setenv("ADDNORM_BACKEND", "torch")
 
     model, batch, _ = _build(transformers, model_type)
     model.train()

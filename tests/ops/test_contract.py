@@ -1,5 +1,5 @@
 """One contract on every backend: the eps default, the dropout keep-function and scale (bitwise across backends and
-either side of auto's size switch), dresidual sharing dx's tensor, and the torch backend's cast_before_weight
+either side of 32K elements, where auto once switched backends), dresidual sharing dx's tensor, and the torch backend's cast_before_weight
 backward. Triton runs in its interpreter here (tiny sizes)."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_scale_is_one_over_one_minus_p_rounded_to_the_stats_dtype():
     assert s32 == float(torch.tensor(1 / (1 - p), dtype=torch.float32)) and s32 != 1 / (1 - p)
 
 
-# sizes either side of auto's switch to the torch backend on CPU (backends.AUTO_CPU_MIN_ELEMENTS = 32K elements)
+# sizes either side of 32K elements, where auto switched CPU tensors between the torch and cpu backends until issue 26
 SIZES = [(3, 40), (9, 100), (64, 1024)]
 
 

@@ -153,29 +153,25 @@ def test_configuration_cache_is_bounded(monkeypatch):
 # ---- resolve_backend's CUDA cache --------------------------------------------------------------------------------
 
 
-def test_resolution_is_remembered_but_not_across_env_sizes_or_module_tables(monkeypatch):
+def test_resolution_is_remembered_but_not_across_env_or_module_tables(monkeypatch):
     calls = []
     monkeypatch.setattr(backends, "_resolved", {})
-    monkeypatch.setattr(backends, "_resolve", lambda b, d, n: calls.append((b, d.type, n)) or "triton")
+    monkeypatch.setattr(backends, "_resolve", lambda b, d: calls.append((b, d.type)) or "triton")
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for _ in range(3):
         assert backends.resolve_backend("triton", cuda) == "triton"
-        assert backends.resolve_backend("auto", cuda, 10) == "triton"
-    assert calls == [("triton", "cuda", None), ("auto", "cuda", 10)]
-    tiny, big = backends.AUTO_CPU_MIN_ELEMENTS - 1, backends.AUTO_CPU_MIN_ELEMENTS
-    for _ in range(2):
-        backends.resolve_backend("auto", cpu, tiny)
-        backends.resolve_backend("auto", cpu, big)
-    assert calls[2:] == [("auto", "cpu", tiny), ("auto", "cpu", big)]  # auto's size switch: two entries
+        assert backends.resolve_backend("auto", cuda) == "triton"
+        backends.resolve_backend("auto", cpu)
+    assert calls == [("triton", "cuda"), ("auto", "cuda"), ("auto", "cpu")]  # one entry per device, no size
     monkeypatch.setenv(backends.ENV_VAR, "torch")
     backends.resolve_backend("auto", cuda)
     backends.resolve_backend("auto", cuda)
-    assert calls[4:] == [("auto", "cuda", None)] * 2  # the override is read on every call
+    assert calls[3:] == [("auto", "cuda")] * 2  # the override is read on every call
     monkeypatch.delenv(backends.ENV_VAR)
     monkeypatch.setattr(backends, "_modules", {})  # another module table than the cached one
     backends.resolve_backend("triton", cuda)
-    assert calls[-1] == ("triton", "cuda", None) and len(calls) == 7
+    assert calls[-1] == ("triton", "cuda") and len(calls) == 6
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.resolve_backend(["triton"], cuda)  # an unhashable value still gets the argument's error
 

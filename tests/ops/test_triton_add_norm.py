@@ -247,7 +247,7 @@ def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch
 def test_small_n_packs_rows(device):
     """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
     m, n = 37, 128
-    block_m, _ = P._rows_blocks(m, n, P.TUNING.max_fwd_block_n)
+    block_m, _ = P._rows_blocks(n, P.TUNING.max_fwd_block_n)
     assert 1 < block_m < m  # two programs, the second one partly past the last row
     check_against_oracle(RMS, *_inputs(m, n, torch.bfloat16, device))
 
@@ -277,7 +277,7 @@ def test_leading_dims_and_plain_norms(device):
     ],
 )
 def test_looped_path(device, looped, dtype, is_rms, opts):
-    assert P._rows_blocks(3, 200, P.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(200, P.TUNING.max_fwd_block_n) is None
     residual_dtype = opts.get("residual_dtype")
     kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
     check_against_oracle(is_rms, *_inputs(3, 200, dtype, device, **opts), **kw)
@@ -321,7 +321,7 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
 )
 def test_wide_row(device, n, dtype, is_rms):
     """Real hidden sizes above 65536 with the default block limits (one row, so the interpreter stays quick)."""
-    assert P._rows_blocks(1, n, P.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(n, P.TUNING.max_fwd_block_n) is None
     check_against_oracle(is_rms, *_inputs(1, n, dtype, device))
 
 

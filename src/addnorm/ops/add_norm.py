@@ -28,7 +28,7 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
         without dropout).
 
     Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
-    the backend or the batch size (auto's size switch): the seed is drawn on x's device by
+    the backend: the seed is drawn on x's device by
     :func:`addnorm.ops.contract.draw_seed`; element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of
     (seed, i * N + j) are >= ceil(p * 2^24) (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements
     are multiplied by 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
@@ -71,7 +71,7 @@ from torch import Tensor
 from addnorm.ops.backends import ENV_VAR, resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import FLOAT_DTYPES, as_dtype, default_rms_eps, draw_seed, stats_dtype, validate
 from addnorm.ops.kernel_ops import kernel_add_norm
-from addnorm.reference import dropout_keep_mask, dropout_scale
+from addnorm.reference import dropout_keep_mask, dropout_scale, lone_wide_row
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
@@ -137,9 +137,18 @@ def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
     h = x if residual is None else x + residual
     n = (x.shape[-1],)
     if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
-        out = F.rms_norm(h, n, None, eps)
+        out = _rms_norm(h, n, None, eps)
         return (out if weight is None else out * weight), h
-    return F.rms_norm(h, n, weight, eps), h
+    return _rms_norm(h, n, weight, eps), h
+
+
+def _rms_norm(h, n, weight, eps):
+    """F.rms_norm, with the bits a row gets in a batch of any size: ATen would sum a lone row of >= 32K elements in
+    two passes split across threads, so it is normalized as one of two identical rows (reference.lone_wide_row).
+    LayerNorm needs no such care: ATen's LayerNorm kernel reduces each row in one thread whatever the row count."""
+    if lone_wide_row(h):
+        return F.rms_norm(h.reshape(1, -1).expand(2, -1), n, weight, eps)[:1].reshape(h.shape)
+    return F.rms_norm(h, n, weight, eps)
 
 
 def torch_add_norm_general(
@@ -172,7 +181,7 @@ def torch_add_norm_general(
     n = (x.shape[-1],)
     if cast_before_weight:
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
-        xhat = F.rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
+        xhat = _rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
         # the rounding's gradient is the identity, as in the kernels: autograd through .to(out_dtype) would round
         # dout * w to out's dtype before the norm's backward (up to one bf16 ulp more error in dx). xhat + (r -
         # xhat) is r exactly: r is xhat's nearest out_dtype value, so the difference is exact (Sterbenz)
@@ -182,7 +191,7 @@ def torch_add_norm_general(
         if b is not None:
             out = out + b
     elif is_rms:
-        out = F.rms_norm(h, n, w, eps)
+        out = _rms_norm(h, n, w, eps)
     else:
         out = F.layer_norm(h, n, w, b, eps)
     return as_dtype(out, out_dtype), residual_out
@@ -222,7 +231,7 @@ def run_add_norm(
     if compiling:
         name = resolve_backend_for_trace(backend, x.device.type)
     else:
-        name = resolve_backend(backend, x.device, x.numel())
+        name = resolve_backend(backend, x.device)
         if name != "torch" and torch._C._are_functorch_transforms_active():
             name = _backend_under_functorch(backend, name)
     # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype

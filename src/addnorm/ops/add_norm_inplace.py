@@ -19,7 +19,7 @@ from torch import Tensor
 
 from addnorm.ops.add_norm import torch_add_norm, torch_rms_norm_one_dtype
 from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import default_rms_eps, stats_dtype, validate
+from addnorm.ops.contract import check_disjoint, default_rms_eps, stats_dtype, validate
 
 __all__ = ["add_layer_norm_", "add_rms_norm_"]
 
@@ -57,12 +57,8 @@ def _check_inplace(x, residual, weight, bias) -> None:
                 f"{name} has elements that share memory (an expanded or stride-0 view, shape {tuple(t.shape)}, "
                 f"strides {t.stride()}): it cannot be written in place; pass {name}.clone()"
             )
-    if x.device.type == "meta":
-        # meta tensors have no memory (every data pointer is 0): only views of one storage alias
-        if x.untyped_storage()._cdata == residual.untyped_storage()._cdata:
-            raise ValueError("x and residual must not share memory: both are written (views of one meta storage)")
-    elif x.numel() and x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
-        raise ValueError(_ALIASED)
+    # two views of one buffer (a serving workspace) are fine when their bytes are disjoint
+    check_disjoint("x", x, "residual", residual, "both are written")
 
 
 _ALIASED = "x and residual must not share memory: both are written"
@@ -194,7 +190,7 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
             torch.ops.addnorm.add_norm_(*args, name)
     else:
         # eager calls skip the custom op's dispatch (~100 us on CPU, more than a small kernel takes)
-        _inplace_impl(*args, resolve_backend(backend, x.device, x.numel()))
+        _inplace_impl(*args, resolve_backend(backend, x.device))
     return x, residual
 
 

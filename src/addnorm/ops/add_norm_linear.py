@@ -19,6 +19,7 @@ from torch import Tensor
 
 from addnorm.ops.add_norm_multi import add_norm_multi
 from addnorm.ops.contract import check_float, default_rms_eps, stats_dtype
+from addnorm.reference import row_mean
 
 __all__ = ["add_norm_linear"]
 
@@ -95,16 +96,16 @@ class _AddNormLinear(torch.autograd.Function):
         # trace inside an autograd.Function): statistics recomputed in cd from h, then the usual formulas
         # dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (LayerNorm; RMSNorm drops mean(g)).
         if is_rms:
-            rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+            rstd = torch.rsqrt(row_mean(h.square(), keepdim=True) + eps)
             xhat = h * rstd
         else:
-            centered = h - h.mean(-1, keepdim=True)
-            rstd = torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
+            centered = h - row_mean(h, keepdim=True)
+            rstd = torch.rsqrt(row_mean(centered.square(), keepdim=True) + eps)
             xhat = centered * rstd
         g = dy if nw is None else dy * (nw.to(cd) + 1 if zc else nw.to(cd))
-        dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
+        dh = g - xhat * row_mean(g * xhat, keepdim=True)
         if not is_rms:
-            dh = dh - g.mean(-1, keepdim=True)
+            dh = dh - row_mean(g, keepdim=True)
         dh = dh * rstd
         rows = tuple(range(dy.dim() - 1))
         dnw = (dy * xhat).sum(rows).to(nw.dtype) if nw is not None else None

@@ -51,12 +51,12 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "cpu": KernelBackend("cpu", "addnorm.ops.cpu.launch", "`pip install numba` (a core dependency of addnorm)"),
 }
 
-# auto's order of preference per device type
+# auto's order of preference per device type. The choice depends on the device, what is installed and the
+# ADDNORM_BACKEND override, never on the tensor's size: backends round their fp32 sums in different orders, so a
+# switch on the row count would give a row different bits in a batch of 4 and in a batch of 64 (batch invariance,
+# docs/kernels.md). Until issue 26 auto kept CPU tensors under 32K elements on the torch backend, whose per-call
+# cost was lower than the numba launch's.
 AUTO_ORDER = {"cuda": ("triton",), "cpu": ("cpu",)}
-# Below this many elements, auto uses the torch backend on CPU in eager mode: the numba call's fixed cost (~50-100
-# us of Python and dispatch) outweighs its bandwidth advantage on tiny tensors (measured: 64x64 fp32 forward
-# 116 us via cpu vs 73 us via torch; 4096x256 forward 0.78 ms vs 1.31 ms, fwd+bwd 5.4 ms vs 9.5 ms).
-AUTO_CPU_MIN_ELEMENTS = 1 << 15
 
 
 class BackendUnavailableError(RuntimeError):
@@ -122,23 +122,18 @@ def resolve_backend_for_trace(backend: str, device_type: str) -> str:
 resolve_backend_for_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def resolve_backend(backend: str, device: torch.device, numel: int | None = None) -> str:
-    """Turn a user's ``backend=`` argument into the name of a backend that runs on ``device``.
-
-    ``numel`` (the input's size, when known) lets auto keep tiny CPU tensors on the torch backend."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn a user's ``backend=`` argument into the name of a backend that runs on ``device``. The answer does not
+    depend on the input's shape (batch invariance: docs/kernels.md)."""
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    if backend == "auto":
-        if os.environ.get(ENV_VAR):  # an override is read on every call: not cached
-            return _resolve(backend, device, numel)
-        # auto's size switch: tiny CPU tensors resolve apart from the rest
-        key = (backend, device, device.type == "cpu" and numel is not None and numel < AUTO_CPU_MIN_ELEMENTS)
-    else:
-        key = (backend, device, False)
+    if backend == "auto" and os.environ.get(ENV_VAR):  # an override is read on every call: not cached
+        return _resolve(backend, device)
+    key = (backend, device)
     hit = _resolved.get(key)
     if hit is not None and hit[1] is _modules:
         return hit[0]
-    name = _resolve(backend, device, numel)
+    name = _resolve(backend, device)
     _resolved[key] = (name, _modules)
     return name
 
@@ -152,7 +147,7 @@ def resolve_backend(backend: str, device: torch.device, numel: int | None = None
 _resolved: dict = {}
 
 
-def _resolve(backend: str, device: torch.device, numel: int | None) -> str:
+def _resolve(backend: str, device: torch.device) -> str:
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env and env != "auto":
@@ -160,8 +155,6 @@ def _resolve(backend: str, device: torch.device, numel: int | None) -> str:
                 raise ValueError(f"{ENV_VAR} must be one of {BACKEND_NAMES}, got {env!r}")
             backend = env
         else:
-            if device.type == "cpu" and numel is not None and numel < AUTO_CPU_MIN_ELEMENTS:
-                return "torch"
             for name in AUTO_ORDER.get(device.type, ()):
                 if unavailable_reason(name, device) is None:
                     return name

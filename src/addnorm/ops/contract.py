@@ -18,6 +18,7 @@ __all__ = [
     "as_dtype",
     "check_affine",
     "check_float",
+    "check_disjoint",
     "check_like_x",
     "default_rms_eps",
     "draw_seed",
@@ -117,3 +118,37 @@ def _is_real(v) -> bool:
     # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them; float
     # and int first, since an isinstance check against the ABC costs about a microsecond on every call
     return type(v) is float or type(v) is int or isinstance(v, numbers.Real)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory overlap of two tensors a call writes (in-place forms, out=)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def byte_span(t: Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes t's elements lie in, from its first element to one past its last, gaps of a
+    strided view included. Addresses, except on the meta device, whose tensors all sit at address 0: there, offsets
+    in t's storage."""
+    size = t.element_size()
+    start = t.storage_offset() * size if t.device.type == "meta" else t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))  # strides are >= 0 in torch
+    return start, start + (last + 1) * size
+
+
+def check_disjoint(name_a: str, a: Tensor, name_b: str, b: Tensor, why: str) -> None:
+    """Refuse a and b when their byte spans intersect: two views of one buffer are fine when their ranges are
+    disjoint (a serving workspace: ``buf[0]``, ``buf[1]``). Judged by range, not element by element: views whose
+    elements interleave within one range (``buf[:, 0::2]``, ``buf[:, 1::2]``) are refused too, conservatively."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return
+    if a.device.type == "meta" and a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return  # meta tensors have no memory: only views of one storage can overlap
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
+    if a0 < b1 and b0 < a1:
+        base = min(a0, b0)
+        raise ValueError(
+            f"{name_a} and {name_b} must not overlap in memory ({why}): {name_a} spans bytes [{a0 - base}, "
+            f"{a1 - base}) and {name_b} [{b0 - base}, {b1 - base}) of the same memory. Views of one buffer are "
+            "accepted when these byte ranges are disjoint; the check compares ranges, not elements, so views "
+            f"whose elements interleave (buf[:, 0::2] and buf[:, 1::2]) are refused too: pass a clone of one"
+        )

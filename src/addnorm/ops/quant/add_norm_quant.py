@@ -18,7 +18,7 @@ from torch import Tensor
 
 from addnorm.ops.add_norm import torch_add_norm
 from addnorm.ops.backends import BackendUnavailableError, kernel_module, resolve_backend
-from addnorm.ops.contract import as_dtype, default_rms_eps, stats_dtype, validate
+from addnorm.ops.contract import as_dtype, check_disjoint, default_rms_eps, stats_dtype, validate
 from addnorm.ops.quant.contract import QMAX, min_scale, quantize, validate_quant
 
 __all__ = ["add_layer_norm_quant", "add_layer_norm_quant_", "add_rms_norm_quant", "add_rms_norm_quant_"]
@@ -103,8 +103,8 @@ def _run(
     cd = stats_dtype(x.dtype, rd)
     cast = bool(cast_before_weight) and (weight is not None or bias is not None) and x.dtype != cd
     if out is not None:
-        _check_out(out, x, quant_dtype)
-    name = resolve_backend(backend, x.device, x.numel())
+        _check_out(out, x, residual, quant_dtype)
+    name = resolve_backend(backend, x.device)
     if name in _QUANT_MODULES:
         reason = quant_module(name).unavailable_reason(x.device, quant_dtype)
         if reason is not None:
@@ -240,28 +240,18 @@ def _check_inplace(x, residual, residual_dtype) -> None:
             f"residual_dtype {residual_dtype} must be residual's dtype {residual.dtype} in the in-place form "
             "(the sum is written into residual)"
         )
-    if _overlap(x, residual):
-        raise ValueError("x and residual must not overlap in memory: residual is written while x is read")
+    check_disjoint("x", x, "residual", residual, "residual is written while x is read")
 
 
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether the byte ranges [first, last] that a and b span in their storage intersect (disjoint slices of one
-    buffer do not)."""
-    if not a.numel() or not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _check_out(out: Tensor, x: Tensor, quant_dtype) -> None:
+def _check_out(out: Tensor, x: Tensor, residual: Tensor | None, quant_dtype) -> None:
     if not isinstance(out, Tensor) or out.dtype != quant_dtype or out.shape != x.shape or out.device != x.device:
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"out must be a {quant_dtype} tensor of x's shape {tuple(x.shape)} on {x.device}, got {got}")
+    # q written over x's or residual's bytes would corrupt inputs still to be read (kernels write row by row) or
+    # be overwritten by residual's own update (in place): only disjoint bytes, as for the in-place ops
+    check_disjoint("out", out, "x", x, "q is written while x is read")
+    if residual is not None:
+        check_disjoint("out", out, "residual", residual, "q is written while residual is read")
 
 
 # --------------------------------------------------------------------------------------------------------------

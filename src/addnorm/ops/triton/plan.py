@@ -101,13 +101,17 @@ def _programs(device: torch.device, per_sm: int) -> int:
     return TUNING.interpreter_programs
 
 
-def _rows_blocks(m: int, n: int, max_block_n: int) -> tuple[int, int] | None:
-    """(BLOCK_M, BLOCK_N) for the rows path, or None when a row is too wide for registers (looped path)."""
+def _rows_blocks(n: int, max_block_n: int) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) for the rows path, or None when a row is too wide for registers (looped path).
+
+    From N alone, never from M: BLOCK_M * BLOCK_N sets the warp count, and the warp count (with BLOCK_M) sets how a
+    row's elements are spread over threads and warps, hence the tree tl.sum adds them in. A plan that shrank
+    BLOCK_M for a batch of 1 would give a row other bits alone than in a batch (batch invariance,
+    docs/kernels.md); a small batch pays for the masked rows of its one program instead."""
     block_n = _pow2(n)
     if block_n > max_block_n:
         return None
-    block_m = max(1, min(TUNING.rows_block_elems // block_n, _pow2(m)))
-    return block_m, block_n
+    return max(1, TUNING.rows_block_elems // block_n), block_n
 
 
 def _loop_block(max_block_n: int) -> int:
@@ -132,7 +136,7 @@ def fwd_config(
         SEED_OFFSET=DROPOUT_SEED_OFFSET,
         enable_fp_fusion=FP_FUSION,
     )
-    blocks = _rows_blocks(m, n, TUNING.max_fwd_block_n)
+    blocks = _rows_blocks(n, TUNING.max_fwd_block_n)
     if blocks is not None:
         block_m, block_n = blocks
         return (
@@ -163,7 +167,7 @@ def bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_d
     max_block_n = TUNING.max_bwd_block_n
     if is_rms and narrow:
         max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
-    blocks = _rows_blocks(m, n, max_block_n)
+    blocks = _rows_blocks(n, max_block_n)
     if blocks is not None:
         block_m, block_n = blocks
         elems = block_m * block_n
