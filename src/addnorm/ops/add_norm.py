@@ -70,6 +70,7 @@ from torch import Tensor
 
 from addnorm.ops.backends import ENV_VAR, resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import FLOAT_DTYPES, as_dtype, default_rms_eps, draw_seed, stats_dtype, validate
+from addnorm.ops.decode import torch_rms_norm_one_dtype, try_add_norm
 from addnorm.ops.kernel_ops import kernel_add_norm
 from addnorm.reference import dropout_keep_mask, dropout_scale
 
@@ -126,20 +127,6 @@ def _any_requires_grad(x, residual, weight) -> bool:
         or (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad)
     )
-
-
-def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
-    """The torch backend's RMSNorm when x, the residual, the weight and both outputs share one dtype and nothing is
-    differentiated (decode): the two ops eager code runs, which give the contract's bits. ``x + residual`` in a half
-    dtype is the fp32 sum rounded once, and F.rms_norm on a half tensor computes in fp32 and rounds once, as the
-    general path does explicitly (tests/ops/test_fast_path.py checks both bit for bit over awkward shapes). Not for
-    gradients: autograd through the half-dtype ops rounds intermediate values the contract's backward does not."""
-    h = x if residual is None else x + residual
-    n = (x.shape[-1],)
-    if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
-        out = F.rms_norm(h, n, None, eps)
-        return (out if weight is None else out * weight), h
-    return F.rms_norm(h, n, weight, eps), h
 
 
 def torch_add_norm_general(
@@ -208,7 +195,24 @@ def run_add_norm(
     backend,
 ):
     """What the public functions (and add_norm_multi's fused calls) share: validate, resolve the backend, run the
-    torch backend or the kernel route. Arguments positional, in the order of the signature."""
+    torch backend or the kernel route. Arguments positional, in the order of the signature. A decode-size call in
+    the common inference case is served by the fast path first (:mod:`addnorm.ops.decode`: the same bits)."""
+    fast = try_add_norm(
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+        backend,
+    )
+    if fast is not None:
+        return fast
     if is_rms and eps is None:
         eps = default_rms_eps(x, residual, residual_dtype)
     validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
