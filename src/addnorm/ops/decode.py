@@ -108,8 +108,10 @@ def _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
             type(p) not in _TENSOR_TYPES or p.dtype is not dt or not p.is_cpu or p.ndim != 1 or p.shape[0] != n
         ):
             return None
+    if dt not in _MACHINE_EPS:  # not a float dtype
+        return None
     if eps is None:
-        if not is_rms or dt not in _MACHINE_EPS:
+        if not is_rms:
             return None
         eps = _MACHINE_EPS[dt]
     elif not ((type(eps) is float or type(eps) is int) and 0 <= eps < math.inf):
