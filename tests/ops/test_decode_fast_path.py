@@ -318,3 +318,15 @@ def test_the_backend_is_resolved_again_when_the_override_changes(monkeypatch, la
         monkeypatch.setenv("ADDNORM_BACKEND", "nope")
         with pytest.raises(ValueError, match="ADDNORM_BACKEND must be one of"):
             addnorm.add_rms_norm(x, r, w, backend="auto")
+
+
+def test_sparse_input_is_left_to_the_general_path(monkeypatch, launches):
+    x, r, w, _ = _inputs((2, 16), torch.float32)
+    for backend in ("cpu", "torch"):
+        with torch.inference_mode():
+            got = _error(lambda backend=backend: addnorm.add_rms_norm(x.to_sparse(), r, w, backend=backend))
+            want = _general(
+                monkeypatch, _error, lambda backend=backend: addnorm.add_rms_norm(x.to_sparse(), r, w, backend=backend)
+            )
+        assert got == want
+    assert launches == {"cpu": 0, "torch": 0}

@@ -7,9 +7,9 @@ sets the time, as in a decode step (a few rows of a few thousand, every call the
 :func:`try_add_norm` and :func:`try_add_norm_` are the first thing :func:`addnorm.ops.add_norm.run_add_norm` and the
 in-place ops run. They take the call when it is the common inference case, checked with a few attribute reads:
 
-    plain CPU tensors (no subclass, not while compiling or under a torch.func transform), nothing to differentiate,
-    x, residual, weight and bias in one dtype with matching shapes, no dropout, no dtype options that differ from
-    x's, eps a finite number >= 0 (or None for RMSNorm), no zero-centered weight
+    plain strided CPU tensors (no subclass, not while compiling or under a torch.func transform), nothing to
+    differentiate, x, residual, weight and bias in one dtype with matching shapes, no dropout, no dtype options
+    that differ from x's, eps a finite number >= 0 (or None for RMSNorm), no zero-centered weight
 
 and return None (in place: False) for anything else, which the general path then validates and runs. So a bad
 argument, or a weight converted, resized, moved or replaced since the last call, is never served here: it fails a
@@ -43,6 +43,7 @@ from addnorm.ops.contract import FLOAT_DTYPES
 __all__ = ["torch_rms_norm_one_dtype", "try_add_norm", "try_add_norm_"]
 
 _CPU = torch.device("cpu")
+_STRIDED = torch.strided  # (sparse and mkldnn layouts: the general path)
 _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))  # a parameter passes; subclasses (FakeTensor, DTensor) don't
 _STATS_DTYPES = (torch.float32, torch.float64)  # x in one of these: the cast before the weight rounds nothing
 _MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in FLOAT_DTYPES}
@@ -95,17 +96,29 @@ def _backend(backend, dtype, m: int, n: int) -> str:
 def _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
     """(M, N, eps) when the call is the fast path's case (the module docstring), else None. Every test is a cheap
     attribute read; anything unusual (a bad argument included) answers None and goes to the general path."""
-    if type(x) is not Tensor or zero_centered_weight or not x.is_cpu or not x.ndim:
+    if _is_compiling() or type(x) is not Tensor or zero_centered_weight or not x.is_cpu or not x.ndim:
         return None
     dt = x.dtype
-    if residual is not None and (
-        type(residual) is not Tensor or residual.dtype is not dt or not residual.is_cpu or residual.shape != x.shape
+    if x.layout is not _STRIDED or (
+        residual is not None
+        and (
+            type(residual) is not Tensor
+            or residual.dtype is not dt
+            or not residual.is_cpu
+            or residual.layout is not _STRIDED
+            or residual.shape != x.shape
+        )
     ):
         return None
     n = x.shape[-1]
     for p in (weight, bias):
         if p is not None and (
-            type(p) not in _TENSOR_TYPES or p.dtype is not dt or not p.is_cpu or p.ndim != 1 or p.shape[0] != n
+            type(p) not in _TENSOR_TYPES
+            or p.dtype is not dt
+            or not p.is_cpu
+            or p.layout is not _STRIDED
+            or p.ndim != 1
+            or p.shape[0] != n
         ):
             return None
     if dt not in _MACHINE_EPS:  # not a float dtype
@@ -116,7 +129,7 @@ def _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
         eps = _MACHINE_EPS[dt]
     elif not ((type(eps) is float or type(eps) is int) and 0 <= eps < math.inf):
         return None
-    if not n or _is_compiling() or _functorch_active():
+    if not n or _functorch_active():
         return None
     if torch.is_grad_enabled() and (
         x.requires_grad
