@@ -85,7 +85,8 @@ def _launch(X, R, W, B, Out, H, m, n, flags, eps):
         flags & CAST != 0,
     )
     if in_place:
-        H[:] = Hk
+        for k in range(m * n):  # (a plain loop vectorizes; numba's slice assignment checks overlap and copies twice)
+            H[k] = Hk[k]
 
 
 # One entry point per storage type (bf16 as uint16 bits, fp16 as int16 bits, fp32): carray's element type is a
