@@ -219,6 +219,8 @@ def _bad_calls():
         ("dropout_p 1", lambda: addnorm.add_rms_norm(x, r, w, dropout_p=1, backend="cpu")),
         ("backend", lambda: addnorm.add_rms_norm(x, r, w, backend="gpu")),
         ("backend not a string", lambda: addnorm.add_rms_norm(x, r, w, backend=None)),
+        ("backend unhashable", lambda: addnorm.add_rms_norm(x, r, w, backend=["cpu"])),
+        ("in place: backend unhashable", lambda: addnorm.add_rms_norm_(x.clone(), r.clone(), w, backend=["cpu"])),
         ("x int", lambda: addnorm.add_rms_norm(x.int(), r.int(), None, backend="cpu")),
         ("x 0-dim", lambda: addnorm.add_rms_norm(x[0, 0], r[0, 0], None, backend="cpu")),
         ("x empty last dim", lambda: addnorm.add_rms_norm(x[:, :0], r[:, :0], None, backend="cpu")),

@@ -80,7 +80,7 @@ _ROUTES_MAX = 512  # prefill sees many M; decode repeats a few
 
 
 def _backend(backend, dtype, m: int, n: int) -> str:
-    if _env_override():
+    if type(backend) is not str or _env_override():  # (a bad value meets resolve_backend's error, not a hash's)
         return _backends.resolve_backend(backend, _CPU, m * n)
     key = (backend, dtype, m, n)
     hit = _routes.get(key)
