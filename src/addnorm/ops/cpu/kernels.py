@@ -87,8 +87,9 @@ FAST = {"reassoc", "contract"}
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 # numba's cache (cache=True) keys a kernel on the source of its own file only: the backward kernels of kernels_bwd.py
-# inline the helpers below, so after editing one of them delete kernels_bwd's entries in __pycache__ (*.nbi, *.nbc),
-# or they keep running the old helper.
+# inline the helpers below, and the decode entry points of fast_launch.py compile fwd_serial into themselves, so
+# after editing this file delete those files' entries in __pycache__ (*.nbi, *.nbc), or they keep running the old
+# code (tests/ops/test_decode_fast_path.py, which compares fast_launch with the general launch, would notice).
 
 # --------------------------------------------------------------------------------------------------------------
 # Register-level dtype conversions
