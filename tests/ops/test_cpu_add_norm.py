@@ -363,7 +363,8 @@ def test_reason_without_numba():
 def test_warm_start_loads_kernels_from_cache():
     """A fresh process finds the compiled kernels in numba's cache: no compilation on the first call."""
     x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
-    add_rms_norm(x, r, w, backend="cpu")  # populates the cache for this signature if it was cold
+    add_rms_norm(x, r, w, backend="cpu")  # populates the caches for these signatures if they were cold
+    add_rms_norm(x, r, w.requires_grad_(), backend="cpu")
     code = textwrap.dedent("""
         import json, time, torch
         t0 = time.perf_counter()
@@ -371,16 +372,18 @@ def test_warm_start_loads_kernels_from_cache():
         from addnorm.ops.cpu import launch as cpu
         x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
         t1 = time.perf_counter()
-        add_rms_norm(x, r, w, backend="cpu")
+        add_rms_norm(x, r, w, backend="cpu")  # the decode launch (nothing requires grad)
+        add_rms_norm(x, r, w.requires_grad_(), backend="cpu")  # the general launch
         t2 = time.perf_counter()
-        stats = cpu.fwd_serial.stats
-        print(json.dumps({"misses": sum(stats.cache_misses.values()), "hits": sum(stats.cache_hits.values()),
+        kernels = (cpu.fwd_serial, cpu.fast_launch.DTYPES[torch.float32])
+        print(json.dumps({"misses": sum(sum(k.stats.cache_misses.values()) for k in kernels),
+                          "hits": [sum(k.stats.cache_hits.values()) for k in kernels],
                           "import_s": t1 - t0, "first_call_s": t2 - t1}))
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
-    assert info["misses"] == 0 and info["hits"] >= 1, info
+    assert info["misses"] == 0 and min(info["hits"]) >= 1, info
 
 
 def _inputs_for_fork_test():

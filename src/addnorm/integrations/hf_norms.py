@@ -44,8 +44,10 @@ class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         w = self.weight
-        if w is None or torch.promote_types(w.dtype, x.dtype) == x.dtype:
+        if w is None or w.dtype is x.dtype or torch.promote_types(w.dtype, x.dtype) == x.dtype:
             # HF's ``w * x.to(dtype)`` stays in x's dtype: the fused call with cast_before_weight is its value
+            if len(self.normalized_shape) == 1 and (w is None or w.dim() == 1):
+                return self._forward_rows(x, residual, w, None, True)  # (RMSNorm.forward's, the weight read once)
             return super().forward(x, residual)
         # a weight of a wider dtype than x (an fp32 weight with bf16 activations) makes HF's output that wider
         # dtype; the kernel writes x's dtype, so normalize without the weight and multiply as HF does

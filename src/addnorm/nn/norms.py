@@ -73,22 +73,25 @@ class _AddNormMixin:
         b = getattr(self, "bias", None)
         return w, (b.reshape(-1) if b is not None else None)
 
-    def _forward_rows(self, x: Tensor, residual: Tensor | None, is_rms: bool):
+    def _forward_rows(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, is_rms):
         """One normalized dim (every Transformer norm): the op called directly, positionally, with the module's
-        parameters as they are: no reshapes (a 1-D weight is already flat, the output has x's shape) and no keyword
-        layer. What the op validates (the weight's dtype, shape and device, eps, the backend) is read from the module
-        on each call, so a parameter replaced or converted after the first call is checked like the first one."""
-        shape = self.normalized_shape
-        if not isinstance(x, Tensor) or x.shape[-1:] != shape:
+        parameters as they are (read once by the caller: each ``self.weight`` is a trip through nn.Module's
+        __getattr__): no reshapes (a 1-D weight is already flat, the output has x's shape) and no keyword layer.
+        What the op validates (the weight's dtype, shape and device, eps, the backend) is read from the module on
+        each call, so a parameter replaced or converted after the first call is checked like the first one."""
+        shape = self.normalized_shape  # (N,)
+        if type(x) is not Tensor or not x.ndim or x.shape[-1] != shape[0]:
             _check_trailing("input", x, shape)
-        if residual is not None and (not isinstance(residual, Tensor) or residual.shape[-1:] != shape):
+        if residual is not None and (
+            type(residual) is not Tensor or not residual.ndim or residual.shape[-1] != shape[0]
+        ):
             _check_trailing("residual", residual, shape)
         # through the module attribute: every add + norm call goes through run_add_norm, which tests count
         out, res_out = _ops.run_add_norm(
             x,
             residual,
-            self.weight,
-            None if is_rms else self.bias,
+            weight,
+            bias,
             self.eps,
             is_rms,
             0.0,
@@ -143,8 +146,9 @@ class LayerNorm(_AddNormMixin, nn.LayerNorm):
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
-        if len(self.normalized_shape) == 1 and (self.weight is None or self.weight.dim() == 1):
-            return self._forward_rows(x, residual, False)
+        w = self.weight
+        if len(self.normalized_shape) == 1 and (w is None or w.dim() == 1):
+            return self._forward_rows(x, residual, w, self.bias, False)
         w, b = self._norm_params()
         return self._forward(add_layer_norm, x, residual, (w, b, self.eps))
 
@@ -170,7 +174,8 @@ class RMSNorm(_AddNormMixin, nn.RMSNorm):
         self._extra_init(zero_centered_weight, cast_before_weight, residual_dtype, backend)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
-        if len(self.normalized_shape) == 1 and (self.weight is None or self.weight.dim() == 1):
-            return self._forward_rows(x, residual, True)
+        w = self.weight
+        if len(self.normalized_shape) == 1 and (w is None or w.dim() == 1):
+            return self._forward_rows(x, residual, w, None, True)
         w, _ = self._norm_params()
         return self._forward(add_rms_norm, x, residual, (w, self.eps))

@@ -70,8 +70,9 @@ from torch import Tensor
 
 from addnorm.ops.backends import ENV_VAR, resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import FLOAT_DTYPES, as_dtype, default_rms_eps, draw_seed, stats_dtype, validate
+from addnorm.ops.decode import batch_invariant_rms_norm, torch_rms_norm_one_dtype, try_add_norm
 from addnorm.ops.kernel_ops import kernel_add_norm
-from addnorm.reference import dropout_keep_mask, dropout_scale, lone_wide_row
+from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
@@ -128,29 +129,6 @@ def _any_requires_grad(x, residual, weight) -> bool:
     )
 
 
-def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
-    """The torch backend's RMSNorm when x, the residual, the weight and both outputs share one dtype and nothing is
-    differentiated (decode): the two ops eager code runs, which give the contract's bits. ``x + residual`` in a half
-    dtype is the fp32 sum rounded once, and F.rms_norm on a half tensor computes in fp32 and rounds once, as the
-    general path does explicitly (tests/ops/test_fast_path.py checks both bit for bit over awkward shapes). Not for
-    gradients: autograd through the half-dtype ops rounds intermediate values the contract's backward does not."""
-    h = x if residual is None else x + residual
-    n = (x.shape[-1],)
-    if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
-        out = _rms_norm(h, n, None, eps)
-        return (out if weight is None else out * weight), h
-    return _rms_norm(h, n, weight, eps), h
-
-
-def _rms_norm(h, n, weight, eps):
-    """F.rms_norm, with the bits a row gets in a batch of any size: ATen would sum a lone row of >= 32K elements in
-    two passes split across threads, so it is normalized as one of two identical rows (reference.lone_wide_row).
-    LayerNorm needs no such care: ATen's LayerNorm kernel reduces each row in one thread whatever the row count."""
-    if lone_wide_row(h):
-        return F.rms_norm(h.reshape(1, -1).expand(2, -1), n, weight, eps)[:1].reshape(h.shape)
-    return F.rms_norm(h, n, weight, eps)
-
-
 def torch_add_norm_general(
     x,
     residual,
@@ -181,7 +159,7 @@ def torch_add_norm_general(
     n = (x.shape[-1],)
     if cast_before_weight:
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
-        xhat = _rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
+        xhat = batch_invariant_rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
         # the rounding's gradient is the identity, as in the kernels: autograd through .to(out_dtype) would round
         # dout * w to out's dtype before the norm's backward (up to one bf16 ulp more error in dx). xhat + (r -
         # xhat) is r exactly: r is xhat's nearest out_dtype value, so the difference is exact (Sterbenz)
@@ -191,7 +169,7 @@ def torch_add_norm_general(
         if b is not None:
             out = out + b
     elif is_rms:
-        out = _rms_norm(h, n, w, eps)
+        out = batch_invariant_rms_norm(h, n, w, eps)
     else:
         out = F.layer_norm(h, n, w, b, eps)
     return as_dtype(out, out_dtype), residual_out
@@ -217,7 +195,24 @@ def run_add_norm(
     backend,
 ):
     """What the public functions (and add_norm_multi's fused calls) share: validate, resolve the backend, run the
-    torch backend or the kernel route. Arguments positional, in the order of the signature."""
+    torch backend or the kernel route. Arguments positional, in the order of the signature. A decode-size call in
+    the common inference case is served by the fast path first (:mod:`addnorm.ops.decode`: the same bits)."""
+    fast = try_add_norm(
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+        backend,
+    )
+    if fast is not None:
+        return fast
     if is_rms and eps is None:
         eps = default_rms_eps(x, residual, residual_dtype)
     validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)

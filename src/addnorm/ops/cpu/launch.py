@@ -16,6 +16,7 @@ import torch
 
 from addnorm import reference as _ref
 from addnorm.ops.contract import stats_dtype
+from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.decode reaches it here)
 from addnorm.ops.cpu.kernels import IMPORT_ERROR, fwd_parallel, fwd_serial, numba
 from addnorm.ops.cpu.kernels_bwd import bwd_cols_parallel, bwd_parallel, bwd_serial
 

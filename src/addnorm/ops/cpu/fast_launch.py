@@ -1,0 +1,165 @@
+"""The ``cpu`` backend's decode-size launch: one numba call taking raw addresses, for the calls where the host's
+Python, not memory, sets the time (a decode step: a few rows of a few thousand).
+
+The general launch (:func:`addnorm.ops.cpu.launch.forward_into`) makes a numpy view of every tensor (a bf16
+tensor needs a view as uint16 first), converts the weight to the statistics dtype and passes 24 arguments through
+numba's dispatcher, which types each array: about 20 us of host time around a kernel that runs a 4096-wide bf16 row
+in 4. This launch covers the common inference case only:
+
+    x, residual, out, residual_out: (M, N) contiguous, one dtype (bf16, fp16 or fp32); weight and bias (N,)
+    contiguous in that dtype; no dropout; M * N below the parallel threshold (the serial kernel)
+
+and passes integers: the data pointers, M, N, a flag word and eps. Each entry point (one per dtype: numba types
+the element type at compile time) turns the addresses into arrays with ``numba.carray`` and runs the same serial
+kernel the general launch runs (:func:`addnorm.ops.cpu.kernels.fwd_serial`), so the bits are the same
+(tests/ops/test_cpu_fast_launch.py checks them against the general launch). The weight is read as stored: a half
+value widens to fp32 exactly, which is what the general launch's conversion does ahead of the kernel. Callers
+(:mod:`addnorm.ops.decode`) check that the tensors fit; anything else takes the general launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from addnorm.ops.cpu.kernels import IMPORT_ERROR, JIT, fwd_serial, njit
+
+__all__ = ["CAST", "DTYPES", "HAS_B", "HAS_RES", "HAS_W", "IN_PLACE", "IS_RMS", "STORE", "forward_ptr"]
+
+# the flag word's bits (one integer argument instead of six booleans: numba's dispatcher types each argument).
+# IN_PLACE: out is x and residual_out is the residual (see _launch).
+HAS_RES, HAS_W, HAS_B, STORE, IS_RMS, CAST, IN_PLACE = 1, 2, 4, 8, 16, 32, 64
+
+if IMPORT_ERROR is None:
+    from numba import carray, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _address(typingctx, value):
+        """An integer address (torch's data_ptr()) as the void pointer numba.carray takes."""
+        if not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+        return types.voidptr(value), codegen
+
+else:  # numba missing: the module imports, nothing here is called (unavailable_reason says why)
+    carray = _address = None
+
+
+@njit(inline="always")
+def _launch(X, R, W, B, Out, H, m, n, flags, eps):
+    # the statistics nobody reads (inference) go to scratch allocated here: fp32 for every dtype served
+    stats = np.empty(2 * m, np.float32)
+    # In place, residual_out is the residual: a row loop reading R and writing R is one LLVM cannot prove free of
+    # overlap, so it runs unvectorized (5x slower at 8 x 4096 bf16). The sums go to scratch, copied back after.
+    in_place = flags & IN_PLACE != 0
+    Hk = np.empty_like(H) if in_place else H
+    fwd_serial(
+        X,
+        n,
+        R,
+        n,
+        W,
+        B,
+        Out,
+        Hk,
+        n,
+        stats[:m],
+        stats[m:],
+        m,
+        n,
+        flags & HAS_RES != 0,
+        flags & HAS_W != 0,
+        flags & HAS_B != 0,
+        flags & STORE != 0,
+        flags & IS_RMS != 0,
+        False,
+        0,
+        0,
+        1.0,
+        eps,
+        flags & CAST != 0,
+    )
+    if in_place:
+        for k in range(m * n):  # (a plain loop vectorizes; numba's slice assignment checks overlap and copies twice)
+            H[k] = Hk[k]
+
+
+# One entry point per storage type (bf16 as uint16 bits, fp16 as int16 bits, fp32): carray's element type is a
+# compile-time constant. Arguments: the addresses of x, residual, weight, bias, out and residual_out (an absent one:
+# any address of the same type, never read), then M, N, the flag word and eps.
+@njit(**JIT)
+def _fwd_bf16(px, pr, pw, pb, pout, ph, m, n, flags, eps):
+    size = m * n
+    _launch(
+        carray(_address(px), size, np.uint16),
+        carray(_address(pr), size, np.uint16),
+        carray(_address(pw), n, np.uint16),
+        carray(_address(pb), n, np.uint16),
+        carray(_address(pout), size, np.uint16),
+        carray(_address(ph), size, np.uint16),
+        m,
+        n,
+        flags,
+        eps,
+    )
+
+
+@njit(**JIT)
+def _fwd_f16(px, pr, pw, pb, pout, ph, m, n, flags, eps):
+    size = m * n
+    _launch(
+        carray(_address(px), size, np.int16),
+        carray(_address(pr), size, np.int16),
+        carray(_address(pw), n, np.int16),
+        carray(_address(pb), n, np.int16),
+        carray(_address(pout), size, np.int16),
+        carray(_address(ph), size, np.int16),
+        m,
+        n,
+        flags,
+        eps,
+    )
+
+
+@njit(**JIT)
+def _fwd_f32(px, pr, pw, pb, pout, ph, m, n, flags, eps):
+    size = m * n
+    _launch(
+        carray(_address(px), size, np.float32),
+        carray(_address(pr), size, np.float32),
+        carray(_address(pw), n, np.float32),
+        carray(_address(pb), n, np.float32),
+        carray(_address(pout), size, np.float32),
+        carray(_address(ph), size, np.float32),
+        m,
+        n,
+        flags,
+        eps,
+    )
+
+
+DTYPES = {torch.bfloat16: _fwd_bf16, torch.float16: _fwd_f16, torch.float32: _fwd_f32}
+
+
+def forward_ptr(x, residual, weight, bias, out, res_out, m: int, n: int, flags: int, eps: float) -> None:
+    """Runs the serial forward kernel on the given tensors (see the module docstring for what they must be; the
+    caller checks it). residual, weight, bias: None when absent (their flag clear); res_out: None to normalize x
+    itself (STORE clear). In place: out is x and res_out is residual."""
+    px = x.data_ptr()
+    DTYPES[x.dtype](
+        px,
+        px if residual is None else residual.data_ptr(),
+        px if weight is None else weight.data_ptr(),
+        px if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        px if res_out is None else res_out.data_ptr(),
+        m,
+        n,
+        flags,
+        eps,
+    )
