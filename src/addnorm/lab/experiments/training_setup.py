@@ -371,7 +371,7 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
     name in the module's tables (so they stay written down in one place, before any run), and ``version`` is put into
     every config (raising it invalidates cached results when a setup changes)."""
 
-    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical"):
+    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical", suite: str = "core"):
         return experiment(
             name,
             claim=claim,
@@ -380,6 +380,7 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
             criterion=criteria[name],
             precondition=preconditions[name],
             kind=kind,
+            suite=suite,
         )
 
     return register
