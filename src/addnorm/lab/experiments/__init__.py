@@ -13,6 +13,7 @@ MODULES: list[str] = [
     "training_norms",
     "training_newer",
     "training_residuals",
+    "training_depth",
 ]
 
 for _m in MODULES:

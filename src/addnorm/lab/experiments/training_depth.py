@@ -1,0 +1,222 @@
+"""Training experiments on depth (issue 27, extended suite): LayerNorm Scaling against the "curse of depth" of
+Pre-LN (layernorm-scaling), and seed 004's advice to scale each residual branch down with depth (branch-scaling).
+
+Same model, language, seeds and rules as :mod:`training_newer` (its docstring): every run a ``ctx.map`` task
+(:func:`train_task`, here with a ``probe`` that measures after training), every verdict a pure ``*_verdict``
+function with a control, decided by a strict majority of >= 3 seeds paired by seed. The criteria and controls below
+were written before the first run of each experiment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_setup import (
+    SEED_STYLES,
+    TRAINED_EXCESS,
+    Verdict,
+    control,
+    finite,
+    fmt_seeds,
+    grid_tasks,
+    majority,
+    nan,
+    plot_curves,
+    pyplot,
+    registrar,
+    save,
+    seed_list,
+    seed_values,
+    settings,
+    train_task,
+)
+
+# layernorm-scaling: skipping some block of the trained Pre-LN model must raise its validation loss by more than
+# this (nats) for the skip measurement to resolve contributions at all (the control): about the spread of the
+# validation loss between seeds' batches would hide smaller ones.
+SKIP_RESOLVES = 0.05
+
+CRITERIA = {
+    "layernorm-scaling": (
+        "Per seed, after training: C(l) = validation loss with block l skipped (its output replaced by its input) "
+        "minus the full model's; C_deep = mean C over the deeper half of the blocks, C_shallow over the shallower "
+        "half. Reproduced iff, at a strict majority of the seeds (at least 2), paired by seed: Pre-LN's deeper "
+        "blocks contribute less (C_deep(Pre-LN) < C_shallow(Pre-LN)) and LayerNorm Scaling raises the deep blocks' "
+        "contribution (C_deep(LNS) > C_deep(Pre-LN))."
+    ),
+}
+PRECONDITIONS = {
+    "layernorm-scaling": (
+        f"Pre-LN and Pre-LN + LayerNorm Scaling train (excess < {TRAINED_EXCESS} nats), and skipping some block of "
+        f"the trained Pre-LN model raises its loss by more than {SKIP_RESOLVES} nats, each at a strict majority of "
+        "the seeds: otherwise the models did not learn, or the skip measurement cannot resolve a block's "
+        "contribution."
+    ),
+}
+
+register = registrar(CRITERIA, PRECONDITIONS, version=1)
+
+
+# ------------------------------------------------------------------------------------------------ probes
+def skip_probe(net, data, cfg):
+    """A ``train_task`` probe: after training, the validation loss (the loop's own evaluation) with each block
+    skipped in turn, and the full model's."""
+
+    def finish(net, result) -> dict:
+        from addnorm.train.loop import evaluate
+
+        full = evaluate(net, data, cfg)
+        skipped = []
+        for block in net.blocks:
+            # a forward hook's return value replaces the block's output: the stream passes through unchanged
+            handle = block.register_forward_hook(lambda module, args, out: args[0])
+            try:
+                skipped.append(evaluate(net, data, cfg))
+            finally:
+                handle.remove()
+        return {"full": full, "skipped": skipped}
+
+    return finish
+
+
+def contributions(probe: dict | None) -> list[float | None]:
+    """C(l) = loss with block l skipped - full loss (None where a loss is not finite)."""
+    if not probe or not finite(probe.get("full")):
+        return []
+    return [v - probe["full"] if finite(v) else None for v in probe["skipped"]]
+
+
+def halves(contrib: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """(mean C over the shallower half of the blocks, over the deeper half); None when a value is missing."""
+    n = len(contrib)
+    if n < 2 or not all(map(finite, contrib)):
+        return None, None
+    lo, hi = contrib[: n // 2], contrib[n - n // 2 :]
+    return sum(lo) / len(lo), sum(hi) / len(hi)
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+def lns_verdict(
+    shallow_pre: Sequence[float | None],
+    deep_pre: Sequence[float | None],
+    deep_lns: Sequence[float | None],
+    max_pre: Sequence[float | None],
+    ex_pre: Sequence[float | None],
+    ex_lns: Sequence[float | None],
+) -> Verdict:
+    """Per seed (paired): Pre-LN's C_shallow and C_deep, LNS's C_deep, Pre-LN's largest C, both excess losses."""
+    n = len(deep_pre)
+    if n == 0 or any(len(x) != n for x in (shallow_pre, deep_lns, max_pre, ex_pre, ex_lns)):
+        return None, {}, "the arms' seeds are not paired"
+    trained = [finite(a) and finite(b) and a < TRAINED_EXCESS and b < TRAINED_EXCESS for a, b in zip(ex_pre, ex_lns)]
+    reason = control(trained, "Pre-LN or Pre-LN + LayerNorm Scaling did not train")
+    if not reason:
+        reason = control(
+            [finite(m) and m > SKIP_RESOLVES for m in max_pre],
+            f"skipping any one block of Pre-LN changed its loss by at most {SKIP_RESOLVES} nats",
+        )
+    if reason:
+        return None, {}, reason
+    curse, raised, per_seed = [], [], []
+    for sp, dp, dl in zip(shallow_pre, deep_pre, deep_lns):
+        if not all(map(finite, (sp, dp, dl))):
+            curse.append(None)
+            raised.append(None)
+            per_seed.append(None)
+            continue
+        curse.append(dp < sp)
+        raised.append(dl > dp)
+        per_seed.append(dp < sp and dl > dp)
+    passed, details, reason = majority(per_seed, "the skip losses")
+    return passed, {"curse_by_seed": curse, "lns_raises_by_seed": raised, "holds_by_seed": per_seed, **details}, reason
+
+
+# ------------------------------------------------------------------------------------------------ LNS
+@register(
+    "layernorm-scaling",
+    claim="In a Pre-LN Transformer the deeper blocks contribute less (skipping one after training costs less loss "
+    "than skipping a shallow one), and LayerNorm Scaling (each norm's output in layer l times 1/sqrt(l)) raises the "
+    "deep blocks' contribution.",
+    source="Sun et al. 2025, The Curse of Depth in Large Language Models, arXiv:2502.05795 (Fig. 1-2: performance "
+    "drop when a layer is removed, Pre-LN vs LayerNorm Scaling; section 4)",
+    config={
+        "lr": 3e-3,
+        "default": {"layers": 12, "steps": 300, "seeds": 3},
+        "quick": {"layers": 4, "steps": 20, "seeds": 2},
+    },
+    suite="extended",
+)
+def layernorm_scaling(ctx: Context) -> Result:
+    """Sun et al. pretrain LLaMA-style Pre-LN models (130M-7B) and remove one layer at a time: removing a deep layer
+    barely changes performance, removing a shallow one does (Fig. 1-2); the variance of Pre-LN's stream grows with
+    depth so the deep blocks act almost as identities. LayerNorm Scaling multiplies each norm's output in layer l by
+    1/sqrt(l), and the deep layers' removal then costs more. Scaled here: 12 layers, d = 32, Adam lr 3e-3 (the lr
+    at which 12-layer Pre-LN trains in rezero), warmup 10% then cosine, 300 steps, 3 seeds, LayerNorm; after
+    training each block is skipped in turn (its output replaced by its input) and the validation loss of the
+    training loop's evaluation is measured."""
+    s = settings(ctx)
+    steps, layers, lr = s["steps"], s["layers"], s["lr"]
+    seeds = seed_list(ctx, s["seeds"])
+    arms = {
+        "pre": ({"placement": "pre", "n_layers": layers}, {}),
+        "lns": ({"placement": "pre", "n_layers": layers, "layernorm_scaling": True}, {}),
+    }
+    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
+    train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
+    keys, tasks = grid_tasks(ctx, arms, seeds, train, probe=f"{__name__}:skip_probe")
+    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    ex = {a: seed_values(runs, a, seeds, "excess") for a in arms}
+    contrib = {a: [contributions(runs[(a, sd)].get("probe")) for sd in seeds] for a in arms}
+    split = {a: [halves(c) for c in contrib[a]] for a in arms}
+    shallow = {a: [h[0] for h in split[a]] for a in arms}
+    deep = {a: [h[1] for h in split[a]] for a in arms}
+    max_pre = [max((v for v in c if finite(v)), default=None) for c in contrib["pre"]]
+    passed, extra, reason = lns_verdict(shallow["pre"], deep["pre"], deep["lns"], max_pre, ex["pre"], ex["lns"])
+    names = {"pre": "Pre-LN", "lns": "Pre-LN + LayerNorm Scaling"}
+    figures = []
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for i, a in enumerate(arms):
+            for k in range(len(seeds)):
+                axes[0].plot(
+                    range(1, len(contrib[a][k]) + 1),
+                    [nan(v) for v in contrib[a][k]],
+                    "o" + SEED_STYLES[k % len(SEED_STYLES)],
+                    color=f"C{i}",
+                    lw=1,
+                    label=names[a] if k == 0 else None,
+                )
+        axes[0].set_yscale("symlog", linthresh=1e-2)
+        axes[0].set_xlabel("block skipped (line style: seed)")
+        axes[0].set_ylabel("validation loss increase (nats)")
+        axes[0].legend(fontsize=8)
+        plot_curves(axes[1], runs, list(arms), seeds, steps, names)
+        axes[1].set_xlabel("step (line style: seed)")
+        axes[1].set_ylabel("train loss")
+        axes[1].legend(fontsize=8)
+        figures = save(plt, fig, ctx, "layernorm_scaling.png")
+    metrics = {
+        "criterion": CRITERIA["layernorm-scaling"],
+        "steps": steps,
+        "lr": lr,
+        "layers": layers,
+        "seeds": seeds,
+        "per_seed": {
+            **{f"{names[a]} excess": ex[a] for a in arms},
+            **{f"{names[a]} C_shallow": shallow[a] for a in arms},
+            **{f"{names[a]} C_deep": deep[a] for a in arms},
+        },
+        "skip_loss_increase": {f"{a} seed {sd}": contrib[a][k] for a in arms for k, sd in enumerate(seeds)},
+        "setup": f"Sun et al. 2025 at d = 32: Pre-LN, {layers} layers, Adam lr {lr:g}, warmup {train['warmup']} then "
+        f"cosine, {steps} steps, {len(seeds)} seeds; each block skipped in turn after training",
+        **extra,
+    }
+    line = (
+        f"Loss increase when a block is skipped, mean over the shallower / deeper half, by seed ({len(seeds)}): "
+        f"Pre-LN {fmt_seeds(shallow['pre'])} / {fmt_seeds(deep['pre'])}, LayerNorm Scaling "
+        f"{fmt_seeds(shallow['lns'])} / {fmt_seeds(deep['lns'])}; excess loss Pre-LN {fmt_seeds(ex['pre'])}, LNS "
+        f"{fmt_seeds(ex['lns'])} (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
+    )
+    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
