@@ -14,6 +14,7 @@ MODULES: list[str] = [
     "training_newer",
     "training_residuals",
     "training_depth",
+    "training_norm_choices",
 ]
 
 for _m in MODULES:
