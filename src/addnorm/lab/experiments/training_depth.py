@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_residuals import first_half_mean
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -36,6 +39,10 @@ from addnorm.lab.experiments.training_setup import (
 # this (nats) for the skip measurement to resolve contributions at all (the control): about the spread of the
 # validation loss between seeds' batches would hide smaller ones.
 SKIP_RESOLVES = 0.05
+# branch-scaling: the stream's RMS after the last block over its RMS at the embeddings, at init. Above this the
+# stream has "swollen" (its variance grew more than 4x through the stack). An unnormalized stack whose 2L branches
+# each add a fraction 1/(2L) of the stream's variance grows it by at most e (RMS x1.65): below the threshold.
+SWELL = 2.0
 
 CRITERIA = {
     "layernorm-scaling": (
@@ -45,6 +52,15 @@ CRITERIA = {
         "blocks contribute less (C_deep(Pre-LN) < C_shallow(Pre-LN)) and LayerNorm Scaling raises the deep blocks' "
         "contribution (C_deep(LNS) > C_deep(Pre-LN))."
     ),
+    "branch-scaling": (
+        "Per seed, in the unnormalized stack x + F(x): S = RMS of the residual stream after the last block / RMS at "
+        "the embeddings, at init (a fixed validation batch); early = mean training loss over the first half of the "
+        f"run. The claim holds at a seed iff the branch-scaled stack has S <= {SWELL:g} (its variance does not swell),"
+        " does not diverge, and has a lower early loss than the unscaled stack of the same seed. Reproduced iff it "
+        "holds at a strict majority of the seeds (at least 2). Pre-LN's pair is run and shown, not tested: a scale "
+        "shared by all branches cannot change Pre-LN's linear growth of the stream's variance, only its size "
+        "against the embeddings (changed after a --quick smoke run, before any default run: see docs/lab-notes.md)."
+    ),
 }
 PRECONDITIONS = {
     "layernorm-scaling": (
@@ -52,6 +68,10 @@ PRECONDITIONS = {
         f"the trained Pre-LN model raises its loss by more than {SKIP_RESOLVES} nats, each at a strict majority of "
         "the seeds: otherwise the models did not learn, or the skip measurement cannot resolve a block's "
         "contribution."
+    ),
+    "branch-scaling": (
+        f"The unscaled deep x + F(x) stack's variance does swell at init (S > {SWELL:g}) at a strict majority of the "
+        "seeds: otherwise there is no swelling for the scaling to prevent."
     ),
 }
 
@@ -96,6 +116,34 @@ def halves(contrib: Sequence[float | None]) -> tuple[float | None, float | None]
     return sum(lo) / len(lo), sum(hi) / len(hi)
 
 
+def stream_probe(net, data, cfg):
+    """A ``train_task`` probe: at init (before training), the RMS of the embeddings' output and of each block's
+    output on the first validation batch."""
+    outs: list[torch.Tensor] = []
+
+    def grab(module, args, out):
+        outs.append(out.detach().float())
+
+    handles = [m.register_forward_hook(grab) for m in (net.embed, *net.blocks)]
+    x = data.batch(0, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")[0]
+    try:
+        with torch.no_grad():
+            net(x)
+    finally:
+        for h in handles:
+            h.remove()
+    rms = [float(h.pow(2).mean().sqrt()) for h in outs]
+    return lambda net, result: {"embed_rms": rms[0], "block_rms": rms[1:]}
+
+
+def swelling(probe: dict | None) -> float | None:
+    """S = RMS after the last block / RMS at the embeddings (None when not finite)."""
+    if not probe or not probe.get("block_rms"):
+        return None
+    top, bottom = probe["block_rms"][-1], probe.get("embed_rms")
+    return top / bottom if finite(top) and finite(bottom) and bottom > 0 else None
+
+
 # ------------------------------------------------------------------------------------------------ verdicts
 def lns_verdict(
     shallow_pre: Sequence[float | None],
@@ -130,6 +178,48 @@ def lns_verdict(
         per_seed.append(dp < sp and dl > dp)
     passed, details, reason = majority(per_seed, "the skip losses")
     return passed, {"curse_by_seed": curse, "lns_raises_by_seed": raised, "holds_by_seed": per_seed, **details}, reason
+
+
+def branch_verdict(
+    swell: dict[tuple[str, bool], Sequence[float | None]],
+    early: dict[tuple[str, bool], Sequence[float | None]],
+    diverged: dict[tuple[str, bool], Sequence[bool]],
+    families: Sequence[str],
+) -> Verdict:
+    """Per (family, scaled) arm and seed (paired): the init swelling S, the first-half training loss, divergence."""
+    n = len(swell[(families[0], False)])
+    arms = [(f, sc) for f in families for sc in (False, True)]
+    if n == 0 or any(len(x[a]) != n for x in (swell, early, diverged) for a in arms):
+        return None, {}, "the arms' seeds are not paired"
+    for f in families:
+        reason = control(
+            [finite(v) and v > SWELL for v in swell[(f, False)]],
+            f"the unscaled {f} stack's variance did not swell at init (S <= {SWELL:g})",
+        )
+        if reason:
+            return None, {}, reason
+    by_family: dict[str, list[bool | None]] = {}
+    for f in families:
+        rows = []
+        for s_sc, e_sc, e_un, d_sc in zip(swell[(f, True)], early[(f, True)], early[(f, False)], diverged[(f, True)]):
+            if not finite(s_sc):
+                rows.append(None)
+                continue
+            if d_sc:  # a diverged scaled run did not start stably, whatever its first half looked like
+                rows.append(False)
+                continue
+            rows.append(s_sc <= SWELL and e_sc is not None and (e_un is None or e_sc < e_un))
+        by_family[f] = rows
+    per_seed = [
+        None if any(by_family[f][i] is None for f in families) else all(by_family[f][i] for f in families)
+        for i in range(n)
+    ]
+    passed, details, reason = majority(per_seed, "the init statistics")
+    return (
+        passed,
+        {**{f"holds_{f}_by_seed": by_family[f] for f in families}, "holds_by_seed": per_seed, **details},
+        reason,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ LNS
@@ -218,5 +308,108 @@ def layernorm_scaling(ctx: Context) -> Result:
         f"Pre-LN {fmt_seeds(shallow['pre'])} / {fmt_seeds(deep['pre'])}, LayerNorm Scaling "
         f"{fmt_seeds(shallow['lns'])} / {fmt_seeds(deep['lns'])}; excess loss Pre-LN {fmt_seeds(ex['pre'])}, LNS "
         f"{fmt_seeds(ex['lns'])} (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
+    )
+    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
+
+
+# ------------------------------------------------------------------------------------------------ branch scaling
+@register(
+    "branch-scaling",
+    claim="Scaling each residual branch's output by a factor that shrinks with depth (here GPT-2's 1/sqrt(2L) on the "
+    "weights that write into the stream) keeps the stream's variance from swelling at init and lets a deep stack "
+    "start training stably.",
+    source="Seed 004 (2.5 Add & Norm, section 6 'training stability', first point): deep stacks whose sublayer "
+    "outputs start large swell the residual stream layer by layer and are unstable from the first steps; a "
+    "branch scale < 1 that shrinks with depth holds the start down",
+    config={
+        "lr": 1e-2,
+        "families": ["pre", "none"],
+        "default": {"layers": 16, "steps": 150, "seeds": 3},
+        "quick": {"layers": 4, "steps": 12, "seeds": 2},
+    },
+    suite="extended",
+)
+def branch_scaling(ctx: Context) -> Result:
+    """The seed does not say which stack; the layer-by-layer swelling it describes compounds where nothing
+    normalizes the stream: the unnormalized x + F(x), whose variance grows geometrically, is the counted test. Pre-LN
+    (the seed's own recommendation for deep models) is run alongside and shown: its stream's variance grows
+    linearly with depth, and a scale shared by all branches changes only its size against the embeddings (with the
+    lab's N(0, 0.02) embeddings and Xavier linears, S stays far above the threshold either way: a rule that fails
+    by construction tests nothing, so it is not counted). The scaling is GPT-2's
+    (the "scaling code in the init" the seed points readers to): the attention output and FFN output weights
+    divided by sqrt(2L). Setup: 16 layers, d = 32, Adam lr 1e-2 (a high LR: 2.5x the lr 4e-3 at which these models
+    train in the warmup experiment), warmup 10% then cosine, 150 steps (the start of training is what the seed is
+    about), 3 seeds. Probes before the first run (one seed, 150 steps): Pre-LN at 24 layers and lr 1e-2 / 3e-2 ended
+    at excess 0.78 / 0.29 unscaled and 0.79 / 0.80 scaled, with S (last block over first block) 7.8 either way;
+    x + F(x) at 12 layers and lr 3e-3 grew its stream 120x at init unscaled and not at all scaled, and trained in
+    both arms (excess 0.30 / 0.22)."""
+    s = settings(ctx)
+    steps, layers, lr, families = s["steps"], s["layers"], s["lr"], list(s["families"])
+    seeds = seed_list(ctx, s["seeds"])
+    arms = {
+        (f, scaled): ({"placement": f, "n_layers": layers, "residual_init_scaling": scaled}, {})
+        for f in families
+        for scaled in (False, True)
+    }
+    ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
+    train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
+    keys, tasks = grid_tasks(ctx, arms, seeds, train, probe=f"{__name__}:stream_probe")
+    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    swell = {a: [swelling(runs[(a, sd)].get("probe")) for sd in seeds] for a in arms}
+    early = {a: [first_half_mean(runs[(a, sd)]["loss_curve"]) for sd in seeds] for a in arms}
+    div = {a: seed_values(runs, a, seeds, "diverged") for a in arms}
+    ex = {a: seed_values(runs, a, seeds, "excess") for a in arms}
+    passed, extra, reason = branch_verdict(swell, early, div, ["none"])
+    shown = branch_verdict(swell, early, div, ["pre"])[1].get("holds_pre_by_seed", "n/a")
+    names = {(f, sc): f"{'Pre-LN' if f == 'pre' else 'x + F(x)'}{', 1/sqrt(2L)' if sc else ''}" for f, sc in arms}
+    figures = []
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for i, a in enumerate(arms):
+            for k, sd in enumerate(seeds):
+                probe = runs[(a, sd)].get("probe") or {}
+                prof = [nan(probe.get("embed_rms")), *(nan(v) for v in probe.get("block_rms") or [])]
+                axes[0].plot(
+                    range(len(prof)),
+                    prof,
+                    SEED_STYLES[k % len(SEED_STYLES)],
+                    color=f"C{i}",
+                    lw=1,
+                    label=names[a] if k == 0 else None,
+                )
+        axes[0].set_yscale("log")
+        axes[0].set_xlabel("block (0: embeddings; line style: seed)")
+        axes[0].set_ylabel("residual stream RMS at init")
+        axes[0].legend(fontsize=7)
+        plot_curves(axes[1], runs, list(arms), seeds, steps, names)
+        axes[1].set_xlabel("step (line style: seed)")
+        axes[1].set_ylabel("train loss")
+        axes[1].legend(fontsize=7)
+        figures = save(plt, fig, ctx, "branch_scaling.png")
+    metrics = {
+        "criterion": CRITERIA["branch-scaling"],
+        "steps": steps,
+        "lr": lr,
+        "layers": layers,
+        "seeds": seeds,
+        "per_seed": {
+            **{f"{names[a]} S at init": swell[a] for a in arms},
+            **{f"{names[a]} first-half loss": early[a] for a in arms},
+            **{f"{names[a]} excess": ex[a] for a in arms},
+        },
+        "diverged": {names[a]: div[a] for a in arms},
+        "pre_ln_same_rule_by_seed": shown,
+        "setup": f"seed 004 at d = 32: Pre-LN and x + F(x), {layers} layers, unscaled vs GPT-2's 1/sqrt(2L), Adam lr "
+        f"{lr:g}, warmup {train['warmup']} then cosine, {steps} steps, {len(seeds)} seeds",
+        **extra,
+    }
+    line = (
+        "Stream RMS growth S at init (last block / embeddings) by seed: "
+        + "; ".join(f"{names[a]} {fmt_seeds(swell[a])}" for a in arms)
+        + ". First-half training loss: "
+        + "; ".join(f"{names[a]} {fmt_seeds(early[a])}" for a in arms)
+        + f" (claim holds for x + F(x) at {extra.get('seeds_agreeing', 'n/a')} seeds; the same rule on Pre-LN, "
+        f"shown, not tested: {shown})."
     )
     return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
