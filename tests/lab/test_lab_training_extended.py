@@ -32,9 +32,10 @@ def test_registered_empirical_in_the_extended_suite_with_criterion_precondition_
 def test_contributions_and_halves():
     assert D.contributions({"full": 1.0, "skipped": [1.5, 1.25, 1.0, 1.125]}) == [0.5, 0.25, 0.0, 0.125]
     assert D.contributions({"full": float("nan"), "skipped": [1.0]}) == []
-    assert D.halves([0.5, 0.25, 0.0, 0.125]) == (0.375, 0.0625)
-    assert D.halves([1.0, 2.0, 3.0]) == (1.0, 3.0)  # odd depth: the middle block is in neither half
-    assert D.halves([0.1, None]) == (None, None)
+    # block 1 (next to the embeddings) is left out: halves of blocks 2..L
+    assert D.halves([3.0, 0.5, 0.25, 0.0, 0.125]) == (0.375, 0.0625)
+    assert D.halves([3.0, 1.0, 2.0, 3.0]) == (1.0, 3.0)  # odd count: the middle block is in neither half
+    assert D.halves([3.0, 0.1, None]) == (None, None) and D.halves([3.0, 0.1]) == (None, None)
 
 
 def test_lns_verdict_pass_fail_and_controls():

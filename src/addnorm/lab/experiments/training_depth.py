@@ -47,10 +47,12 @@ SWELL = 2.0
 CRITERIA = {
     "layernorm-scaling": (
         "Per seed, after training: C(l) = validation loss with block l skipped (its output replaced by its input) "
-        "minus the full model's; C_deep = mean C over the deeper half of the blocks, C_shallow over the shallower "
-        "half. Reproduced iff, at a strict majority of the seeds (at least 2), paired by seed: Pre-LN's deeper "
-        "blocks contribute less (C_deep(Pre-LN) < C_shallow(Pre-LN)) and LayerNorm Scaling raises the deep blocks' "
-        "contribution (C_deep(LNS) > C_deep(Pre-LN))."
+        "minus the full model's; blocks 2..L split into a shallower and a deeper half (block 1, next to the "
+        "embeddings, left out: an edge effect), C_shallow and C_deep the mean C over each. Reproduced iff, at a "
+        "strict majority of the seeds (at least 2), paired by seed: Pre-LN's deeper blocks contribute less "
+        "(C_deep(Pre-LN) < C_shallow(Pre-LN)) and LayerNorm Scaling raises the deep blocks' contribution "
+        "(C_deep(LNS) > C_deep(Pre-LN)). (Changed after the first seed-0 run, before the rerun: block 1 was in the "
+        "shallower half; see docs/lab-notes.md.)"
     ),
     "branch-scaling": (
         "Per seed, in the unnormalized stack x + F(x): S = RMS of the residual stream after the last block / RMS at "
@@ -65,9 +67,9 @@ CRITERIA = {
 PRECONDITIONS = {
     "layernorm-scaling": (
         f"Pre-LN and Pre-LN + LayerNorm Scaling train (excess < {TRAINED_EXCESS} nats), and skipping some block of "
-        f"the trained Pre-LN model raises its loss by more than {SKIP_RESOLVES} nats, each at a strict majority of "
-        "the seeds: otherwise the models did not learn, or the skip measurement cannot resolve a block's "
-        "contribution."
+        f"the trained Pre-LN model other than block 1 raises its loss by more than {SKIP_RESOLVES} nats, each at a "
+        "strict majority of the seeds: otherwise the models did not learn, or the task is done by the first block "
+        "alone and no block after it has a contribution to measure."
     ),
     "branch-scaling": (
         f"The unscaled deep x + F(x) stack's variance does swell at init (S > {SWELL:g}) at a strict majority of the "
@@ -108,11 +110,13 @@ def contributions(probe: dict | None) -> list[float | None]:
 
 
 def halves(contrib: Sequence[float | None]) -> tuple[float | None, float | None]:
-    """(mean C over the shallower half of the blocks, over the deeper half); None when a value is missing."""
-    n = len(contrib)
-    if n < 2 or not all(map(finite, contrib)):
+    """(mean C over the shallower half of blocks 2..L, over the deeper half); block 1, next to the embeddings, is
+    left out (an edge effect: in the lab's runs it alone carries the task). None when a value is missing."""
+    rest = list(contrib[1:])
+    n = len(rest)
+    if n < 2 or not all(map(finite, rest)):
         return None, None
-    lo, hi = contrib[: n // 2], contrib[n - n // 2 :]
+    lo, hi = rest[: n // 2], rest[n - n // 2 :]
     return sum(lo) / len(lo), sum(hi) / len(hi)
 
 
@@ -153,7 +157,8 @@ def lns_verdict(
     ex_pre: Sequence[float | None],
     ex_lns: Sequence[float | None],
 ) -> Verdict:
-    """Per seed (paired): Pre-LN's C_shallow and C_deep, LNS's C_deep, Pre-LN's largest C, both excess losses."""
+    """Per seed (paired): Pre-LN's C_shallow and C_deep, LNS's C_deep, Pre-LN's largest C after block 1, both excess
+    losses."""
     n = len(deep_pre)
     if n == 0 or any(len(x) != n for x in (shallow_pre, deep_lns, max_pre, ex_pre, ex_lns)):
         return None, {}, "the arms' seeds are not paired"
@@ -162,7 +167,8 @@ def lns_verdict(
     if not reason:
         reason = control(
             [finite(m) and m > SKIP_RESOLVES for m in max_pre],
-            f"skipping any one block of Pre-LN changed its loss by at most {SKIP_RESOLVES} nats",
+            f"skipping any one block of Pre-LN after block 1 changed its loss by at most {SKIP_RESOLVES} nats (the "
+            "task is done without depth)",
         )
     if reason:
         return None, {}, reason
@@ -244,7 +250,13 @@ def layernorm_scaling(ctx: Context) -> Result:
     1/sqrt(l), and the deep layers' removal then costs more. Scaled here: 12 layers, d = 32, Adam lr 3e-3 (the lr
     at which 12-layer Pre-LN trains in rezero), warmup 10% then cosine, 300 steps, 3 seeds, LayerNorm; after
     training each block is skipped in turn (its output replaced by its input) and the validation loss of the
-    training loop's evaluation is measured."""
+    training loop's evaluation is measured.
+
+    First run (seed 0, commit 6e3a7f2): skipping block 1 cost 2.9-3.4 nats in every run, skipping any other block
+    of either arm at most 0.018: the order-1 Markov language is learnt by the first block, the others stay near
+    the identity. With block 1 in the shallower half, "Pre-LN's deep blocks contribute less" held at 3/3 seeds by
+    that edge effect alone (verdict: not reproduced, LNS raising the deep half at 1/3). Block 1 is now left out of
+    the halves and the control asks for a measurable block after it (written before the rerun)."""
     s = settings(ctx)
     steps, layers, lr = s["steps"], s["layers"], s["lr"]
     seeds = seed_list(ctx, s["seeds"])
@@ -261,7 +273,7 @@ def layernorm_scaling(ctx: Context) -> Result:
     split = {a: [halves(c) for c in contrib[a]] for a in arms}
     shallow = {a: [h[0] for h in split[a]] for a in arms}
     deep = {a: [h[1] for h in split[a]] for a in arms}
-    max_pre = [max((v for v in c if finite(v)), default=None) for c in contrib["pre"]]
+    max_pre = [max((v for v in c[1:] if finite(v)), default=None) for c in contrib["pre"]]
     passed, extra, reason = lns_verdict(shallow["pre"], deep["pre"], deep["lns"], max_pre, ex["pre"], ex["lns"])
     names = {"pre": "Pre-LN", "lns": "Pre-LN + LayerNorm Scaling"}
     figures = []
