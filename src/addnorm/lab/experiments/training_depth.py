@@ -252,7 +252,7 @@ def layernorm_scaling(ctx: Context) -> Result:
     training each block is skipped in turn (its output replaced by its input) and the validation loss of the
     training loop's evaluation is measured.
 
-    First run (seed 0, commit 6e3a7f2): skipping block 1 cost 2.9-3.4 nats in every run, skipping any other block
+    First run (seed 0, commit 267679b): skipping block 1 cost 2.1-3.4 nats in every run, skipping any other block
     of either arm at most 0.018: the order-1 Markov language is learnt by the first block, the others stay near
     the identity. With block 1 in the shallower half, "Pre-LN's deep blocks contribute less" held at 3/3 seeds by
     that edge effect alone (verdict: not reproduced, LNS raising the deep half at 1/3). Block 1 is now left out of
