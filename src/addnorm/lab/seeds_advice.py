@@ -64,10 +64,10 @@ ADVICE: list[tuple[str, str, tuple[str, ...], str]] = [
         "Scaling each residual branch's output by a factor shrinking with depth keeps the stream's variance from "
         "swelling at init and lets a deep stack start stably",
         ("branch-scaling", "rezero"),
-        "Mostly holds, seed-dependent (branch-scaling, GPT-2's 1/sqrt(2L), 16 layers, lr 1e-2): in an unnormalized "
+        "Half holds, seed-dependent (branch-scaling, GPT-2's 1/sqrt(2L), 16 layers, lr 1e-2): in an unnormalized "
         "stack the scaling keeps the stream from swelling (RMS growth 1.1-1.2x against 340-2300x unscaled) and "
-        "starts training far better at every seed, but the scaled stack still diverged at 2 of the 6 seeds run "
-        "(reproduced at --seed 1, not at --seed 0). In Pre-LN "
+        "starts training far better at every seed, but the scaled stack still diverged at 4 of the 9 seeds run "
+        "(reproduced at --seed 1, not at --seed 0 or 2). In Pre-LN "
         "a scale shared by all branches cannot stop the stream's linear growth, and did not change the start. The "
         "extreme case (branch scale 0 at init, ReZero) is rezero.",
     ),
