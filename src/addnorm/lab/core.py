@@ -25,6 +25,9 @@ its own generators, and runs with one torch thread), and must return JSON-serial
 numbers, strings, None; non-finite floats allowed), so the lab's executor can run tasks on worker processes or
 torchrun ranks, cache them for resuming, and give results bitwise identical to running them here in order.
 
+Suites. ``suite="core"`` (the default) puts an experiment in the default run; ``suite="extended"`` only in
+``addnorm lab --suite all`` (and ``--only``), so new experiments do not lengthen the default run past its budget.
+
 Timings. Wall-clock measurements go into ``Result.timings``, not ``metrics``: metrics are what the code and the
 seed determine (merge compares them across machines); timings differ on every run.
 """
@@ -40,6 +43,9 @@ import torch
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 KINDS = ("empirical", "sanity", "demonstration")
+# Which suite an experiment belongs to. ``addnorm lab`` (``--suite core``) runs the "core" ones, sized to fit the
+# default run's time budget; ``--suite all`` adds the "extended" ones. ``--only`` picks from both.
+SUITES = ("core", "extended")
 
 
 @dataclass(kw_only=True)
@@ -106,10 +112,14 @@ class Experiment:
     kind: str = "empirical"
     # The control that must hold for the experiment to test its claim at all; failing it -> "inconclusive".
     precondition: str = ""
+    # "core" (in the default run) | "extended" (only in --suite all and --only); see the module docstring.
+    suite: str = "core"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.suite not in SUITES:
+            raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -124,9 +134,11 @@ def experiment(
     criterion: str = "",
     kind: str = "empirical",
     precondition: str = "",
+    suite: str = "core",
 ):
     """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule,
-    ``precondition`` the control, ``kind`` whether it is evidence (see the module docstring)."""
+    ``precondition`` the control, ``kind`` whether it is evidence, ``suite`` which run includes it (see the module
+    docstring)."""
 
     def register(fn: Callable[[Context], Result]) -> Callable[[Context], Result]:
         if name in EXPERIMENTS:
@@ -140,6 +152,7 @@ def experiment(
             criterion=criterion,
             kind=kind,
             precondition=precondition,
+            suite=suite,
         )
         return fn
 

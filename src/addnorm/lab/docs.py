@@ -70,7 +70,7 @@ def render_results_doc(doc: dict[str, Any]) -> str:
             f"- Software: torch {rec('torch')}, python {rec('python')}, addnorm {rec('addnorm')} "
             f"(sources {rec('code')})",
             f"- Run: {rec('date')}, {'quick' if meta.get('quick') else 'default'} sizes, seed {rec('seed')}, "
-            f"device {rec('device')}; {_wall(meta, len(experiments))}",
+            f"suite {rec('suite')}, device {rec('device')}; {_wall(meta, len(experiments))}",
         ]
     if meta.get("only") or meta.get("shard"):
         part = f"--only {' '.join(meta['only'])}" if meta.get("only") else f"--shard {meta['shard']}"

@@ -51,6 +51,7 @@ _PUBLIC_FIELDS = (
     "source",
     "criterion",
     "kind",
+    "suite",
     "precondition",
     "verdict",
     "reason",
@@ -182,7 +183,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "# addnorm lab report",
         "",
         f"addnorm {meta.get('addnorm')}, torch {meta.get('torch')}, {meta.get('date')}, device {meta.get('device')}, "
-        f"seed {meta.get('seed')}, {'quick' if meta.get('quick') else 'default'} sizes",
+        f"seed {meta.get('seed')}, {'quick' if meta.get('quick') else 'default'} sizes"
+        + (f", suite {meta['suite']}" if meta.get("suite") else ""),
         "",
     ]
     timing = timing_text(meta, len(doc["experiments"]))
@@ -269,6 +271,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
         f"&middot; python {e(str(meta.get('python')))} &middot; {e(str(meta.get('date')))} &middot; device "
         f"{e(str(meta.get('device')))} &middot; seed {e(str(meta.get('seed')))} &middot; "
         f"{'quick sizes (--quick)' if meta.get('quick') else 'default sizes'}"
+        + (f" &middot; suite {e(str(meta['suite']))}" if meta.get("suite") else "")
         + (f" &middot; {e(timing)}" if timing else "")
         + (f" &middot; shard {e(str(meta['shard']))}" if meta.get("shard") else "")
         + (f" &middot; merged from {len(meta['merged_from'])} directories" if meta.get("merged_from") else "")

@@ -90,17 +90,24 @@ def load_experiments() -> dict[str, Experiment]:
     return EXPERIMENTS
 
 
+RUN_SUITES = ("core", "all")  # --suite: the "core" experiments (the default run), or every experiment
+
+
 def select(
     only: Sequence[str] | None = None,
     shard: tuple[int, int] | None = None,
     registry: dict[str, Experiment] | None = None,
+    suite: str = "core",
 ) -> list[tuple[int, Experiment]]:
     """The experiments to run, as (position in the whole selection, experiment).
 
-    ``only`` keeps the named ones (unknown names raise ValueError listing the known ones); ``shard=(K, N)`` then
+    ``suite`` "core" keeps the experiments of the core suite, "all" every one; ``only`` keeps the named ones,
+    whatever their suite (unknown names raise ValueError listing the known ones); ``shard=(K, N)`` then
     keeps every N-th starting at the K-th, so the N shards partition the selection the same way on every machine.
     """
     registry = load_experiments() if registry is None else registry
+    if suite not in RUN_SUITES:
+        raise ValueError(f"suite (--suite) must be one of {', '.join(RUN_SUITES)}, got {suite!r}")
     if only:
         unknown = [n for n in only if n not in registry]
         if unknown:
@@ -108,7 +115,7 @@ def select(
         wanted = set(only)
         chosen = [e for e in registry.values() if e.name in wanted]
     else:
-        chosen = list(registry.values())
+        chosen = [e for e in registry.values() if suite == "all" or e.suite == "core"]
     indexed = list(enumerate(chosen))
     if shard is not None:
         k, n = shard
@@ -141,8 +148,12 @@ class RunOptions:
     # Worker processes for the experiments' tasks (None: this machine's cores, shared by torchrun ranks on it;
     # 1: in this process). Results are the same for any value.
     jobs: int | None = None
+    # "core" (the default run) or "all" (every experiment); ignored for the experiments named by ``only``.
+    suite: str = "core"
 
     def __post_init__(self) -> None:
+        if self.suite not in RUN_SUITES:
+            raise ValueError(f"suite (--suite) must be one of {', '.join(RUN_SUITES)}, got {self.suite!r}")
         if not str(self.out).strip():  # Path("") is ".": the report would land in the current folder
             raise ValueError("--out is empty: give a directory path ('.' for the current folder)")
         self.out = Path(self.out)
@@ -178,6 +189,7 @@ def _base_record(exp: Experiment, index: int, key: str) -> dict:
         "source": exp.source,
         "criterion": exp.criterion,
         "kind": exp.kind,
+        "suite": exp.suite,
         "precondition": exp.precondition,
         "config": exp.config,
         "index": index,
@@ -279,6 +291,7 @@ def run_meta(options: RunOptions, device: torch.device, *, jobs: int = 1, world_
         "world_size": world_size,
         "shard": f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
         "only": list(options.only) if options.only else None,
+        "suite": options.suite,
     }
 
 
@@ -288,7 +301,7 @@ def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> R
     Under torchrun every rank calls this; rank 0 returns the summary of what it wrote, the others the same
     records (their figures were in a temporary folder, gone when this returns)."""
     device = resolve_device(options.device)
-    chosen = select(options.only, options.shard, registry)
+    chosen = select(options.only, options.shard, registry, options.suite)
     group = init_group()
     try:
         with contextlib.ExitStack() as stack:
@@ -386,7 +399,8 @@ def _run_selected(
         for index, exp in chosen:
             record = cache.load_cached(out, exp, keys[exp.name])
             if record is not None:
-                cached[exp.name] = dict(record, index=index, cached=True)
+                # the suite is where the experiment is listed now, not part of what it computed
+                cached[exp.name] = dict(record, index=index, cached=True, suite=exp.suite)
     cached = group.broadcast(cached)  # all ranks skip the same experiments (their collectives stay in step)
     todo = [(index, exp) for index, exp in chosen if exp.name not in cached]
     records = {index: cached[exp.name] for index, exp in chosen if exp.name in cached}

@@ -119,7 +119,9 @@ class TransformerConfig:
     Gemma). ``final_norm=None``: on for placements whose stream leaves the last layer
         unnormalized (pre, sandwich, mix, pre-noskip, branch-output, parallel; not rezero, which has no norm). ``placement="mix"``: Post-LN for the first
         ``floor(mix_ln_fraction * n_layers)`` layers, Pre-LN after (Mix-LN). ``deepnorm_alpha/beta``: override the
-        values :func:`deepnorm_coefficients` derives from the depth. ``fuse_add_norm``: run each pre-norm residual
+        values :func:`deepnorm_coefficients` derives from the depth. ``layernorm_scaling``: LayerNorm Scaling (Sun et al.
+        2025, The Curse of Depth): in layer l = 1..L each norm's output on a branch's input is multiplied by 1/sqrt(l)
+        (placement "pre", sequential blocks; any norm kind). ``fuse_add_norm``: run each pre-norm residual
         add together with the next norm as one fused call (same numbers, fewer memory passes).
     """
 
@@ -142,6 +144,7 @@ class TransformerConfig:
     init: str = "normal"
     init_std: float = 0.02
     residual_init_scaling: bool = False
+    layernorm_scaling: bool = False
     eps: float | None = None
     positional: str = "learned"
     embed_norm: bool = False
@@ -187,6 +190,11 @@ class TransformerConfig:
             raise ValueError(f"zero_centered_weight needs norm 'layernorm' or 'rmsnorm', got norm={self.norm!r}")
         if self.parallel and self.placement != "pre":
             raise ValueError(f"parallel blocks (PaLM) use placement 'pre'; got placement={self.placement!r}")
+        if self.layernorm_scaling and (self.placement != "pre" or self.parallel):
+            raise ValueError(
+                "layernorm_scaling scales the norms on the branches' inputs of Pre-LN layers: it needs placement "
+                f"'pre' and parallel=False, got placement={self.placement!r}, parallel={self.parallel!r}"
+            )
         if not isinstance(self.norm_kwargs, dict):
             raise TypeError(f"norm_kwargs must be a dict, got {type(self.norm_kwargs).__name__}")
 
@@ -225,6 +233,11 @@ class TransformerConfig:
         if self.placement != "mix":
             return self.placement
         return "post" if layer_idx < self.num_post_layers(n_layers) else "pre"
+
+    def norm_output_scale(self, layer_idx: int) -> float:
+        """What the norms on the branches' inputs of layer ``layer_idx`` (0-based) are multiplied by: 1/sqrt(layer_idx
+        + 1) with ``layernorm_scaling``, else 1."""
+        return 1.0 / math.sqrt(layer_idx + 1) if self.layernorm_scaling else 1.0
 
     def norm_factory_kwargs(self) -> dict:
         """Keywords for :func:`make_norm` that this config implies (bias, zero-centered weight, backend, extras)."""

@@ -65,7 +65,9 @@ def residual_chain(
     return x if pending is None else x + pending
 
 
-def _residual(config: TransformerConfig, sublayer: nn.Module, placement: str, alpha: float | None) -> Residual:
+def _residual(
+    config: TransformerConfig, sublayer: nn.Module, placement: str, alpha: float | None, layer_idx: int = 0
+) -> Residual:
     return Residual(
         sublayer,
         config.d_model,
@@ -75,6 +77,7 @@ def _residual(config: TransformerConfig, sublayer: nn.Module, placement: str, al
         dropout=config.dropout,
         alpha=alpha if placement == "deepnorm" else None,
         norm_kwargs=config.norm_factory_kwargs(),
+        norm_output_scale=config.norm_output_scale(layer_idx),
     )
 
 
@@ -123,8 +126,9 @@ class EncoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.placement = config.layer_placement(layer_idx, n_layers)
         self.fused = config.fuse_add_norm
-        self.attn = _residual(config, _attention(config, causal=causal, rotary=rotary), self.placement, deepnorm_alpha)
-        self.ffn = _residual(config, _ffn(config), self.placement, deepnorm_alpha)
+        attention = _attention(config, causal=causal, rotary=rotary)
+        self.attn = _residual(config, attention, self.placement, deepnorm_alpha, layer_idx)
+        self.ffn = _residual(config, _ffn(config), self.placement, deepnorm_alpha, layer_idx)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         steps = [(self.attn, (), {"key_padding_mask": padding_mask}), (self.ffn, (), {})]
@@ -152,10 +156,10 @@ class DecoderLayer(nn.Module):
         self.placement = config.layer_placement(layer_idx, n_layers)
         self.fused = config.fuse_add_norm
         p, a = self.placement, deepnorm_alpha
-        self.self_attn = _residual(config, _attention(config, causal=True, rotary=rotary), p, a)
+        self.self_attn = _residual(config, _attention(config, causal=True, rotary=rotary), p, a, layer_idx)
         # positions of the decoder and the encoder are unrelated: no rotary in cross-attention
-        self.cross_attn = _residual(config, _attention(config, causal=False, rotary=None), p, a)
-        self.ffn = _residual(config, _ffn(config), p, a)
+        self.cross_attn = _residual(config, _attention(config, causal=False, rotary=None), p, a, layer_idx)
+        self.ffn = _residual(config, _ffn(config), p, a, layer_idx)
 
     def forward(
         self, x: Tensor, memory: Tensor, padding_mask: Tensor | None = None, memory_padding_mask: Tensor | None = None

@@ -62,6 +62,8 @@ class Residual(nn.Module):
     ``forward(x, *args, norm_padding_mask=None, **kwargs)`` calls ``F(h, *args, **kwargs)``;
     ``norm_padding_mask`` (True at padded positions) reaches only the norms that use one (batchnorm).
     ``norm`` is a kind for :func:`make_norm`; ``norm_kwargs`` go to it (bias, zero_centered_weight, backend, ...).
+    ``norm_output_scale`` multiplies the branch's normalized input, ``F(s * Norm(x))`` (pre and sandwich only; 1 by
+    default): LayerNorm Scaling (Sun et al. 2025) sets s = 1/sqrt(l) in layer l.
     Attributes: ``sublayer``, ``norm`` (the placement's norm; Norm_in for sandwich; None for "none"),
     ``norm_out`` (sandwich's Norm_out; branch-output's only norm), ``alpha`` (deepnorm only), ``rezero_alpha``
     (rezero only: the learned scalar on the branch, 0 at init, so every block starts as the identity).
@@ -78,10 +80,18 @@ class Residual(nn.Module):
         dropout: float = 0.0,
         alpha: float | None = None,
         norm_kwargs: dict | None = None,
+        norm_output_scale: float = 1.0,
     ):
         super().__init__()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+        if not isinstance(norm_output_scale, (int, float)) or not math.isfinite(norm_output_scale):
+            raise ValueError(f"norm_output_scale must be a finite number, got {norm_output_scale!r}")
+        if norm_output_scale != 1.0 and placement not in _STARTS_WITH_NORM:
+            raise ValueError(
+                f"norm_output_scale scales the norm on the branch's input, which only placements "
+                f"{', '.join(_STARTS_WITH_NORM)} have; got placement {placement!r} with scale {norm_output_scale!r}"
+            )
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if placement == "deepnorm":
@@ -102,6 +112,7 @@ class Residual(nn.Module):
         self.norm = make_norm(norm, d_model, eps, **kw) if placement in _NEEDS_NORM else None
         self.norm_out = make_norm(norm, d_model, eps, **kw) if placement in ("sandwich", "branch-output") else None
         self.rezero_alpha = nn.Parameter(torch.zeros(())) if placement == "rezero" else None
+        self.norm_output_scale = float(norm_output_scale)
         self.dropout = nn.Dropout(dropout)
 
     # The pieces, used by forward and by the fused chains of addnorm.nn.layers
@@ -117,7 +128,10 @@ class Residual(nn.Module):
 
     def branch(self, h: Tensor, *args, **kwargs) -> Tensor:
         """Dropout(F(h)), Dropout(Norm_out(F(h))) for sandwich and branch-output, Dropout(a * F(h)) for rezero: what
-        is added to the stream."""
+        is added to the stream. For pre and sandwich ``h`` is Norm(x), scaled here by ``norm_output_scale`` (here
+        rather than in forward, so the fused chains of addnorm.nn.layers, which call branch directly, scale too)."""
+        if self.norm_output_scale != 1.0:
+            h = h * self.norm_output_scale
         y = self.sublayer(h, *args, **kwargs)
         if self.norm_out is not None:
             y = self.norm_out(y)
@@ -142,7 +156,8 @@ class Residual(nn.Module):
         return self.branch(call_norm(self.norm, x, padding_mask=norm_padding_mask), *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha is not None else "")
+        scale = f", norm_output_scale={self.norm_output_scale:.4g}" if self.norm_output_scale != 1.0 else ""
+        return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha is not None else "") + scale
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ def check_batchable(config) -> None:
         ("embed_norm", not config.embed_norm, "False"),
         ("zero_centered_weight", not config.zero_centered_weight, "False"),
         ("norm_kwargs", not config.norm_kwargs, "empty"),
+        ("layernorm_scaling", not config.layernorm_scaling, "False"),
     ]
     for name, ok, want in checks:
         if not ok:

@@ -13,6 +13,8 @@ MODULES: list[str] = [
     "training_norms",
     "training_newer",
     "training_residuals",
+    "training_depth",
+    "training_norm_choices",
 ]
 
 for _m in MODULES:

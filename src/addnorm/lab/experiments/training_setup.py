@@ -190,6 +190,7 @@ def train_task(
     hidden_probe: bool = False,
     track_mean_logit: bool = False,
     layer_grads: bool = False,
+    probe: str | None = None,
 ) -> dict:
     """One training run of the tiny LM, as a ``ctx.map`` task. ``model``: TransformerConfig overrides (a
     ``vocab_size`` there makes the model's vocabulary larger than the language's: unused tokens); ``train``:
@@ -198,7 +199,11 @@ def train_task(
     with ``init_record``, the per-layer record at step 0 is returned. ``hidden_probe``: :func:`hidden_stats` on
     the first validation batch before and after training. ``track_mean_logit``: the mean output logit of every
     training step (over positions and the whole vocabulary), as a curve and its late value. ``layer_grads`` (with
-    ``train["monitor"]``): each layer's gradient norm averaged over the monitor's records after step 0."""
+    ``train["monitor"]``): each layer's gradient norm averaged over the monitor's records after step 0. ``probe``:
+    the name "module:function" of a measurement, called as ``function(net, data, cfg)`` before training (it may
+    hook the model); what it returns is called as ``finish(net, result)`` after training, and its JSON-able dict
+    is returned under "probe" (a name, not a callable, so the task stays JSON and cacheable). "spikes" counts the
+    loss spikes of the training loop's rule (OLMo-core's: above mean + 6 std of the last 128 steps)."""
     from addnorm.nn import TransformerLM
     from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
@@ -218,6 +223,12 @@ def train_task(
                 mean_logits.append(float(out.detach().float().mean()))
 
         hook = net.lm_head.register_forward_hook(record_mean)
+    finish = None
+    if probe is not None:
+        import importlib
+
+        module, _, function = probe.partition(":")
+        finish = getattr(importlib.import_module(module), function)(net, data, cfg)
     try:
         res = run(net, data, cfg)
     finally:
@@ -251,6 +262,7 @@ def train_task(
         "steps_at_peak_lr": sum(1 for lr in res.lrs if abs(lr - peak) <= 1e-9 * peak),
         "max_grad_norm": _num(res.max_grad_norm),
         "max_attn_logit": max(logits) if logits else None,
+        "spikes": len(res.spikes),
     }
     if init_record:  # the loop stores monitor records JSON-ready
         out["init_record"] = res.records[0] if res.records else None
@@ -266,6 +278,8 @@ def train_task(
             else None
             for i in range(n_layers)
         ]
+    if finish is not None:
+        out["probe"] = finish(net, res)
     if track_mean_logit:
         late = [v for v in mean_logits[-tail:] if math.isfinite(v)]
         out["mean_logit_curve"] = _subsample(mean_logits, curve_points)
@@ -371,7 +385,7 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
     name in the module's tables (so they stay written down in one place, before any run), and ``version`` is put into
     every config (raising it invalidates cached results when a setup changes)."""
 
-    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical"):
+    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical", suite: str = "core"):
         return experiment(
             name,
             claim=claim,
@@ -380,6 +394,7 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
             criterion=criteria[name],
             precondition=preconditions[name],
             kind=kind,
+            suite=suite,
         )
 
     return register
