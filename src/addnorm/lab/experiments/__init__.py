@@ -13,6 +13,8 @@ MODULES: list[str] = [
     "training_norms",
     "training_newer",
     "training_residuals",
+    "training_seeds",
+    "training_seeds_faults",
 ]
 
 for _m in MODULES:
