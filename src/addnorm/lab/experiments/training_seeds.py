@@ -329,7 +329,7 @@ def finetune_post_to_pre(ctx: Context) -> Result:
         for j, a in enumerate(ARMS):
             axes[1].plot([j] * len(seeds), [nan(v) for v in ex[a]], "o", color=f"C{j}")
         axes[1].set_xticks(range(len(ARMS)), [ARM_NAMES[a] for a in ARMS], fontsize=7, rotation=15)
-        axes[1].set_ylabel("excess loss after fine-tuning (one dot per seed)")
+        axes[1].set_ylabel("excess loss, end (dot: seed)")
         figures = save(plt, fig, ctx, "finetune_post_to_pre.png")
     per_seed = {f"{ARM_NAMES[a]} excess": ex[a] for a in ARMS}
     per_seed.update({f"{ARM_NAMES[a]} loss before fine-tuning": start[a] for a in start})
