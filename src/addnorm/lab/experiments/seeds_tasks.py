@@ -217,10 +217,8 @@ def fp16_task(*, model: dict, stats: str, clamp: float | None, train: dict, lang
     net = TransformerLM(model_config(**{**model, "fuse_add_norm": False}))
     norms = swap_norms(net, stats, clamp)
     first: list[int] = []
-    step_counter = {"step": 0}
 
     def after_step(entry: dict) -> None:
-        step_counter["step"] = entry["step"] + 1
         if not first and any(m.overflows for m in norms):
             first.append(entry["step"])
 

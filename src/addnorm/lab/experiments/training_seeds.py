@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, verdict_from
-from addnorm.lab.experiments.seeds_tasks import finetune_task, hyper_task
+from addnorm.lab.experiments.seeds_tasks import FP16_MAX, finetune_task, hyper_task
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -43,7 +43,6 @@ TOL_ABS, TOL_REL = 0.05, 0.10
 # do (late training loss above the clean run's of the same seed) for there to be a divergence to localize.
 LOCALIZE_RATE = 0.8
 FAULT_HARM = 0.1
-FP16_MAX = 65504.0
 
 CRITERIA = {
     "norm-hyperparameters": (

@@ -18,6 +18,7 @@ from addnorm.lab.experiments.training_seeds import (
     register,
 )
 from addnorm.lab.experiments.training_setup import (
+    D_MODEL,
     SEED_STYLES,
     TRAINED_EXCESS,
     Verdict,
@@ -245,7 +246,8 @@ def fp16_layernorm(ctx: Context) -> Result:
     s = settings(ctx)
     steps, layers = s["steps"], s["layers"]
     seeds = seed_list(ctx, s["seeds"])
-    clamp = (FP16_MAX / 32) ** 0.5 * 0.99  # a hair under the bound: fp16 rounding of the squares must not reach it
+    # a hair under the bound at which D_MODEL squares sum to 65504: fp16 rounding of the squares must not reach it
+    clamp = (FP16_MAX / D_MODEL) ** 0.5 * 0.99
     train = {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)}
     ctx.progress(f"{len(STATS) * len(seeds)} runs of {steps} steps")
     tasks = [
