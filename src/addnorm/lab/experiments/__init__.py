@@ -15,6 +15,8 @@ MODULES: list[str] = [
     "training_residuals",
     "training_depth",
     "training_norm_choices",
+    "training_seeds",
+    "training_seeds_faults",
 ]
 
 for _m in MODULES:
