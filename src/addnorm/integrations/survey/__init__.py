@@ -19,6 +19,7 @@ Rows are plain dicts (JSON-ready); :mod:`.report` writes survey.md, survey.json 
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Callable
@@ -151,7 +152,8 @@ def _outputs(model, batch) -> torch.Tensor | None:
 
 
 def _hf_apply(model, batch) -> dict[str, Any]:
-    """What hf.apply does to the model, and whether the output is unchanged (fp32, within 1e-5 of its scale).
+    """What hf.apply does to the model, and whether the output is unchanged (fp32, within 1e-5 of its scale, or as
+    accurate as the unpatched model against a float64 run: :func:`_as_accurate_as_eager`).
 
     Only fused layers that made a fused call in the survey's forward count as checked: a vision tower of a
     vision-language model does not run on text alone, and a rewritten forward may fuse only a branch the config does
@@ -176,14 +178,41 @@ def _hf_apply(model, batch) -> dict[str, Any]:
             out["hf_fused_not_run"] = sorted(set(fused) - ran)
         if not ran:
             out["hf_apply_reason"] = hf_why.unfused_reason(model)
-        if not err <= 1e-5:
-            out["hf_apply_reason"] = f"output differs from the unpatched model (relative error {err:.3g})"
-            out["hf_apply"] = "mismatch"
-        return out
     finally:
         for h in handles:
             h.remove()
         hf.revert(model)
+    if not err <= 1e-5 and not _as_accurate_as_eager(model, batch, ref, got, out):
+        out["hf_apply_reason"] = f"output differs from the unpatched model (relative error {err:.3g})"
+        out["hf_apply"] = "mismatch"
+    return out
+
+
+# The float64 run is a fair judge only when it takes the same path as the fp32 one (same random draws, same
+# discrete choices): then the fp32 model's own distance from it is its rounding error, well under this.
+_FP64_COMPARABLE = 1e-3
+
+
+def _as_accurate_as_eager(model, batch, ref, got, out) -> bool:
+    """Whether a patched output further than 1e-5 of its scale from the unpatched one is still as accurate. A model
+    that amplifies rounding (VITS: flows and a HiFi-GAN vocoder after its text encoder's norms) turns an ulp of
+    difference in a norm into ~1e-4 of its waveform's scale; what matters is that the patched model is no further
+    from the float64 computation of the same (unpatched, reverted) model than the fp32 unpatched model is, within a
+    factor 2. Both distances are recorded in the row. False when the float64 run cannot be made or is not
+    comparable (then the row stays a mismatch)."""
+    try:
+        model64 = copy.deepcopy(model).double()
+        batch64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+        truth = _outputs(model64, batch64)
+    except Exception:  # noqa: BLE001 - a model without float64 support: no judge, the mismatch stands
+        return False
+    if truth is None or truth.shape != ref.shape:
+        return False
+    scale = max(truth.abs().max().item(), 1e-30)
+    eager = (ref.double() - truth).abs().max().item() / scale
+    patched = (got.double() - truth).abs().max().item() / scale
+    out["eager_fp64_err"], out["hf_apply_fp64_err"] = eager, patched
+    return eager <= _FP64_COMPARABLE and patched <= 2 * eager
 
 
 def _doctor(model, batch) -> list[dict]:
