@@ -26,6 +26,7 @@ from addnorm.lab.experiments.training_setup import (
     majority,
     nan,
     plot_curves,
+    plot_seed_profiles,
     pyplot,
     registrar,
     save,
@@ -280,16 +281,7 @@ def layernorm_scaling(ctx: Context) -> Result:
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for i, a in enumerate(arms):
-            for k in range(len(seeds)):
-                axes[0].plot(
-                    range(1, len(contrib[a][k]) + 1),
-                    [nan(v) for v in contrib[a][k]],
-                    "o" + SEED_STYLES[k % len(SEED_STYLES)],
-                    color=f"C{i}",
-                    lw=1,
-                    label=names[a] if k == 0 else None,
-                )
+        plot_seed_profiles(axes[0], contrib, arms, names, first_x=1)
         axes[0].set_yscale("symlog", linthresh=1e-2)
         axes[0].set_xlabel("block skipped (line style: seed)")
         axes[0].set_ylabel("validation loss increase (nats)")

@@ -19,7 +19,6 @@ from addnorm.lab.experiments.training_newer import (
     register,
 )
 from addnorm.lab.experiments.training_setup import (
-    SEED_STYLES,
     TRAINED_EXCESS,
     Verdict,
     control,
@@ -27,8 +26,8 @@ from addnorm.lab.experiments.training_setup import (
     fmt_seeds,
     grid_tasks,
     majority,
-    nan,
     plot_curves,
+    plot_seed_profiles,
     pyplot,
     save,
     seed_list,
@@ -209,15 +208,7 @@ def mix_ln_training(ctx: Context) -> Result:
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for i, p in enumerate(arms):
-            for k in range(len(seeds)):
-                axes[0].plot(
-                    [nan(v) for v in prof[p][k]],
-                    "o" + SEED_STYLES[k % len(SEED_STYLES)],
-                    color=f"C{i}",
-                    lw=1,
-                    label=names[p] if k == 0 else None,
-                )
+        plot_seed_profiles(axes[0], prof, arms, names)
         axes[0].set_yscale("log")
         axes[0].set_xlabel("layer (line style: seed)")
         axes[0].set_ylabel("gradient norm, mean over training")

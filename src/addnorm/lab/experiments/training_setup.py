@@ -380,6 +380,21 @@ def plot_curves(ax, runs: dict, labels: Sequence, seeds: list[int], steps: int, 
             )
 
 
+def plot_seed_profiles(ax, profiles: dict, arms: Sequence, names: dict, first_x: int = 0) -> None:
+    """Per-layer (or per-block) profiles: ``profiles[arm][k]`` is seed k's list of values, plotted at x = first_x,
+    first_x + 1, ...; one colour per arm, the seed's line style with markers."""
+    for i, arm in enumerate(arms):
+        for k, values in enumerate(profiles[arm]):
+            ax.plot(
+                range(first_x, first_x + len(values)),
+                [nan(v) for v in values],
+                "o" + SEED_STYLES[k % len(SEED_STYLES)],
+                color=f"C{i}",
+                lw=1,
+                label=names[arm] if k == 0 else None,
+            )
+
+
 def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, version: int):
     """The experiment decorator of one training module: each experiment's criterion and control are looked up by its
     name in the module's tables (so they stay written down in one place, before any run), and ``version`` is put into
