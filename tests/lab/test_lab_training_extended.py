@@ -177,3 +177,16 @@ def test_a_tiny_run_gives_a_verdict_a_per_seed_table_and_a_figure(name, tmp_path
     assert result.verdict in VERDICTS
     assert set(result.metrics["per_seed"]) and all(len(v) == 2 for v in result.metrics["per_seed"].values())
     assert result.summary and all((tmp_path / f).is_file() for f in result.figures)
+
+
+def test_paired_needs_one_nonzero_length_for_every_series():
+    from addnorm.lab.experiments.training_residuals import mix_verdict
+    from addnorm.lab.experiments.training_setup import paired
+
+    assert paired([1.0, 2.0], [None, 3.0], [0, 0])
+    assert not paired([1.0, 2.0], [3.0])  # a seed missing in one arm
+    assert not paired([], [])  # no seeds at all
+    assert not paired()
+    # a verdict function refuses unpaired arms instead of zipping them short
+    verdict, _, reason = mix_verdict([0.5, 0.6], [0.4], [0.1, 0.1], [0.1, 0.1])
+    assert verdict is None and "not paired" in reason

@@ -25,6 +25,7 @@ from addnorm.lab.experiments.training_setup import (
     grid_tasks,
     majority,
     nan,
+    paired,
     plot_curves,
     plot_seed_profiles,
     pyplot,
@@ -160,8 +161,7 @@ def lns_verdict(
 ) -> Verdict:
     """Per seed (paired): Pre-LN's C_shallow and C_deep, LNS's C_deep, Pre-LN's largest C after block 1, both excess
     losses."""
-    n = len(deep_pre)
-    if n == 0 or any(len(x) != n for x in (shallow_pre, deep_lns, max_pre, ex_pre, ex_lns)):
+    if not paired(deep_pre, shallow_pre, deep_lns, max_pre, ex_pre, ex_lns):
         return None, {}, "the arms' seeds are not paired"
     trained = [finite(a) and finite(b) and a < TRAINED_EXCESS and b < TRAINED_EXCESS for a, b in zip(ex_pre, ex_lns)]
     reason = control(trained, "Pre-LN or Pre-LN + LayerNorm Scaling did not train")

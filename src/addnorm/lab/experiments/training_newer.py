@@ -23,6 +23,7 @@ from addnorm.lab.experiments.training_setup import (
     grid_tasks,
     majority,
     nan,
+    paired,
     plot_curves,
     pyplot,
     registrar,
@@ -115,8 +116,7 @@ def peri_verdict(
     ex_peri: Sequence[float | None],
 ) -> Verdict:
     """Per seed (paired): H after training and at init (Pre-LN), H after training (Peri-LN), excess losses."""
-    n = len(h_pre)
-    if n == 0 or any(len(x) != n for x in (h_pre_init, h_peri, ex_pre, ex_peri)):
+    if not paired(h_pre, h_pre_init, h_peri, ex_pre, ex_peri):
         return None, {}, "the arms' seeds are not paired"
     grew = [finite(a) and finite(b) and b > 0 and a > GROWTH_CONTROL * b for a, b in zip(h_pre, h_pre_init)]
     reason = control(grew, f"Pre-LN's hidden states did not grow > {GROWTH_CONTROL:g}x during training")

@@ -28,6 +28,7 @@ from addnorm.lab.experiments.training_setup import (
     grid_tasks,
     majority,
     nan,
+    paired,
     plot_curves,
     pyplot,
     registrar,
@@ -89,8 +90,7 @@ def reordered_verdict(
 ) -> Verdict:
     """Per seed (paired): both arms' sensitivity, spike count and excess at the lowest LR; ``hurt_ref`` the
     reference arm's worst minus best excess over the grid."""
-    n = len(sens_ref)
-    if n == 0 or any(len(x) != n for x in (sens_new, spikes_ref, spikes_new, lowest_ref, lowest_new, hurt_ref)):
+    if not paired(sens_ref, sens_new, spikes_ref, spikes_new, lowest_ref, lowest_new, hurt_ref):
         return None, {}, "the arms' seeds are not paired"
     converged = [
         finite(a) and finite(b) and a < CONVERGED_EXCESS and b < CONVERGED_EXCESS
@@ -288,8 +288,7 @@ def batchnorm_verdict(
     r_var: Sequence[float | None],
 ) -> Verdict:
     """Per seed (paired): excess of LayerNorm and BatchNorm, BatchNorm's deviation ratios (mean, variance)."""
-    n = len(ex_ln)
-    if n == 0 or any(len(x) != n for x in (ex_bn, r_mean, r_var)):
+    if not paired(ex_ln, ex_bn, r_mean, r_var):
         return None, {}, "the arms' seeds are not paired"
     reason = control([finite(v) and v < TRAINED_EXCESS for v in ex_ln], "the LayerNorm model did not train")
     if not reason and not all(finite(a) and finite(b) for a, b in zip(r_mean, r_var)):

@@ -26,6 +26,7 @@ from addnorm.lab.experiments.training_setup import (
     fmt_seeds,
     grid_tasks,
     majority,
+    paired,
     plot_curves,
     plot_seed_profiles,
     pyplot,
@@ -52,8 +53,7 @@ def rezero_verdict(
     early_pre: Sequence[float | None],
 ) -> Verdict:
     """Per seed (paired): excess losses, whether the unnormalized run diverged, first-half mean training losses."""
-    n = len(ex_pre)
-    if n == 0 or any(len(x) != n for x in (ex_none, div_none, ex_rezero, early_rezero, early_pre)):
+    if not paired(ex_pre, ex_none, div_none, ex_rezero, early_rezero, early_pre):
         return None, {}, "the arms' seeds are not paired"
     reason = control([finite(v) and v < TRAINED_EXCESS for v in ex_pre], "Pre-LN did not train")
     if reason:
@@ -88,8 +88,7 @@ def mix_verdict(
     ex_mix: Sequence[float | None],
 ) -> Verdict:
     """Per seed (paired): the gradient-profile variation u and the excess loss of Pre-LN and Mix-LN."""
-    n = len(u_pre)
-    if n == 0 or any(len(x) != n for x in (u_mix, ex_pre, ex_mix)):
+    if not paired(u_pre, u_mix, ex_pre, ex_mix):
         return None, {}, "the arms' seeds are not paired"
     reason = control([finite(v) and v < TRAINED_EXCESS for v in ex_pre], "Pre-LN did not train")
     if not reason:

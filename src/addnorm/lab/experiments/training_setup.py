@@ -318,6 +318,11 @@ def majority(per_seed: Sequence[bool | None], what: str) -> Verdict:
     return wins >= need, details, ""
 
 
+def paired(*series: Sequence) -> bool:
+    """Whether the series (one value per seed for each arm or measure) all have the same, non-zero length."""
+    return bool(series) and len(series[0]) > 0 and all(len(x) == len(series[0]) for x in series)
+
+
 def control(holds: Sequence[bool], reason: str) -> str:
     """'' when the control holds at a strict majority of the seeds, else the reason (with the count)."""
     n = len(holds)
