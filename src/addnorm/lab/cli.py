@@ -24,6 +24,7 @@ OUT/runs/, so running again is fast and a killed run resumes where it stopped. T
   addnorm lab --shard 1/2 --out a    half of the suite (run 2/2 elsewhere into b), then:
   addnorm lab merge a b --out all    one report from both halves
   addnorm lab doc --output docs/lab-results.md   the results as the repository's Markdown page
+  addnorm lab seeds s0 s1 s2 --output docs/lab-seeds.json   each verdict at --seed 0, 1, 2 (runs s0, s1, s2)
   torchrun --nproc_per_node 2 -m addnorm lab     the ranks split the tasks; rank 0 writes the report
 """
 
@@ -105,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_lab)
 
-    sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc}")
+    sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc,seeds}")
     m = sub.add_parser(
         "merge",
         help="combine the output directories of `addnorm lab --shard K/N` runs into one report",
@@ -133,7 +134,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"the output directory of an `addnorm lab` run (default: {DEFAULT_OUT}/)",
     )
     d.add_argument("--output", metavar="FILE", help="write the Markdown here (e.g. docs/lab-results.md), not to stdout")
+    d.add_argument(
+        "--seed-record",
+        metavar="FILE",
+        help="a record of the verdicts at other --seed values (written by `addnorm lab seeds`, e.g. "
+        "docs/lab-seeds.json): each empirical verdict gets a line saying whether it is the same at every seed",
+    )
     d.set_defaults(func=_doc)
+
+    s = sub.add_parser(
+        "seeds",
+        help="record each empirical verdict of runs at several --seed values (for `lab doc --seed-record`)",
+        description="Read the results.json of `addnorm lab` runs made at different --seed values (not --quick) "
+        "and write, per empirical experiment and seed, the verdict with the run's code hash and date, as JSON. "
+        "With --add the runs are added to the existing record in --output (a newer run at the same seed "
+        "replaces an older one). `addnorm lab doc --seed-record FILE` then says under each verdict whether it "
+        "flips with the seed.",
+    )
+    s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of `addnorm lab` runs")
+    s.add_argument("--output", required=True, metavar="FILE", help="the record to write (e.g. docs/lab-seeds.json)")
+    s.add_argument("--add", action="store_true", help="add to the record already in --output instead of replacing it")
+    s.set_defaults(func=_seeds)
 
 
 def _list(as_json: bool = False) -> int:
@@ -253,7 +274,12 @@ def _doc(args: argparse.Namespace) -> int:
             check_distinct([(f"the run's {path}", path), ("--output", args.output)])
         if not path.is_file():
             raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
-        text = render_results_doc(read_results(path))
+        record = None
+        if args.seed_record is not None:
+            from addnorm.lab.seed_record import load_record
+
+            record = load_record(Path(args.seed_record))
+        text = render_results_doc(read_results(path), record)
         if args.output:
             io.atomic_write_text(Path(args.output), text)
         else:
@@ -266,4 +292,31 @@ def _doc(args: argparse.Namespace) -> int:
         return 2
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _seeds(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from addnorm import io
+    from addnorm.lab.seed_record import build_record, load_record
+    from addnorm.outpaths import describe_os_error, out_file
+
+    try:
+        out_file(args.output, "--output")
+        previous = load_record(Path(args.output)) if args.add and Path(args.output).exists() else None
+        record = build_record([Path(d) for d in args.dirs], previous)
+        io.atomic_write_text(Path(args.output), json.dumps(record, indent=1) + "\n")
+    except ValueError as err:
+        print(f"addnorm lab seeds: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"addnorm lab seeds: error: cannot write {args.output}: {describe_os_error(err)}", file=sys.stderr)
+        return 2
+    flips = [n for n, by_seed in record["experiments"].items() if len({e["verdict"] for e in by_seed.values()}) > 1]
+    print(
+        f"wrote {args.output}: {len(record['experiments'])} experiments"
+        + (f"; verdicts that flip with --seed: {', '.join(flips)}" if flips else "; no verdict flips"),
+        file=sys.stderr,
+    )
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from addnorm.lab.formatting import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, per_seed_table
 from addnorm.lab.report import md_table
+from addnorm.lab.seed_record import seed_line
 from addnorm.lab.seeds_advice import seeds_section
 
 MACHINE_NOTE = (
@@ -51,8 +52,10 @@ def _wall(meta: dict[str, Any], total: int) -> str:
     return text
 
 
-def render_results_doc(doc: dict[str, Any]) -> str:
-    """The Markdown of docs/lab-results.md for the results document ``doc`` (see report.py)."""
+def render_results_doc(doc: dict[str, Any], seed_record: dict[str, Any] | None = None) -> str:
+    """The Markdown of docs/lab-results.md for the results document ``doc`` (see report.py). ``seed_record``
+    (:mod:`addnorm.lab.seed_record`): the verdicts of runs at other ``--seed`` values, one line under each empirical
+    verdict saying whether it flips."""
     meta = doc.get("meta") or {}
     experiments = doc.get("experiments") or []
     lines = [
@@ -89,13 +92,16 @@ def render_results_doc(doc: dict[str, Any]) -> str:
             ["experiment", "verdict", "summary"], [[r["name"], r["verdict"], r.get("summary") or ""] for r in records]
         ) + [""]
         for r in records:
-            lines += _section(r)
+            across = seed_line(seed_record, r, meta.get("seed")) if seed_record and kind == "empirical" else None
+            lines += _section(r, across)
     lines += seeds_section(experiments)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _section(r: dict[str, Any]) -> list[str]:
+def _section(r: dict[str, Any], across: str | None = None) -> list[str]:
     lines = [f"### {r['name']}: {r['verdict']}", ""]
+    if across:
+        lines += [across, ""]
     for label, field in (
         ("Claim", "claim"),
         ("Source", "source"),
