@@ -56,9 +56,10 @@ def settings(knobs: dict[str, tuple[int, ...]]) -> list[tuple[str, int, P.Tuning
     return out
 
 
-def _launch_plan(tuning: P.Tuning, m: int, n: int, mode: str, rms_16bit: bool = False) -> tuple:
+def _launch_plan(tuning: P.Tuning, n: int, mode: str, rms_16bit: bool = False) -> tuple:
     """The blocks the launchers pick under ``tuning`` for ``mode`` (rows path: (BLOCK_M, BLOCK_N); looped: BLOCK_N)
-    and the elements per thread that set the warps: two settings with the same plan launch the same kernels.
+    and the elements per thread that set the warps: two settings with the same plan launch the same kernels. The
+    plan depends on the row width alone, never on the number of rows (batch invariance, docs/kernels.md).
     ``rms_16bit``: RMSNorm on 2-byte types, whose backward has its own row limit (max_bwd_block_n_rms_16bit)."""
 
     def path(max_block_n: int):
@@ -98,7 +99,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
             timed: dict[tuple, dict] = {}
             for knob, value, tuning in settings(knobs):
                 for mode in cfg.modes:
-                    plan = _launch_plan(tuning, m, n, mode, rms_16bit)
+                    plan = _launch_plan(tuning, n, mode, rms_16bit)
                     if (plan, mode) in timed:  # same kernels as a setting already timed: nothing new to learn
                         continue
                     P.TUNING = tuning

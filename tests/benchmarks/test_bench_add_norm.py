@@ -379,7 +379,7 @@ def test_tune_triton_plans_tell_the_two_backward_grids_apart():
     base = P.Tuning()
 
     def plan(n, **knob):
-        return tune_triton._launch_plan(dataclasses.replace(base, **knob), 64, n, "bwd")
+        return tune_triton._launch_plan(dataclasses.replace(base, **knob), n, "bwd")
 
     rows_n, looped_n = 1024, 4 * base.max_bwd_block_n
     assert plan(rows_n, programs_per_sm=4) != plan(rows_n)
