@@ -108,3 +108,16 @@ def test_cli_writes_adds_to_and_reads_the_record(tmp_path, capsys):
     bad.write_text('{"version": 7}')
     assert main(["lab", "doc", str(s0), "--seed-record", str(bad)]) == 2
     assert "not a version-1 seed record" in capsys.readouterr().err
+
+
+def test_the_repository_record_covers_every_empirical_experiment_at_seeds_0_1_2():
+    """docs/lab-seeds.json is what lab-results.md's "Across seeds" lines come from: a new empirical experiment
+    without its runs at --seed 1 and 2 fails here, not silently on the page."""
+    import addnorm.lab.experiments  # noqa: F401
+    from addnorm.lab.core import EXPERIMENTS
+
+    record = load_record(Path(__file__).resolve().parents[2] / "docs" / "lab-seeds.json")
+    empirical = {name for name, exp in EXPERIMENTS.items() if exp.kind == "empirical"}
+    assert set(record["experiments"]) == empirical
+    for name in empirical:
+        assert {"0", "1", "2"} <= set(record["experiments"][name]), name
