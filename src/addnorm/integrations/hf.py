@@ -36,16 +36,20 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
                  call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
                  (:mod:`addnorm.integrations.hf_rewrite`)
 
-A rewritten layer also hands the add it returns to the norm that reads it next (the next layer's input norm, or
-the norm after the loop over the layers): one fused call computes the sum and that norm's output, the layer returns
-the sum as before, and the norm returns the output it was given when called on that very, unchanged, tensor
-(:mod:`addnorm.integrations.hf_handoff`). This is how parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J:
-``x + attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). A template layer's last add stays a
-plain add. The new forward keeps the original's signature and return value, so generation with a KV cache and
-gradient checkpointing keep working (with checkpointing on, and under torch.compile, there is no handoff). HF's
-dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as
-the unpatched model. Hooks registered on the replaced norm modules do not move to the new ones; register them after
-``apply``. Which families of the installed transformers fuse: ``addnorm survey`` (docs/survey.md).
+A fused layer (template or rewritten) also hands the add it returns to the norm that reads it next (the next layer's
+input norm, or the norm after the loop over the layers): one fused call computes the sum and that norm's output, the
+layer returns the sum as before, and the norm returns the output it was given when called on that very, unchanged,
+tensor (:mod:`addnorm.integrations.hf_handoff`, linked by :mod:`addnorm.integrations.hf_links`). So every norm of a
+Llama stack but the first runs as a fused add + norm, and parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J: ``x +
+attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). Adds made out of the layer's forward are handed
+off the same way: by a child module whose output the layer normalizes or returns (BLOOM's attention and MLP), or
+inside a helper function of the layer's module (BLOOM's ``dropout_add``, GPT-NeoX-Japanese's ``bias_dropout_add``:
+:mod:`addnorm.integrations.hf_helpers`). The new forward keeps the original's signature and return value, so
+generation with a KV cache and gradient checkpointing keep working (with checkpointing on, and under torch.compile,
+there is no handoff). HF's dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws
+the same random numbers as the unpatched model. Hooks registered on the replaced norm modules do not move to the new
+ones; register them after ``apply``. Which families of the installed transformers fuse: ``addnorm survey``
+(docs/survey.md).
 """
 
 from __future__ import annotations
