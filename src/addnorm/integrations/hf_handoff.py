@@ -79,7 +79,17 @@ def _state(norm: nn.Module, s: Tensor) -> tuple:
     """What must not have changed between the fused call and the norm's own call for ``n`` to be its output."""
     params = norm._parameters  # not getattr: nn.Module's attribute lookup costs microseconds per call
     w, b = params.get("weight"), params.get("bias")
-    return (_version(s), w, _version(w), b, _version(b), torch.is_grad_enabled())
+    try:  # the usual case inline: this runs twice per handoff, on every layer of a decode step
+        return (
+            s._version,
+            w,
+            None if w is None else w._version,
+            b,
+            None if b is None else b._version,
+            torch.is_grad_enabled(),
+        )
+    except RuntimeError:  # an inference tensor (the sum under inference_mode, or a weight) has no version counter
+        return (_version(s), w, _version(w), b, _version(b), torch.is_grad_enabled())
 
 
 class _Consumer:
