@@ -355,18 +355,20 @@ def test_readme_lists_the_survey_fused_families():
 
 
 # The families issue 25 found with their norms swapped but no add fused. Fused since by hf_rewrite (their own
-# forwards rewritten), addnorm.norm_add (the branch-output ones), OnePlusWeightLayerNorm (Nemotron) and hf_handoff
-# (the parallel blocks: the add a layer returns fused with the next layer's input norm); each is in ROWS, so the
-# per-family test above checks its output and generate(). Not here, with the reason in the survey's row and in
-# docs/hf.md: BLOOM and GPT-NeoX-Japanese (their adds are made inside helper calls, dropout_add/bias_dropout_add).
+# forwards rewritten), addnorm.norm_add (the branch-output ones), OnePlusWeightLayerNorm (Nemotron), hf_handoff
+# (the parallel blocks: the add a layer returns fused with the next layer's input norm) and hf_helpers/hf_links
+# (BLOOM and GPT-NeoX-Japanese: adds made in dropout_add / bias_dropout_add, by child modules); each is in ROWS, so
+# the per-family test above checks its output and generate().
 ISSUE_25_FUSED = (
     "biogpt",
+    "bloom",
     "cohere",
     "cohere2",
     "doge",
     "exaone4",
     "gpt_bigcode",
     "gpt_neox",
+    "gpt_neox_japanese",
     "granitemoeshared",
     "jetmoe",
     "minimax",

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from addnorm.integrations import hf_handoff, hf_rewrite
+from addnorm.integrations import hf_handoff, hf_links, hf_rewrite
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 W = 16
@@ -92,7 +92,7 @@ def _patched(model: Stack) -> tuple[Stack, list]:
             globals()[name] = type(name, (cls,), {"forward": result.forward, "__module__": __name__})
         layer.__class__ = globals()[name]
         original[layer] = cls
-    return new, hf_handoff.link(new, original)
+    return new, hf_links.link(new, original)
 
 
 def _runs(fn, *args):
@@ -222,7 +222,7 @@ def test_a_waiting_handoff_copies_and_pickles_and_unlink_restores():
         new.layers[0](x)  # leaves a handoff (a weakref) waiting in layer 1's input norm
         for clone in (copy.deepcopy(new), pickle.loads(pickle.dumps(new))):
             assert torch.equal(clone(x), model(x))
-    hf_handoff.unlink(linked)
+    hf_links.unlink(linked)
     assert type(new.layers[1].input_layernorm) is LayerNorm and "_addnorm_next" not in new.layers[0].__dict__
     with torch.no_grad():
         _, runs = _runs(new, x)
@@ -230,17 +230,17 @@ def test_a_waiting_handoff_copies_and_pickles_and_unlink_restores():
 
 
 def test_input_and_final_norm_read_from_the_source():
-    assert hf_handoff.input_norm(Parallel, {"input_layernorm", "post_attention_layernorm"}) == "input_layernorm"
-    assert hf_handoff.input_norm(OneMixer, {"norm"}) == "norm"  # through .to(dtype=...)
-    assert hf_handoff.final_norm(Stack, "layers", {"final_norm"}) == "final_norm"
-    assert hf_handoff.final_norm(Stack, "other", {"final_norm"}) is None
+    assert hf_links.input_norm(Parallel, {"input_layernorm", "post_attention_layernorm"}) == "input_layernorm"
+    assert hf_links.input_norm(OneMixer, {"norm"}) == "norm"  # through .to(dtype=...)
+    assert hf_links.final_norm(Stack, "layers", {"final_norm"}) == "final_norm"
+    assert hf_links.final_norm(Stack, "other", {"final_norm"}) is None
 
     class Rebound(nn.Module):
         def forward(self, x):
             x = x * 2  # the norm below reads another tensor than the layer's input
             return self.norm(x)
 
-    assert hf_handoff.input_norm(Rebound, {"norm"}) is None
+    assert hf_links.input_norm(Rebound, {"norm"}) is None
 
 
 def test_operands_of_other_dtypes_add_unfused():

@@ -25,8 +25,10 @@ from addnorm.nn import LayerNorm, RMSNorm  # noqa: E402
 FAMILIES = hf.FAMILIES
 DECODERS = [f for f in FAMILIES if f != "bert"]
 LAYERS = 2  # tiny_config's num_hidden_layers
-# fused residual-add + norm calls per forward: one per decoder layer; BERT fuses both post-norms of each layer
-FUSED_PER_FORWARD = {f: (2 * LAYERS if f == "bert" else LAYERS) for f in FAMILIES}
+# fused residual-add + norm calls per forward, two per layer: a decoder layer fuses its attention add with its
+# post-attention norm and hands its MLP add to the next layer's input norm (the last one's to the final norm,
+# hf_handoff); BERT fuses both post-norms of each layer
+FUSED_PER_FORWARD = {f: 2 * LAYERS for f in FAMILIES}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -247,7 +249,7 @@ def test_gpt2_cross_attention_fuses_both_norms(monkeypatch):
         hf.apply(model)
         calls = _count_fused_calls(monkeypatch)
         got = model(ids, encoder_hidden_states=enc).logits
-    assert calls[0] == 2 * LAYERS  # ln_cross_attn and ln_2 of every block
+    assert calls[0] == 3 * LAYERS  # ln_cross_attn and ln_2 of every block, its last add with the next ln_1 / ln_f
     _assert_rel(got, ref, 1e-5, "gpt2 cross-attention logits")
 
 

@@ -322,17 +322,21 @@ PINNED = [
     # layer's attention reads the (embedding-normalized) stream without a norm of its own
     ("llava", {}, dict(role="decoder", norm="rmsnorm", placement="pre", hf_apply="fused")),
     # a vision-language model: on text alone only the language model (Llama) runs; its layers are what is fused
+    ("bloom", {}, dict(norm="layernorm", placement="pre", hf_apply="fused")),
+    # BloomAttention: output_tensor = dropout_add(output_tensor, residual, ...); the block reads its return value
+    # (hf_helpers rewrites dropout_add, hf_links links the attention to post_attention_layernorm)
+    ("gpt_neox_japanese", {}, dict(norm="layernorm", placement="pre", hf_apply="fused")),
+    # attn_output = bias_dropout_add(attn_output, bias=..., residual=residual, ...); self.post_attention_layernorm(.)
     (
-        "bloom",
+        "inkling2_text",
         {},
         dict(
-            norm="layernorm",
             hf_apply="norms",
-            hf_apply_reason="BloomBlock: the adds are inside calls (self.self_attention(...) -> "
-            "self.post_attention_layernorm)",
+            hf_apply_reason="Inkling2SlidingDecoderLayer: the adds are inside calls (self.post_mlp_convolution(...) "
+            "-> self.post_attention_layernorm; self.post_mlp_convolution(...) -> self.input_layernorm)",
         ),
     ),
-    # BloomAttention: output_tensor = dropout_add(output_tensor, residual, ...); the block reads its return value
+    # a family left unfused: its reason, read from the layer's forward by hf_why
 ]
 
 

@@ -36,16 +36,20 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
                  call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
                  (:mod:`addnorm.integrations.hf_rewrite`)
 
-A rewritten layer also hands the add it returns to the norm that reads it next (the next layer's input norm, or
-the norm after the loop over the layers): one fused call computes the sum and that norm's output, the layer returns
-the sum as before, and the norm returns the output it was given when called on that very, unchanged, tensor
-(:mod:`addnorm.integrations.hf_handoff`). This is how parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J:
-``x + attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). A template layer's last add stays a
-plain add. The new forward keeps the original's signature and return value, so generation with a KV cache and
-gradient checkpointing keep working (with checkpointing on, and under torch.compile, there is no handoff). HF's
-dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws the same random numbers as
-the unpatched model. Hooks registered on the replaced norm modules do not move to the new ones; register them after
-``apply``. Which families of the installed transformers fuse: ``addnorm survey`` (docs/survey.md).
+A fused layer (template or rewritten) also hands the add it returns to the norm that reads it next (the next layer's
+input norm, or the norm after the loop over the layers): one fused call computes the sum and that norm's output, the
+layer returns the sum as before, and the norm returns the output it was given when called on that very, unchanged,
+tensor (:mod:`addnorm.integrations.hf_handoff`, linked by :mod:`addnorm.integrations.hf_links`). So every norm of a
+Llama stack but the first runs as a fused add + norm, and parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J: ``x +
+attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). Adds made out of the layer's forward are handed
+off the same way: by a child module whose output the layer normalizes or returns (BLOOM's attention and MLP), or
+inside a helper function of the layer's module (BLOOM's ``dropout_add``, GPT-NeoX-Japanese's ``bias_dropout_add``:
+:mod:`addnorm.integrations.hf_helpers`). The new forward keeps the original's signature and return value, so
+generation with a KV cache and gradient checkpointing keep working (with checkpointing on, and under torch.compile,
+there is no handoff). HF's dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws
+the same random numbers as the unpatched model. Hooks registered on the replaced norm modules do not move to the new
+ones; register them after ``apply``. Which families of the installed transformers fuse: ``addnorm survey``
+(docs/survey.md).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from addnorm.integrations import hf_handoff, norm_probe
+from addnorm.integrations import hf_links, hf_rewrite, norm_probe
 from addnorm.integrations.hf_forwards import LayerRule, Signature, from_transformers, layer_rule
 from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
@@ -126,7 +130,7 @@ class _Patch:
 
     modules: list[tuple[nn.Module, str, nn.Module, nn.Module]] = field(default_factory=list)  # parent, name, old, new
     classes: list[tuple[nn.Module, type]] = field(default_factory=list)  # module, its original class
-    links: list[tuple[nn.Module, nn.Module, type]] = field(default_factory=list)  # hf_handoff.link's record
+    links: list[tuple[nn.Module, nn.Module, type]] = field(default_factory=list)  # hf_links.link's record
     fuse_residual: bool = True
 
 
@@ -186,9 +190,17 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             cls = type(module)
             module.__class__ = _fused_class(cls, rule, roles)
             patch.classes.append((module, cls))
-        # a layer whose returned add has no norm after it in the layer (parallel blocks): fused with the next
-        # layer's input norm, which then finds its output computed (hf_handoff)
-        patch.links = hf_handoff.link(model, dict(patch.classes))
+        # a child module that makes the add its parent normalizes next (BLOOM's attention and MLP, through their
+        # helper dropout_add): its forward rewritten to hand the add off (hf_links.producers)
+        for module in hf_links.producers(model, dict(patch.classes)):
+            rewritten = hf_rewrite.rewrite_forward(type(module), hf_rewrite.norm_attributes(module), producer=True)
+            if rewritten is not None and rewritten.forward._addnorm_handoff:
+                cls = type(module)
+                module.__class__ = _fused_class(cls, LayerRule(rewritten.forward, ()), {})
+                patch.classes.append((module, cls))
+        # the add a layer (or such a child) returns, fused with the norm that reads it next: the next layer's input
+        # norm, the final norm, the parent's norm; that norm then finds its output computed (hf_handoff, hf_links)
+        patch.links = hf_links.link(model, dict(patch.classes))
         if not patch.classes:
             warnings.warn(
                 f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
@@ -224,7 +236,7 @@ def revert(model: nn.Module) -> nn.Module:
     if not is_applied(model):
         raise ValueError("model: not patched by addnorm.integrations.hf.apply (nothing to revert)")
     patch: _Patch = getattr(model, _PATCH_ATTR)
-    hf_handoff.unlink(patch.links)
+    hf_links.unlink(patch.links)
     for module, cls in reversed(patch.classes):
         module.__class__ = cls
     for parent, name, old, new in reversed(patch.modules):

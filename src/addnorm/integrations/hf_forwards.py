@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from addnorm.integrations import hf_rewrite, layer_match
+from addnorm.integrations.hf_handoff import add_handoff
 
 __all__ = ["LayerRule", "Signature", "from_transformers", "layer_rule"]
 
@@ -96,7 +97,7 @@ def _pre_forward(self, hidden_states, *args, **kwargs):
     hidden_states = _role(self, "mlp")(hidden_states)
     if scale is not None:
         hidden_states = hidden_states * getattr(self, scale)
-    return residual + hidden_states
+    return add_handoff(self, residual, hidden_states)  # fused with the next layer's input norm once linked
 
 
 def _sandwich_forward(self, hidden_states, *args, **kwargs):
@@ -109,7 +110,7 @@ def _sandwich_forward(self, hidden_states, *args, **kwargs):
     hidden_states, residual = _role(self, "norm3")(hidden_states, residual)
     hidden_states = _role(self, "mlp")(hidden_states)
     hidden_states = _role(self, "norm4")(hidden_states)
-    return residual + hidden_states
+    return add_handoff(self, residual, hidden_states)  # fused with the next layer's input norm once linked
 
 
 def _post_output_forward(self, hidden_states, input_tensor):
@@ -141,12 +142,17 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
             encoder_attention_mask=encoder_mask,
         )
     hidden_states, residual = self.ln_2(branch, residual)
-    return residual + self.mlp(hidden_states)
+    return add_handoff(self, residual, self.mlp(hidden_states))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # What to patch: recognised from the model's structure
 # --------------------------------------------------------------------------------------------------------------
+
+
+# the add each template returns is handed off to the next layer's input norm (hf_links.link reads this)
+for _forward in (_pre_forward, _sandwich_forward, _gpt2_forward):
+    _forward._addnorm_handoff = True
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,35 @@
 """The add that ends a layer, fused with the norm that starts the next one: the handoff.
 
-A parallel block (GPT-NeoX, Phi, Cohere, GPT-J: ``x + attn(N(x)) + mlp(N(x))``) and a one-mixer block (Nemotron-H:
-``x + mixer(N(x))``) have no add next to a norm inside the layer: the norm that reads the sum is the next layer's
-input norm. :mod:`addnorm.integrations.hf_rewrite` makes the add a layer returns a call of :func:`add_handoff`:
+A parallel block (GPT-NeoX, Phi, Cohere, GPT-J: ``x + attn(N(x)) + mlp(N(x))``), a one-mixer block (Nemotron-H:
+``x + mixer(N(x))``) and a pre-norm layer's MLP add (Llama: ``h + mlp(N2(h))``) have no norm after their last add
+inside the layer: the norm that reads the sum is the next layer's input norm. The layer's forward (a template of
+:mod:`addnorm.integrations.hf_forwards`, or rewritten by :mod:`addnorm.integrations.hf_rewrite`) makes the add it
+returns a call of :func:`add_handoff`:
 
     hidden_states = a + b          ->   hidden_states = add_handoff(self, a, b)
     return hidden_states                return hidden_states
 
-:func:`link` (called by ``hf.apply``) gives each such layer of a ``ModuleList`` the input norm of the layer after it.
-A linked layer computes ``n, s = norm(a, b)`` in one fused call, returns the sum ``s`` (the tensor it returned
-before: the next layer, hooks and hidden-state outputs see what they saw) and leaves ``n`` with the norm. When the
-next layer calls that norm on ``s``, it returns ``n`` instead of normalizing again.
+:func:`addnorm.integrations.hf_links.link` (called by ``hf.apply``) gives each such producer the norm that reads
+its sum next (a :class:`Link`): the input norm of the layer after it, the norm after the loop over the layers, or a
+norm of the parent (BLOOM, whose attention and MLP modules make the adds). A linked producer computes ``n, s =
+norm(a, b)`` in one fused call, returns the sum ``s`` (the tensor it returned before: the next layer, hooks and
+hidden-state outputs see what they saw) and leaves ``n`` with the norm. When that norm is called on ``s``, it
+returns ``n`` instead of normalizing again.
 
 The norm hands ``n`` back only for the very tensor it was computed from, unmodified since (its version counter), with
 its own weight and bias unmodified, under the same grad mode; anything else (another tensor, a hook that returned a
 new one, an in-place change) is normalized as usual. Inference tensors have no version counter: under
-``torch.inference_mode`` the handoff is made only when no forward hook could change the sum in place (none on the
-layer, no pre-hook on the next one, no global hook). Not made: under ``torch.compile`` (the handoff is state kept
-between two module calls; the compiled model runs the plain add) and with gradient checkpointing on either layer
-(the recomputed forward must save what the first one saved).
+``torch.inference_mode`` the handoff is made only when no hook could change the sum in place on its way (no forward
+hook on the modules that return it, no pre-hook on those it is passed into, no global hook). Not made: under
+``torch.compile`` (the handoff is state kept between two module calls; the compiled model runs the plain add) and
+with gradient checkpointing on a layer on either side (the recomputed forward must save what the first one saved).
 """
 
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -34,9 +37,9 @@ from torch.nn.modules import module as _module
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["add_handoff", "final_norm", "fusable", "fused_runs", "input_norm", "link", "rewrite_tail", "unlink"]
+__all__ = ["Link", "add_handoff", "fusable", "fused_runs", "rewrite_tail"]
 
-_NEXT = "_addnorm_next"  # on a producing layer: (the next layer's input norm, the next layer)
+_NEXT = "_addnorm_next"  # on a producer (a layer, a child, a norm that is its own site): its Link
 _READY = "_addnorm_ready"  # on a consuming norm: (weakref to the sum, its state, the normalized sum)
 _HANDOFF = "_addnorm_add_handoff"  # the name rewritten forwards call add_handoff by
 
@@ -64,14 +67,29 @@ def fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
 
 
 def _version(t: Tensor | None):
-    return None if t is None or t.is_inference() else t._version
+    if t is None:
+        return None
+    try:  # cheaper than asking is_inference() first on every call
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
 
 
 def _state(norm: nn.Module, s: Tensor) -> tuple:
     """What must not have changed between the fused call and the norm's own call for ``n`` to be its output."""
     params = norm._parameters  # not getattr: nn.Module's attribute lookup costs microseconds per call
     w, b = params.get("weight"), params.get("bias")
-    return (_version(s), w, _version(w), b, _version(b), torch.is_grad_enabled())
+    try:  # the usual case inline: this runs twice per handoff, on every layer of a decode step
+        return (
+            s._version,
+            w,
+            None if w is None else w._version,
+            b,
+            None if b is None else b._version,
+            torch.is_grad_enabled(),
+        )
+    except RuntimeError:  # an inference tensor (the sum under inference_mode, or a weight) has no version counter
+        return (_version(s), w, _version(w), b, _version(b), torch.is_grad_enabled())
 
 
 class _Consumer:
@@ -105,31 +123,56 @@ def _consumer_class(cls: type) -> type:
     return _CONSUMERS[cls]
 
 
-def _hooked(layer: nn.Module, nxt: nn.Module) -> bool:
-    return bool(
-        layer._forward_hooks
-        or nxt._forward_pre_hooks
-        or _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
-    )
+def _hooked(post: tuple[nn.Module, ...], pre: tuple[nn.Module, ...]) -> bool:
+    """Whether a hook runs between the fused call and the norm's: a forward hook of a module the sum is returned
+    from (``post``), a pre-hook of one it is passed into (``pre``), or a global hook."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    for m in post:
+        if m._forward_hooks:
+            return True
+    for m in pre:
+        if m._forward_pre_hooks:
+            return True
+    return False
+
+
+def _checkpointed(modules: tuple[nn.Module, ...]) -> bool:
+    for m in modules:
+        # transformers' GradientCheckpointingLayer keeps the flag in __dict__; nn.Module's getattr of a missing
+        # attribute raises and catches an AttributeError, microseconds per call
+        if m.__dict__.get("gradient_checkpointing", False):
+            return True
+    return False
+
+
+class Link(NamedTuple):
+    """Where a producer's returned add is normalized next, and what may come in between.
+
+    ``post``: the modules the sum is returned from on its way (the producer, and a layer that returns the
+    producer's output as its own); ``pre``: those it is passed into before the norm reads it (the next layer, the
+    norm); ``checkpointed``: the layers whose gradient checkpointing would recompute one side alone."""
+
+    norm: nn.Module
+    post: tuple[nn.Module, ...]
+    pre: tuple[nn.Module, ...]
+    checkpointed: tuple[nn.Module, ...]
 
 
 def add_handoff(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
-    """``a + b``; where :func:`link` linked ``layer`` to the next layer's input norm, in one fused call with that
-    norm, whose output the norm then returns when called on this sum (see the module docstring)."""
+    """``a + b``; where :func:`addnorm.integrations.hf_links.link` linked ``layer`` (a layer, a child module, or a
+    norm that is its own site) to a norm, in one fused call with that norm, whose output the norm then returns when
+    called on this sum (see the module docstring)."""
     if torch.compiler.is_compiling():
         return a + b
-    found = layer.__dict__.get(_NEXT)
+    found: Link | None = layer.__dict__.get(_NEXT)
     if found is None:
         return a + b
-    norm, nxt = found
+    norm = found.norm  # an addnorm norm (link only links those): the operands are what is left to check
     if (
-        not fusable(norm, a, b)
-        or (
-            torch.is_grad_enabled()
-            and (getattr(layer, "gradient_checkpointing", False) or getattr(nxt, "gradient_checkpointing", False))
-        )
-        or (a.is_inference() and _hooked(layer, nxt))
+        not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and a.shape == b.shape)
+        or (torch.is_grad_enabled() and _checkpointed(found.checkpointed))
+        or (_hooked(found.post, found.pre) and a.is_inference())
     ):
         return a + b
     n, s = super(_Consumer, norm).forward(a, b)  # the norm's own fused call; its hooks run when the next layer calls it
@@ -151,10 +194,10 @@ def _returned_name(stmt) -> str | None:
     return value.id if isinstance(value, ast.Name) else None
 
 
-def _handoff_call(add: ast.BinOp) -> ast.Call:
+def _handoff_call(add: ast.BinOp, site: str = "self") -> ast.Call:
     return ast.Call(
         func=ast.Name(_HANDOFF, ast.Load()),
-        args=[ast.Name("self", ast.Load()), add.left, add.right],
+        args=[ast.Name(site, ast.Load()), add.left, add.right],
         keywords=[],
     )
 
@@ -163,157 +206,41 @@ def _is_add(node) -> bool:
     return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
 
 
-def _tail(block: list[ast.stmt], name: str) -> int:
-    """Rewrites the last statement of ``block`` if it binds ``name`` to an add (or, an ``if``/``else``, the last of
-    each branch); returns how many adds it rewrote."""
+def _tail(block: list[ast.stmt], name: str, site: str, call) -> int:
+    """Rewrites the last statement of ``block`` if it binds ``name`` to an add (or, an ``if``, the last of each
+    branch: where a branch without ``else`` is not taken, nothing is handed off and the norm normalizes as usual);
+    ``call(node, site)``, when given, may rewrite a call ``name`` is bound to (a helper that makes the add).
+    Returns how many adds it rewrote."""
     if not block:
         return 0
     last = block[-1]
-    if isinstance(last, ast.If) and last.orelse:
-        return _tail(last.body, name) + _tail(last.orelse, name)
-    if (
+    if isinstance(last, ast.If):
+        return _tail(last.body, name, site, call) + _tail(last.orelse, name, site, call)
+    if not (
         isinstance(last, ast.Assign)
         and len(last.targets) == 1
         and isinstance(last.targets[0], ast.Name)
         and last.targets[0].id == name
-        and _is_add(last.value)
     ):
-        last.value = _handoff_call(last.value)
+        return 0
+    if _is_add(last.value):
+        last.value = _handoff_call(last.value, site)
         return 1
+    if call is not None and isinstance(last.value, ast.Call):
+        return call(last.value, site)
     return 0
 
 
-def rewrite_tail(fn: ast.FunctionDef) -> int:
+def rewrite_tail(fn: ast.FunctionDef, site: str = "self", call=None) -> int:
     """Makes the add ``fn`` returns (``return a + b``, or ``t = a + b`` as the last binding of a returned ``t``,
-    in each branch of a final ``if``/``else``) a call of :func:`add_handoff`; returns how many it rewrote."""
+    in each branch of a final ``if``) a call of :func:`add_handoff` with ``site`` (the name of the module, or norm,
+    linked to the norm that reads the sum); returns how many it rewrote. ``call``: see :func:`_tail`."""
     body = fn.body
     if not body or not isinstance(body[-1], ast.Return):
         return 0
     ret = body[-1]
     if _is_add(ret.value):
-        ret.value = _handoff_call(ret.value)
+        ret.value = _handoff_call(ret.value, site)
         return 1
     name = _returned_name(ret)
-    return _tail(body[:-1], name) if name else 0
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Linking each layer to the next one's input norm
-# --------------------------------------------------------------------------------------------------------------
-
-_INPUT_NORMS: dict[type, str | None] = {}
-
-
-def _reads_input(call, norms: set[str], x: str) -> str | None:
-    """The attribute of ``self.<norm>(x)`` or ``self.<norm>(x.to(...))``."""
-    if not (
-        isinstance(call, ast.Call)
-        and isinstance(call.func, ast.Attribute)
-        and isinstance(call.func.value, ast.Name)
-        and call.func.value.id == "self"
-        and call.func.attr in norms
-        and len(call.args) == 1
-        and not call.keywords
-    ):
-        return None
-    arg = call.args[0]
-    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "to":
-        arg = arg.func.value  # a cast to the dtype x has returns x itself: the tensor the handoff checks
-    return call.func.attr if isinstance(arg, ast.Name) and arg.id == x else None
-
-
-def input_norm(cls: type, norms: set[str]) -> str | None:
-    """The attribute (among ``norms``) of the norm ``cls.forward`` applies first to its input, before rebinding it,
-    or None. Read from the source; a wrong answer costs only speed (the norm checks the tensor it is given)."""
-    key = (cls, frozenset(norms))
-    if key not in _INPUT_NORMS:
-        _INPUT_NORMS[key] = None
-        fn = _source_fn(cls)
-        if fn is None:
-            return None
-        params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
-        if len(params) < 2:
-            return None
-        x = params[1]
-        for stmt in fn.body:
-            found = next((a for n in ast.walk(stmt) if (a := _reads_input(n, norms, x))), None)
-            if found is not None:
-                _INPUT_NORMS[key] = found
-                break
-            if any(isinstance(n, ast.Name) and n.id == x and isinstance(n.ctx, ast.Store) for n in ast.walk(stmt)):
-                break
-    return _INPUT_NORMS[key]
-
-
-def _source_fn(cls: type) -> ast.FunctionDef | None:
-    try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    return fn if isinstance(fn, ast.FunctionDef) else None
-
-
-_FINAL_NORMS: dict[tuple, str | None] = {}
-
-
-def final_norm(cls: type, layers: str, norms: set[str]) -> str | None:
-    """The attribute (among ``norms``) of the norm ``cls.forward`` applies right after its loop over
-    ``self.<layers>`` (``for layer in self.layers[...]: ...`` then ``h = self.norm(h)``), or None."""
-    key = (cls, layers, frozenset(norms))
-    if key not in _FINAL_NORMS:
-        _FINAL_NORMS[key] = None
-        fn = _source_fn(cls)
-        for block in (getattr(n, f, None) for n in ast.walk(fn) if fn for f in ("body", "orelse")):
-            if not isinstance(block, list):
-                continue
-            for loop, after in zip(block, block[1:]):
-                over = (
-                    {a.attr for a in ast.walk(loop.iter) if isinstance(a, ast.Attribute)}
-                    if isinstance(loop, ast.For)
-                    else set()
-                )
-                value = after.value if isinstance(after, ast.Assign) else None
-                if layers in over and isinstance(value, ast.Call) and value.args:
-                    arg = value.args[0]
-                    if isinstance(arg, ast.Name) and (attr := _reads_input(value, norms, arg.id)):
-                        _FINAL_NORMS[key] = attr
-    return _FINAL_NORMS[key]
-
-
-def _norms(module: nn.Module) -> set[str]:
-    return {n for n, c in module.named_children() if isinstance(c, (LayerNorm, RMSNorm))}
-
-
-def link(model: nn.Module, original: dict[nn.Module, type]) -> list[tuple[nn.Module, nn.Module, type]]:
-    """Links each layer whose forward hands off (a rewritten one) to the input norm of the layer after it in the
-    same ``ModuleList``/``Sequential``, and the last one to the norm the list's owner applies after its loop over
-    them. ``original`` maps patched layers to their transformers class (whose source names the input norm).
-    Returns (layer, norm, the norm's class) for :func:`unlink`."""
-    linked = []
-    for owner in model.modules():
-        for seq_name, seq in owner.named_children():
-            if not isinstance(seq, (nn.ModuleList, nn.Sequential)) or not len(seq):
-                continue
-            layers = list(seq)
-            pairs = [
-                (layer, nxt, input_norm(original.get(nxt, type(nxt)), _norms(nxt)))
-                for layer, nxt in zip(layers, layers[1:])
-            ]
-            pairs.append((layers[-1], owner, final_norm(original.get(owner, type(owner)), seq_name, _norms(owner))))
-            for layer, nxt, attr in pairs:
-                if attr is None or not getattr(type(layer).forward, "_addnorm_handoff", False):
-                    continue
-                norm = getattr(nxt, attr)
-                cls = type(norm)
-                if not isinstance(norm, _Consumer):
-                    norm.__class__ = _consumer_class(cls)
-                layer.__dict__[_NEXT] = (norm, nxt)  # in __dict__: a Module set as an attribute would become a child
-                linked.append((layer, norm, cls))
-    return linked
-
-
-def unlink(linked: list[tuple[nn.Module, nn.Module, type]]) -> None:
-    for layer, norm, cls in reversed(linked):
-        layer.__dict__.pop(_NEXT, None)
-        norm.__dict__.pop(_READY, None)
-        norm.__class__ = cls
+    return _tail(body[:-1], name, site, call) if name else 0

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from addnorm.integrations.hf_handoff import _FUSED_RUNS, _HANDOFF, add_handoff, fused_runs, rewrite_tail
 from addnorm.integrations.hf_handoff import fusable as _fusable
+from addnorm.integrations.hf_helpers import HelperCalls
 from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
@@ -377,22 +378,24 @@ def _rewrap(chain: list, new_inner):
     return below_new
 
 
-def rewrite_forward(cls: type, norms: set[str]) -> RewriteResult | None:
+def rewrite_forward(cls: type, norms: set[str], producer: bool = False) -> RewriteResult | None:
     """The forward of ``cls`` with its adds next to the norms named in ``norms`` (attribute names) fused, or None
-    when nothing was fused (or the forward cannot be rewritten: no source, a closure such as ``super()``)."""
-    key = (cls, frozenset(norms))
+    when nothing was fused (or the forward cannot be rewritten: no source, a closure such as ``super()``). With
+    ``producer``, the add it returns is handed off even if it calls none of ``norms`` (a child module whose sum
+    its parent normalizes next, found by :func:`addnorm.integrations.hf_links.producers`)."""
+    key = (cls, frozenset(norms), producer)
     if key not in _CACHE:
         try:
-            _CACHE[key] = _rewrite(cls, norms)
+            _CACHE[key] = _rewrite(cls, norms, producer)
         except (OSError, TypeError, SyntaxError, ValueError):
             _CACHE[key] = None
     return _CACHE[key]
 
 
-def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
+def _rewrite(cls: type, norms: set[str], producer: bool) -> RewriteResult | None:
     chain = _wrapper_chain(getattr(cls, "forward", None))
     inner = chain[-1]
-    if not isinstance(inner, types.FunctionType) or inner.__code__.co_freevars or not norms:
+    if not isinstance(inner, types.FunctionType) or inner.__code__.co_freevars or not (norms or producer):
         return None  # a closure (zero-argument super() reads __class__) cannot be recompiled as a plain function
     tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
     fn = tree.body[0]
@@ -401,16 +404,20 @@ def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
     fn.decorator_list = []
     rewriter = _Rewriter(set(norms))
     fn.body = rewriter.block(fn.body)
-    # the add it returns, fused with the next layer's input norm once linked: in a layer, one that calls its norms
+    # adds made inside a helper function of the module, right before a norm of their sum (hf_helpers)
+    helpers = HelperCalls(inner.__globals__)
+    sites = tuple(dict.fromkeys(helpers.before_norm(fn.body, set(norms))))
+    # the add it returns, fused with the next layer's input norm once linked: in a layer, one that calls its norms;
+    # in a producer (a child whose sum its parent normalizes: hf_links.producers), always
     calls_norm = any(_self_attr(n) in norms for n in ast.walk(fn))
-    handoffs = rewrite_tail(fn) if calls_norm else 0
-    if not rewriter.fused and not handoffs:
+    handoffs = rewrite_tail(fn, call=helpers) if calls_norm or producer else 0
+    if not rewriter.fused and not handoffs and not sites:
         return None
     factory = ast.FunctionDef(
         name="_addnorm_factory",
         args=ast.arguments(
             posonlyargs=[],
-            args=[ast.arg(_ADD_NORM), ast.arg(_NORM_ADD), ast.arg(_HANDOFF)],
+            args=[ast.arg(a) for a in (_ADD_NORM, _NORM_ADD, _HANDOFF, *helpers.bound)],
             kwonlyargs=[],
             kw_defaults=[],
             defaults=[],
@@ -424,15 +431,16 @@ def _rewrite(cls: type, norms: set[str]) -> RewriteResult | None:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
     namespace: dict = {}
     exec(compile(source, filename, "exec", dont_inherit=True), inner.__globals__, namespace)  # noqa: S102
-    new_inner = namespace["_addnorm_factory"](add_norm, norm_add, add_handoff)
+    new_inner = namespace["_addnorm_factory"](add_norm, norm_add, add_handoff, *helpers.bound.values())
     new_inner.__defaults__, new_inner.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
     new_inner.__qualname__, new_inner.__module__ = inner.__qualname__, inner.__module__
     forward = _rewrap(chain, new_inner)
     if forward is None:
         return None
     forward._addnorm_rewritten = True  # read by is_rewritten
-    forward._addnorm_handoff = handoffs > 0  # read by hf_handoff.link
-    return RewriteResult(forward, tuple(dict.fromkeys(rewriter.fused)), source)
+    forward._addnorm_handoff = handoffs > 0  # read by hf_links.link
+    forward._addnorm_norm_sites = sites  # norms a helper hands its sum to (hf_links.link)
+    return RewriteResult(forward, tuple(dict.fromkeys(rewriter.fused + list(sites))), source)
 
 
 def norm_attributes(module: nn.Module) -> set[str]:
