@@ -93,11 +93,13 @@ def _require_transformers():
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def _fused_class(cls: type, rule: LayerRule, roles: dict[str, str]) -> type:
+def _fused_class(cls: type, rule: LayerRule, roles: dict[str, str], kind: str = "layer") -> type:
     """A subclass of ``cls`` whose forward is ``rule.forward``. Made once per class (its roles follow from its
-    forward's source, so they are the same every time) and kept in this module's namespace under its name, so
-    models holding it pickle. Subclassing (rather than setting an instance forward) keeps what transformers adds to
-    a layer class, e.g. GradientCheckpointingLayer wraps a subclass's forward."""
+    forward's source, so they are the same every time) and kept in this module's namespace under its name.
+    Subclassing (rather than setting an instance forward) keeps what transformers adds to a layer class, e.g.
+    GradientCheckpointingLayer wraps a subclass's forward. ``kind``: "layer" (a layer's forward, from
+    :func:`layer_rule`) or "producer" (a child whose add its parent normalizes); how :func:`_restore_fused` makes the
+    class again in a process that unpickles a patched model without having run :func:`apply`."""
     if cls not in _FUSED_CLASSES:
         name = f"AddNormFused{cls.__name__}"
         sub = type(
@@ -107,13 +109,57 @@ def _fused_class(cls: type, rule: LayerRule, roles: dict[str, str]) -> type:
                 "forward": rule.forward,
                 "__module__": __name__,
                 "__qualname__": name,
+                "__reduce_ex__": _reduce_fused,
                 "_addnorm_signature": Signature.of(cls.forward),
                 "_addnorm_roles": dict(roles),
+                "_addnorm_made_from": (cls, kind),
             },
         )
         globals()[name] = sub
         _FUSED_CLASSES[cls] = sub
     return _FUSED_CLASSES[cls]
+
+
+# Pickling. A fused module pickles by the transformers class it was made from and how, not by its own class's name,
+# which exists only in a process that has run apply on that class. Its forward depends on the module's children (the
+# norms a rewritten forward calls), so the class is made again once the module's state is back: the module is
+# created as a _Restoring subclass whose __setstate__ restores the state, then computes the fused class.
+_RESTORING: dict[type, type] = {}
+
+
+def _reduce_fused(self, protocol):
+    base, kind = type(self)._addnorm_made_from
+    return _restore_fused, (base, kind), self.__getstate__()
+
+
+def _restore_fused(base: type, kind: str) -> nn.Module:
+    if base not in _RESTORING:
+        _RESTORING[base] = type(f"_Restoring{base.__name__}", (base,), {"__setstate__": _setstate_fused})
+    obj = object.__new__(_RESTORING[base])
+    obj.__dict__["_addnorm_restore_kind"] = kind
+    return obj
+
+
+def _setstate_fused(self, state) -> None:
+    base = type(self).__mro__[1]
+    kind = self.__dict__.pop("_addnorm_restore_kind")
+    self.__class__ = base
+    base.__setstate__(self, state)
+    if base in _FUSED_CLASSES:  # this process has made it already (apply ran, or another module restored it)
+        self.__class__ = _FUSED_CLASSES[base]
+        return
+    if kind == "producer":
+        rewritten = hf_rewrite.rewrite_forward(base, hf_rewrite.norm_attributes(self), producer=True)
+        found = None if rewritten is None else (LayerRule(rewritten.forward, ()), {})
+    else:
+        found = layer_rule(self)
+    if found is None:
+        raise RuntimeError(
+            f"cannot unpickle addnorm's fused {base.__name__}: this transformers version's {base.__name__} has no "
+            "forward addnorm fuses (was the model saved with another version?); revert(model) before saving to "
+            "store a plain model, and apply again after loading"
+        )
+    self.__class__ = _fused_class(base, *found, kind=kind)
 
 
 def _swappable(module: nn.Module) -> norm_probe.NormInfo | None:
@@ -196,7 +242,7 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             rewritten = hf_rewrite.rewrite_forward(type(module), hf_rewrite.norm_attributes(module), producer=True)
             if rewritten is not None and rewritten.forward._addnorm_handoff:
                 cls = type(module)
-                module.__class__ = _fused_class(cls, LayerRule(rewritten.forward, ()), {})
+                module.__class__ = _fused_class(cls, LayerRule(rewritten.forward, ()), {}, kind="producer")
                 patch.classes.append((module, cls))
         # the add a layer (or such a child) returns, fused with the norm that reads it next: the next layer's input
         # norm, the final norm, the parent's norm; that norm then finds its output computed (hf_handoff, hf_links)

@@ -109,6 +109,11 @@ class _Consumer:
         state[_READY] = None  # a weakref neither copies nor pickles; what it pointed to is gone in a copy anyway
         return state
 
+    def __reduce_ex__(self, protocol):
+        # by the class it was made from, not by this class's name: a process that unpickles the model may never
+        # have run apply, so AddNormHandoff<Name> does not exist there until _consumer_class makes it
+        return _restore_consumer, (type(self)._addnorm_base,), self.__getstate__()
+
 
 _CONSUMERS: dict[type, type] = {}
 
@@ -121,6 +126,11 @@ def _consumer_class(cls: type) -> type:
         globals()[name] = sub
         _CONSUMERS[cls] = sub
     return _CONSUMERS[cls]
+
+
+def _restore_consumer(base: type) -> nn.Module:
+    """Unpickling a handoff norm: an empty instance of its class (remade here if need be); pickle sets its state."""
+    return object.__new__(_consumer_class(base))
 
 
 def _hooked(post: tuple[nn.Module, ...], pre: tuple[nn.Module, ...]) -> bool:
