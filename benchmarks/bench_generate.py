@@ -41,6 +41,9 @@ import sys
 import time
 from pathlib import Path
 
+import generate_stats  # the helpers beside this script (its folder is on sys.path when it runs)
+import generate_steps
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "generate.md"
 VARIANTS = ("unpatched", "fused", "norms")
 
@@ -82,7 +85,7 @@ def build_model(family: str, a, dtype, device):
     except ImportError:
         raise SystemExit("bench_generate.py needs transformers: pip install 'addnorm[hf]'") from None
     torch.manual_seed(0)
-    positions = a.prompt + a.new + 8
+    positions = a.prompt + max(a.new, (a.steps or 0) + 1) + 8
     if family == "llama":
         cfg = transformers.LlamaConfig(
             hidden_size=a.hidden,
@@ -168,48 +171,6 @@ def generate_once(model, ids, new: int, sync, static: bool):
     return out, t[0] - t0, decode
 
 
-def norm_share(model, ids, new: int, sync) -> dict:
-    """Share of an unpatched decode step in norm modules (hooks) and residual adds (``x + r`` timed alone)."""
-    import torch
-    from torch import nn
-
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")]
-    spent, stack = [0.0], []
-
-    def pre(_m, _i):
-        sync()
-        stack.append(time.perf_counter())
-
-    def post(_m, _i, _o):
-        sync()
-        spent[0] += time.perf_counter() - stack.pop()
-
-    handles = [h for m in norms for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        generate_once(model, ids, 1, sync, False)  # prefill alone: its norm time is taken off below
-        prefill_norms = spent[0]
-        spent[0] = 0.0
-        _, prefill, decode = generate_once(model, ids, new, sync, False)
-    finally:
-        for h in handles:
-            h.remove()
-    steps = new - 1
-    norm_s = max(0.0, spent[0] - prefill_norms) / steps if steps else float("nan")
-    hidden = model.config.hidden_size
-    x = torch.randn(ids.shape[0], 1, hidden, dtype=model.dtype, device=ids.device)
-    r = torch.randn_like(x)
-    with torch.inference_mode():
-        for _ in range(20):
-            x + r
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            x + r
-        sync()
-    add_s = (time.perf_counter() - t0) / 200 * 2 * model.config.num_hidden_layers  # two residual adds a layer
-    return dict(norm_modules=len(norms), norm_share=norm_s / decode, add_share=add_s / decode, decode_s=decode)
-
-
 def run_case(family, batch, dtype_name, a, progress) -> dict:
     import torch
 
@@ -233,7 +194,7 @@ def run_case(family, batch, dtype_name, a, progress) -> dict:
         for n in order:
             samples[n].append(generate_once(models[n], ids, a.new, sync, static[n])[1:])
             progress()
-    share = norm_share(model, ids, a.new, sync)
+    case = dict(family=family, batch=batch, dtype=dtype_name)
     rows = []
     for n in names:
         base = "unpatched+graphs" if static[n] else ("unpatched+compile" if "+" in n else "unpatched")
@@ -243,9 +204,7 @@ def run_case(family, batch, dtype_name, a, progress) -> dict:
         dec_ratio = [b[1] / s[1] for s, b in zip(samples[n], samples[base])]
         rows.append(
             dict(
-                family=family,
-                batch=batch,
-                dtype=dtype_name,
+                **case,
                 variant=n,
                 baseline=base,
                 prefill_tok_s=batch * a.prompt / statistics.median(pre),
@@ -260,7 +219,43 @@ def run_case(family, batch, dtype_name, a, progress) -> dict:
                 same_tokens=n not in mismatched,
             )
         )
-    return dict(rows=rows, profile=dict(family=family, batch=batch, dtype=dtype_name, **share))
+    eager = {n: models[n] for n in VARIANTS}  # the paired loop: the eager variants (compiled ones only above)
+    steps = a.steps or a.new - 1
+    loop = generate_steps.paired_steps(eager, ids, a.rounds, steps, sync, progress)
+    prof = generate_steps.profile(models["unpatched"], models["fused"], ids, min(steps, 8), sync, a.clock)
+    progress()
+    paired, verdicts = paired_rows(case, loop, prof, a.clock, tokens["unpatched"])
+    profiles = [dict(**case, phase=phase, **p) for phase, p in prof.items()]
+    cpu = dict(**case, process_cpu_s=loop["process_cpu_s"], thread_cpu_s=loop["thread_cpu_s"])
+    return dict(rows=rows, paired=paired, profiles=profiles, verdicts=verdicts, loop_cpu=cpu)
+
+
+def paired_rows(case: dict, loop: dict, prof: dict, clock: str, generated) -> tuple[list[dict], list[dict]]:
+    """The paired loop's rows (each variant against the unpatched model, per phase, both clocks) and the verdict
+    of the fused model per phase; ``generated`` is the unpatched generate()'s output, which the loop must repeat."""
+    import torch
+
+    ref = loop["tokens"]["unpatched"][0]
+    width = min(ref.shape[1], generated.shape[1])
+    like_generate = torch.equal(ref[:, :width], generated[:, :width])
+    rows, verdicts = [], []
+    for phase in ("prefill", "decode"):
+        times = loop[phase]
+        for n in VARIANTS[1:]:
+            row = dict(**case, phase=phase, variant=n, clock=clock, like_generate=like_generate)
+            row["same_tokens"] = all(torch.equal(t, ref) for t in loop["tokens"][n])
+            for c, i in (("wall", 0), ("thread", 1)):
+                base, mine = [t[i] for t in times["unpatched"]], [t[i] for t in times[n]]
+                row[c] = generate_stats.summarize(base, mine)
+                row[c]["ms"] = statistics.median(mine) * 1e3
+                row[c]["baseline_ms"] = statistics.median(base) * 1e3
+            rows.append(row)
+            if n == "fused":
+                p = prof[phase]
+                goal = generate_stats.target(phase, case["dtype"])
+                v = generate_stats.verdict(row[clock], goal, p["share"], p["cost"])
+                verdicts.append(dict(**case, phase=phase, variant=n, clock=clock, **row[clock], **v))
+    return rows, verdicts
 
 
 def _env(a) -> dict:
@@ -301,11 +296,58 @@ def markdown(result: dict) -> str:
             f"{r['prefill_speedup']:.3f}x | {r['decode_ms_per_token']:.2f} ({dlo:.2f}-{dhi:.2f}) | "
             f"{r['decode_speedup']:.3f}x ({slo:.3f}-{shi:.3f}) | {'yes' if r['same_tokens'] else 'NO'} |"
         )
-    lines += ["", "Profile of an unpatched decode step (norm modules timed by hooks; residual adds timed alone):", ""]
+    return "\n".join([*lines, "", paired_markdown(result)])
+
+
+CLOCK_NAMES = {"thread": "thread CPU time", "wall": "wall clock"}
+
+
+def paired_markdown(result: dict) -> str:
+    """The paired steps' table, the profile of both phases and the verdicts."""
+    a, clock = result["args"], result["clock"]
+    lines = [
+        f"Paired steps ({a['rounds']} rounds, each a prefill and {a['steps'] or a['new'] - 1} decode steps of every "
+        "variant, the variants taking turns at every step, order rotated): median of the per-step ratios "
+        "(unpatched time / variant time) with a bootstrap 95% interval; lag-1 autocorrelation of the log ratios "
+        f"beside it. The verdicts use the {CLOCK_NAMES[clock['name']]}: {clock['why']}.",
+        "",
+        "| model | batch | dtype | phase | variant | ms, unpatched / variant | thread CPU: x unpatched [95%] | "
+        "wall: x unpatched [95%] | pairs | lag-1 | same tokens |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["paired"]:
+        c, t, w = r[r["clock"]], r["thread"], r["wall"]
+        same = "yes" if r["same_tokens"] and r["like_generate"] else ("NO" if not r["same_tokens"] else "NO (loop)")
+        lines.append(
+            f"| {r['family']} | {r['batch']} | {r['dtype']} | {r['phase']} | {r['variant']} | "
+            f"{c['baseline_ms']:.2f} / {c['ms']:.2f} | {t['ratio']:.3f}x [{t['lo']:.3f}, {t['hi']:.3f}] | "
+            f"{w['ratio']:.3f}x [{w['lo']:.3f}, {w['hi']:.3f}] | {c['pairs']} | {c['autocorr']:.2f} | {same} |"
+        )
+    lines += [
+        "",
+        "Where the time goes (unpatched and fused models, hooks around the norm modules; adds timed alone):",
+        "",
+    ]
     for p in result["profiles"]:
         lines.append(
-            f"- {p['family']} batch {p['batch']} {p['dtype']}: norms {100 * p['norm_share']:.1f}% + residual adds "
-            f"{100 * p['add_share']:.1f}% of a {1e3 * p['decode_s']:.2f} ms step ({p['norm_modules']} norm modules)"
+            f"- {p['family']} batch {p['batch']} {p['dtype']} {p['phase']}: norms {100 * p['norm_share']:.1f}% + "
+            f"residual adds {100 * p['add_share']:.1f}% of a {1e3 * p['step_s']:.2f} ms unpatched step "
+            f"({p['norm_modules']} norm modules); the fused model does that work in {p['cost']:.2f}x the time "
+            f"({p['fused_calls']} norm calls take the residual add)"
+        )
+    for c in result["loop_cpu"]:
+        if c["process_cpu_s"] > 0:
+            other = max(0.0, 1 - c["thread_cpu_s"] / c["process_cpu_s"])
+            lines.append(
+                f"- {c['family']} batch {c['batch']} {c['dtype']}: threads other than the timing one used "
+                f"{100 * other:.1f}% of the process's CPU time during the paired loop"
+            )
+    lines += ["", "Verdicts (the fused model, `hf.apply`, against issue 25's done-when):", ""]
+    for v in result["verdicts"]:
+        lines.append(
+            f"- {v['family']} batch {v['batch']} {v['dtype']} {v['phase']}: {v['ratio']:.3f}x "
+            f"[{v['lo']:.3f}, {v['hi']:.3f}] ({CLOCK_NAMES[v['clock']]}, {v['pairs']} pairs); "
+            + generate_stats.verdict_text(v)
         )
     return "\n".join(lines)
 
@@ -316,6 +358,27 @@ def _write(path: str, text: str, partial: tuple[int, int] | None = None) -> None
     note = f"(partial: {partial[0]} of {partial[1]} cases so far)\n\n" if partial else ""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(path), "# generate() end to end (benchmarks/bench_generate.py)\n\n" + note + text + "\n")
+
+
+def verdict_clock(requested: str, device_type: str, threads: int) -> tuple[str, str]:
+    """The clock the verdicts use ("wall" or "thread") and why; ``requested`` is --clock (auto, wall or thread)."""
+    if device_type != "cpu":
+        if requested == "thread":
+            raise ValueError("--clock thread: on a GPU the work is the device's, not the calling thread's")
+        return "wall", "on a GPU the work is the device's, not the calling thread's (each step synchronized)"
+    if threads != 1:
+        if requested == "thread":
+            raise ValueError(
+                f"--clock thread needs --threads 1: with {threads} torch threads one thread's CPU "
+                "time misses the others' work"
+            )
+        return "wall", f"{threads} torch threads: one thread's CPU time would miss the others' work"
+    if requested == "wall":
+        return "wall", "asked for (--clock wall)"
+    return "thread", (
+        "one torch thread, so all compute runs in the calling thread and the time other processes hold the core "
+        "drops out (the caches they share do not)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=_positive, default=4096, help="vocabulary (default 4096)")
     p.add_argument("--prompt", type=_positive, default=64, help="prompt tokens P (default 64)")
     p.add_argument("--new", type=_positive, default=16, help="new tokens T (default 16; >= 2 to time decode)")
-    p.add_argument("--repeats", type=_positive, default=5, help="round-robin samples per variant (default 5)")
+    p.add_argument(
+        "--repeats", type=_positive, default=5, help="round-robin generate() samples per variant (default 5)"
+    )
+    p.add_argument("--rounds", type=_positive, default=3, help="paired rounds: a prefill, then --steps (default 3)")
+    p.add_argument("--steps", type=int, default=0, help="decode steps a paired round (default 0: --new - 1)")
+    p.add_argument(
+        "--clock",
+        choices=("auto", "thread", "wall"),
+        default="auto",
+        help="clock of the verdicts (default auto: thread CPU time with one torch thread on CPU)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1; 0 keeps torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--compile", action="store_true", help="CPU: also torch.compile'd forwards (CUDA: always)")
@@ -339,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.new < 2:
         p.error("--new must be >= 2: decode is timed between the first and the last forward")
+    if a.steps < 0:
+        p.error(f"--steps must be >= 0 (0: --new - 1), got {a.steps}")
     if a.hidden % a.heads:
         p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
     import torch
@@ -351,36 +426,50 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: CUDA is not available here")
     if device.type == "cpu" and a.threads > 0:
         torch.set_num_threads(a.threads)
+    try:
+        name, why = verdict_clock(a.clock, device.type, torch.get_num_threads())
+    except ValueError as e:
+        p.error(str(e))
+    a.clock = name
     cases = [(f, b, d) for f in a.family for b in a.batch for d in a.dtype]
-    per_case = (2 if a.compile or device.type == "cuda" else 1) * len(VARIANTS) * (a.repeats + 1)
+    per_case = (2 if a.compile or device.type == "cuda" else 1) * len(VARIANTS) * (a.repeats + 1) + a.rounds + 1
     total, done = len(cases) * per_case, [0]
 
     def progress():
         done[0] += 1
         if not a.no_progress:
             bar = "#" * (30 * done[0] // total)
-            print(f"\r[{bar:<30}] {done[0]}/{total} generate() calls", end="", file=sys.stderr, flush=True)
+            print(f"\r[{bar:<30}] {done[0]}/{total} runs", end="", file=sys.stderr, flush=True)
 
-    rows, profiles = [], []
+    result = dict(args=vars(a), clock=dict(name=name, why=why), rows=[], paired=[], profiles=[], verdicts=[])
+    result["loop_cpu"] = []
     for i, case in enumerate(cases, 1):
         got = run_case(*case, a, progress)
-        rows += got["rows"]
-        profiles.append(got["profile"])
+        for key in ("rows", "paired", "profiles", "verdicts"):
+            result[key] += got[key]
+        result["loop_cpu"].append(got["loop_cpu"])
+        result["env"] = _env(a)
         if a.out and i < len(cases):  # a long run on a busy machine keeps what it measured so far
-            _write(a.out, markdown(dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)), (i, len(cases)))
+            _write(a.out, markdown(result), (i, len(cases)))
     if not a.no_progress:
         print(file=sys.stderr)
-    result = dict(env=_env(a), args=vars(a), rows=rows, profiles=profiles)
     text = markdown(result)
     if a.out:
         _write(a.out, text)
     print(json.dumps(result, indent=1) if a.json else text)
-    bad = [r for r in rows if not r["same_tokens"]]
+    bad = [f"{r['family']} b{r['batch']} {r['dtype']} {r['variant']}" for r in result["rows"] if not r["same_tokens"]]
+    bad += [
+        f"{r['family']} b{r['batch']} {r['dtype']} {r['variant']} (paired loop)"
+        for r in result["paired"]
+        if r["phase"] == "decode" and not r["same_tokens"]
+    ]
     if bad:
-        names = ", ".join(f"{r['family']} b{r['batch']} {r['dtype']} {r['variant']}" for r in bad)
-        print(f"error: greedy tokens differ from the unpatched model's: {names}", file=sys.stderr)
-        return 1
-    return 0
+        print(f"error: greedy tokens differ from the unpatched model's: {', '.join(bad)}", file=sys.stderr)
+    loop = [f"{r['family']} b{r['batch']} {r['dtype']}" for r in result["paired"] if not r["like_generate"]]
+    if loop:
+        names = ", ".join(dict.fromkeys(loop))
+        print(f"error: the paired loop's greedy tokens differ from generate()'s: {names}", file=sys.stderr)
+    return 1 if bad or loop else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """benchmarks/bench_generate.py as users run it, at tiny sizes: every variant, the paired ratios, the same greedy
-tokens, the profile line, the markdown file and --json; bad arguments refused."""
+tokens, the profile, the verdicts, the markdown file and --json; the paired loop against generate(); the pairing,
+bootstrap and verdict on synthetic timings; bad arguments refused."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,15 +17,27 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_generate  # noqa: E402
+import generate_stats  # noqa: E402
+import generate_steps  # noqa: E402
 
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "128", "--prompt", "6", "--new", "3"]
 
 
-def test_tiny_run_rows_tokens_profile_and_files(tmp_path, capsys):
+def _args(**over):
+    """The namespace build_model reads, at tiny sizes."""
+    import argparse
+
+    a = dict(hidden=64, layers=2, heads=4, vocab=128, prompt=6, new=4, steps=0)
+    return argparse.Namespace(**{**a, **over})
+
+
+def test_tiny_run_rows_tokens_profile_verdicts_and_files(tmp_path, capsys):
     out = tmp_path / "generate.md"
-    argv = [*TINY, "--batch", "1,2", "--dtype", "fp32", "--repeats", "2", "--json", "--out", str(out)]
+    argv = [*TINY, "--batch", "1,2", "--dtype", "fp32", "--repeats", "2", "--rounds", "2", "--json", "--out", str(out)]
     assert bench_generate.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"env", "args", "clock", "rows", "paired", "profiles", "verdicts", "loop_cpu"}
+    assert result["clock"]["name"] == "thread" and "one torch thread" in result["clock"]["why"]
     rows = result["rows"]
     seen = {(r["family"], r["batch"], r["variant"]) for r in rows}
     assert seen == {(f, b, v) for f in ("llama", "gpt2") for b in (1, 2) for v in bench_generate.VARIANTS}
@@ -34,12 +48,207 @@ def test_tiny_run_rows_tokens_profile_and_files(tmp_path, capsys):
         assert lo <= r["decode_speedup"] <= hi
         if r["variant"] == "unpatched":
             assert r["decode_speedup"] == 1.0 and r["prefill_speedup"] == 1.0  # its own baseline
-    assert len(result["profiles"]) == 4
-    assert all(0 <= p["norm_share"] and 0 < p["add_share"] for p in result["profiles"])
-    assert all(p["norm_modules"] == 2 * 2 + 1 for p in result["profiles"])  # two a layer and the final one
+    paired = result["paired"]
+    keys = {(r["family"], r["batch"], r["phase"], r["variant"]) for r in paired}
+    assert keys == {(f, b, ph, v) for f in ("llama", "gpt2") for b in (1, 2) for ph in ("prefill", "decode")
+                    for v in ("fused", "norms")}  # fmt: skip
+    for r in paired:
+        assert r["same_tokens"] is True and r["like_generate"] is True
+        for clock in ("wall", "thread"):
+            s = r[clock]
+            assert s["lo"] <= s["ratio"] <= s["hi"] and s["ms"] > 0 and s["baseline_ms"] > 0
+            assert s["pairs"] == (2 if r["phase"] == "prefill" else 2 * 2)  # rounds, rounds x (new - 1) steps
+    assert len(result["profiles"]) == 8  # (family, batch) x phase
+    for p in result["profiles"]:
+        assert p["phase"] in ("prefill", "decode") and p["step_s"] > 0 and p["cost"] > 0
+        assert 0 < p["share"] <= 1 and 0 <= p["norm_share"] and 0 < p["add_share"]
+        assert p["norm_modules"] == 2 * 2 + 1  # two a layer and the final one
+        assert p["fused_calls"] == 2  # one norm a layer takes the residual add (the other add stays)
+    verdicts = result["verdicts"]
+    assert {(v["family"], v["batch"], v["phase"]) for v in verdicts} == {
+        (f, b, ph) for f in ("llama", "gpt2") for b in (1, 2) for ph in ("prefill", "decode")
+    }
+    for v in verdicts:
+        assert v["variant"] == "fused" and v["clock"] == "thread"
+        if v["phase"] == "decode":
+            assert v["target"] == 1.0 and v["status"] in ("met", "not met", "not resolved")
+        else:
+            assert v["target"] is None and v["status"] == "no target"  # fp32 prefill: the done-when sets none
     text = out.read_text()
     assert "| llama | 1 | fp32 | fused |" in text and "| gpt2 | 2 | fp32 | norms |" in text
-    assert "residual adds" in text and "round-robin" in text
+    assert "| llama | 2 | fp32 | decode | fused |" in text and "thread CPU time" in text
+    assert "residual adds" in text and "round-robin" in text and "Verdicts" in text
+
+
+def test_paired_loop_gives_generates_greedy_tokens():
+    import torch
+
+    for family in ("llama", "gpt2"):
+        a = _args()
+        model = bench_generate.build_model(family, a, torch.float32, torch.device("cpu"))
+        models = bench_generate.variants(model, None)
+        ids = torch.randint(3, a.vocab, (2, a.prompt), generator=torch.Generator().manual_seed(1))
+        loop = generate_steps.paired_steps(models, ids, rounds=2, steps=a.new - 1, sync=lambda: None)
+        for name, m in models.items():
+            expected = bench_generate.generate_once(m, ids, a.new, lambda: None, False)[0]
+            assert len(loop["tokens"][name]) == 2
+            for got in loop["tokens"][name]:
+                assert torch.equal(got, expected), (family, name)
+            assert len(loop["prefill"][name]) == 2 and len(loop["decode"][name]) == 2 * (a.new - 1)
+            assert all(w > 0 and c >= 0 for w, c in loop["decode"][name])
+        assert loop["process_cpu_s"] >= 0.99 * loop["thread_cpu_s"] > 0  # (two clocks, read one after the other)
+
+
+class _Scripted:
+    """In place of generate_steps._timed: each variant's k-th decode step 'takes' a scripted time, and the order
+    of the turns is logged."""
+
+    def __init__(self, speed):
+        self.speed, self.turns, self.count = speed, [], {}
+
+    def __call__(self, fn, sync):
+        fn()
+        name = fn.__self__.model.name
+        k = self.count[name] = self.count.get(name, 0) + 1
+        self.turns.append(name)
+        base = 0.01 * (1 + k % 7) * (1 + 5 * (k > 6))  # load that changes from step to step, and jumps
+        return base / self.speed[name], 2 * base / self.speed[name]
+
+
+def test_steps_are_paired_by_index_and_the_order_rotates(monkeypatch):
+    import torch
+
+    a = _args(new=5)
+    model = bench_generate.build_model("llama", a, torch.float32, torch.device("cpu"))
+    models = bench_generate.variants(model, None)
+    for name, m in models.items():
+        m.name = name
+    speed = {"unpatched": 1.0, "fused": 1.03, "norms": 0.98}
+    scripted = _Scripted(speed)
+    monkeypatch.setattr(generate_steps, "_timed", scripted)
+    ids = torch.randint(3, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    loop = generate_steps.paired_steps(models, ids, rounds=2, steps=4, sync=lambda: None)
+    turns = [scripted.turns[i : i + 3] for i in range(0, len(scripted.turns), 3)]
+    assert len(turns) == 2 * (1 + 4)  # a prefill and four steps a round, every variant once in each
+    names = list(models)
+    for k, t in enumerate(turns):
+        assert t == names[k % 3 :] + names[: k % 3]  # rotated by one at each turn, across rounds
+    for phase in ("prefill", "decode"):
+        for name in ("fused", "norms"):
+            for i in (0, 1):  # wall, thread
+                base = [t[i] for t in loop[phase]["unpatched"]]
+                mine = [t[i] for t in loop[phase][name]]
+                s = generate_stats.summarize(base, mine)
+                # the load moves every time by up to 6x, but each pair shares it: every ratio is the speed
+                assert s["ratio"] == pytest.approx(speed[name]) and s["lo"] == pytest.approx(speed[name])
+                assert s["hi"] == pytest.approx(speed[name])
+
+
+def test_paired_ratios_and_their_errors():
+    assert generate_stats.paired_ratios([2.0, 3.0], [1.0, 4.0]) == [2.0, 0.75]
+    with pytest.raises(ValueError, match="one baseline per variant sample, got 2 and 1"):
+        generate_stats.paired_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="timings must be > 0 seconds, got 0.0"):
+        generate_stats.paired_ratios([1.0], [0.0])
+
+
+def test_bootstrap_interval_is_seeded_ordered_and_covers():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    values = list(1.02 * np.exp(rng.normal(0, 0.05, 301)))
+    first = generate_stats.median_ci(values)
+    assert first == generate_stats.median_ci(values)  # the fixed seed: the same interval on the same timings
+    med, lo, hi = first
+    assert med == pytest.approx(float(np.median(values)))
+    assert lo < med < hi and 0.003 < hi - lo < 0.03  # ~2 x 1.96 x 1.25 x 0.05 / sqrt(301) = 0.014 wide
+    assert generate_stats.median_ci([1.5]) == (1.5, 1.5, 1.5)
+    # coverage: over many data sets, the 95% interval holds the true median about 95% of the time
+    covered = 0
+    for seed in range(200):
+        data = list(np.exp(np.random.default_rng(seed + 1).normal(0, 0.05, 41)))
+        _, lo, hi = generate_stats.median_ci(data, resamples=400)
+        covered += lo <= 1.0 <= hi
+    assert 0.88 <= covered / 200 <= 0.995
+    with pytest.raises(ValueError, match="at least one value"):
+        generate_stats.median_ci([])
+    with pytest.raises(ValueError, match="resamples must be >= 1"):
+        generate_stats.median_ci([1.0], resamples=0)
+
+
+def test_lag1_autocorrelation():
+    import numpy as np
+
+    iid = list(np.exp(np.random.default_rng(0).normal(0, 0.05, 2000)))
+    assert abs(generate_stats.lag1_autocorrelation(iid)) < 0.1
+    x, walk = 0.0, []
+    for e in np.random.default_rng(1).normal(0, 0.05, 2000):
+        x = 0.9 * x + e
+        walk.append(math.exp(x))
+    assert generate_stats.lag1_autocorrelation(walk) > 0.8
+    assert generate_stats.lag1_autocorrelation([1.0, 1.0, 1.0]) == 0.0
+    assert math.isnan(generate_stats.lag1_autocorrelation([1.0, 2.0]))
+
+
+def test_targets_are_the_done_whens():
+    assert generate_stats.target("decode", "fp32") == generate_stats.target("decode", "bf16") == 1.0
+    assert generate_stats.target("prefill", "bf16") == 1.05
+    assert generate_stats.target("prefill", "fp32") is None
+    with pytest.raises(ValueError, match="phase must be 'prefill' or 'decode', got 'train'"):
+        generate_stats.target("train", "fp32")
+
+
+@pytest.mark.parametrize(
+    "ratio, lo, hi, goal, status",
+    [
+        (1.02, 1.01, 1.03, 1.00, "met"),
+        (1.01, 1.00, 1.02, 1.00, "met"),  # the interval's lower end on the target
+        (0.98, 0.97, 0.995, 1.00, "not met"),
+        (1.01, 0.99, 1.03, 1.00, "not resolved"),
+        (1.04, 1.02, 1.06, 1.05, "not resolved"),
+        (1.10, 1.06, 1.12, 1.05, "met"),
+        (1.02, 1.01, 1.03, None, "no target"),
+    ],
+)
+def test_verdict_status(ratio, lo, hi, goal, status):
+    v = generate_stats.verdict(dict(ratio=ratio, lo=lo, hi=hi), goal, share=0.2, cost=0.5)
+    assert v["status"] == status
+    assert v["max_gain"] == pytest.approx(0.1) and v["max_speedup"] == pytest.approx(1 / 0.9)
+    text = generate_stats.verdict_text(v)
+    assert (f"**{status}**" in text) if goal is not None else text.startswith("no target")
+    assert "out of reach" not in text and "cannot show" not in text  # 10% of the step: both within reach
+
+
+def test_verdict_says_when_the_norms_share_is_too_small():
+    stats = dict(ratio=1.01, lo=0.99, hi=1.03)
+    # norms + adds 5% of the step, fused at 0.45x eager: at most 2.75% saved, 1.028x; 1.05x needs 4.76%
+    v = generate_stats.verdict(stats, 1.05, share=0.05, cost=0.45)
+    assert v["reachable"] is False and v["seed_reachable"] is False
+    assert v["max_gain"] == pytest.approx(0.0275)
+    text = generate_stats.verdict_text(v)
+    assert "5.0% of an unpatched step" in text and "0.45x eager" in text and "at most 2.8%" in text
+    assert "less than the 4.8% the target needs: out of reach on this machine" in text
+    assert "the seed's 5% cannot show here" in text
+    # decode's 1.00x is within reach whenever the fused calls cost less than eager's...
+    assert generate_stats.verdict(stats, 1.0, share=0.05, cost=0.45)["reachable"] is True
+    # ...and out of reach when they cost more: fusion then adds time
+    slower = generate_stats.verdict(stats, 1.0, share=0.05, cost=1.5)
+    assert slower["reachable"] is False and slower["max_gain"] == pytest.approx(-0.025)
+    assert "adds 2.5% to the step" in generate_stats.verdict_text(slower)
+    with pytest.raises(ValueError, match="share must be in"):
+        generate_stats.verdict(stats, 1.0, share=1.5, cost=0.5)
+
+
+def test_verdict_clock():
+    assert bench_generate.verdict_clock("auto", "cpu", 1)[0] == "thread"
+    assert bench_generate.verdict_clock("wall", "cpu", 1)[0] == "wall"
+    name, why = bench_generate.verdict_clock("auto", "cpu", 2)
+    assert name == "wall" and "miss the others" in why
+    assert bench_generate.verdict_clock("auto", "cuda", 1)[0] == "wall"
+    with pytest.raises(ValueError, match="--clock thread needs --threads 1"):
+        bench_generate.verdict_clock("thread", "cpu", 4)
+    with pytest.raises(ValueError, match="on a GPU the work is the device's"):
+        bench_generate.verdict_clock("thread", "cuda", 1)
 
 
 def test_different_tokens_are_an_error(monkeypatch, capsys):
@@ -53,9 +262,24 @@ def test_different_tokens_are_an_error(monkeypatch, capsys):
         return out, pre, dec
 
     monkeypatch.setattr(bench_generate, "generate_once", shifted)
-    argv = [*TINY, "--family", "llama", "--batch", "1", "--dtype", "fp32", "--repeats", "1", "--out", ""]
-    assert bench_generate.main(argv) == 1
+    argv = [*TINY, "--family", "llama", "--batch", "1", "--dtype", "fp32", "--repeats", "1", "--rounds", "1"]
+    assert bench_generate.main([*argv, "--out", ""]) == 1
     assert "greedy tokens differ from the unpatched model's: llama b1 fp32 fused" in capsys.readouterr().err
+
+
+def test_different_tokens_in_the_paired_loop_are_an_error(monkeypatch, capsys):
+    real = generate_steps.Decoder.step
+
+    def step(self):
+        real(self)
+        if bench_generate.hf_is_applied(self.model):
+            self.next = self.next + 1  # the hf.apply'd models (fused and norms) pick another token
+
+    monkeypatch.setattr(generate_steps.Decoder, "step", step)
+    argv = [*TINY, "--family", "llama", "--batch", "1", "--dtype", "fp32", "--repeats", "1", "--rounds", "1"]
+    assert bench_generate.main([*argv, "--out", ""]) == 1
+    err = capsys.readouterr().err
+    assert "llama b1 fp32 fused (paired loop)" in err and "llama b1 fp32 norms (paired loop)" in err
 
 
 @pytest.mark.parametrize(
@@ -67,9 +291,21 @@ def test_different_tokens_are_an_error(monkeypatch, capsys):
         ["--dtype", "fp16"],
         ["--hidden", "65"],
         ["--repeats", "0"],
+        ["--rounds", "0"],
+        ["--steps", "-1"],
+        ["--clock", "cycles"],
+        ["--clock", "thread", "--threads", "2"],
     ],
 )
-def test_bad_arguments_are_refused(argv):
-    with pytest.raises(SystemExit) as e:
-        bench_generate.main(argv)
+def test_bad_arguments_are_refused(argv, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            bench_generate.main(argv)
+    finally:
+        torch.set_num_threads(threads)  # main sets the thread count it is given
     assert e.value.code == 2
+    if "--threads" in argv:
+        assert "--clock thread needs --threads 1" in capsys.readouterr().err
