@@ -2,8 +2,9 @@
 
 Paired steps: every variant (unpatched, fused, norms) has its own model and its own KV cache, fed the same prompt.
 A round is one prefill of each variant, then ``steps`` greedy decode steps of each; the variants take turns within
-every prefill and every step (unpatched, fused, norms, ...), the order rotated by one at each, so that a change of
-load hits all of them within a few tens of milliseconds and each variant runs first, second and third equally often.
+every prefill and every step (unpatched, fused, norms, ...), the order rotated by one at each step and, for the
+prefills, at each round, so that a change of load hits all of them within a few tens of milliseconds and each
+variant runs first, second and third equally often (the prefills: when the rounds are a multiple of three).
 Each step is timed twice, by the wall clock (``time.perf_counter``) and by the calling thread's CPU time
 (``time.thread_time``): with one torch thread (and the cpu backend's numba kernels, which follow torch's thread
 count) all the model's work runs in the calling thread, so the time other processes hold the core drops out of the
@@ -116,13 +117,12 @@ def paired_steps(models: dict, ids, rounds: int, steps: int, sync, progress=lamb
     decode = {n: [] for n in names}
     tokens = {n: [] for n in names}
     p0, t0 = time.process_time(), time.thread_time()
-    k = 0  # turns so far: the rotation continues across rounds
+    k = 0  # decode steps so far: their rotation continues across rounds
     with torch.inference_mode():
-        for _ in range(rounds):
+        for i in range(rounds):
             dec = {n: Decoder(models[n], ids) for n in names}
-            for n in _rotated(names, k):
+            for n in _rotated(names, i):  # by round: every variant prefills first once in len(names) rounds
                 prefill[n].append(_timed(dec[n].prefill, sync))
-            k += 1
             for _ in range(steps):
                 for n in _rotated(names, k):
                     decode[n].append(_timed(dec[n].step, sync))

@@ -36,7 +36,11 @@ def test_tiny_run_rows_tokens_profile_verdicts_and_files(tmp_path, capsys):
     argv = [*TINY, "--batch", "1,2", "--dtype", "fp32", "--repeats", "2", "--rounds", "2", "--json", "--out", str(out)]
     assert bench_generate.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"env", "args", "clock", "rows", "paired", "profiles", "verdicts", "loop_cpu"}
+    assert set(result) == {"env", "args", "clock", "rows", "paired", "profiles", "verdicts", "loop_cpu", "timings"}
+    for t in result["timings"]:  # every step's (wall, thread CPU) seconds, per variant, for a reader to re-analyse
+        assert {t["family"], t["batch"]} <= {"llama", "gpt2", 1, 2} and t["dtype"] == "fp32"
+        assert all(len(t["prefill"][v]) == 2 and len(t["decode"][v]) == 4 for v in bench_generate.VARIANTS)
+        assert all(len(pair) == 2 and pair[0] > 0 for pair in t["decode"]["fused"])
     assert result["clock"]["name"] == "thread" and "one torch thread" in result["clock"]["why"]
     rows = result["rows"]
     seen = {(r["family"], r["batch"], r["variant"]) for r in rows}
@@ -131,8 +135,10 @@ def test_steps_are_paired_by_index_and_the_order_rotates(monkeypatch):
     turns = [scripted.turns[i : i + 3] for i in range(0, len(scripted.turns), 3)]
     assert len(turns) == 2 * (1 + 4)  # a prefill and four steps a round, every variant once in each
     names = list(models)
-    for k, t in enumerate(turns):
-        assert t == names[k % 3 :] + names[: k % 3]  # rotated by one at each turn, across rounds
+    assert turns[0] == names and turns[5] == names[1:] + names[:1]  # the prefills rotate by round
+    steps = turns[1:5] + turns[6:]
+    for k, t in enumerate(steps):
+        assert t == names[k % 3 :] + names[: k % 3]  # the steps rotate by one at each, across rounds
     for phase in ("prefill", "decode"):
         for name in ("fused", "norms"):
             for i in (0, 1):  # wall, thread
