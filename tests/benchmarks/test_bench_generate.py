@@ -222,7 +222,7 @@ def test_verdict_status(ratio, lo, hi, goal, status):
     assert v["max_gain"] == pytest.approx(0.1) and v["max_speedup"] == pytest.approx(1 / 0.9)
     text = generate_stats.verdict_text(v)
     assert (f"**{status}**" in text) if goal is not None else text.startswith("no target")
-    assert "out of reach" not in text and "cannot show" not in text  # 10% of the step: both within reach
+    assert "out of reach" not in text  # 10% of the step: both the target and the seed's 5% within reach
 
 
 def test_verdict_says_when_the_norms_share_is_too_small():
@@ -232,15 +232,20 @@ def test_verdict_says_when_the_norms_share_is_too_small():
     assert v["reachable"] is False and v["seed_reachable"] is False
     assert v["max_gain"] == pytest.approx(0.0275)
     text = generate_stats.verdict_text(v)
-    assert "5.0% of an unpatched step" in text and "0.45x eager" in text and "at most 2.8%" in text
+    assert "5.0% of an unpatched step" in text and "0.45x the time" in text and "at most 2.8% (ceiling 1.028x)" in text
     assert "less than the 4.8% the target needs: out of reach on this machine" in text
-    assert "the seed's 5% cannot show here" in text
+    assert "the seed's 5% (1.05x) is out of reach here" in text
     # decode's 1.00x is within reach whenever the fused calls cost less than eager's...
     assert generate_stats.verdict(stats, 1.0, share=0.05, cost=0.45)["reachable"] is True
     # ...and out of reach when they cost more: fusion then adds time
     slower = generate_stats.verdict(stats, 1.0, share=0.05, cost=1.5)
     assert slower["reachable"] is False and slower["max_gain"] == pytest.approx(-0.025)
     assert "adds 2.5% to the step" in generate_stats.verdict_text(slower)
+    assert v["above_ceiling"] is False and slower["above_ceiling"] is True  # 0.99 is above 1/1.025 = 0.976
+    # a ratio whose whole interval exceeds what the norms can give is flagged: something else differs
+    above = generate_stats.verdict(dict(ratio=1.12, lo=1.10, hi=1.14), None, share=0.014, cost=0.9)
+    assert above["above_ceiling"] is True and above["max_speedup"] == pytest.approx(1 / (1 - 0.0014))
+    assert "the interval lies above that ceiling: more than the norms differs" in generate_stats.verdict_text(above)
     with pytest.raises(ValueError, match="share must be in"):
         generate_stats.verdict(stats, 1.0, share=1.5, cost=0.5)
 
