@@ -60,6 +60,7 @@ import generate_steps
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "generate.md"
 VARIANTS = ("unpatched", "fused", "norms")
+CONTROL = "unpatched copy"  # --control: a second unpatched model in the paired loop
 
 
 def _positive(text: str) -> int:
@@ -141,6 +142,24 @@ def variants(model, compile_forward: str | None):
         c.forward = torch.compile(c.forward, dynamic=True)
         compiled[f"{name}+compile"] = c
     return {**out, **compiled}
+
+
+def fresh_copies(model, i: int = 0, control: bool = False) -> dict:
+    """New copies of the paired loop's variants, made in an order rotated by ``i`` (allocation order is one more
+    thing that should not always favour the same variant). ``control`` adds a second unpatched copy: the pairs of
+    two identical models show what the measurement resolves."""
+    from addnorm.integrations import hf
+
+    make = {
+        "unpatched": lambda: copy.deepcopy(model),
+        "fused": lambda: hf.apply(copy.deepcopy(model)),
+        "norms": lambda: hf.apply(copy.deepcopy(model), False),
+        CONTROL: lambda: copy.deepcopy(model),
+    }
+    names = VARIANTS + ((CONTROL,) if control else ())
+    order = names[i % len(names) :] + names[: i % len(names)]
+    made = {n: make[n]() for n in order}
+    return {n: made[n] for n in names}
 
 
 def hf_is_applied(model) -> bool:
@@ -233,9 +252,10 @@ def run_case(family, batch, dtype_name, a, progress) -> dict:
                 same_tokens=n not in mismatched,
             )
         )
-    eager = {n: models[n] for n in VARIANTS}  # the paired loop: the eager variants (compiled ones only above)
-    steps = a.steps or a.new - 1
-    loop = generate_steps.paired_steps(eager, ids, a.rounds, steps, sync, progress)
+    steps = a.steps or a.new - 1  # the paired loop: the eager variants (compiled ones only above), new copies a round
+    loop = generate_steps.paired_steps(
+        lambda i: fresh_copies(model, i, a.control), ids, a.rounds, steps, sync, progress, a.block
+    )
     prof = generate_steps.profile(models["unpatched"], models["fused"], ids, min(steps, 8), sync, a.clock)
     progress()
     paired, verdicts = paired_rows(case, loop, prof, a.clock, tokens["unpatched"])
@@ -256,14 +276,17 @@ def paired_rows(case: dict, loop: dict, prof: dict, clock: str, generated) -> tu
     rows, verdicts = [], []
     for phase in ("prefill", "decode"):
         times = loop[phase]
-        for n in VARIANTS[1:]:
+        for n in list(loop["decode"])[1:]:  # fused, norms (and the control)
             row = dict(**case, phase=phase, variant=n, clock=clock, like_generate=like_generate)
             row["same_tokens"] = all(torch.equal(t, ref) for t in loop["tokens"][n])
             for c, i in (("wall", 0), ("thread", 1)):
-                base, mine = [t[i] for t in times["unpatched"]], [t[i] for t in times[n]]
+                if phase == "prefill":  # one prefill a round: groups of one
+                    base, mine = ([[t[i]] for t in times[v]] for v in ("unpatched", n))
+                else:
+                    base, mine = ([[t[i] for t in r] for r in times[v]] for v in ("unpatched", n))
                 row[c] = generate_stats.summarize(base, mine)
-                row[c]["ms"] = statistics.median(mine) * 1e3
-                row[c]["baseline_ms"] = statistics.median(base) * 1e3
+                row[c]["ms"] = statistics.median(x for r in mine for x in r) * 1e3
+                row[c]["baseline_ms"] = statistics.median(x for r in base for x in r) * 1e3
             rows.append(row)
             if n == "fused":
                 p = prof[phase]
@@ -321,22 +344,28 @@ def paired_markdown(result: dict) -> str:
     """The paired steps' table, the profile of both phases and the verdicts."""
     a, clock = result["args"], result["clock"]
     lines = [
-        f"Paired steps ({a['rounds']} rounds, each a prefill and {a['steps'] or a['new'] - 1} decode steps of every "
-        "variant, the variants taking turns at every step, order rotated): median of the per-step ratios "
-        "(unpatched time / variant time) with a bootstrap 95% interval; lag-1 autocorrelation of the log ratios "
-        f"beside it. The verdicts use the {CLOCK_NAMES[clock['name']]}: {clock['why']}.",
+        f"Paired steps ({a['rounds']} rounds, each with new copies of the models, a prefill and "
+        f"{a['steps'] or a['new'] - 1} decode steps of every variant, the variants taking turns at every step, order "
+        + (f"rotated; the weights moved to new memory every {a['block']} steps" if a["block"] else "rotated")
+        + "): median of the per-step "
+        "ratios (unpatched time / variant time) with a bootstrap 95% interval (blocks of steps resampled whole; a "
+        "prefill is a block of one), the lowest and highest median of one block, and the lag-1 autocorrelation of "
+        f"the log ratios. The verdicts use the {CLOCK_NAMES[clock['name']]}: {clock['why']}."
+        + (f" `{CONTROL}` is a second unpatched model: its interval should hold 1.000x." if a["control"] else ""),
         "",
         "| model | batch | dtype | phase | variant | ms, unpatched / variant | thread CPU: x unpatched [95%] | "
-        "wall: x unpatched [95%] | pairs | lag-1 | same tokens |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+        "wall: x unpatched [95%] | blocks x pairs | one block's median | lag-1 | same tokens |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["paired"]:
         c, t, w = r[r["clock"]], r["thread"], r["wall"]
         same = "yes" if r["same_tokens"] and r["like_generate"] else ("NO" if not r["same_tokens"] else "NO (loop)")
+        lo, hi = c["group_range"]
         lines.append(
             f"| {r['family']} | {r['batch']} | {r['dtype']} | {r['phase']} | {r['variant']} | "
             f"{c['baseline_ms']:.2f} / {c['ms']:.2f} | {t['ratio']:.3f}x [{t['lo']:.3f}, {t['hi']:.3f}] | "
-            f"{w['ratio']:.3f}x [{w['lo']:.3f}, {w['hi']:.3f}] | {c['pairs']} | {c['autocorr']:.2f} | {same} |"
+            f"{w['ratio']:.3f}x [{w['lo']:.3f}, {w['hi']:.3f}] | {c['groups']} x {c['pairs'] / c['groups']:.3g} | "
+            f"{lo:.3f}-{hi:.3f} | {c['autocorr']:.2f} | {same} |"
         )
     lines += [
         "",
@@ -411,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=_positive, default=3, help="paired rounds: a prefill, then --steps (default 3)")
     p.add_argument("--steps", type=int, default=0, help="decode steps a paired round (default 0: --new - 1)")
+    p.add_argument("--block", type=int, default=8, help="move the weights every BLOCK steps (default 8; 0: never)")
+    p.add_argument("--control", action="store_true", help="paired loop: + a second unpatched model (A/A)")
     p.add_argument(
         "--clock",
         choices=("auto", "thread", "wall"),
@@ -428,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--new must be >= 2: decode is timed between the first and the last forward")
     if a.steps < 0:
         p.error(f"--steps must be >= 0 (0: --new - 1), got {a.steps}")
+    if a.block < 0:
+        p.error(f"--block must be >= 0 (0: never), got {a.block}")
     if a.hidden % a.heads:
         p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
     import torch

@@ -3,10 +3,13 @@
 Pure Python and numpy (no torch, no model), so the tests check them on synthetic timings.
 
 A paired ratio is ``baseline time / variant time`` of one step (or one prefill) of both, run back to back: above 1
-the variant is faster. Its median over all pairs is reported with a percentile-bootstrap 95% interval (the pairs
-resampled with replacement, a fixed seed, so a rerun on the same timings gives the same interval). The bootstrap
-treats the pairs as independent; the lag-1 autocorrelation of the log ratios is reported beside it: near 0 the
-assumption holds, well above 0 (load that lasts several steps and hits one variant more) the interval is too narrow.
+the variant is faster. Its median over all pairs is reported with a percentile-bootstrap 95% interval with a fixed
+seed (a rerun on the same timings gives the same interval). The bootstrap resamples whole blocks of steps, not
+single pairs: two copies of one model, run alternately, differ by up to +-3% a step on this machine, the same for
+as long as their weights stay where they are (generate_steps.py moves them every block), so the interval has to
+include that spread; resampling single steps of one set of copies gave intervals that excluded 1.00 for identical
+models. The lag-1 autocorrelation of the log ratios is reported beside it: well above 0 (load that lasts several
+steps and hits one variant more) would also make the interval too narrow.
 
 The verdict compares the interval with a target: "met" when its lower end is at or above the target, "not met" when
 its upper end is below it, "not resolved" when it straddles it. The profile gives the most fusion can save: the
@@ -47,19 +50,27 @@ def paired_ratios(baseline: list[float], variant: list[float]) -> list[float]:
     return [b / v for b, v in zip(baseline, variant)]
 
 
-def median_ci(values: list[float], resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL):
-    """(median, low, high): the median of ``values`` and its percentile-bootstrap interval at ``level``."""
+def median_ci(groups: list[list[float]], resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL):
+    """(median, low, high): the median of all values in ``groups`` and its bootstrap interval at ``level``.
+
+    The groups (the blocks of steps, each with its models' weights in new allocations) are resampled whole, with
+    replacement, and the median taken over the values they pool: what differs from one block to the next (where
+    the weights landed in memory) widens the interval as it should. Groups of one value are the ordinary bootstrap."""
     import numpy as np
 
-    if not values:
-        raise ValueError("median_ci needs at least one value")
+    if not groups or not all(groups):
+        raise ValueError("median_ci needs at least one group, each with at least one value")
     if resamples < 1 or not 0 < level < 1:
         raise ValueError(f"resamples must be >= 1 and level in (0, 1), got {resamples} and {level}")
-    v = np.asarray(values, dtype=np.float64)
-    idx = np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))
-    medians = np.median(v[idx], axis=1)
+    idx = np.random.default_rng(seed).integers(0, len(groups), size=(resamples, len(groups)))
+    if len({len(g) for g in groups}) == 1:
+        v = np.asarray(groups, dtype=np.float64)  # (groups, values a group)
+        medians = np.median(v[idx].reshape(resamples, -1), axis=1)
+    else:  # a shorter last block
+        arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+        medians = np.array([np.median(np.concatenate([arrays[j] for j in row])) for row in idx])
     lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(v)), float(lo), float(hi)
+    return float(np.median(np.concatenate([np.asarray(g, dtype=np.float64) for g in groups]))), float(lo), float(hi)
 
 
 def lag1_autocorrelation(values: list[float]) -> float:
@@ -74,11 +85,24 @@ def lag1_autocorrelation(values: list[float]) -> float:
     return sum((a - mean) * (b - mean) for a, b in zip(x, x[1:])) / den
 
 
-def summarize(baseline: list[float], variant: list[float]) -> dict:
-    """Median paired ratio, its bootstrap interval, the number of pairs and the lag-1 autocorrelation."""
-    ratios = paired_ratios(baseline, variant)
+def summarize(baseline: list[list[float]], variant: list[list[float]]) -> dict:
+    """Per group (a block of steps, or a round's prefill), the paired times of the baseline and the variant; returns
+    the median paired ratio, its interval (groups resampled), the numbers of pairs and groups, the lowest and
+    highest median of one group, and the lag-1 autocorrelation of the ratios."""
+    if len(baseline) != len(variant):
+        raise ValueError(f"paired timings need the same groups, got {len(baseline)} and {len(variant)}")
+    ratios = [paired_ratios(b, v) for b, v in zip(baseline, variant)]
     med, lo, hi = median_ci(ratios)
-    return dict(ratio=med, lo=lo, hi=hi, pairs=len(ratios), autocorr=lag1_autocorrelation(ratios))
+    per_group = [statistics.median(r) for r in ratios]
+    return dict(
+        ratio=med,
+        lo=lo,
+        hi=hi,
+        pairs=sum(len(r) for r in ratios),
+        groups=len(ratios),
+        group_range=(min(per_group), max(per_group)),
+        autocorr=lag1_autocorrelation([x for r in ratios for x in r]),
+    )
 
 
 def ceiling(share: float, cost: float) -> dict:

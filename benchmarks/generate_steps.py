@@ -1,7 +1,11 @@
 """bench_generate.py's paired per-step measurement and its profile of prefill and decode.
 
 Paired steps: every variant (unpatched, fused, norms) has its own model and its own KV cache, fed the same prompt.
-A round is one prefill of each variant, then ``steps`` greedy decode steps of each; the variants take turns within
+Two copies of one model, run alternately, differ by up to +-3% a step on this machine, the same for as long as each
+keeps its weights where they are and different once they move: so every round makes new copies of the models, and
+every ``block`` steps their weights move to new allocations; a block is the unit the bootstrap resamples
+(generate_stats.py). One set of copies for the whole run would be a bias that no number of steps removes. A
+round is one prefill of each variant, then ``steps`` greedy decode steps of each; the variants take turns within
 every prefill and every step (unpatched, fused, norms, ...), the order rotated by one at each step and, for the
 prefills, at each round, so that a change of load hits all of them within a few tens of milliseconds and each
 variant runs first, second and third equally often (the prefills: when the rounds are a multiple of three).
@@ -104,32 +108,52 @@ def _rotated(names: list[str], k: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def paired_steps(models: dict, ids, rounds: int, steps: int, sync, progress=lambda: None) -> dict:
-    """Round-robin prefills and decode steps of every model in ``models`` (name -> model; the first name is the
-    baseline). Returns prefill and decode timings as name -> [(wall, cpu), ...] (index i of every name is one
-    pair), the greedy tokens of each round (name -> [tensor, ...]), and the loop's process and thread CPU time."""
+def reallocate(model) -> None:
+    """Move every parameter and buffer of ``model`` to a new allocation (same values, same Parameter objects, so
+    modules that share one keep sharing it): where its weights lie in memory is drawn again."""
     import torch
 
-    if rounds < 1 or steps < 1:
-        raise ValueError(f"rounds and steps must be >= 1, got {rounds} and {steps}")
-    names = list(models)
-    prefill = {n: [] for n in names}
-    decode = {n: [] for n in names}
-    tokens = {n: [] for n in names}
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.data = t.data.clone()
+
+
+def paired_steps(make_models, ids, rounds: int, steps: int, sync, progress=lambda: None, block: int = 0) -> dict:
+    """Round-robin prefills and decode steps. ``make_models(i)`` gives round i its own models (name -> model; the
+    first name is the baseline). Every ``block`` decode steps (0: never) each model's weights move to a new
+    allocation (:func:`reallocate`), so that where they landed is one block's draw, not the whole run's.
+
+    Returns, per name, the prefill timings (one (wall, cpu) pair a round), the decode timings (a list of (wall, cpu)
+    pairs a block, index j of every name's block one pair), the greedy tokens of each round, and the loop's process
+    and thread CPU time."""
+    import torch
+
+    if rounds < 1 or steps < 1 or block < 0:
+        raise ValueError(f"rounds and steps must be >= 1 and block >= 0, got {rounds}, {steps} and {block}")
+    prefill, decode, tokens = {}, {}, {}
     p0, t0 = time.process_time(), time.thread_time()
     k = 0  # decode steps so far: their rotation continues across rounds
-    with torch.inference_mode():
-        for i in range(rounds):
+    for i in range(rounds):
+        models = make_models(i)
+        names = list(models)
+        with torch.inference_mode():
             dec = {n: Decoder(models[n], ids) for n in names}
             for n in _rotated(names, i):  # by round: every variant prefills first once in len(names) rounds
-                prefill[n].append(_timed(dec[n].prefill, sync))
-            for _ in range(steps):
+                prefill.setdefault(n, []).append(_timed(dec[n].prefill, sync))
+            for j in range(steps):
+                if j == 0 or (block and j % block == 0):
+                    if j:
+                        for n in _rotated(names, k):
+                            reallocate(models[n])
+                    for n in names:
+                        decode.setdefault(n, []).append([])
                 for n in _rotated(names, k):
-                    decode[n].append(_timed(dec[n].step, sync))
+                    decode[n][-1].append(_timed(dec[n].step, sync))
                 k += 1
             for n in names:
-                tokens[n].append(dec[n].generated())
-            progress()
+                tokens.setdefault(n, []).append(dec[n].generated())
+        del dec, models  # the next round's copies take their place
+        progress()
     return dict(
         prefill=prefill,
         decode=decode,

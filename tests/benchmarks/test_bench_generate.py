@@ -39,8 +39,9 @@ def test_tiny_run_rows_tokens_profile_verdicts_and_files(tmp_path, capsys):
     assert set(result) == {"env", "args", "clock", "rows", "paired", "profiles", "verdicts", "loop_cpu", "timings"}
     for t in result["timings"]:  # every step's (wall, thread CPU) seconds, per variant, for a reader to re-analyse
         assert {t["family"], t["batch"]} <= {"llama", "gpt2", 1, 2} and t["dtype"] == "fp32"
-        assert all(len(t["prefill"][v]) == 2 and len(t["decode"][v]) == 4 for v in bench_generate.VARIANTS)
-        assert all(len(pair) == 2 and pair[0] > 0 for pair in t["decode"]["fused"])
+        for v in bench_generate.VARIANTS:  # prefill: a pair a round; decode: a list of pairs a round
+            assert len(t["prefill"][v]) == 2 and [len(r) for r in t["decode"][v]] == [2, 2]
+        assert all(len(pair) == 2 and pair[0] > 0 for r in t["decode"]["fused"] for pair in r)
     assert result["clock"]["name"] == "thread" and "one torch thread" in result["clock"]["why"]
     rows = result["rows"]
     seen = {(r["family"], r["batch"], r["variant"]) for r in rows}
@@ -62,6 +63,7 @@ def test_tiny_run_rows_tokens_profile_verdicts_and_files(tmp_path, capsys):
             s = r[clock]
             assert s["lo"] <= s["ratio"] <= s["hi"] and s["ms"] > 0 and s["baseline_ms"] > 0
             assert s["pairs"] == (2 if r["phase"] == "prefill" else 2 * 2)  # rounds, rounds x (new - 1) steps
+            assert s["groups"] == 2 and s["group_range"][0] <= s["group_range"][1]  # a block a round (8 > 2 steps)
     assert len(result["profiles"]) == 8  # (family, batch) x phase
     for p in result["profiles"]:
         assert p["phase"] in ("prefill", "decode") and p["step_s"] > 0 and p["cost"] > 0
@@ -90,16 +92,24 @@ def test_paired_loop_gives_generates_greedy_tokens():
     for family in ("llama", "gpt2"):
         a = _args()
         model = bench_generate.build_model(family, a, torch.float32, torch.device("cpu"))
-        models = bench_generate.variants(model, None)
+        models = bench_generate.variants(model, None)  # the generate() rows' models
         ids = torch.randint(3, a.vocab, (2, a.prompt), generator=torch.Generator().manual_seed(1))
-        loop = generate_steps.paired_steps(models, ids, rounds=2, steps=a.new - 1, sync=lambda: None)
+        made = []
+
+        def make(i, model=model, made=made):
+            made.append(i)
+            return bench_generate.fresh_copies(model, i)
+
+        loop = generate_steps.paired_steps(make, ids, rounds=2, steps=a.new - 1, sync=lambda: None, block=2)
+        assert made == [0, 1]  # new copies for every round
         for name, m in models.items():
             expected = bench_generate.generate_once(m, ids, a.new, lambda: None, False)[0]
             assert len(loop["tokens"][name]) == 2
             for got in loop["tokens"][name]:
                 assert torch.equal(got, expected), (family, name)
-            assert len(loop["prefill"][name]) == 2 and len(loop["decode"][name]) == 2 * (a.new - 1)
-            assert all(w > 0 and c >= 0 for w, c in loop["decode"][name])
+            assert len(loop["prefill"][name]) == 2
+            assert [len(r) for r in loop["decode"][name]] == [2, 1, 2, 1]  # blocks of 2 steps: 3 steps a round
+            assert all(w > 0 and c >= 0 for r in loop["decode"][name] for w, c in r)
         assert loop["process_cpu_s"] >= 0.99 * loop["thread_cpu_s"] > 0  # (two clocks, read one after the other)
 
 
@@ -131,7 +141,7 @@ def test_steps_are_paired_by_index_and_the_order_rotates(monkeypatch):
     scripted = _Scripted(speed)
     monkeypatch.setattr(generate_steps, "_timed", scripted)
     ids = torch.randint(3, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
-    loop = generate_steps.paired_steps(models, ids, rounds=2, steps=4, sync=lambda: None)
+    loop = generate_steps.paired_steps(lambda i: models, ids, rounds=2, steps=4, sync=lambda: None)
     turns = [scripted.turns[i : i + 3] for i in range(0, len(scripted.turns), 3)]
     assert len(turns) == 2 * (1 + 4)  # a prefill and four steps a round, every variant once in each
     names = list(models)
@@ -142,8 +152,10 @@ def test_steps_are_paired_by_index_and_the_order_rotates(monkeypatch):
     for phase in ("prefill", "decode"):
         for name in ("fused", "norms"):
             for i in (0, 1):  # wall, thread
-                base = [t[i] for t in loop[phase]["unpatched"]]
-                mine = [t[i] for t in loop[phase][name]]
+                if phase == "prefill":
+                    base, mine = ([[t[i]] for t in loop[phase][v]] for v in ("unpatched", name))
+                else:
+                    base, mine = ([[t[i] for t in r] for r in loop[phase][v]] for v in ("unpatched", name))
                 s = generate_stats.summarize(base, mine)
                 # the load moves every time by up to 6x, but each pair shares it: every ratio is the speed
                 assert s["ratio"] == pytest.approx(speed[name]) and s["lo"] == pytest.approx(speed[name])
@@ -163,23 +175,62 @@ def test_bootstrap_interval_is_seeded_ordered_and_covers():
 
     rng = np.random.default_rng(0)
     values = list(1.02 * np.exp(rng.normal(0, 0.05, 301)))
-    first = generate_stats.median_ci(values)
-    assert first == generate_stats.median_ci(values)  # the fixed seed: the same interval on the same timings
+    single = [[v] for v in values]  # groups of one: the ordinary bootstrap
+    first = generate_stats.median_ci(single)
+    assert first == generate_stats.median_ci(single)  # the fixed seed: the same interval on the same timings
     med, lo, hi = first
     assert med == pytest.approx(float(np.median(values)))
     assert lo < med < hi and 0.003 < hi - lo < 0.03  # ~2 x 1.96 x 1.25 x 0.05 / sqrt(301) = 0.014 wide
-    assert generate_stats.median_ci([1.5]) == (1.5, 1.5, 1.5)
+    assert generate_stats.median_ci([[1.5]]) == (1.5, 1.5, 1.5)
     # coverage: over many data sets, the 95% interval holds the true median about 95% of the time
     covered = 0
     for seed in range(200):
         data = list(np.exp(np.random.default_rng(seed + 1).normal(0, 0.05, 41)))
-        _, lo, hi = generate_stats.median_ci(data, resamples=400)
+        _, lo, hi = generate_stats.median_ci([[v] for v in data], resamples=400)
         covered += lo <= 1.0 <= hi
     assert 0.88 <= covered / 200 <= 0.995
-    with pytest.raises(ValueError, match="at least one value"):
+    with pytest.raises(ValueError, match="at least one group, each with at least one value"):
         generate_stats.median_ci([])
+    # groups of unequal length (a shorter last block) are resampled the same way
+    assert generate_stats.median_ci([[1.0, 1.0], [3.0]]) == (1.0, pytest.approx(1.0), pytest.approx(3.0))
     with pytest.raises(ValueError, match="resamples must be >= 1"):
-        generate_stats.median_ci([1.0], resamples=0)
+        generate_stats.median_ci([[1.0]], resamples=0)
+
+
+def test_bootstrap_resamples_rounds_whole():
+    """Identical models whose copies differ by a few percent per round (where their weights landed): resampling
+    steps alone excludes 1.00, resampling rounds does not."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    offsets = [1.02, 0.985, 1.01, 0.99, 1.015, 0.98]  # one draw a round, mean 1.0
+    rounds = [list(o * np.exp(rng.normal(0, 0.01, 64))) for o in offsets]
+    _, lo_steps, hi_steps = generate_stats.median_ci([[v] for r in rounds for v in r])
+    med, lo, hi = generate_stats.median_ci(rounds)
+    assert hi - lo > 2 * (hi_steps - lo_steps)
+    assert lo <= 1.0 <= hi and lo <= med <= hi
+    s = generate_stats.summarize([[1.0] * 64 for _ in rounds], [[1 / v for v in r] for r in rounds])
+    assert s["groups"] == 6 and s["pairs"] == 6 * 64
+    assert s["group_range"] == pytest.approx((0.98, 1.02), abs=0.005)
+    assert (s["ratio"], s["lo"], s["hi"]) == pytest.approx((med, lo, hi))
+    with pytest.raises(ValueError, match="the same groups, got 2 and 1"):
+        generate_stats.summarize([[1.0], [1.0]], [[1.0]])
+
+
+def test_fresh_copies_are_new_models_with_the_same_weights():
+    import torch
+
+    from addnorm.integrations import hf
+
+    model = bench_generate.build_model("llama", _args(), torch.float32, torch.device("cpu"))
+    for i in range(3):
+        copies = bench_generate.fresh_copies(model, i)
+        assert list(copies) == list(bench_generate.VARIANTS)  # the baseline first, whatever the making order
+        for name, m in copies.items():
+            assert m is not model and hf.is_applied(m) == (name != "unpatched")
+            w = m.model.layers[0].mlp.up_proj.weight
+            assert torch.equal(w, model.model.layers[0].mlp.up_proj.weight)
+            assert w.data_ptr() != model.model.layers[0].mlp.up_proj.weight.data_ptr()
 
 
 def test_lag1_autocorrelation():
@@ -304,6 +355,7 @@ def test_different_tokens_in_the_paired_loop_are_an_error(monkeypatch, capsys):
         ["--repeats", "0"],
         ["--rounds", "0"],
         ["--steps", "-1"],
+        ["--block", "-1"],
         ["--clock", "cycles"],
         ["--clock", "thread", "--threads", "2"],
     ],
@@ -320,3 +372,37 @@ def test_bad_arguments_are_refused(argv, capsys):
     assert e.value.code == 2
     if "--threads" in argv:
         assert "--clock thread needs --threads 1" in capsys.readouterr().err
+
+
+def test_reallocate_moves_weights_and_keeps_sharing():
+    import torch
+    from torch import nn
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight  # tied, as embeddings and heads are
+    model = nn.Sequential(a, b)
+    model.register_buffer("scale", torch.arange(3.0))
+    before = {n: (t.data_ptr(), t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    weight = a.weight
+    generate_steps.reallocate(model)
+    assert model[0].weight is weight and model[1].weight is weight  # the same Parameter, still shared
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t.data_ptr() != before[n][0] and torch.equal(t, before[n][1]), n
+
+
+def test_control_and_blocks_in_a_tiny_run(tmp_path, capsys):
+    out = tmp_path / "generate.md"
+    argv = [*TINY, "--family", "llama", "--batch", "1", "--dtype", "bf16", "--repeats", "1", "--rounds", "2"]
+    assert bench_generate.main([*argv, "--block", "1", "--control", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    control = [r for r in result["paired"] if r["variant"] == bench_generate.CONTROL]
+    assert [r["phase"] for r in control] == ["prefill", "decode"]
+    for r in control:
+        assert r["same_tokens"] is True
+        assert r["thread"]["groups"] == (2 if r["phase"] == "prefill" else 2 * 2)  # a block a step
+    assert [v["variant"] for v in result["verdicts"]] == ["fused", "fused"]  # no verdict for the control
+    bf16_prefill = [v for v in result["verdicts"] if v["phase"] == "prefill"][0]
+    assert bf16_prefill["target"] == 1.05
+    text = out.read_text()
+    assert "| llama | 1 | bf16 | decode | unpatched copy |" in text and "its interval should hold 1.000x" in text
+    assert "weights moved to new memory every 1 steps" in text
