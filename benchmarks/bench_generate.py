@@ -255,7 +255,8 @@ def run_case(family, batch, dtype_name, a, progress) -> dict:
     loop = generate_steps.paired_steps(
         lambda i: fresh_copies(model, i, a.control), ids, a.rounds, steps, sync, progress, a.block
     )
-    prof = generate_steps.profile(models["unpatched"], models["fused"], ids, min(steps, 8), sync, a.clock)
+    # the norms' share of a decode step is a few percent: 32 hooked steps of each model for a stable median
+    prof = generate_steps.profile(models["unpatched"], models["fused"], ids, min(steps, 32), sync, a.clock)
     progress()
     paired, verdicts = paired_rows(case, loop, prof, a.clock, tokens["unpatched"])
     profiles = [dict(**case, phase=phase, **p) for phase, p in prof.items()]
