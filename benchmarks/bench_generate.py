@@ -31,8 +31,8 @@ resolved", and says so when the measured share puts the target (or the seed's 5%
 
     python benchmarks/bench_generate.py                               # CPU: llama + gpt2, batch 1 and 8, fp32, bf16
     python benchmarks/bench_generate.py --family llama --batch 1 --json
-    python benchmarks/bench_generate.py --family llama --batch 1 --layers 6 --prompt 256 --new 24 \\
-        --rounds 6 --steps 48                                         # issue 25's setting, resolving ~2%
+    python benchmarks/bench_generate.py --family llama --batch 1 --layers 6 --prompt 256 --new 24 --repeats 3 \\
+        --rounds 3 --steps 96 --control                               # issue 25's setting, resolving ~2%
     python benchmarks/bench_generate.py --compile                     # + a torch.compile'd forward of each variant
     python benchmarks/bench_generate.py --device cuda --dtype bf16 --hidden 4096 --layers 8 --heads 32 \\
         --prompt 512 --new 64 --out benchmarks/results/gpu/generate.md    # static cache + compiled forward
