@@ -34,11 +34,13 @@ def paired_rows(case: dict, loop: dict, prof: dict, clock: str, generated) -> tu
                 row[c]["ms"] = statistics.median(x for r in mine for x in r) * 1e3
                 row[c]["baseline_ms"] = statistics.median(x for r in base for x in r) * 1e3
             rows.append(row)
-            if n == "fused":
-                p = prof[phase]
-                goal = generate_stats.target(phase, case["dtype"])
-                v = generate_stats.verdict(row[clock], goal, p["share"], p["cost"])
-                verdicts.append(dict(**case, phase=phase, variant=n, clock=clock, **row[clock], **v))
+        fused = next(r for r in rows if r["phase"] == phase and r["variant"] == "fused")
+        control = [r[clock] for r in rows if r["phase"] == phase and r["variant"] == CONTROL]
+        p = prof[phase]
+        v = generate_stats.verdict(fused[clock], generate_stats.target(phase, case["dtype"]), p["share"], p["cost"])
+        # the A/A pair: two identical models whose interval misses 1.00x mean this run resolves less than it claims
+        v["control"] = None if not control else (control[0]["lo"] <= 1.0 <= control[0]["hi"])
+        verdicts.append(dict(**case, phase=phase, variant="fused", clock=clock, **fused[clock], **v))
     return rows, verdicts
 
 

@@ -163,6 +163,8 @@ def verdict_text(v: dict) -> str:
             text += f", less than the {need:.1f}% the target needs: out of reach on this machine"
     if v["above_ceiling"]:
         text += "; the interval lies above that ceiling: more than the norms differs (or the measurement is biased)"
+    if v.get("control") is False:
+        text += "; **the control pair of identical models missed 1.00x: this run does not resolve that finely**"
     if not v["seed_reachable"]:
         text += f"; the seed's {100 * (SEED_CLAIM - 1):.0f}% ({SEED_CLAIM:.2f}x) is out of reach here"
     return text

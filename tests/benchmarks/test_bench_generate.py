@@ -75,7 +75,7 @@ def test_tiny_run_rows_tokens_profile_verdicts_and_files(tmp_path, capsys):
         (f, b, ph) for f in ("llama", "gpt2") for b in (1, 2) for ph in ("prefill", "decode")
     }
     for v in verdicts:
-        assert v["variant"] == "fused" and v["clock"] == "thread"
+        assert v["variant"] == "fused" and v["clock"] == "thread" and v["control"] is None  # no --control
         if v["phase"] == "decode":
             assert v["target"] == 1.0 and v["status"] in ("met", "not met", "not resolved")
         else:
@@ -297,6 +297,9 @@ def test_verdict_says_when_the_norms_share_is_too_small():
     above = generate_stats.verdict(dict(ratio=1.12, lo=1.10, hi=1.14), None, share=0.014, cost=0.9)
     assert above["above_ceiling"] is True and above["max_speedup"] == pytest.approx(1 / (1 - 0.0014))
     assert "the interval lies above that ceiling: more than the norms differs" in generate_stats.verdict_text(above)
+    assert "control pair" not in generate_stats.verdict_text(above)  # no control run: nothing said
+    assert "control pair of identical models missed 1.00x" in generate_stats.verdict_text({**above, "control": False})
+    assert "control pair" not in generate_stats.verdict_text({**above, "control": True})
     with pytest.raises(ValueError, match="share must be in"):
         generate_stats.verdict(stats, 1.0, share=1.5, cost=0.5)
 
@@ -400,7 +403,10 @@ def test_control_and_blocks_in_a_tiny_run(tmp_path, capsys):
     for r in control:
         assert r["same_tokens"] is True
         assert r["thread"]["groups"] == (2 if r["phase"] == "prefill" else 2 * 2)  # a block a step
-    assert [v["variant"] for v in result["verdicts"]] == ["fused", "fused"]  # no verdict for the control
+    assert [v["variant"] for v in result["verdicts"]] == ["fused", "fused"]  # no verdict for the control...
+    for v in result["verdicts"]:  # ...but each verdict says whether the control's interval held 1.00x
+        c = next(r["thread"] for r in control if r["phase"] == v["phase"])
+        assert v["control"] is (c["lo"] <= 1.0 <= c["hi"])
     bf16_prefill = [v for v in result["verdicts"] if v["phase"] == "prefill"][0]
     assert bf16_prefill["target"] == 1.05
     text = out.read_text()
