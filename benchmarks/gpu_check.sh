@@ -169,7 +169,9 @@ step "per-call overhead, Triton's normal launch (ADDNORM_TRITON_FAST_LAUNCH=0)" 
     env ADDNORM_TRITON_FAST_LAUNCH=0 python benchmarks/bench_overhead.py --device cuda --out ''
 if [ -f benchmarks/bench_generate.py ]; then
     step "decode benchmark (generate)" 150 40 "" \
-        python benchmarks/bench_generate.py --device cuda --out "$RESULTS/generate.md"
+        python benchmarks/bench_generate.py --device cuda --family llama --dtype bf16 --batch 1,8 --hidden 4096 \
+        --layers 4 --heads 32 --vocab 32000 --prompt 512 --new 32 --repeats 3 --rounds 3 --steps 64 --control \
+        --no-progress --out "$RESULTS/generate.md"
 else
     echo "== decode benchmark: skipped, benchmarks/bench_generate.py is not in this tree"
     incomplete+=("decode benchmark (no bench_generate.py)")
