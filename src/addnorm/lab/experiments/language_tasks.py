@@ -16,6 +16,7 @@ import importlib
 import torch
 from torch import nn
 
+# _num and _subsample: train_task's own formatting of numbers and curves, so both tasks' results read alike
 from addnorm.lab.experiments.training_setup import BATCH, SEQ, _num, _subsample, excess, model_config
 
 LANGUAGES = ("markov", "sentences")

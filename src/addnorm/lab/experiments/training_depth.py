@@ -1,10 +1,11 @@
 """Training experiments on depth (issue 27, extended suite): LayerNorm Scaling against the "curse of depth" of
 Pre-LN (layernorm-scaling), and seed 004's advice to scale each residual branch down with depth (branch-scaling).
 
-Same model, language, seeds and rules as :mod:`training_newer` (its docstring): every run a ``ctx.map`` task
-(:func:`train_task`, here with a ``probe`` that measures after training), every verdict a pure ``*_verdict``
-function with a control, decided by a strict majority of >= 3 seeds paired by seed. The criteria and controls below
-were written before the first run of each experiment.
+Same model, seeds and rules as :mod:`training_newer` (its docstring): every run a ``ctx.map`` task (with a
+``probe`` that measures after training), every verdict a pure ``*_verdict`` function with a control, decided by a
+strict majority of >= 3 seeds paired by seed. branch-scaling trains on the lab's language (:func:`train_task`);
+layernorm-scaling on an order-2 chain (:func:`~addnorm.lab.experiments.language_tasks.language_task`, see
+DEPTH_LANGUAGE). The criteria and controls below were written before the first run of each experiment.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Training experiments on which norm, and where (issue 27, extended suite): OLMo 2's norm on the branch's output
 with QK-norm across an LR grid (reordered-norm), and BatchNorm in a Transformer's norm slot (batchnorm-training).
 
-Same model, language, seeds and rules as :mod:`training_newer` (its docstring): every run a ``ctx.map`` task
-(:func:`train_task`), every verdict a pure ``*_verdict`` function with a control, decided by a strict majority of
->= 3 seeds paired by seed. The criteria and controls below were written before the first run of each experiment.
+Same model, seeds and rules as :mod:`training_newer` (its docstring): every run a ``ctx.map`` task, every verdict a
+pure ``*_verdict`` function with a control, decided by a strict majority of >= 3 seeds paired by seed.
+reordered-norm trains on the lab's language (:func:`train_task`); batchnorm-training on padded sentences of varied
+sources and lengths (:func:`~addnorm.lab.experiments.language_tasks.language_task`, see BN_LANGUAGE). The criteria
+and controls below were written before the first run of each experiment.
 """
 
 from __future__ import annotations
