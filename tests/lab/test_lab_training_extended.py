@@ -150,7 +150,8 @@ def test_batch_stats_probe_records_training_steps_and_deviation_ratios():
     assert len(probe["per_layer"]) == 2 and all(math.isfinite(v) for row in probe["per_layer"] for v in row)
     r_mean, r_var = N.deviation_ratios(probe)
     assert r_mean > 0 and r_var > 0
-    assert N.deviation_ratios({"per_layer": [[None, None]], "iid_mean": 1.0, "iid_var": 1.0}) == (None, None)
+    assert probe["samples_per_step"] == 8 * 32  # the lab's language has no padding: every position is a sample
+    assert N.deviation_ratios({"per_layer_ratio": [[None, None]]}) == (None, None)
 
 
 def test_batchnorm_verdict_pass_fail_and_control():

@@ -15,6 +15,11 @@ and so is the best possible loss of a model that predicts tokens 1..T of a seque
 It is a little above h because the first k - 1 predictions see less than a full context. Results then read as
 "excess loss over the optimum".
 
+**Sentences** (:class:`SentenceMixture`): batches as NLP batches are, for experiments whose claim is about how
+batches vary: each row one sentence from one of several sources (topics, each with its own tokens and frequency, so
+some tokens are rare), of random length, padded to the batch's length with token 0. Its best achievable loss is
+exact too (see the class).
+
 **Text** (:class:`TextData`): a file read as bytes (vocab 256), the last ``val_fraction`` kept for validation.
 
 Batches are a pure function of (seed, step): the data position is the step, so a resumed run sees the same
@@ -28,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["MarkovLanguage", "TextData", "batch_generator"]
+__all__ = ["MarkovLanguage", "SentenceMixture", "TextData", "batch_generator"]
 
 # Stream ids mixed into the seed so training and validation batches never coincide.
 _TRAIN_STREAM, _VAL_STREAM = 1, 2
@@ -185,6 +190,132 @@ class MarkovLanguage:
             "seed": self.seed,
             "entropy_rate": self.entropy_rate,
             "optimum": self.optimum(seq_len),
+        }
+
+
+class SentenceMixture:
+    """Sentences from several sources, of random length, padded: the heterogeneous batches of NLP, scaled down.
+
+    Token 0 is padding. Source k (of ``sources``) writes with its own ``tokens_per_source`` tokens (ids
+    ``1 + k * m .. (k + 1) * m``) by an order-1 :class:`MarkovLanguage` of ``branching`` successors, and is drawn
+    for a row with probability ``weights[k]`` (default proportional to 2^-k: the last source and its tokens are
+    rare). A row of a batch is one sentence: its source, a length L uniform on ``min_len .. seq_len + 1`` tokens
+    (``seq_len + 1``: no padding), the source's chain from its stationary distribution for L tokens, then padding.
+
+    The best possible prediction of x_t from x_0..x_{t-1} is known: the source is named by x_0's token range; after
+    padding began, padding follows for sure; otherwise the sentence ends here with the hazard
+    h_t = P(L = t | L >= t) and continues by the source's chain with 1 - h_t. So :meth:`reference_loss` scores
+    tokens exactly and :meth:`optimum` is the expectation of that loss.
+    """
+
+    pad_id = 0
+
+    def __init__(
+        self,
+        *,
+        sources: int = 4,
+        tokens_per_source: int = 7,
+        weights=None,
+        min_len: int = 4,
+        branching: int = 3,
+        smoothing: float = 0.01,
+        seed: int = 0,
+    ):
+        if not isinstance(sources, int) or sources < 1:
+            raise ValueError(f"sources must be an int >= 1, got {sources!r}")
+        if not isinstance(tokens_per_source, int) or tokens_per_source < 2:
+            raise ValueError(f"tokens_per_source must be an int >= 2, got {tokens_per_source!r}")
+        if not isinstance(min_len, int) or min_len < 2:
+            raise ValueError(
+                f"min_len must be an int >= 2 (a sentence names its source, then goes on), got {min_len!r}"
+            )
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        w = np.asarray([2.0**-k for k in range(sources)] if weights is None else weights, dtype=np.float64)
+        if w.shape != (sources,) or (w <= 0).any() or not np.isfinite(w).all():
+            raise ValueError(f"weights must be {sources} positive numbers (one per source), got {weights!r}")
+        self.sources, self.tokens_per_source, self.min_len, self.seed = sources, tokens_per_source, min_len, seed
+        self.weights = w / w.sum()
+        self.vocab_size = 1 + sources * tokens_per_source
+        # each source its own chain, seeded apart from the other sources and from other seeds' sources
+        self.chains = [
+            MarkovLanguage(
+                vocab_size=tokens_per_source, order=1, branching=branching, smoothing=smoothing, seed=seed * 1009 + k
+            )
+            for k in range(sources)
+        ]
+        self._w_cum = torch.from_numpy(np.cumsum(self.weights))
+        self._w_cum[-1] = 1.0 + 1e-9
+        self._log_table = torch.from_numpy(np.log(np.stack([c.table for c in self.chains])))  # (K, m, m)
+
+    def _lengths(self, seq_len: int) -> np.ndarray:
+        if seq_len + 1 < self.min_len:
+            raise ValueError(f"seq_len must be >= min_len - 1 = {self.min_len - 1}, got {seq_len}")
+        return np.arange(self.min_len, seq_len + 2)
+
+    def _hazard(self, seq_len: int) -> np.ndarray:
+        """h[t] = P(L = t | L >= t) for t = 0..seq_len + 1 (0 below min_len)."""
+        lengths = self._lengths(seq_len)
+        h = np.zeros(seq_len + 2)
+        h[lengths] = 1.0 / (seq_len + 2 - lengths)  # L uniform: 1 / (number of lengths still possible)
+        return h
+
+    def sample(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """(batch, length) int64 tokens: one padded sentence per row (``length`` = seq_len + 1)."""
+        lengths = self._lengths(length - 1)
+        source = torch.searchsorted(self._w_cum, torch.rand(batch, generator=generator, dtype=torch.float64))
+        sent_len = torch.from_numpy(lengths)[torch.randint(len(lengths), (batch,), generator=generator)]
+        out = torch.empty(batch, length, dtype=torch.int64)
+        for k, chain in enumerate(self.chains):  # every source samples every row: the draws do not depend on k's rows
+            rows = chain.sample(batch, length, generator) + 1 + k * self.tokens_per_source
+            out = torch.where((source == k)[:, None], rows, out)
+        return out.masked_fill(torch.arange(length)[None, :] >= sent_len[:, None], self.pad_id)
+
+    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0, split: str = "train"):
+        """The (inputs, targets) of ``step``: (batch_size, seq_len) each, targets shifted by one."""
+        gen = batch_generator(seed, _TRAIN_STREAM if split == "train" else _VAL_STREAM, step)
+        x = self.sample(batch_size, seq_len + 1, gen)
+        return x[:, :-1], x[:, 1:]
+
+    def reference_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean -log P(target | its prefix) under the generating process, on (inputs, targets) from :meth:`batch`."""
+        x = torch.cat([inputs[:, :1], targets], dim=1)  # (B, T + 1)
+        seq_len = x.shape[1] - 1
+        h = torch.from_numpy(self._hazard(seq_len))
+        m = self.tokens_per_source
+        source = (x[:, 0] - 1) // m  # x_0 is never padding (min_len >= 2)
+        prev, nxt = x[:, :-1], x[:, 1:]
+        t = torch.arange(1, seq_len + 1)
+        ended, stops = prev == self.pad_id, nxt == self.pad_id
+        local_prev, local_next = (prev - 1).clamp(min=0) % m, (nxt - 1).clamp(min=0) % m
+        go_on = torch.log1p(-h[t]) + self._log_table[source[:, None], local_prev, local_next]
+        logp = torch.where(stops, torch.log(h[t]).expand_as(go_on), go_on)
+        logp = torch.where(ended, torch.zeros_like(logp), logp)  # padding after padding: certain
+        return -float(logp.sum()) / targets.numel()
+
+    def optimum(self, seq_len: int) -> float:
+        """The expectation of :meth:`reference_loss`: per predicted position t = 1..seq_len,
+        P(L = t) (-log h_t) + P(L > t) (-log(1 - h_t) + sum_k w_k H_k), H_k source k's entropy rate."""
+        lengths = self._lengths(seq_len)
+        h = self._hazard(seq_len)
+        rate = float(sum(w * c.entropy_rate for w, c in zip(self.weights, self.chains)))
+        total = 0.0
+        for t in range(1, seq_len + 1):
+            p_end = float(np.mean(lengths == t))
+            p_more = float(np.mean(lengths > t))
+            total += (p_end * -np.log(h[t]) if p_end else 0.0) + p_more * (-np.log1p(-h[t]) + rate)
+        return total / seq_len
+
+    def describe(self, seq_len: int) -> dict:
+        return {
+            "kind": "sentences",
+            "vocab_size": self.vocab_size,
+            "sources": self.sources,
+            "tokens_per_source": self.tokens_per_source,
+            "weights": [float(w) for w in self.weights],
+            "min_len": self.min_len,
+            "seed": self.seed,
+            "optimum": float(self.optimum(seq_len)),
         }
 
 
