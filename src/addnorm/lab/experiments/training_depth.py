@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_residuals import first_half_mean
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -34,7 +35,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # layernorm-scaling: skipping some block of the trained Pre-LN model must raise its validation loss by more than
@@ -268,7 +268,7 @@ def layernorm_scaling(ctx: Context) -> Result:
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
     keys, tasks = grid_tasks(ctx, arms, seeds, train, probe=f"{__name__}:skip_probe")
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {a: seed_values(runs, a, seeds, "excess") for a in arms}
     contrib = {a: [contributions(runs[(a, sd)].get("probe")) for sd in seeds] for a in arms}
     split = {a: [halves(c) for c in contrib[a]] for a in arms}
@@ -358,7 +358,7 @@ def branch_scaling(ctx: Context) -> Result:
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
     keys, tasks = grid_tasks(ctx, arms, seeds, train, probe=f"{__name__}:stream_probe")
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     swell = {a: [swelling(runs[(a, sd)].get("probe")) for sd in seeds] for a in arms}
     early = {a: [first_half_mean(runs[(a, sd)]["loss_curve"]) for sd in seeds] for a in arms}
     div = {a: seed_values(runs, a, seeds, "diverged") for a in arms}

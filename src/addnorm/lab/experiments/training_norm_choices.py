@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_logits import CONVERGED_EXCESS, lr_sensitivity
 from addnorm.lab.experiments.training_newer import PARITY_ABS, PARITY_REL
 from addnorm.lab.experiments.training_setup import (
@@ -36,7 +37,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # reordered-norm: the grid must reach LRs that hurt the reference arm (Pre-LN + QK-norm): its excess at some LR at
@@ -155,7 +155,7 @@ def reordered_norm(ctx: Context) -> Result:
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, train)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {v: {sd: [runs[((v, lr), sd)]["excess"] for lr in grid] for sd in seeds} for v in variants}
     sens = {
         v: [
@@ -344,7 +344,7 @@ def batchnorm_training(ctx: Context) -> Result:
     bn_keys, bn_tasks = grid_tasks(
         ctx, {"batchnorm": arms["batchnorm"]}, seeds, train, probe=f"{__name__}:batch_stats_probe"
     )
-    runs = dict(zip(keys + bn_keys, ctx.map(train_task, tasks + bn_tasks)))
+    runs = dict(zip(keys + bn_keys, train_runs(ctx, tasks + bn_tasks)))
     ex = {a: seed_values(runs, a, seeds, "excess") for a in arms}
     ratios = [deviation_ratios(runs[("batchnorm", sd)].get("probe")) for sd in seeds]
     r_mean, r_var = [r[0] for r in ratios], [r[1] for r in ratios]
