@@ -44,7 +44,7 @@ def test_plan_groups_seeds_and_lrs_of_one_architecture_and_leaves_the_rest_alone
         _task(1, lr=1e-2),  # 1  > one group: seeds and LRs may differ
         _task(0, model={"n_layers": 1, "placement": "post"}),  # 2: another architecture ...
         _task(2, train={"warmup": 3, "clip": 0.5, "z_loss": 1e-4}),  # 3: per-member warmup, clip, z-loss: group 0
-        _task(0, model={"n_layers": 1, "placement": "rezero"}),  # 4: StackedLM does not cover ReZero
+        _task(0, model={"n_layers": 1, "placement": "post-noskip"}),  # 4: StackedLM does not cover it
         _task(1, model={"n_layers": 1, "placement": "post"}),  # 5: ... with its partner
         _task(3, probe="some.module:fn"),  # 6: a probe may hook the model
         _task(4, init_record=True),  # 7: train()'s Monitor record has fields the batched one lacks
@@ -52,8 +52,10 @@ def test_plan_groups_seeds_and_lrs_of_one_architecture_and_leaves_the_rest_alone
         {**_task(6), "lang_seed": 1},  # 9: another language: alone
         _task(7, hidden_probe=True, layer_grads=True, track_mean_logit=True),  # 10: batched options: group 0
         _task(8, train={"out_dir": "/tmp/x"}),  # 11: logs and checkpoints: alone
+        _task(0, model={"n_layers": 1, "vocab_size": 4096}),  # 12 \ an output layer too large to gain: alone
+        _task(1, model={"n_layers": 1, "vocab_size": 4096}),  # 13 /
     ]
-    assert B.plan(tasks) == [[0, 1, 3, 10], [2, 5], [4], [6], [7], [8], [9], [11]]
+    assert B.plan(tasks) == [[0, 1, 3, 10], [2, 5], [4], [6], [7], [8], [9], [11], [12], [13]]
     assert B.group_key(tasks[0]) == B.group_key(tasks[1]) != B.group_key(tasks[2])
     assert B.group_key(tasks[4]) is None and B.group_key(tasks[6]) is None and B.group_key(tasks[11]) is None
 
@@ -134,7 +136,7 @@ def test_batched_engine_returns_the_results_in_task_order():
         _task(0, model={"n_layers": 1, "placement": "post"}),
         _task(1),
         _task(1, model={"n_layers": 1, "placement": "post"}),
-        _task(2, model={"n_layers": 1, "placement": "rezero"}),
+        _task(2, model={"n_layers": 1, "placement": "post-noskip"}),
     ]
     got = B.train_runs(Context(mapper=mapper, engine="batched"), tasks)
     assert calls == [(B.train_group_task, 3)]  # one ctx.map call: two groups of 2 and one run alone

@@ -17,7 +17,8 @@ to float rounding (batched kernels sum in another order): a verdict at a criteri
 A run trains alone (through :func:`train_task`) when batched training cannot do what it asks: a ``probe`` (it may
 hook the model, which the stacked computation never calls), ``init_record`` (train()'s Monitor record has fields
 the batched monitor does not keep, such as ``norm_input_rms``), a model config StackedLM does not cover (BatchNorm,
-ReZero, rotary positions, ...), a TrainConfig that writes logs or checkpoints, or no partner to batch with.
+rotary positions, ...), a large output layer (:data:`MAX_LOGITS_PER_MEMBER`: there batching is slower), a
+TrainConfig that writes logs or checkpoints, or no partner to batch with.
 ``hidden_probe``, ``layer_grads``, ``track_mean_logit`` and the monitor's max attention logit are batched.
 """
 
@@ -40,12 +41,19 @@ from addnorm.lab.experiments.training_setup import (
     train_task,
 )
 
-__all__ = ["MAX_MEMBERS", "group_key", "plan", "train_group_task", "train_runs"]
+__all__ = ["MAX_LOGITS_PER_MEMBER", "MAX_MEMBERS", "group_key", "plan", "train_group_task", "train_runs"]
 
 # Members per group task. The batched speedup saturates near K = 6-7 (K = 21 is no faster per model than K = 7,
 # benchmarks/results/batched_train.md), so larger groups are split into near-equal chunks of at most this many:
 # nothing is lost per model, and an experiment of 2 x 9 runs still gives --jobs 2 four tasks to share.
 MAX_MEMBERS = 8
+
+# Batching pays where a step is mostly per-op overhead (the lab's d_model 32, vocabulary 32 models). A large output
+# layer turns the step into memory-bound work on the logits instead, which stacking makes larger than the cache:
+# measured on the 2-core machine (6 members, 2 layers, B 8, T 32, CPU time, 2 rounds, load ~10): a model vocabulary
+# of 512 (131072 logits per member and step) 1.38-1.57x faster batched, 1024 0.97-1.09x, 4096 (z-loss) 0.66-0.81x.
+# Runs with more logits per step than this train alone.
+MAX_LOGITS_PER_MEMBER = 8 * 32 * 512
 
 # The keywords of train_task a group member may carry (the rest make it train alone: see the module docstring).
 _BATCHED_OPTIONS = {
@@ -72,11 +80,12 @@ def group_key(task: dict[str, Any]) -> str | None:
         return None
     model, train, vocab = task.get("model", {}), task.get("train", {}), task.get("vocab", VOCAB)
     try:  # anything that does not even build is left to train_task, whose error then names it
-        check_batchable(model_config(**{"vocab_size": vocab, **model}))
+        config = model_config(**{"vocab_size": vocab, **model})
+        check_batchable(config)
         cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
     except (TypeError, ValueError):
         return None
-    if cfg.out_dir or cfg.resume:
+    if cfg.out_dir or cfg.resume or cfg.batch_size * cfg.seq_len * config.vocab_size > MAX_LOGITS_PER_MEMBER:
         return None
     shared = {name: getattr(cfg, name) for name in SHARED_FIELDS}
     key = {"model": model, "vocab": vocab, "lang_seed": task.get("lang_seed"), "shared": shared}
