@@ -60,8 +60,20 @@ def test_layernorm_scaling_needs_sequential_pre_ln_and_residual_checks_its_scale
     assert "norm_output_scale=0.5" in repr(Residual(torch.nn.Identity(), 4, placement="pre", norm_output_scale=0.5))
 
 
-def test_batched_training_refuses_it_rather_than_ignoring_it():
-    from addnorm.train.stacked import check_batchable
+def test_batched_training_applies_it_rather_than_ignoring_it():
+    """StackedLM (batched training) scales each branch's normalized input as the modules do: its forward equals
+    theirs, and differs from a stack that ignored the scale (tests/train/test_train_batched.py trains it too)."""
+    from addnorm.nn import TransformerLM
+    from addnorm.train.stacked import StackedLM
 
-    with pytest.raises(ValueError, match="layernorm_scaling"):
-        check_batchable(TransformerConfig(layernorm_scaling=True))
+    config = TransformerConfig(vocab_size=16, d_model=8, n_layers=3, n_heads=2, max_seq_len=8, layernorm_scaling=True)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(TransformerLM(config))
+    ids = torch.randint(0, 16, (2, 3, 8), generator=torch.Generator().manual_seed(0))
+    want = torch.stack([m(x) for m, x in zip(models, ids)])
+    stacked = StackedLM(models)
+    torch.testing.assert_close(stacked(ids), want, rtol=1e-4, atol=1e-5)
+    stacked.input_scale = {}  # what ignoring LayerNorm Scaling would compute
+    assert not torch.allclose(stacked(ids), want, rtol=1e-3, atol=1e-4)

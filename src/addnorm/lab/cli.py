@@ -21,6 +21,8 @@ OUT/runs/, so running again is fast and a killed run resumes where it stopped. T
   addnorm lab --quick                smaller sizes: a smoke run of the installation, into addnorm-report-quick/
   addnorm lab --only ln-vs-rms       one experiment
   addnorm lab --jobs 4               four worker processes (default: one per CPU core)
+  addnorm lab --engine batched       train runs of one architecture as one stacked computation: faster, equal
+                                     to the default (sequential) engine's numbers up to float rounding
   addnorm lab --shard 1/2 --out a    half of the suite (run 2/2 elsewhere into b), then:
   addnorm lab merge a b --out all    one report from both halves
   addnorm lab doc --output docs/lab-results.md   the results as the repository's Markdown page
@@ -75,6 +77,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="worker processes for the experiments' tasks, one torch thread each (default: the number of "
         "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process); the "
         "results are the same for any N",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("sequential", "batched"),
+        default="sequential",
+        help="how the training experiments train their runs. sequential (the default): one model per task, "
+        "bitwise the same results for any --jobs, cached or not; the recorded results (docs/lab-results.md) use it. "
+        "batched: runs of one architecture (seeds, learning rates, warmups) train as one stacked computation, "
+        "several times faster per run on a CPU; their numbers equal the sequential ones only up to float rounding, "
+        "so a verdict whose numbers sit at its criterion's boundary can differ. Recorded in results.json and the "
+        "report header; part of the cache key (docs/lab.md)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="random seed every experiment starts from, 0 <= SEED < 2**32 (default: 0)"
@@ -210,6 +223,7 @@ def _lab(args: argparse.Namespace) -> int:
             threads=args.threads or None,
             jobs=args.jobs,
             suite=args.suite,
+            engine=args.engine,
         )
         summary = run(options)
     except ValueError as err:

@@ -46,6 +46,11 @@ KINDS = ("empirical", "sanity", "demonstration")
 # Which suite an experiment belongs to. ``addnorm lab`` (``--suite core``) runs the "core" ones, sized to fit the
 # default run's time budget; ``--suite all`` adds the "extended" ones. ``--only`` picks from both.
 SUITES = ("core", "extended")
+# How the training experiments train their runs (``Context.engine``, ``addnorm lab --engine``). "sequential" (the
+# default): one model per task with addnorm.train.loop.train, bitwise the same for any --jobs; the recorded results
+# use it. "batched": runs that can share one stacked computation train as one task
+# (addnorm.train.batched.train_batched), faster on a CPU, equal to the sequential numbers up to float rounding.
+ENGINES = ("sequential", "batched")
 
 
 @dataclass(kw_only=True)
@@ -85,6 +90,12 @@ class Context:
     config: dict[str, Any] = field(default_factory=dict)
     # How ctx.map runs tasks: serially here by default; the lab's executor puts in a process-pool or torchrun one.
     mapper: Callable[[Callable[..., Any], Sequence[dict[str, Any]]], list[Any]] = serial_map
+    # How training runs train (see ENGINES); the runner puts it into the experiment's cache key.
+    engine: str = "sequential"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine (--engine) must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     def map(self, fn: Callable[..., Any], tasks: Sequence[dict[str, Any]]) -> list[Any]:
         """``[fn(**t) for t in tasks]``, possibly in parallel; results in task order (see the module docstring)."""

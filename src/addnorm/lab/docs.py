@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from addnorm.lab.formatting import KIND_TITLES, QUICK_NOTE, by_kind, fmt_seconds, headline, per_seed_table
+from addnorm.lab.formatting import (
+    ENGINE_NOTE,
+    KIND_TITLES,
+    QUICK_NOTE,
+    by_kind,
+    engine_text,
+    fmt_seconds,
+    headline,
+    per_seed_table,
+)
 from addnorm.lab.report import md_table
 from addnorm.lab.seed_record import seed_line
 from addnorm.lab.seeds_advice import seeds_section
@@ -73,7 +82,7 @@ def render_results_doc(doc: dict[str, Any], seed_record: dict[str, Any] | None =
             f"- Software: torch {rec('torch')}, python {rec('python')}, addnorm {rec('addnorm')} "
             f"(sources {rec('code')})",
             f"- Run: {rec('date')}, {'quick' if meta.get('quick') else 'default'} sizes, seed {rec('seed')}, "
-            f"suite {rec('suite')}, device {rec('device')}; {_wall(meta, len(experiments))}",
+            f"suite {rec('suite')}, device {rec('device')}{engine_text(meta)}; {_wall(meta, len(experiments))}",
         ]
     if meta.get("only") or meta.get("shard"):
         part = f"--only {' '.join(meta['only'])}" if meta.get("only") else f"--shard {meta['shard']}"
@@ -81,6 +90,8 @@ def render_results_doc(doc: dict[str, Any], seed_record: dict[str, Any] | None =
     lines.append("")
     if meta.get("quick"):
         lines += [f"> **{QUICK_NOTE}**", ""]
+    if meta.get("engine") == "batched":
+        lines += [f"> **{ENGINE_NOTE}**", ""]
     lines += [headline(doc), "", MACHINE_NOTE, ""]
     groups = by_kind(experiments)
     for kind, records in groups.items():

@@ -23,6 +23,18 @@ KIND_TITLES = {
         "it showed what it should; not counted",
     ),
 }
+ENGINE_NOTE = (
+    "Batched engine (--engine batched): the training runs of one architecture trained as one stacked computation; "
+    "their numbers equal the default (sequential) engine's up to float rounding, so a verdict at its criterion's "
+    "boundary can differ from the recorded results, which use the sequential engine."
+)
+
+
+def engine_text(meta: dict) -> str:
+    """The header's engine part (", engine E"), or "" for a results.json written before engines existed."""
+    return f", engine {meta['engine']}" if meta.get("engine") else ""
+
+
 QUICK_NOTE = (
     "Quick sizes (--quick): a smoke run for checking the installation, not evidence; verdicts at quick "
     "sizes can differ from the default sizes'."

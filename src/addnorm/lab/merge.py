@@ -17,7 +17,8 @@ class MergeConflictError(ValueError):
     """Two shard directories hold different results for the same experiment."""
 
 
-_META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code")
+_META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code", "engine")
+_META_DEFAULTS = {"engine": "sequential"}  # what a results.json written before the field existed ran with
 # What determines a result: the same key (code, config, sizes, seed, device, torch) must give the same verdict,
 # reason and metrics. Not timings or seconds: wall-clock values differ on every run (core.py's Result.timings).
 _RESULT_FIELDS = ("verdict", "reason", "metrics", "key")
@@ -28,7 +29,7 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
 
     Records are matched by experiment name; the same name in two directories must carry the same key, verdict,
     reason and metrics (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with different
-    quick/seed/device/version settings do not merge either. Figures are copied into ``out``, which is locked
+    quick/seed/device/engine/version settings do not merge either. Figures are copied into ``out``, which is locked
     (:func:`out_lock`) while merge writes.
     """
     if not dirs:
@@ -47,8 +48,9 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
             meta = dict(m)
         else:
             for k in _META_MUST_AGREE:
-                if m.get(k) != meta.get(k):
-                    raise MergeConflictError(f"{d} was run with {k}={m.get(k)!r} but {dirs[0]} with {meta.get(k)!r}")
+                mine, first = m.get(k, _META_DEFAULTS.get(k)), meta.get(k, _META_DEFAULTS.get(k))
+                if mine != first:
+                    raise MergeConflictError(f"{d} was run with {k}={mine!r} but {dirs[0]} with {first!r}")
         for rec in data.get("experiments", []):
             name = rec["name"]
             if name in by_name:

@@ -6,7 +6,7 @@ results.json::
     {"experiments": [{"name", "claim", "source", "criterion", "kind", "precondition", "verdict", "reason",
                       "metrics", "timings", "figures", "summary", "seconds", "cached", "key", "config", "index",
                       ["error"]}, ...],
-     "meta": {"addnorm", "torch", "date", "quick", "seed", "device", "jobs", "world_size", "seconds",
+     "meta": {"addnorm", "torch", "date", "quick", "seed", "device", "engine", "jobs", "world_size", "seconds",
               "computed_seconds", "cached", ...},
      "counts": {"reproduced": n, "not reproduced": n, "inconclusive": n},      empirical claims only
      "counts_by_kind": {"empirical": {...}, "sanity": {...}, "demonstration": {...}}}
@@ -28,9 +28,11 @@ from typing import Any
 
 from addnorm.lab.core import VERDICTS
 from addnorm.lab.formatting import (
+    ENGINE_NOTE,
     KIND_TITLES,
     QUICK_NOTE,
     by_kind,
+    engine_text,
     flatten_metrics,
     fmt_value,
     headline,
@@ -124,6 +126,8 @@ def terminal_table(doc: dict[str, Any]) -> str:
         lines.append(timing[0].upper() + timing[1:] + ".")
     if meta.get("quick"):
         lines.append(QUICK_NOTE)
+    if meta.get("engine") == "batched":
+        lines.append(ENGINE_NOTE)
     for r in doc["experiments"]:
         if r.get("error"):
             lines.append(f"{r['name']}: {r['error']}")
@@ -184,7 +188,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "",
         f"addnorm {meta.get('addnorm')}, torch {meta.get('torch')}, {meta.get('date')}, device {meta.get('device')}, "
         f"seed {meta.get('seed')}, {'quick' if meta.get('quick') else 'default'} sizes"
-        + (f", suite {meta['suite']}" if meta.get("suite") else ""),
+        + (f", suite {meta['suite']}" if meta.get("suite") else "")
+        + engine_text(meta),
         "",
     ]
     timing = timing_text(meta, len(doc["experiments"]))
@@ -192,6 +197,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [timing[0].upper() + timing[1:] + ".", ""]
     if meta.get("quick"):
         lines += [f"> **{QUICK_NOTE}**", ""]
+    if meta.get("engine") == "batched":
+        lines += [f"> **{ENGINE_NOTE}**", ""]
     lines += [headline(doc), ""]
     groups = by_kind(doc["experiments"])
     for kind, records in groups.items():
@@ -272,6 +279,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
         f"{e(str(meta.get('device')))} &middot; seed {e(str(meta.get('seed')))} &middot; "
         f"{'quick sizes (--quick)' if meta.get('quick') else 'default sizes'}"
         + (f" &middot; suite {e(str(meta['suite']))}" if meta.get("suite") else "")
+        + (f" &middot; engine {e(str(meta['engine']))}" if meta.get("engine") else "")
         + (f" &middot; {e(timing)}" if timing else "")
         + (f" &middot; shard {e(str(meta['shard']))}" if meta.get("shard") else "")
         + (f" &middot; merged from {len(meta['merged_from'])} directories" if meta.get("merged_from") else "")
@@ -279,6 +287,8 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
     ]
     if meta.get("quick"):
         parts.append(f'<p class="quick"><b>{e(QUICK_NOTE)}</b></p>')
+    if meta.get("engine") == "batched":
+        parts.append(f'<p class="quick"><b>{e(ENGINE_NOTE)}</b></p>')
     parts.append(
         f"<p>{e(headline(doc))} Each verdict follows a criterion fixed in the experiment's code before it "
         "runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>"

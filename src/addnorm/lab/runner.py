@@ -41,7 +41,7 @@ import torch
 from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
 from addnorm.io import json_default as _json_default
 from addnorm.lab import cache
-from addnorm.lab.core import EXPERIMENTS, Context, Experiment, Result
+from addnorm.lab.core import ENGINES, EXPERIMENTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, default_jobs, init_group
 from addnorm.lab.outdir import out_lock, prepare_out_dir
 from addnorm.train.distributed import DistInfo
@@ -80,6 +80,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def experiment_key(exp: Experiment, *, quick: bool, seed: int, device: torch.device, engine: str = "sequential") -> str:
+    """The experiment's cache key (cache.py) under ``engine``. The sequential engine's is cache.cache_key itself (so
+    existing caches stay valid); another engine's is that key hashed with the engine's name: a batched result is
+    never served to a sequential run or the other way round, and its ctx.map tasks (salted with this key) neither."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine (--engine) must be one of {', '.join(ENGINES)}, got {engine!r}")
+    key = cache.cache_key(exp, quick=quick, seed=seed, device=device)
+    if engine == "sequential":
+        return key
+    import hashlib
+
+    return hashlib.sha256(f"{key}+engine={engine}".encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------------- selection
@@ -150,8 +164,13 @@ class RunOptions:
     jobs: int | None = None
     # "core" (the default run) or "all" (every experiment); ignored for the experiments named by ``only``.
     suite: str = "core"
+    # How training runs train (core.ENGINES): "sequential" (the default, bitwise reproducible; the recorded results
+    # use it) or "batched" (faster; equal to the sequential numbers up to float rounding).
+    engine: str = "sequential"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine (--engine) must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.suite not in RUN_SUITES:
             raise ValueError(f"suite (--suite) must be one of {', '.join(RUN_SUITES)}, got {self.suite!r}")
         if not str(self.out).strip():  # Path("") is ".": the report would land in the current folder
@@ -207,15 +226,19 @@ def run_one(
     device: torch.device,
     progress: Callable[[str], None] = lambda message: None,
     mapper: Callable[..., list] | None = None,
+    engine: str = "sequential",
 ) -> dict:
     """Run ``exp`` and store its record (atomically) unless it raised. Returns the record. ``mapper`` runs its
-    ``ctx.map`` tasks (the executor's; serial in this process when None)."""
-    key = cache.cache_key(exp, quick=quick, seed=seed, device=device)
+    ``ctx.map`` tasks (the executor's; serial in this process when None); ``engine`` how its training runs train
+    (core.ENGINES, part of the cache key)."""
+    key = experiment_key(exp, quick=quick, seed=seed, device=device, engine=engine)
     d = cache.run_dir(out, exp.name, key)
     if d.exists():  # stale figures from a killed or failed attempt must not leak into this one
         shutil.rmtree(d)
     record = _base_record(exp, index, key)
-    ctx = Context(quick=quick, seed=seed, device=device, figure_dir=d, progress=progress, config=dict(exp.config))
+    ctx = Context(
+        quick=quick, seed=seed, device=device, figure_dir=d, progress=progress, config=dict(exp.config), engine=engine
+    )
     if mapper is not None:
         ctx.mapper = mapper
     torch.manual_seed(seed)
@@ -292,6 +315,7 @@ def run_meta(options: RunOptions, device: torch.device, *, jobs: int = 1, world_
         "shard": f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
         "only": list(options.only) if options.only else None,
         "suite": options.suite,
+        "engine": options.engine,
     }
 
 
@@ -393,7 +417,10 @@ def _run_selected(
     jobs = options.jobs or default_jobs()
     summary = RunSummary(records=[], meta=run_meta(options, device, jobs=jobs, world_size=group.world_size))
     start = time.perf_counter()
-    keys = {exp.name: cache.cache_key(exp, quick=options.quick, seed=options.seed, device=device) for _, exp in chosen}
+    keys = {
+        exp.name: experiment_key(exp, quick=options.quick, seed=options.seed, device=device, engine=options.engine)
+        for _, exp in chosen
+    }
     cached: dict[str, dict] = {}
     if group.is_main and not options.fresh:
         for index, exp in chosen:
@@ -407,7 +434,7 @@ def _run_selected(
 
     progress = Progress(options.progress and group.is_main, total=len(chosen))
     progress.finish(n=len(cached))
-    run_kw = dict(out=out, quick=options.quick, seed=options.seed, device=device)
+    run_kw = dict(out=out, quick=options.quick, seed=options.seed, device=device, engine=options.engine)
     try:
         with Executor(
             jobs,

@@ -39,11 +39,11 @@ from addnorm.train.config import TrainConfig, TrainResult
 from addnorm.train.loop import detect_spikes, finite_weights, lr_at, reference_eval_loss
 from addnorm.train.stacked import StackedLM, VmapLM
 
-__all__ = ["ENGINES", "train_batched"]
+__all__ = ["ENGINES", "SHARED_FIELDS", "train_batched"]
 
 # TrainConfig fields every member must share: they shape the batched computation itself (one schedule of steps,
 # one batch shape, one Adam state layout) or are not supported in batched training.
-_SHARED = (
+SHARED_FIELDS = (
     "steps",
     "batch_size",
     "seq_len",
@@ -99,11 +99,11 @@ def _check_configs(cfgs: Sequence[TrainConfig]) -> None:
                 f"cfgs[{i}]: batched training writes no logs or checkpoints (out_dir and resume must "
                 "be unset); train this run with addnorm.train.loop.train"
             )
-        for name in _SHARED:
+        for name in SHARED_FIELDS:
             if getattr(c, name) != getattr(cfgs[0], name):
                 raise ValueError(
                     f"cfgs[{i}].{name} = {getattr(c, name)!r} differs from cfgs[0].{name} = "
-                    f"{getattr(cfgs[0], name)!r}; batched members share {', '.join(_SHARED)}"
+                    f"{getattr(cfgs[0], name)!r}; batched members share {', '.join(SHARED_FIELDS)}"
                 )
 
 
@@ -148,11 +148,13 @@ def train_batched(
 
     models: TransformerLMs of one config (each initialised by the caller, e.g. under ``torch.manual_seed``);
     cfgs: one TrainConfig per model. Per member may differ: seed, lr, warmup, schedule, min_lr_ratio,
-    weight_decay, independent_wd, clip, z_loss, diverge_factor; the rest must be equal (see ``_SHARED``).
+    weight_decay, independent_wd, clip, z_loss, diverge_factor; the rest must be equal (see ``SHARED_FIELDS``).
     Returns one :class:`TrainResult` per model, as ``train(models[k], data, cfgs[k])`` would (up to float
     rounding); the trained weights are written back into the models. ``engine``: "stacked" (hand-written batched
     forward, the fast one) or "vmap" (:class:`VmapLM`, the generic one, slower). ``callback`` receives after each
-    step ``{"step", "members" (how many trained in it), "time_s" (its wall time), "losses" (theirs)}``.
+    step ``{"step", "members" (how many trained in it), "active" (their indices into ``models``), "time_s" (its
+    wall time), "losses" and "mean_logits" (theirs, in the order of "active"; the mean output logit over
+    positions and vocabulary)}``.
     ``step_times`` hold each batched step's wall time divided by the members it trained (the cost per model).
     """
     if engine not in ENGINES:
@@ -180,7 +182,7 @@ def train_batched(
     active = list(range(len(cfgs)))  # member indices still training, in stacked row order
     for step in range(shared.steps):
         t0 = time.perf_counter()
-        run = [cfgs[k] for k in active]
+        members, run = list(active), [cfgs[k] for k in active]
         x, y = _batches(data, step, run, "train", device)
         monitoring = shared.monitor and step % shared.monitor_every == 0
         stacked.record_stream = monitoring
@@ -207,6 +209,8 @@ def train_batched(
         coef = (clip / (gnorm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule, per member
         stacked.grad.mul_(coef[:, None])
         ce_v, logz_v, gn_v = ce.tolist(), logz_all.detach().mean(dim=(1, 2)).tolist(), gnorm.tolist()
+        # the mean output logit over positions and vocabulary (the lab's z-loss experiment follows its drift)
+        mean_v = logits.detach().float().mean(dim=(1, 2, 3)).tolist() if callback is not None else None
         lrs = [lr_at(c, step) for c in run]
         diverged = []
         for row, k in enumerate(active):
@@ -256,7 +260,16 @@ def train_batched(
         wall = time.perf_counter() - t0
         dt = wall / len(run)
         if callback is not None:
-            callback({"step": step, "members": len(run), "time_s": wall, "losses": ce_v})
+            callback(
+                {
+                    "step": step,
+                    "members": len(run),
+                    "active": members,
+                    "time_s": wall,
+                    "losses": ce_v,
+                    "mean_logits": mean_v,
+                }
+            )
         for k in [k for k in range(len(cfgs)) if results[k].steps_done == step + 1]:
             results[k].step_times.append(dt)
         if not active:

@@ -6,8 +6,9 @@
     loss           sum_k loss_k: member k's gradient is d loss_k / d params_k, untouched by the others
 
 What the forward covers (anything else raises ValueError naming the field): decoder-only TransformerLM,
-placements pre / post / deepnorm / sandwich / none / mix, norms layernorm / rmsnorm / dyt / none, QK-norm, FFN
-relu / gelu / swiglu / geglu, learned or no positions, tied or untied head, biases on or off, dropout 0.
+placements pre / post / deepnorm / sandwich / none / mix / rezero / branch-output, norms layernorm / rmsnorm / dyt
+(any ``alpha_init``) / none, LayerNorm Scaling, QK-norm, FFN relu / gelu / swiglu / geglu, learned or no positions,
+tied or untied head, biases on or off, dropout 0.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from torch import Tensor, nn
 __all__ = ["StackedLM", "VmapLM", "check_batchable"]
 
 _NORMS = ("layernorm", "rmsnorm", "dyt", "none")
-_PLACEMENTS = ("pre", "post", "deepnorm", "sandwich", "none")
+_PLACEMENTS = ("pre", "post", "deepnorm", "sandwich", "none", "rezero", "branch-output")
+# norm_kwargs that only set an initial value (the stacked forward reads the parameters themselves)
+_INIT_ONLY_NORM_KWARGS = ("alpha_init",)
 
 
 def check_batchable(config) -> None:
@@ -36,8 +39,11 @@ def check_batchable(config) -> None:
         ("dropout", config.dropout == 0, "0"),
         ("embed_norm", not config.embed_norm, "False"),
         ("zero_centered_weight", not config.zero_centered_weight, "False"),
-        ("norm_kwargs", not config.norm_kwargs, "empty"),
-        ("layernorm_scaling", not config.layernorm_scaling, "False"),
+        (
+            "norm_kwargs",
+            set(config.norm_kwargs) <= set(_INIT_ONLY_NORM_KWARGS),
+            f"empty or only {', '.join(_INIT_ONLY_NORM_KWARGS)}",
+        ),
     ]
     for name, ok, want in checks:
         if not ok:
@@ -91,6 +97,12 @@ class StackedLM:
         self.n_layers = config.n_layers
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.placements = [block.placement for block in ref.blocks]
+        # LayerNorm Scaling's factor on each branch's normalized input (1 without it), per residual module
+        self.input_scale = {
+            name: float(getattr(mod, "norm_output_scale", 1.0))
+            for name, mod in ref.named_modules()
+            if hasattr(mod, "placement") and hasattr(mod, "norm_output_scale")
+        }
         self.alpha = ref.deepnorm_alpha
         self.embed_scale = ref.embed.scale
         self.tied = config.tie_embeddings
@@ -222,12 +234,23 @@ class StackedLM:
     def _residual(self, prefix: str, placement: str, x: Tensor, branch) -> Tensor:
         """The placements of :class:`addnorm.nn.Residual` (its docstring has the formulas)."""
         sub = f"{prefix}.sublayer"
+        scale = self.input_scale.get(prefix, 1.0)
+
+        def normed(h: Tensor) -> Tensor:  # the branch's normalized input, scaled by LayerNorm Scaling's factor
+            h = self._norm(f"{prefix}.norm", h)
+            return h * scale if scale != 1.0 else h
+
         if placement == "pre":
-            return x + branch(sub, self._norm(f"{prefix}.norm", x))
+            return x + branch(sub, normed(x))
         if placement == "sandwich":
-            return x + self._norm(f"{prefix}.norm_out", branch(sub, self._norm(f"{prefix}.norm", x)))
+            return x + self._norm(f"{prefix}.norm_out", branch(sub, normed(x)))
         if placement == "none":
             return x + branch(sub, x)
+        if placement == "branch-output":
+            return x + self._norm(f"{prefix}.norm_out", branch(sub, x))
+        if placement == "rezero":
+            alpha = self.params[f"{prefix}.rezero_alpha"]  # (K,): one learned scalar per member
+            return x + alpha.view(-1, *([1] * (x.dim() - 1))) * branch(sub, x)
         if placement == "post":
             return self._norm(f"{prefix}.norm", branch(sub, x) + x)
         return self._norm(f"{prefix}.norm", branch(sub, x) + self.alpha * x)  # deepnorm

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -49,7 +50,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # The lab's model and language, where the batched-training benchmark and tests import them from
@@ -194,7 +194,7 @@ def warmup_experiment(ctx: Context) -> Result:
     arms = {(p, w): ({"placement": p, "n_layers": layers}, {"warmup": w}) for p in ("post", "pre") for w in warmups}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "schedule": s["schedule"]})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {p: {w: seed_values(runs, (p, w), seeds, "excess") for w in warmups} for p in ("post", "pre")}
     at_peak = {p: {w: seed_values(runs, (p, w), seeds, "steps_at_peak_lr") for w in warmups} for p in ("post", "pre")}
     passed, extra, reason = warmup_verdict(ex, at_peak, steps)
@@ -265,7 +265,7 @@ def depth_sweep(ctx: Context) -> Result:
     arms[long_key] = ({"placement": "post", "n_layers": max(depths)}, {"warmup": s["long_warmup"]})
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": lr, "warmup": s["warmup"]})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {p: {n: seed_values(runs, (p, n), seeds, "excess") for n in depths} for p in placements}
     div = {p: {n: seed_values(runs, (p, n), seeds, "diverged") for n in depths} for p in placements}
     ex_long = seed_values(runs, long_key, seeds, "excess")

@@ -16,6 +16,7 @@ import torch
 
 from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.language_tasks import language_task
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_residuals import first_half_mean
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -36,7 +37,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # layernorm-scaling: skipping some block of the trained Pre-LN model must raise its validation loss by more than
@@ -374,7 +374,7 @@ def branch_scaling(ctx: Context) -> Result:
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
     keys, tasks = grid_tasks(ctx, arms, seeds, train, probe=f"{__name__}:stream_probe")
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     swell = {a: [swelling(runs[(a, sd)].get("probe")) for sd in seeds] for a in arms}
     early = {a: [first_half_mean(runs[(a, sd)]["loss_curve"]) for sd in seeds] for a in arms}
     div = {a: seed_values(runs, a, seeds, "diverged") for a in arms}

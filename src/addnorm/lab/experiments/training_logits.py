@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     Verdict,
@@ -29,7 +30,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # The lowest LR of the sensitivity grid has "converged" when its excess loss is below this: it then adds at most
@@ -219,7 +219,7 @@ def lr_sensitivity_experiment(ctx: Context) -> Result:
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, train)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     final = {v: {s_: [runs[((v, lr), s_)]["final_loss"] for lr in grid] for s_ in seeds} for v in variants}
     sens = {}
     for v in variants:
@@ -338,7 +338,7 @@ def z_loss_experiment(ctx: Context) -> Result:
         vocab=s["vocab"],
         track_mean_logit=True,
     )
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     col = {
         c: {
             k: seed_values(runs, c, seeds, k)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -31,7 +32,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # Peri-LN: Pre-LN's hidden states must grow at least this much during training (max over layers of the stream's
@@ -173,7 +173,7 @@ def peri_ln_training(ctx: Context) -> Result:
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     train = {"steps": steps, "lr": lr, "warmup": max(1, steps // 10)}
     keys, tasks = grid_tasks(ctx, arms, seeds, train, hidden_probe=True)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
     h_end = {p: [peak_rms(runs[(p, sd)]["hidden_final"]) for sd in seeds] for p in arms}
     h_init = {p: [peak_rms(runs[(p, sd)]["hidden_init"]) for sd in seeds] for p in arms}
@@ -284,7 +284,7 @@ def dyt_experiment(ctx: Context) -> Result:
         arms[f"dyt {a:g}"] = ({**base, "norm": "dyt", "norm_kwargs": {"alpha_init": a}}, {})
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {k: seed_values(runs, k, seeds, "excess") for k in arms}
     passed, extra, reason = dyt_verdict(ex["layernorm"], ex["dyt 0.5"])
     dyts = [k for k in arms if k.startswith("dyt")]

@@ -17,6 +17,7 @@ import torch
 
 from addnorm.lab.core import Context, Result, verdict_from
 from addnorm.lab.experiments.language_tasks import language_task
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_logits import CONVERGED_EXCESS, lr_sensitivity
 from addnorm.lab.experiments.training_newer import PARITY_ABS, PARITY_REL
 from addnorm.lab.experiments.training_setup import (
@@ -39,7 +40,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 # reordered-norm: the grid must reach LRs that hurt the reference arm (Pre-LN + QK-norm): its excess at some LR at
@@ -162,7 +162,7 @@ def reordered_norm(ctx: Context) -> Result:
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, train)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {v: {sd: [runs[((v, lr), sd)]["excess"] for lr in grid] for sd in seeds} for v in variants}
     sens = {
         v: [

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
     TRAINED_EXCESS,
@@ -36,7 +37,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 PLACEMENTS = ("pre", "post", "sandwich", "mix", "dyt", "deepnorm")
@@ -217,7 +217,7 @@ def placement_comparison(ctx: Context) -> Result:
     keys, tasks = grid_tasks(
         ctx, arms, seeds, {"steps": 1, "lr": 1e-3, "warmup": 0, "monitor": True, "monitor_every": 1}, init_record=True
     )
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     res_profile = {
         p: [_layer_profile(runs[(p, sd)]["init_record"], "residual_rms") for sd in seeds] for p in placements
     }
@@ -368,7 +368,7 @@ def ln_vs_rms(ctx: Context) -> Result:
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps, then the norm timings")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     times = ctx.map(
         norm_timing_task, [{"rows": s["rows"], "hidden": s["hidden"], "reps": s["reps"], "seed": ctx.seed}]
     )[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Context, Result, verdict_from
+from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_newer import (
     CRITERIA,
     NONUNIFORM,
@@ -34,7 +35,6 @@ from addnorm.lab.experiments.training_setup import (
     seed_list,
     seed_values,
     settings,
-    train_task,
 )
 
 
@@ -133,7 +133,7 @@ def rezero_experiment(ctx: Context) -> Result:
     arms = {p: ({"placement": p, "n_layers": layers}, {}) for p in ("none", "rezero", "pre")}
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     keys, tasks = grid_tasks(ctx, arms, seeds, {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)})
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
     div = seed_values(runs, "none", seeds, "diverged")
     early = {p: [first_half_mean(runs[(p, sd)]["loss_curve"]) for sd in seeds] for p in arms}
@@ -197,7 +197,7 @@ def mix_ln_training(ctx: Context) -> Result:
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
     train = {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10), "monitor": True, "monitor_every": 10}
     keys, tasks = grid_tasks(ctx, arms, seeds, train, layer_grads=True)
-    runs = dict(zip(keys, ctx.map(train_task, tasks)))
+    runs = dict(zip(keys, train_runs(ctx, tasks)))
     ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
     prof = {p: [runs[(p, sd)]["layer_grad_mean"] for sd in seeds] for p in arms}
     u = {p: [variation(v) for v in prof[p]] for p in arms}

@@ -179,6 +179,23 @@ def hidden_stats(net, x: torch.Tensor) -> list[dict]:
     return stats
 
 
+def build_run(*, model: dict, train: dict, lang_seed: int, vocab: int = VOCAB):
+    """A run's TrainConfig, its model initialised as every run's is (``torch.manual_seed(cfg.seed)``, then the
+    TransformerLM) and its data: what :func:`train_task` and the batched engine's group task both start from."""
+    from addnorm.nn import TransformerLM
+    from addnorm.train.config import TrainConfig
+
+    cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
+    torch.manual_seed(cfg.seed)
+    net = TransformerLM(model_config(**{"vocab_size": vocab, **model}))
+    return cfg, net, CachedBatches(language(lang_seed, vocab))
+
+
+def probe_batch(data, cfg) -> torch.Tensor:
+    """The tokens :func:`hidden_stats` reads: the run's first validation batch."""
+    return data.batch(0, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")[0]
+
+
 def train_task(
     *,
     model: dict,
@@ -204,15 +221,10 @@ def train_task(
     hook the model); what it returns is called as ``finish(net, result)`` after training, and its JSON-able dict
     is returned under "probe" (a name, not a callable, so the task stays JSON and cacheable). "spikes" counts the
     loss spikes of the training loop's rule (OLMo-core's: above mean + 6 std of the last 128 steps)."""
-    from addnorm.nn import TransformerLM
-    from addnorm.train.config import TrainConfig
     from addnorm.train.loop import train as run
 
-    cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
-    torch.manual_seed(cfg.seed)
-    net = TransformerLM(model_config(**{"vocab_size": vocab, **model}))
-    data = CachedBatches(language(lang_seed, vocab))
-    probe_x = data.batch(0, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")[0]
+    cfg, net, data = build_run(model=model, train=train, lang_seed=lang_seed, vocab=vocab)
+    probe_x = probe_batch(data, cfg)
     hidden_init = hidden_stats(net, probe_x) if hidden_probe else None
     mean_logits: list[float] = []
     hook = None
@@ -234,6 +246,38 @@ def train_task(
     finally:
         if hook is not None:
             hook.remove()
+    return run_output(
+        res,
+        cfg,
+        net,
+        lang_seed=lang_seed,
+        vocab=vocab,
+        curve_points=curve_points,
+        init_record=init_record,
+        hidden=(hidden_init, probe_x) if hidden_probe else None,
+        layer_grads=layer_grads,
+        finish=finish,
+        mean_logits=mean_logits if track_mean_logit else None,
+    )
+
+
+def run_output(
+    res,
+    cfg,
+    net,
+    *,
+    lang_seed: int,
+    vocab: int,
+    curve_points: int,
+    init_record: bool = False,
+    hidden: tuple | None = None,
+    layer_grads: bool = False,
+    finish=None,
+    mean_logits: list[float] | None = None,
+) -> dict:
+    """The JSON-able dict of :func:`train_task` from a finished run: ``res`` (its TrainResult), ``net`` (trained);
+    ``hidden`` = (the stats at init, the probe tokens) for ``hidden_probe``; ``finish`` the probe's finisher;
+    ``mean_logits`` the per-step mean output logits for ``track_mean_logit``."""
     reference = res.eval_optimum
     if reference is None:  # a diverged run has no final evaluation: score its validation tokens anyway
         from addnorm.train.loop import reference_eval_loss
@@ -266,9 +310,9 @@ def train_task(
     }
     if init_record:  # the loop stores monitor records JSON-ready
         out["init_record"] = res.records[0] if res.records else None
-    if hidden_probe:
-        out["hidden_init"] = hidden_init
-        out["hidden_final"] = hidden_stats(net, probe_x)
+    if hidden is not None:
+        out["hidden_init"] = hidden[0]
+        out["hidden_final"] = hidden_stats(net, hidden[1])
     if layer_grads:
         recs = [rec.get("layers", []) for rec in res.records if rec.get("step", 0) > 0]
         n_layers = min((len(r) for r in recs), default=0)
@@ -280,7 +324,7 @@ def train_task(
         ]
     if finish is not None:
         out["probe"] = finish(net, res)
-    if track_mean_logit:
+    if mean_logits is not None:
         late = [v for v in mean_logits[-tail:] if math.isfinite(v)]
         out["mean_logit_curve"] = _subsample(mean_logits, curve_points)
         out["mean_logit_late"] = _num(sum(late) / len(late)) if late else None
