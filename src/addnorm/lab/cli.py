@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("core", "all"),
         default="core",
         help="core (the default): the core suite, 7 min 55 s with --jobs 2 on an idle 2-core machine; all: every "
-        "experiment, the extended suite included, 12 min 49 s there (docs/lab.md); --list shows each experiment's "
+        "experiment, the extended suite included, 13 min 51 s there (docs/lab.md); --list shows each experiment's "
         "suite",
     )
     p.add_argument(
