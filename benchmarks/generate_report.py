@@ -24,7 +24,10 @@ def paired_rows(case: dict, loop: dict, prof: dict, clock: str, generated) -> tu
         times = loop[phase]
         for n in list(loop["decode"])[1:]:  # fused, norms (and the control)
             row = dict(**case, phase=phase, variant=n, clock=clock, like_generate=like_generate)
-            row["same_tokens"] = all(torch.equal(t, ref) for t in loop["tokens"][n])
+            # every variant is fed the unpatched model's tokens (generate_steps.Decoder.step): what is compared is
+            # its own greedy pick at each step, on the same inputs
+            agree, fed = (sum(x) for x in zip(*loop["agreement"][n]))
+            row["same_tokens"], row["agree"] = agree == fed, [agree, fed]
             for c, i in (("wall", 0), ("thread", 1)):
                 if phase == "prefill":  # one prefill a round: groups of one
                     base, mine = ([[t[i]] for t in times[v]] for v in ("unpatched", n))
@@ -49,7 +52,9 @@ def paired_markdown(result: dict) -> str:
     a, clock = result["args"], result["clock"]
     lines = [
         f"Paired steps ({a['rounds']} rounds, each with new copies of the models, a prefill and "
-        f"{a['steps'] or a['new'] - 1} decode steps of every variant, the variants taking turns at every step, order "
+        f"{a['steps'] or a['new'] - 1} decode steps of every variant, every variant fed the unpatched model's "
+        "greedy tokens (so all see the same inputs; 'same greedy picks' counts the steps at which its own pick was "
+        "the same), the variants taking turns at every step, order "
         + (f"rotated; the weights moved to new memory every {a['block']} steps" if a["block"] else "rotated")
         + "): median of the per-step "
         "ratios (unpatched time / variant time) with a bootstrap 95% interval (blocks of steps resampled whole; a "
@@ -58,12 +63,14 @@ def paired_markdown(result: dict) -> str:
         + (f" `{CONTROL}` is a second unpatched model: its interval should hold 1.000x." if a["control"] else ""),
         "",
         "| model | batch | dtype | phase | variant | ms, unpatched / variant | thread CPU: x unpatched [95%] | "
-        "wall: x unpatched [95%] | blocks x pairs | one block's median | lag-1 | same tokens |",
+        "wall: x unpatched [95%] | blocks x pairs | one block's median | lag-1 | same greedy picks |",
         "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["paired"]:
         c, t, w = r[r["clock"]], r["thread"], r["wall"]
-        same = "yes" if r["same_tokens"] and r["like_generate"] else ("NO" if not r["same_tokens"] else "NO (loop)")
+        agree, fed = r["agree"]
+        same = "yes" if r["same_tokens"] else f"{agree}/{fed} steps"
+        same = same if r["like_generate"] else "NO (loop)"
         lo, hi = c["group_range"]
         lines.append(
             f"| {r['family']} | {r['batch']} | {r['dtype']} | {r['phase']} | {r['variant']} | "

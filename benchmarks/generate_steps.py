@@ -58,8 +58,11 @@ class Decoder:
         self.cache_kw = _cache_name(model)
         self.cache = _new_cache(model)
         self.mask = torch.ones_like(ids)
-        self.tokens = []  # the greedy tokens, one (batch, 1) tensor per forward
+        self.tokens = []  # the tokens fed, one (batch, 1) tensor per forward
         self.next = None
+        self.feed = None  # the token the next step runs on, when not its own pick (set by paired_steps)
+        self.agree = 0  # steps fed another decoder's token at which this one's own greedy pick was the same
+        self.fed = 0
 
     def _forward(self, input_ids):
         import torch
@@ -81,11 +84,19 @@ class Decoder:
         self._forward(self.ids)
 
     def step(self):
+        """One decode step on its own greedy pick, or on ``self.feed`` (the unpatched decoder's pick: every variant
+        then sees the same inputs, and a near tie that a bf16 ulp turns the other way cannot send one variant down
+        another sequence for the rest of the round); whether its own pick agreed is counted."""
         import torch
 
-        self.tokens.append(self.next)
+        token = self.next
+        if self.feed is not None:
+            self.fed += 1
+            self.agree += bool(torch.equal(self.next, self.feed))
+            token = self.feed
+        self.tokens.append(token)
         self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        self._forward(self.next)
+        self._forward(token)
 
     def generated(self):
         """The prompt and the tokens chosen so far, as generate() returns them."""
@@ -130,12 +141,13 @@ def paired_steps(make_models, ids, rounds: int, steps: int, sync, progress=lambd
 
     if rounds < 1 or steps < 1 or block < 0:
         raise ValueError(f"rounds and steps must be >= 1 and block >= 0, got {rounds}, {steps} and {block}")
-    prefill, decode, tokens = {}, {}, {}
+    prefill, decode, tokens, agreement = {}, {}, {}, {}
     p0, t0 = time.process_time(), time.thread_time()
     k = 0  # decode steps so far: their rotation continues across rounds
     for i in range(rounds):
         models = make_models(i)
         names = list(models)
+        reference = "unpatched" if "unpatched" in models else names[0]
         with torch.inference_mode():
             dec = {n: Decoder(models[n], ids) for n in names}
             for n in _rotated(names, i):  # by round: every variant prefills first once in len(names) rounds
@@ -147,17 +159,21 @@ def paired_steps(make_models, ids, rounds: int, steps: int, sync, progress=lambd
                             reallocate(models[n])
                     for n in names:
                         decode.setdefault(n, []).append([])
+                for n in names:  # every variant runs on the unpatched model's pick of the last step
+                    dec[n].feed = None if n == reference else dec[reference].next
                 for n in _rotated(names, k):
                     decode[n][-1].append(_timed(dec[n].step, sync))
                 k += 1
             for n in names:
                 tokens.setdefault(n, []).append(dec[n].generated())
+                agreement.setdefault(n, []).append((dec[n].agree, dec[n].fed))
         del dec, models  # the next round's copies take their place
         progress()
     return dict(
         prefill=prefill,
         decode=decode,
         tokens=tokens,
+        agreement=agreement,
         process_cpu_s=time.process_time() - p0,
         thread_cpu_s=time.thread_time() - t0,
     )
