@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 # _num and _subsample: train_task's own formatting of numbers and curves, so both tasks' results read alike
-from addnorm.lab.experiments.training_setup import BATCH, SEQ, _num, _subsample, excess, model_config
+from addnorm.lab.experiments.training_setup import BATCH, SEQ, _num, model_config, run_outcome
 
 LANGUAGES = ("markov", "sentences")
 
@@ -77,14 +77,7 @@ def language_task(
     res = run(net if pad is None else PaddingMasked(net, pad), data, cfg)
     reference = res.eval_optimum if res.eval_optimum is not None else reference_eval_loss(data, cfg)
     out = {
-        "initial_loss": _num(res.initial_loss),
-        "final_loss": _num(res.final_loss),
-        "optimum": _num(res.optimum),
-        "reference": _num(reference),
-        "excess": _num(excess(res.final_loss, res.initial_loss, reference)),
-        "diverged": bool(res.diverged),
-        "steps_done": res.steps_done,
-        "loss_curve": _subsample(res.losses, curve_points),
+        **run_outcome(res, reference, curve_points),
         "max_grad_norm": _num(res.max_grad_norm),
         "spikes": len(res.spikes),
         "language": {**data.describe(cfg.seq_len), "seed": lang_seed},

@@ -196,6 +196,21 @@ def probe_batch(data, cfg) -> torch.Tensor:
     return data.batch(0, cfg.batch_size, cfg.seq_len, seed=cfg.seed, split="val")[0]
 
 
+def run_outcome(res, reference: float, curve_points: int) -> dict:
+    """The fields every training task returns first: losses, the reference they are scored against, the excess,
+    whether it diverged, steps done and the subsampled loss curve (``res``: a TrainResult)."""
+    return {
+        "initial_loss": _num(res.initial_loss),
+        "final_loss": _num(res.final_loss),
+        "optimum": _num(res.optimum),
+        "reference": _num(reference),
+        "excess": _num(excess(res.final_loss, res.initial_loss, reference)),
+        "diverged": bool(res.diverged),
+        "steps_done": res.steps_done,
+        "loss_curve": _subsample(res.losses, curve_points),
+    }
+
+
 def train_task(
     *,
     model: dict,
@@ -290,14 +305,7 @@ def run_output(
     logits = [v for v in logits if finite(v)]
     peak = cfg.lr
     out = {
-        "initial_loss": _num(res.initial_loss),
-        "final_loss": _num(res.final_loss),
-        "optimum": _num(res.optimum),
-        "reference": _num(reference),
-        "excess": _num(excess(res.final_loss, res.initial_loss, reference)),
-        "diverged": bool(res.diverged),
-        "steps_done": res.steps_done,
-        "loss_curve": _subsample(res.losses, curve_points),
+        **run_outcome(res, reference, curve_points),
         "logz_curve": _subsample(res.logz, curve_points),
         "logz_init": _num(res.logz[0]) if res.logz else None,
         "logz_late": _num(sum(logz_tail) / len(logz_tail)) if logz_tail else None,
