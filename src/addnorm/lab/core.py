@@ -66,6 +66,9 @@ class Result:
     timings: dict[str, Any] = field(default_factory=dict)
     # Why the verdict is "inconclusive" (a failed precondition/control, a run that could not decide); "" otherwise.
     reason: str = ""
+    # The units and pre-registered rules behind the verdict (addnorm.lab.evidence.evidence(...)): what the seed
+    # record stores and pools across lab seeds. None for experiments not yet expressed as rules.
+    evidence: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -109,6 +112,29 @@ class Context:
         return self.figure_dir / name
 
 
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """A setup, criterion, control or threshold changed after a run of the experiment had been recorded: the report
+    shows it next to the verdict (pre-registration you can audit). ``date`` is YYYY-MM-DD; ``showed`` is what the
+    run before the change showed; ``reason`` why the change was made (written before the rerun)."""
+
+    date: str
+    what: str
+    showed: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        import datetime
+
+        try:
+            datetime.date.fromisoformat(self.date)
+        except (TypeError, ValueError):
+            raise ValueError(f"Change.date must be YYYY-MM-DD, got {self.date!r}") from None
+        for name in ("what", "showed", "reason"):
+            if not str(getattr(self, name)).strip():
+                raise ValueError(f"Change.{name} must say something (date {self.date})")
+
+
 @dataclass(kw_only=True)
 class Experiment:
     name: str
@@ -125,6 +151,12 @@ class Experiment:
     precondition: str = ""
     # "core" (in the default run) | "extended" (only in --suite all and --only); see the module docstring.
     suite: str = "core"
+    # The pre-registered rules (addnorm.lab.evidence.Rule) the verdict is read from, claim and controls; when they
+    # were fixed ("YYYY-MM-DD at <commit>", the commit the rules were written against); and every change made
+    # after a recorded run (Change), oldest first.
+    rules: tuple = ()
+    fixed: str = ""
+    changes: tuple[Change, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -146,6 +178,9 @@ def experiment(
     kind: str = "empirical",
     precondition: str = "",
     suite: str = "core",
+    rules: Sequence[Any] = (),
+    fixed: str = "",
+    changes: Sequence[Change] = (),
 ):
     """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule,
     ``precondition`` the control, ``kind`` whether it is evidence, ``suite`` which run includes it (see the module
@@ -164,6 +199,9 @@ def experiment(
             kind=kind,
             precondition=precondition,
             suite=suite,
+            rules=tuple(rules),
+            fixed=fixed,
+            changes=tuple(changes),
         )
         return fn
 

@@ -252,7 +252,9 @@ def run_one(
             raise FileNotFoundError(f"experiment {exp.name!r} listed figures it did not write: {missing}")
         if not isinstance(result.metrics, dict) or not isinstance(result.timings, dict):
             raise TypeError(f"experiment {exp.name!r}: Result.metrics and Result.timings must be dicts")
-        json.dumps([result.metrics, result.timings], default=_json_default)  # fail here, not in the report
+        json.dumps(
+            [result.metrics, result.timings, result.evidence], default=_json_default
+        )  # fail here, not in the report
     except Exception as err:  # noqa: BLE001 - any failure of one experiment is recorded, the run goes on
         record.update(
             verdict="inconclusive",
@@ -272,6 +274,7 @@ def run_one(
         summary=result.summary,
         reason=result.reason,
         timings=result.timings,
+        evidence=result.evidence,
         seconds=round(time.perf_counter() - start, 3),
     )
     atomic_write_json(d / cache.RECORD_FILE, record)  # last: its presence means "complete"

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.seeds import model_seeds
 from addnorm.nn import Residual, deepnorm_coefficients
 
 NORM_KW = {"backend": "torch"}  # plain PyTorch: the lowest per-call overhead on these tiny tensors
@@ -172,8 +173,8 @@ def count_agree(flags: Sequence[bool]) -> tuple[int, bool]:
 
 
 def init_seeds(ctx: Context, n: int) -> list[int]:
-    """The seeds of an experiment's ``n`` inits, derived from ``--seed``: seed * 1000 + k."""
-    return [ctx.seed * 1000 + k for k in range(n)]
+    """The seeds of an experiment's ``n`` inits: :func:`addnorm.lab.seeds.model_seeds` (seed * 1000 + k)."""
+    return model_seeds(ctx.seed, n)
 
 
 def average(xs: Sequence[float]) -> float:
@@ -256,7 +257,7 @@ def residual_gradient_flow(ctx: Context) -> Result:
             ctx.progress(f"{kind} L={depth}")
             acc = torch.zeros(depth, dtype=torch.float64)
             for r in range(s["repeats"]):
-                torch.manual_seed(ctx.seed * 1000 + r)
+                torch.manual_seed(model_seeds(ctx.seed, r + 1)[r])
                 # each layer: tanh(W x + b) with torch's default Linear init (what a user gets without care)
                 # float64: the plain stack's gradient falls below fp32's range (it would read as exactly 0)
                 layers = [nn.Linear(d, d).to(ctx.device, torch.float64) for _ in range(depth)]

@@ -29,6 +29,7 @@ from addnorm.lab.experiments.training_setup import (
     language,
     model_config,
 )
+from addnorm.lab.seeds import sub_seed
 
 
 def _run(net: nn.Module, data, train: dict) -> dict:
@@ -250,12 +251,12 @@ def related_language(seed: int, changed: float, vocab: int = VOCAB):
     from addnorm.train.data import MarkovLanguage
 
     base = language(seed, vocab)
-    fresh = MarkovLanguage(vocab_size=vocab, order=1, branching=3, seed=seed + 7919)
-    rng = np.random.default_rng(seed + 104729)
+    fresh = MarkovLanguage(vocab_size=vocab, order=1, branching=3, seed=sub_seed(seed, "fresh-language"))
+    rng = np.random.default_rng(sub_seed(seed, "table"))
     rows = rng.choice(vocab, size=round(changed * vocab), replace=False)
     table = base.table.copy()
     table[rows] = fresh.table[rows]
-    return MarkovLanguage.from_table(table, order=1, seed=seed + 7919)
+    return MarkovLanguage.from_table(table, order=1, seed=sub_seed(seed, "fresh-language"))
 
 
 _PRETRAINED: dict[tuple, dict] = {}
@@ -304,7 +305,7 @@ def finetune_task(
         x, y = data.batch(0, BATCH, SEQ, seed=seed, split="val")
         logits = net(x)
         start = float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
-    out = _run(net, data, {**finetune, "seed": seed + 1})
+    out = _run(net, data, {**finetune, "seed": sub_seed(seed, "finetune")})
     out["start_loss"] = _num(start)
     out["pretrain"] = pre_summary
     return out

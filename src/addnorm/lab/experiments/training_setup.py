@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from addnorm.lab.core import Context, experiment
+from addnorm.lab.seeds import model_seeds
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH = 32, 32, 2, 32, 8
 # A run "trains" when its excess loss is below this. The runs that fail to train here sit at about 1.03 nats of
@@ -45,7 +46,8 @@ def settings(ctx: Context) -> dict:
 
 
 def seed_list(ctx: Context, n: int) -> list[int]:
-    return [ctx.seed + k for k in range(n)]
+    """The run's ``n`` model seeds: disjoint across lab seeds (:func:`addnorm.lab.seeds.model_seeds`)."""
+    return model_seeds(ctx.seed, n)
 
 
 def finite(x) -> bool:
@@ -457,7 +459,10 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
     name in the module's tables (so they stay written down in one place, before any run), and ``version`` is put into
     every config (raising it invalidates cached results when a setup changes)."""
 
-    def register(name: str, *, claim: str, source: str, config: dict, kind: str = "empirical", suite: str = "core"):
+    def register(
+        name: str, *, claim: str, source: str, config: dict, kind: str = "empirical", suite: str = "core", **prereg
+    ):
+        """``prereg``: the experiment's ``rules``, ``fixed`` and ``changes`` (see :class:`addnorm.lab.core.Experiment`)."""
         return experiment(
             name,
             claim=claim,
@@ -467,6 +472,7 @@ def registrar(criteria: dict[str, str], preconditions: dict[str, str], *, versio
             precondition=preconditions[name],
             kind=kind,
             suite=suite,
+            **prereg,
         )
 
     return register
