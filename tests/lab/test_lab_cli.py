@@ -171,6 +171,88 @@ def test_cli_ctrl_c_exits_130_with_a_resume_hint_and_the_rerun_resumes(tmp_path,
     assert calls == {"fake-0": 1, "stopped": 1, "fake-1": 1, "fake-2": 1}  # fake-0 came from the cache
 
 
+def test_sigterm_like_timeout_sends_it_stops_cleanly_exits_143_and_the_rerun_resumes(tmp_path):
+    """A real SIGTERM to the lab's whole process group (what `timeout` and schedulers send), workers included."""
+    import signal
+
+    out = tmp_path / "out"
+    src = str(Path(runner.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "addnorm", "lab", "--quick", "--only", "warmup", "--jobs", "2", "--device", "cpu"]
+    cmd += ["--no-progress", "--out", str(out)]
+
+    def default_signals() -> None:  # a test run started in the background may have inherited them ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        start_new_session=True,  # its own process group, as `timeout` makes one: the signal reaches the workers too
+        preexec_fn=default_signals,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tasks = out / "runs" / "tasks"
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tasks.glob("*.json"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(list(tasks.glob("*.json"))) >= 2, proc.communicate(timeout=60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "interrupted (SIGTERM)" in err and "again to resume" in err and str(out / "runs") in err, err
+    assert "leaked" not in err and "Traceback" not in err, err
+    deadline = time.monotonic() + 60  # the workers were stopped: nothing is left in the group
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the interrupted run are still alive")
+    kept = sorted(tasks.glob("*.json"))
+    assert len(kept) >= 2 and not (out / "results.json").exists()
+    # Mark one finished task: the rerun shows the mark only if it reused that task instead of training it again.
+    record = json.loads(kept[0].read_text())
+    record["result"]["excess"] = 123.0
+    kept[0].write_text(json.dumps(record))
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    (exp,) = json.loads((out / "results.json").read_text())["experiments"]
+    assert [v for values in exp["metrics"]["per_seed"].values() for v in values].count(123.0) == 1
+
+
+def test_sigterm_raises_terminated_once_and_the_handler_is_restored():
+    import signal
+
+    from addnorm.lab.interrupt import Terminated, sigterm_interrupts
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with sigterm_interrupts():
+            with pytest.raises(Terminated) as caught:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)  # the handler raises long before this ends
+            assert caught.value.signum == signal.SIGTERM and isinstance(caught.value, KeyboardInterrupt)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one while the run cleans up: ignored
+            time.sleep(0.2)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a caller's own disposition is left alone
+        with sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_results_are_strict_json_with_non_finite_values_kept_as_strings(tmp_path, capsys, monkeypatch):
     """An fp16 overflow (inf) is a result: stored as "inf", because Infinity/NaN literals are not JSON (jq rejects
     them) and `addnorm lab --json` output must parse anywhere."""

@@ -386,11 +386,13 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     MARKS = Path(os.environ["LAB_MARKS"])
 
     def task(seed):
-        with open(MARKS / f"seed{seed}-rank{os.environ.get('RANK', 'none')}", "a") as f:
+        with open(MARKS / f"seed{seed}-rank{os.environ.get('LAB_RANK', 'none')}", "a") as f:
             f.write("x")
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(6, 6, generator=g)
-        return {"norm": float(torch.linalg.matrix_norm(w @ w)), "seed": seed}
+        # what addnorm.train's loop looks at to decide to train data-parallel: a task must see a single process
+        alone = not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
+        return {"norm": float(torch.linalg.matrix_norm(w @ w)), "seed": seed, "alone": alone}
 
     def make(name, n):
         def fn(ctx):
@@ -399,13 +401,15 @@ TORCHRUN_SCRIPT = textwrap.dedent(
             ctx.figure_path("f.png").write_bytes(b"png " + repr([r["norm"] for r in out]).encode())
             value = sum(r["norm"] for r in out) / n
             return Result(verdict=verdict_from(value > 8), figures=["f.png"], summary=name,
-                          metrics={"per_seed": {"norm": [r["norm"] for r in out]}, "drawn": drawn})
+                          metrics={"per_seed": {"norm": [r["norm"] for r in out]}, "drawn": drawn,
+                                   "alone": [r["alone"] for r in out]})
         return fn
 
     REGISTRY = {n: Experiment(name=n, claim="c", source="s", run=make(n, k)) for n, k in (("a", 5), ("b", 1))}
 
     if __name__ == "__main__":
         from addnorm.lab.runner import RunOptions, run
+        os.environ["LAB_RANK"] = os.environ["RANK"]  # the tasks' workers inherit this, not torchrun's RANK
         s = run(RunOptions(out=Path(sys.argv[1]), progress=False, device="cpu", jobs=1), REGISTRY)
         print(f"world {s.meta['world_size']} rank {os.environ.get('RANK')}", flush=True)  # one write: shared stdout
     """
@@ -452,12 +456,53 @@ def test_two_torchrun_ranks_split_the_tasks_and_give_the_single_process_results(
     assert comparable(tmp_path / "one") == comparable(tmp_path / "two")
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["meta"]["world_size"] == 2
+    assert all(all(e["metrics"]["alone"]) for e in two["experiments"])  # no task saw the ranks' process group
     # rank 1 wrote nothing into OUT: only rank 0's report, records and figures are there
     files = sorted(str(p.relative_to(tmp_path / "two")) for p in (tmp_path / "two").rglob("*") if p.is_file())
     assert files == sorted(
         [".lock", "index.html", "report.md", "results.json"]
         + [f"runs/{e['name']}-{e['key']}/{f}" for e in two["experiments"] for f in ("f.png", "result.json")]
     )
+
+
+def _metrics(out: Path) -> dict:
+    return {e["name"]: e["metrics"] for e in json.loads((out / "results.json").read_text())["experiments"]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize(
+    "engine, experiment",
+    # branch-scaling: its probed runs train alone under the batched engine, with addnorm.train's loop as under
+    # sequential (the loop is what joined the ranks' process group and trained data-parallel across two tasks)
+    [("sequential", "warmup"), ("batched", "branch-scaling")],
+)
+def test_real_experiments_on_two_torchrun_ranks_give_the_single_process_numbers_bitwise(tmp_path, engine, experiment):
+    one = tmp_path / "one"
+    run(RunOptions(out=one, only=[experiment], quick=True, progress=False, device="cpu", jobs=1, engine=engine))
+    src = str(Path(runner.__file__).parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "addnorm", "lab", "--quick", "--only", experiment, "--engine", engine, "--device", "cpu"]
+    cmd += ["--no-progress", "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = _metrics(tmp_path / "two")
+    assert json.loads((tmp_path / "two" / "results.json").read_text())["meta"]["world_size"] == 2
+    assert two == _metrics(one)  # every number, to the last bit (json round-trips floats exactly)
+
+
+def test_a_worker_drops_the_launchers_variables(monkeypatch):
+    from addnorm.lab.tasks import single_process_environment
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.setenv(name, "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    single_process_environment()
+    assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(
+        os.environ
+    )
+    assert os.environ["OMP_NUM_THREADS"] == "1"  # not the launcher's business: kept
 
 
 def test_warm_up_starts_the_workers_before_the_first_task():

@@ -13,8 +13,8 @@ Run the stability lab: small experiments that test published claims about residu
 and normalization numerics on this machine, each with a verdict (reproduced / not reproduced / inconclusive) from
 a criterion fixed in its code before it runs. Writes OUT/index.html (one self-contained page), OUT/report.md,
 OUT/results.json and the figures. Finished experiments, and the finished tasks of unfinished ones, are cached in
-OUT/runs/, so running again is fast and a killed run resumes where it stopped. The experiments' tasks run on
---jobs worker processes; the results are the same for any --jobs.
+OUT/runs/, so running again is fast and a killed run resumes where it stopped (Ctrl-C exits 130, SIGTERM 143).
+The experiments' tasks run on --jobs worker processes; the results are the same for any --jobs or torchrun ranks.
 
   addnorm lab                        the core suite (the default, --suite core), into addnorm-report/
   addnorm lab --suite all            every experiment: the core suite and the extended one
@@ -75,8 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="worker processes for the experiments' tasks, one torch thread each (default: the number of "
-        "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process); the "
-        "results are the same for any N",
+        "CPU cores, divided among torchrun ranks on one machine; 1 runs them in this process, or in one worker "
+        "under torchrun); the results are the same for any N",
     )
     p.add_argument(
         "--engine",
@@ -235,14 +235,16 @@ def _lab(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
+        # Ctrl-C exits 130, SIGTERM (a Terminated, interrupt.py) 143: 128 + the signal, as a shell reports it.
+        signum = getattr(err, "signum", 2)
         print(
-            f"\naddnorm lab: interrupted; finished experiments and tasks are kept in {Path(args.out) / 'runs'}; "
-            "run the same command again to resume",
+            f"\naddnorm lab: interrupted{' (SIGTERM)' if signum == 15 else ''}; finished experiments and tasks are "
+            f"kept in {Path(args.out) / 'runs'}; run the same command again to resume",
             file=sys.stderr,
         )
-        return 130
+        return 128 + signum
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
         return 1 if summary.failed else 0
     _finish(load_results(options.out), args.json)

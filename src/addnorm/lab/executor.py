@@ -3,8 +3,8 @@
 This module knows nothing of experiments. It gives the runner three things:
 
 * :meth:`Executor.mapper` -- the ``Context.mapper`` of one experiment: ``fn(**task)`` for every task, results in
-  task order. ``jobs == 1`` runs them here, in order; ``jobs > 1`` on a pool of worker processes (forkserver, or
-  spawn where there is none: torch and OpenMP after a plain fork can hang). Every task runs with one torch thread,
+  task order. ``jobs == 1`` runs them here, in order (not under torchrun, below); ``jobs > 1`` on a pool of worker
+  processes (forkserver, or spawn where there is none: torch and OpenMP after a plain fork can hang). Every task runs with one torch thread,
   with the global RNGs (torch, numpy, random) seeded to 0 and the caller's states restored afterwards, and its
   result goes through JSON on every path, so the results are bitwise identical for any ``jobs``, cached or not.
 * :meth:`Executor.run_concurrently` -- several callables (the experiments' drivers) at once, on threads of this
@@ -18,11 +18,16 @@ This module knows nothing of experiments. It gives the runner three things:
   each ``ctx.map`` gives rank ``r`` the tasks ``r, r + W, ...`` of what is not cached, and ``all_gather_object``
   hands every rank all the results. Rank 0 alone reads and writes the task cache (other ranks may be on other
   machines, without the output folder). A task that raises on one rank raises on all of them, with its message,
-  so the ranks' collectives stay in step.
+  so the ranks' collectives stay in step. A rank runs its tasks on its worker pool even with ``jobs == 1``, and
+  the workers forget torchrun's variables (tasks.single_process_environment): in the rank's own process, or with
+  the variables, ``addnorm.train``'s loop would join the ranks' process group and train data-parallel, averaging
+  its gradients with the other ranks' (different) tasks.
 
 Worker processes are started with forkserver or spawn, which import the main module again: a script that calls
 the runner with ``jobs > 1`` needs the usual ``if __name__ == "__main__":`` guard (``addnorm lab`` and
-``python -m addnorm`` have it). Workers end when the lab's process dies, however it dies.
+``python -m addnorm`` have it). Workers ignore SIGINT and SIGTERM (both reach the whole process group from a
+terminal or ``timeout``): the lab's process stops them (SIGKILL) when it is interrupted, and they end when it dies,
+however it dies.
 
 How one task runs (its globals, its JSON result, a worker's start) and its cache file: tasks.py.
 """
@@ -126,6 +131,9 @@ class Executor:
             raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
         self.jobs = jobs
         self.group = group or DistInfo()
+        # Under torchrun a task never runs in the rank's own process, whose process group addnorm.train would join
+        # (training data-parallel with another rank's task): always on workers, which are single processes.
+        self.in_workers = jobs > 1 or self.group.enabled
         # Only rank 0 touches the cache (module docstring).
         self.cache = TaskCache(cache_dir if self.group.is_main else None, read=read_cache)
         self._on_tasks = on_tasks
@@ -172,7 +180,7 @@ class Executor:
             pool.shutdown(wait=False, cancel_futures=True)
             for p in processes:  # no public way to stop running tasks before Python 3.14
                 with contextlib.suppress(Exception):
-                    p.terminate()
+                    p.kill()  # SIGKILL: the workers ignore SIGTERM (tasks.init_worker)
             for p in processes:
                 with contextlib.suppress(Exception):
                     p.join(timeout=5)
@@ -197,8 +205,8 @@ class Executor:
 
     def warm_up(self) -> None:
         """Start the worker processes now, in the background (importing torch in them takes seconds), so they are
-        ready when the first experiment hands out tasks. Nothing to do with one job or an executor in use."""
-        if self.jobs > 1 and self._pool is None and not self._closed:
+        ready when the first experiment hands out tasks. Nothing to do when tasks run here or the pool exists."""
+        if self.in_workers and self._pool is None and not self._closed:
             pool = self._get_pool()
             for _ in range(self.jobs):
                 pool.submit(_noop)
@@ -259,7 +267,7 @@ class Executor:
     ) -> None:
         """Run ``tasks[i]`` for ``i`` in ``indices``; ``done(i, json_text)`` as each finishes. Raises the first
         task error (after cancelling this call's other tasks)."""
-        if self.jobs == 1:
+        if not self.in_workers:
             for i in indices:
                 if self._closed:
                     raise Cancelled()

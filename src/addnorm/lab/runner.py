@@ -10,8 +10,8 @@ Layout of an output directory::
 
 A finished experiment is reused while its cache key matches (cache.py says what the key covers and which stored
 records count). An experiment that raises is recorded as "inconclusive" with the error, and is not cached (so the
-next run retries it; its finished tasks are); Ctrl-C, KeyboardInterrupt and SystemExit are not caught: the run
-stops, keeping what finished. The outputs of ``--shard`` runs are combined by merge.py.
+next run retries it; its finished tasks are); Ctrl-C (and SIGTERM, which raises a KeyboardInterrupt here),
+KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what finished. The outputs of ``--shard`` runs are combined by merge.py.
 
 Experiments run through the executor (``--jobs``, torchrun; see executor.py): their tasks on worker processes or
 ranks, their drivers overlapped while they wait for tasks. The records, figures and report are the same for any
@@ -43,6 +43,7 @@ from addnorm.io import json_default as _json_default
 from addnorm.lab import cache
 from addnorm.lab.core import ENGINES, EXPERIMENTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, default_jobs, init_group
+from addnorm.lab.interrupt import sigterm_interrupts
 from addnorm.lab.outdir import out_lock, prepare_out_dir
 from addnorm.train.distributed import DistInfo
 
@@ -326,12 +327,14 @@ def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> R
     """Run (or reuse) the selected experiments, then write the report into ``options.out``.
 
     Under torchrun every rank calls this; rank 0 returns the summary of what it wrote, the others the same
-    records (their figures were in a temporary folder, gone when this returns)."""
+    records (their figures were in a temporary folder, gone when this returns). SIGTERM stops it as Ctrl-C does
+    (interrupt.py)."""
     device = resolve_device(options.device)
     chosen = select(options.only, options.shard, registry, options.suite)
     group = init_group()
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(sigterm_interrupts())
             error, out = None, None
             if group.is_main:
                 try:

@@ -92,10 +92,38 @@ def run_task(fn: Callable[..., Any], task: dict[str, Any]) -> str:
         ) from None
 
 
+# What torchrun tells its ranks. A worker inherits them from its rank, and addnorm.train's loop would then join the
+# rank's process group and train data-parallel, averaging its gradients with whatever task the other ranks run.
+_LAUNCHER_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def single_process_environment() -> None:
+    """Make this process a single one as far as torch.distributed and addnorm.train can tell: a task is a pure
+    function of its arguments, the same on a torchrun rank's worker as in a plain run."""
+    for name in list(os.environ):
+        if name in _LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+
+
 def init_worker(lifeline: Any) -> None:
-    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool); a worker must not print a
-    # KeyboardInterrupt traceback for every task it was running.
+    # Ctrl-C reaches the whole process group, and so does the SIGTERM of `timeout` or a scheduler: the parent
+    # decides (it stops the pool, killing its workers); a worker must neither print a KeyboardInterrupt traceback
+    # for every task it was running nor die first, which would record its tasks as failed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    single_process_environment()
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # already set (a reused process): harmless
         torch.set_num_interop_threads(1)
