@@ -492,6 +492,20 @@ def test_real_experiments_on_two_torchrun_ranks_give_the_single_process_numbers_
     assert two == _metrics(one)  # every number, to the last bit (json round-trips floats exactly)
 
 
+def test_a_training_task_gives_the_same_bits_in_any_order_and_process(pool2):
+    """Nothing a task leaves behind in its process (language and batch caches, RNGs, threads) changes another."""
+    from addnorm.lab.experiments.training_setup import train_task
+
+    tasks = [
+        {"model": {"placement": p, "n_layers": 1}, "train": {"steps": 4, "lr": 4e-3, "seed": s}, "lang_seed": lang}
+        for p, s, lang in (("post", 0, 0), ("pre", 1, 0), ("post", 1, 1), ("pre", 0, 1))
+    ]
+    forward = [run_task(train_task, t) for t in tasks]
+    backward = [run_task(train_task, t) for t in reversed(tasks)][::-1]
+    assert forward == backward
+    assert pool2.map(train_task, list(reversed(tasks)))[::-1] == [json.loads(t) for t in forward]
+
+
 def test_a_worker_drops_the_launchers_variables(monkeypatch):
     from addnorm.lab.tasks import single_process_environment
 
