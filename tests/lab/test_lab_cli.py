@@ -171,6 +171,7 @@ def test_cli_ctrl_c_exits_130_with_a_resume_hint_and_the_rerun_resumes(tmp_path,
     assert calls == {"fake-0": 1, "stopped": 1, "fake-1": 1, "fake-2": 1}  # fake-0 came from the cache
 
 
+@pytest.mark.slow
 def test_sigterm_like_timeout_sends_it_stops_cleanly_exits_143_and_the_rerun_resumes(tmp_path):
     """A real SIGTERM to the lab's whole process group (what `timeout` and schedulers send), workers included."""
     import signal
