@@ -37,7 +37,7 @@ from torch.nn.modules import module as _module
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["Link", "add_handoff", "fusable", "fused_runs", "rewrite_tail"]
+__all__ = ["Link", "add_handoff", "count_fused_run", "fusable", "fused_runs", "rewrite_tail"]
 
 _NEXT = "_addnorm_next"  # on a producer (a layer, a child, a norm that is its own site): its Link
 _READY = "_addnorm_ready"  # on a consuming norm: (weakref to the sum, its state, the normalized sum)
@@ -52,6 +52,11 @@ _FUSED_RUNS = [0]
 def fused_runs() -> int:
     """How many fused calls the rewritten forwards have made in this process (compare two readings)."""
     return _FUSED_RUNS[0]
+
+
+def count_fused_run() -> None:
+    """One more fused call made by a rewritten forward (the one writer of the count :func:`fused_runs` reads)."""
+    _FUSED_RUNS[0] += 1
 
 
 def fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
@@ -175,7 +180,7 @@ def add_handoff(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
         return a + b
     n, s = super(_Consumer, norm).forward(a, b)  # the norm's own fused call; its hooks run when the next layer calls it
     norm.__dict__[_READY] = (weakref.ref(s), _state(norm, s), n)
-    _FUSED_RUNS[0] += 1
+    count_fused_run()
     return s
 
 

@@ -34,7 +34,7 @@ import types
 
 from torch import Tensor, nn
 
-from addnorm.integrations.hf.handoff import _FUSED_RUNS, _HANDOFF, add_handoff, fused_runs, rewrite_tail
+from addnorm.integrations.hf.handoff import _HANDOFF, add_handoff, count_fused_run, fused_runs, rewrite_tail
 from addnorm.integrations.hf.handoff import fusable as _fusable
 from addnorm.integrations.hf.helper_rewrite import HelperCalls
 from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm
@@ -62,7 +62,7 @@ _PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what 
 def add_norm(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``: one fused call where :func:`_fusable`, else the add and the norm as written."""
     if _fusable(norm, a, b):
-        _FUSED_RUNS[0] += 1
+        count_fused_run()
         return norm(a, b)
     s = a + b
     return norm(s), s
@@ -80,7 +80,7 @@ def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
         and (w is None or w.dtype == y.dtype)
         and getattr(norm, "residual_dtype", None) is None
     ):
-        _FUSED_RUNS[0] += 1
+        count_fused_run()
         return _norm_add_op(
             y,
             a,
