@@ -5,7 +5,7 @@ The families are not typed here: they are the rows of docs/survey.json (written 
 docs/survey.md``) whose ``hf_apply`` is ``fused`` (or ``mismatch`` / ``error``: a row the survey found wrong fails
 here too). A family that stops fusing fails its test below; one that starts fusing fails the test of the unfused
 rows until the survey is regenerated, which puts it in the list. Each model is built tiny by the survey's own rules
-and input builders (addnorm.integrations.survey.tiny), with norm weights and biases randomised (HF initialises them
+and input builders (addnorm.integrations.tiny), with norm weights and biases randomised (HF initialises them
 to constants, which would hide a weight applied in the wrong place or order).
 One family per structure the survey tells apart also gets a bf16 check and a train-mode gradient check.
 """
@@ -61,7 +61,7 @@ def _build(transformers, model_type: str, dtype=torch.float32):
     (the survey's input builder: one row of SEQ tokens, or one image); whether it can generate."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import tiny
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

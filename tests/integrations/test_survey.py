@@ -510,7 +510,7 @@ def test_cli_from_saved_rows(tmp_path, capsys):
 
 def test_tiny_inputs_follow_the_config():
     pytest.importorskip("transformers")
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import tiny
 
     t5 = tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)
     assert t5["input_ids"].shape == (1, 5) and torch.equal(t5["decoder_input_ids"], t5["input_ids"])

@@ -55,14 +55,14 @@ def _config_classes():
 
 def tiny_config(family: str, **overrides):
     """A tiny config of ``family``: one of :data:`FAMILIES` (2 layers, hidden 64, 4 heads, vocab 128), or any other
-    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.survey.tiny);
+    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.tiny);
     ``overrides`` are config fields, e.g. ``num_hidden_layers=4``."""
     require_transformers()
     classes = _config_classes()
     if family in classes:
         cls, sizes = classes[family]
         return cls(**{**sizes, **overrides})
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import tiny
 
     if not isinstance(family, str) or family not in tiny.config_names():
         raise ValueError(

@@ -1,8 +1,8 @@
 """``addnorm survey``: where every architecture of the installed transformers puts its norms, measured.
 
 For each ``model_type`` with a base model class, :func:`survey_one` builds a tiny random model from its config
-class (:mod:`.tiny`; nothing downloaded), runs one forward under the dataflow recorder (:mod:`.trace`), and
-reports one row:
+class (:mod:`~addnorm.integrations.tiny`, nothing downloaded), runs one forward under the dataflow recorder
+(:mod:`.trace`), and reports one row:
 
     norm                  layernorm | rmsnorm | a class name (what the stream's norms compute, per norm_probe)
     placement             pre | post | sandwich | branch-output | parallel | mixed | unknown (the last stack to run:
@@ -29,7 +29,7 @@ import torch
 
 from addnorm._limits import time_limit
 from addnorm.integrations.survey import trace
-from addnorm.integrations.survey.tiny import SkipModel, SurveyTimeout, build, model_types, tiny_config
+from addnorm.integrations.tiny import SkipModel, SurveyTimeout, build, model_types, tiny_config
 
 __all__ = ["survey", "survey_one", "model_types", "tiny_config", "build", "SkipModel"]
 
