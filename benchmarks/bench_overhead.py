@@ -195,7 +195,7 @@ def _decode_cases(m: int, n: int, dtype):
     import torch.nn.functional as F
 
     import addnorm
-    from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm
+    from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm
 
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(m, n, generator=g).to(dtype) for _ in range(2))

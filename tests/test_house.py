@@ -109,6 +109,19 @@ def test_no_import_cycles_in_src():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+
+def test_train_imports_nothing_from_the_lab():
+    """The lab runs training, never the other way round: what both need (the output lock) lives below both."""
+    graph = import_graph()
+    up = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items()
+        if mod.startswith(f"{PACKAGE}.train")
+        for dep in deps
+        if dep.startswith(f"{PACKAGE}.lab")
+    )
+    assert not up, "addnorm.train imports the lab:\n" + "\n".join(up)
+
 def test_no_source_file_past_one_readers_span():
     long = {
         str(p.relative_to(SRC)): n

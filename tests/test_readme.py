@@ -136,6 +136,23 @@ def test_docs_index_lists_every_page():
     assert "addnorm lab doc" in index and "addnorm survey --docs docs/survey.md --readme README.md" in index
 
 
+README_MAX_LINES = 150
+
+
+def test_readme_fits_one_sitting():
+    """The README stays a page: at most 150 lines, its generated survey paragraphs counted as they stand (they grow
+    with transformers: when they do, shorten the written text, not the generated part)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    generated = sum(
+        lines.index(f"<!-- /survey:{name} -->") - lines.index(f"<!-- survey:{name} -->") - 1
+        for name in ("hf-fused", "summary")
+    )
+    assert generated > 0  # the markers are there, and the count includes what lies between them
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines ({generated} generated), more than {README_MAX_LINES}"
+    )
+
+
 def test_readme_test_command_is_the_one_ci_runs():
     """The Quick start's test command is what .ci/run executes on a clean checkout."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]

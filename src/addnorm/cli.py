@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("addnorm.lab.cli", "run the stability lab experiments and write an HTML/Markdown/JSON report"),
     "train": ("addnorm.train.cli", "train one model configuration and report loss curves and stability metrics"),
     "doctor": (
-        "addnorm.diagnostics.doctor_cli",
+        "addnorm.diagnostics.doctor.cli",
         "check a model for Add & Norm mistakes (norm axis, skip path, placement vs depth, precision)",
     ),
     "survey": (

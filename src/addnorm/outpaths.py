@@ -5,17 +5,21 @@ empty path is refused (``--out ""`` used to mean the current folder, where it re
 directory must not be a file and a file must not be a directory, the place must be writable, and two outputs of
 one command must not be the same file (the second silently replaced the first). Each refusal is a ValueError
 that names the flag and the problem. :func:`describe_os_error` turns an OSError met later (a full disk) into the
-words a user can act on.
+words a user can act on. :func:`out_lock` holds ``OUT/.lock`` while a run writes into ``OUT``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["check_distinct", "describe_os_error", "out_dir", "out_file"]
+__all__ = ["LOCK_FILE", "check_distinct", "describe_os_error", "out_dir", "out_file", "out_lock"]
+
+LOCK_FILE = ".lock"
 
 
 def _text(value: str | os.PathLike, flag: str, what: str) -> str:
@@ -86,3 +90,32 @@ def describe_os_error(err: OSError) -> str:
     """``err`` in words: what went wrong (full disk, permissions, ...) and on which file."""
     what = _PLAIN.get(err.errno) or err.strerror or str(err) or type(err).__name__
     return f"{what}: {err.filename}" if err.filename else what
+
+
+@contextlib.contextmanager
+def out_lock(out: Path, flag: str = "--out", command: str = "addnorm lab"):
+    """Hold ``OUT/.lock`` for the run, so two runs of ``command`` (``addnorm lab``, ``addnorm train``) never write
+    into one folder at once (a second lab deleted the first's figures mid-run; a second train interleaved its log
+    with the first's). The second gets a ValueError naming the holder. The lock is an flock: the kernel releases it
+    when its process dies, so a killed run leaves no stale lock behind."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (documented)
+        yield
+        return
+    path = Path(out) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise ValueError(
+                f"{flag} {str(out)!r} is in use by another `{command}` run ({holder}); wait for it "
+                "to finish, or give another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock

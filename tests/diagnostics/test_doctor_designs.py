@@ -174,7 +174,7 @@ def _doctor_errors(model_type):
     pytest.importorskip("transformers")
     import warnings
 
-    from addnorm.integrations.survey.tiny import build
+    from addnorm.integrations.tiny import build
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

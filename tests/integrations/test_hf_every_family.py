@@ -5,7 +5,7 @@ The families are not typed here: they are the rows of docs/survey.json (written 
 docs/survey.md``) whose ``hf_apply`` is ``fused`` (or ``mismatch`` / ``error``: a row the survey found wrong fails
 here too). A family that stops fusing fails its test below; one that starts fusing fails the test of the unfused
 rows until the survey is regenerated, which puts it in the list. Each model is built tiny by the survey's own rules
-and input builders (addnorm.integrations.survey.tiny), with norm weights and biases randomised (HF initialises them
+and input builders (addnorm.integrations.tiny), with norm weights and biases randomised (HF initialises them
 to constants, which would hide a weight applied in the wrong place or order).
 One family per structure the survey tells apart also gets a bf16 check and a train-mode gradient check.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from addnorm.integrations.norm_probe import randomize_norms
+from addnorm.integrations.hf.norm_probe import randomize_norms
 from addnorm.integrations.survey import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def _build(transformers, model_type: str, dtype=torch.float32):
     (the survey's input builder: one row of SEQ tokens, or one image); whether it can generate."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import tiny
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -119,7 +119,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 # Families whose generation head fails on the unpatched tiny model, with transformers' error: their tokens are not
 # compared (their output still is, and the patched generate() must fail with the same error). Each must still fail
 # unpatched (else the entry is stale and the test says so), and the list is held short, so skipping cannot grow
-# silently. The hybrid linear-attention models came in with hf_rewrite (their layers fuse since).
+# silently. The hybrid linear-attention models came in with hf/rewrite.py (their layers fuse since).
 _LINEAR_CACHE = "transformers' cache of a linear-attention layer has no get_seq_length on the tiny config"
 GENERATE_FAILS_UNPATCHED = {
     "qwen3_omni_moe_thinker": "the thinker config has no vision_start_token_id, which its generate() reads",
@@ -138,7 +138,7 @@ MAX_GENERATE_SKIPS = 9
 
 def _fused_calls(model) -> set[str]:
     """Records the class of each fused layer of ``model`` that makes a fused call (hooks, kept on the model)."""
-    from addnorm.integrations.hf_rewrite import record_fused_layers
+    from addnorm.integrations.hf.rewrite import record_fused_layers
 
     ran, model._addnorm_test_hooks = record_fused_layers(model)
     return ran
@@ -354,11 +354,11 @@ def test_readme_lists_the_survey_fused_families():
     assert all(f"`{t}`" in block for t in decoders)
 
 
-# The families issue 25 found with their norms swapped but no add fused. Fused since by hf_rewrite (their own
-# forwards rewritten), addnorm.norm_add (the branch-output ones), OnePlusWeightLayerNorm (Nemotron), hf_handoff
-# (the parallel blocks: the add a layer returns fused with the next layer's input norm) and hf_helpers/hf_links
-# (BLOOM and GPT-NeoX-Japanese: adds made in dropout_add / bias_dropout_add, by child modules); each is in ROWS, so
-# the per-family test above checks its output and generate().
+# The families issue 25 found with their norms swapped but no add fused. Fused since by hf/rewrite.py (their own
+# forwards rewritten), addnorm.norm_add (the branch-output ones), OnePlusWeightLayerNorm (Nemotron),
+# hf/handoff.py (the parallel blocks: the add a layer returns fused with the next layer's input norm) and
+# hf/helper_rewrite.py + hf/links.py (BLOOM and GPT-NeoX-Japanese: adds made in dropout_add / bias_dropout_add, by
+# child modules); each is in ROWS, so the per-family test above checks its output and generate().
 ISSUE_25_FUSED = (
     "biogpt",
     "bloom",

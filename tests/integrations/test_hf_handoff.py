@@ -1,4 +1,4 @@
-"""hf_handoff: the add a layer returns, fused with the next layer's input norm (or the final norm), which then
+"""hf/handoff.py: the add a layer returns, fused with the next layer's input norm (or the final norm), which then
 returns the output computed in that fused call.
 
 The stacks below are written here in the shapes of transformers' parallel blocks (GPT-NeoX, Phi, Cohere) and
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from addnorm.integrations import hf_handoff, hf_links, hf_rewrite
+from addnorm.integrations.hf import handoff, links, rewrite
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 W = 16
@@ -85,20 +85,20 @@ def _patched(model: Stack) -> tuple[Stack, list]:
     original = {}
     for layer in new.layers:
         cls = type(layer)
-        result = hf_rewrite.rewrite_forward(cls, hf_rewrite.norm_attributes(layer))
+        result = rewrite.rewrite_forward(cls, rewrite.norm_attributes(layer))
         assert result is not None and result.forward._addnorm_handoff
         name = f"Fused{cls.__name__}"
         if name not in globals():  # a module-level name, as hf.apply's classes have: the model pickles
             globals()[name] = type(name, (cls,), {"forward": result.forward, "__module__": __name__})
         layer.__class__ = globals()[name]
         original[layer] = cls
-    return new, hf_links.link(new, original)
+    return new, links.link(new, original)
 
 
 def _runs(fn, *args):
-    before = hf_rewrite.fused_runs()
+    before = rewrite.fused_runs()
     out = fn(*args)
-    return out, hf_rewrite.fused_runs() - before
+    return out, rewrite.fused_runs() - before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -222,7 +222,7 @@ def test_a_waiting_handoff_copies_and_pickles_and_unlink_restores():
         new.layers[0](x)  # leaves a handoff (a weakref) waiting in layer 1's input norm
         for clone in (copy.deepcopy(new), pickle.loads(pickle.dumps(new))):
             assert torch.equal(clone(x), model(x))
-    hf_links.unlink(linked)
+    links.unlink(linked)
     assert type(new.layers[1].input_layernorm) is LayerNorm and "_addnorm_next" not in new.layers[0].__dict__
     with torch.no_grad():
         _, runs = _runs(new, x)
@@ -230,17 +230,17 @@ def test_a_waiting_handoff_copies_and_pickles_and_unlink_restores():
 
 
 def test_input_and_final_norm_read_from_the_source():
-    assert hf_links.input_norm(Parallel, {"input_layernorm", "post_attention_layernorm"}) == "input_layernorm"
-    assert hf_links.input_norm(OneMixer, {"norm"}) == "norm"  # through .to(dtype=...)
-    assert hf_links.final_norm(Stack, "layers", {"final_norm"}) == "final_norm"
-    assert hf_links.final_norm(Stack, "other", {"final_norm"}) is None
+    assert links.input_norm(Parallel, {"input_layernorm", "post_attention_layernorm"}) == "input_layernorm"
+    assert links.input_norm(OneMixer, {"norm"}) == "norm"  # through .to(dtype=...)
+    assert links.final_norm(Stack, "layers", {"final_norm"}) == "final_norm"
+    assert links.final_norm(Stack, "other", {"final_norm"}) is None
 
     class Rebound(nn.Module):
         def forward(self, x):
             x = x * 2  # the norm below reads another tensor than the layer's input
             return self.norm(x)
 
-    assert hf_links.input_norm(Rebound, {"norm"}) is None
+    assert links.input_norm(Rebound, {"norm"}) is None
 
 
 def test_operands_of_other_dtypes_add_unfused():
@@ -248,7 +248,7 @@ def test_operands_of_other_dtypes_add_unfused():
     new, linked = _patched(Stack(OneMixer))
     layer = new.layers[0]
     a, b = torch.randn(2, W), torch.randn(2, W, dtype=torch.float64)
-    out, runs = _runs(hf_handoff.add_handoff, layer, a, b)
+    out, runs = _runs(handoff.add_handoff, layer, a, b)
     assert runs == 0 and out.dtype == torch.float64 and torch.equal(out, a + b)
 
 
@@ -259,7 +259,7 @@ def test_operands_of_other_dtypes_add_unfused():
 def phi():
     pytest.importorskip("transformers")
     from addnorm.integrations import hf
-    from addnorm.integrations.norm_probe import randomize_norms
+    from addnorm.integrations.hf.norm_probe import randomize_norms
 
     model = hf.tiny_model("phi", num_hidden_layers=3)
     randomize_norms(model)
@@ -325,16 +325,16 @@ def test_the_handoff_raises_nothing_under_inference_mode():
     raised: list[str] = []
 
     def tracer(frame, event, arg):
-        if event == "exception" and frame.f_code.co_filename == hf_handoff.__file__:
+        if event == "exception" and frame.f_code.co_filename == handoff.__file__:
             raised.append(f"{frame.f_code.co_name}: {arg[0].__name__}")
         return tracer
 
-    before = hf_handoff.fused_runs()
+    before = handoff.fused_runs()
     with torch.inference_mode():
         sys.settrace(tracer)
         try:
             model(ids)
         finally:
             sys.settrace(None)
-    assert hf_handoff.fused_runs() > before  # the handoff ran (the template layers hand their last add off)
+    assert handoff.fused_runs() > before  # the handoff ran (the template layers hand their last add off)
     assert raised == []

@@ -1,8 +1,8 @@
 """Adds made where a layer's forward cannot fuse them, handed off to the norm that reads the sum next:
 
-- inside a helper function of the layer's module (hf_helpers): BLOOM's ``dropout_add``, GPT-NeoX-Japanese's
+- inside a helper function of the layer's module (hf/helper_rewrite.py): BLOOM's ``dropout_add``, GPT-NeoX-Japanese's
   ``bias_dropout_add``;
-- by a child module whose output its parent normalizes or returns (hf_links): BLOOM's attention (into
+- by a child module whose output its parent normalizes or returns (hf/links.py): BLOOM's attention (into
   post_attention_layernorm) and MLP (returned by the block, into the next block's input_layernorm or ln_f);
 - the last add of a template layer (Llama's MLP add), into the next layer's input norm or the final norm.
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import addnorm.ops.add_norm as add_norm_ops
-from addnorm.integrations import hf_helpers, hf_rewrite
-from addnorm.integrations.norm_probe import randomize_norms
+from addnorm.integrations.hf import helper_rewrite, rewrite
+from addnorm.integrations.hf.norm_probe import randomize_norms
 
 LAYERS = 3
 
@@ -51,7 +51,7 @@ def scaled(x, factor=2.0):
 def test_a_rewritten_helper_computes_what_the_helper_does(training, bias, residual):
     """Every branch of the helper, run with a site that is not linked (so no fused call is made): the same tensor
     bit for bit, dropout drawing the same numbers."""
-    new = hf_helpers.handoff_helper(bias_dropout_add)
+    new = helper_rewrite.handoff_helper(bias_dropout_add)
     assert new is not None and new.__name__ == "_addnorm_helper_bias_dropout_add"
     g = torch.Generator().manual_seed(0)
     x, b, r = (torch.randn(3, 8, generator=g) for _ in range(3))
@@ -64,14 +64,14 @@ def test_a_rewritten_helper_computes_what_the_helper_does(training, bias, residu
 
 
 def test_only_a_plain_function_that_returns_an_add_is_rewritten():
-    assert hf_helpers.handoff_helper(scaled) is None  # returns no add
-    assert hf_helpers.handoff_helper(torch.add) is None  # not a Python function
-    assert hf_helpers.handoff_helper(lambda x, r: x + r) is None  # no source statement of its own
+    assert helper_rewrite.handoff_helper(scaled) is None  # returns no add
+    assert helper_rewrite.handoff_helper(torch.add) is None  # not a Python function
+    assert helper_rewrite.handoff_helper(lambda x, r: x + r) is None  # no source statement of its own
 
     def closure(x, r, k=2.0):
         return x + r * k
 
-    new = hf_helpers.handoff_helper(closure)  # a nested function with no free variable is still plain
+    new = helper_rewrite.handoff_helper(closure)  # a nested function with no free variable is still plain
     assert new is not None and torch.equal(
         new(torch.nn.Module(), torch.ones(2), torch.ones(2)), closure(torch.ones(2), torch.ones(2))
     )
@@ -80,7 +80,7 @@ def test_only_a_plain_function_that_returns_an_add_is_rewritten():
     def with_free_variable(x, r):
         return x + r * scale
 
-    assert hf_helpers.handoff_helper(with_free_variable) is None  # a closure cannot be recompiled as it is
+    assert helper_rewrite.handoff_helper(with_free_variable) is None  # a closure cannot be recompiled as it is
 
 
 # ---- the families ------------------------------------------------------------------------------------------------
@@ -115,9 +115,9 @@ def _logits(model, ids):
 
 def _runs(fn, *args):
     """fn's output and how many handoffs (fused calls made by rewritten forwards and add_handoff) it made."""
-    before = hf_rewrite.fused_runs()
+    before = rewrite.fused_runs()
     out = fn(*args)
-    return out, hf_rewrite.fused_runs() - before
+    return out, rewrite.fused_runs() - before
 
 
 def _fused_calls(monkeypatch) -> list[int]:
@@ -202,9 +202,9 @@ def test_bloom_trains_with_dropout_as_unpatched(hf):
     for patched in (False, True):
         m = _patched(hf, model) if patched else copy.deepcopy(model)
         torch.manual_seed(0)
-        before = hf_rewrite.fused_runs()
+        before = rewrite.fused_runs()
         loss = m(ids, labels=ids).loss
-        results.append((loss, hf_rewrite.fused_runs() - before))
+        results.append((loss, rewrite.fused_runs() - before))
         loss.backward()
         results[-1] += ({n: p.grad for n, p in m.named_parameters() if p.grad is not None},)
     (loss_ref, _, ref), (loss, runs, got) = results

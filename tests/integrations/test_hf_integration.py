@@ -19,7 +19,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import addnorm.ops.add_norm as add_norm_ops  # noqa: E402
-from addnorm.integrations import hf, hf_norms, norm_probe  # noqa: E402
+from addnorm.integrations import hf  # noqa: E402
+from addnorm.integrations.hf import norm_probe, norms, patch  # noqa: E402
 from addnorm.nn import LayerNorm, RMSNorm  # noqa: E402
 
 FAMILIES = hf.FAMILIES
@@ -27,7 +28,7 @@ DECODERS = [f for f in FAMILIES if f != "bert"]
 LAYERS = 2  # tiny_config's num_hidden_layers
 # fused residual-add + norm calls per forward, two per layer: a decoder layer fuses its attention add with its
 # post-attention norm and hands its MLP add to the next layer's input norm (the last one's to the final norm,
-# hf_handoff); BERT fuses both post-norms of each layer
+# hf/handoff.py); BERT fuses both post-norms of each layer
 FUSED_PER_FORWARD = {f: 2 * LAYERS for f in FAMILIES}
 
 
@@ -89,14 +90,14 @@ def test_fp32_logits_match_and_norms_are_swapped(family):
     keys = list(model.state_dict())
     assert hf.apply(model) is model
     # every HF norm is now an addnorm module, holding the very same Parameter objects under the same keys
-    hf_norms = [
+    left = [
         n
         for n, m in model.named_modules()
         if type(m) is nn.LayerNorm
         or type(m).__name__.endswith("RMSNorm")
         and type(m).__module__.startswith("transformers.")
     ]
-    assert hf_norms == []
+    assert left == []
     assert any(isinstance(m, (LayerNorm, RMSNorm)) for m in model.modules())
     assert all(p is params[name] for name, p in model.named_parameters())
     assert list(model.state_dict()) == keys
@@ -255,13 +256,13 @@ def test_gpt2_cross_attention_fuses_both_norms(monkeypatch):
 
 def test_layers_that_match_no_structure_are_left_alone(monkeypatch):
     """apply fuses only layers whose forward matches a template; with none matching (as with a transformers version
-    that rewrote its layers, and no add next to a norm that hf_rewrite can rewrite) the layers keep HF's forward,
+    that rewrote its layers, and no add next to a norm that hf/rewrite.py can rewrite) the layers keep HF's forward,
     with a warning, and the model computes what it did."""
-    from addnorm.integrations import hf_rewrite, layer_match
+    from addnorm.integrations.hf import layer_match, rewrite
 
     monkeypatch.setattr(layer_match, "_TEMPLATE_CANON", {})
     monkeypatch.setattr(layer_match, "_CACHE", {})
-    monkeypatch.setattr(hf_rewrite, "rewrite_forward", lambda cls, norms: None)
+    monkeypatch.setattr(rewrite, "rewrite_forward", lambda cls, norms: None)
     model = _model("llama")
     ids = _ids()
     ref = _logits(model, ids)
@@ -273,16 +274,16 @@ def test_layers_that_match_no_structure_are_left_alone(monkeypatch):
 
 
 def test_without_templates_the_rewritten_forward_fuses_llama(monkeypatch):
-    """hf_rewrite alone (the templates switched off) fuses Llama's layer from its own source: the same logits bit
+    """hf/rewrite.py alone (the templates switched off) fuses Llama's layer from its own source: the same logits bit
     for bit in fp32, two fused calls per layer (the attention add with post_attention_layernorm; the add it returns
-    with the next layer's input_layernorm, or the final norm: hf_handoff), generate() the same tokens."""
-    from addnorm.integrations import hf_rewrite, layer_match
+    with the next layer's input_layernorm, or the final norm: hf/handoff.py), generate() the same tokens."""
+    from addnorm.integrations.hf import layer_match, rewrite
 
     monkeypatch.setattr(layer_match, "_TEMPLATE_CANON", {})
     monkeypatch.setattr(layer_match, "_CACHE", {})
-    monkeypatch.setattr(hf, "_FUSED_CLASSES", {})  # a class fused by a template earlier in the session
+    monkeypatch.setattr(patch, "_FUSED_CLASSES", {})  # a class fused by a template earlier in the session
     # and the name the fused class is pickled under, given back to the template's class afterwards
-    monkeypatch.setattr(hf, "AddNormFusedLlamaDecoderLayer", None, raising=False)
+    monkeypatch.setattr(patch, "AddNormFusedLlamaDecoderLayer", None, raising=False)
     # bit for bit is the torch backend's property (HF's own ops); auto runs the numba cpu backend on CPU tensors of
     # every size (batch invariance), whose fp32 sums take another order
     monkeypatch.setenv("ADDNORM_BACKEND", "torch")
@@ -292,12 +293,12 @@ def test_without_templates_the_rewritten_forward_fuses_llama(monkeypatch):
     ref_tokens = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
     hf.apply(model)
     layer = model.model.layers[0]
-    assert hf_rewrite.is_rewritten(type(layer)) and type(layer)._addnorm_roles == {
+    assert rewrite.is_rewritten(type(layer)) and type(layer)._addnorm_roles == {
         "post_attention_layernorm": "post_attention_layernorm"
     }
-    before = hf_rewrite.fused_runs()
+    before = rewrite.fused_runs()
     got = _logits(model, ids)
-    assert hf_rewrite.fused_runs() - before == 2 * LAYERS
+    assert rewrite.fused_runs() - before == 2 * LAYERS
     assert torch.equal(got, ref)
     tokens = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(tokens, ref_tokens)
@@ -308,7 +309,7 @@ def test_without_templates_the_rewritten_forward_fuses_llama(monkeypatch):
 def test_norms_addnorm_does_not_reproduce_are_left_alone(monkeypatch):
     """A norm whose numerics no addnorm module reproduces (here: every norm, as the probe is told) stays HF's; a
     model with no reproducible norm at all is refused with a clear error, and left untouched."""
-    from addnorm.integrations import norm_probe
+    from addnorm.integrations.hf import norm_probe
 
     real = norm_probe.probe
     monkeypatch.setattr(norm_probe, "probe", lambda m: None if type(m).__name__ == "LlamaRMSNorm" else real(m))
@@ -352,7 +353,7 @@ def test_patched_model_deepcopies_and_pickles():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(_logits(clone, ids), ref)
         hf.revert(clone)  # the copy carries its own record of what to undo
-        assert not any(type(m).__module__ == hf.__name__ for m in clone.modules())
+        assert not any(type(m).__module__ == patch.__name__ for m in clone.modules())
         _assert_rel(_logits(clone, ids), ref, 1e-5, "reverted copy")
 
 
@@ -393,7 +394,7 @@ def test_cast_before_weight_matches_llama_rmsnorm_in_bf16():
     old = LlamaRMSNorm(96, eps=1e-6).bfloat16()
     with torch.no_grad():
         old.weight.copy_(1 + 0.5 * torch.randn(96))
-    new = hf_norms.cast_before_weight_norm(old)
+    new = norms.cast_before_weight_norm(old)
     assert new.weight is old.weight and new.variance_epsilon == new.eps == 1e-6
     x, r = (torch.randn(64, 96) * 3).bfloat16(), torch.randn(64, 96).bfloat16()
     for got, want in ((new(x), old(x)), (new(x, r)[0], old(x + r))):
@@ -411,7 +412,7 @@ def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion
     real = add_norm_ops.run_add_norm  # (x, residual, weight, bias, eps, is_rms, p, residual_dtype, zc, cbw, ...)
     monkeypatch.setattr(add_norm_ops, "run_add_norm", lambda *a: calls.append((a[2], a[9])) or real(*a))
     old = LlamaRMSNorm(32, eps=1e-6).bfloat16()
-    new = hf_norms.cast_before_weight_norm(old)
+    new = norms.cast_before_weight_norm(old)
     x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
     new(x, r)
     ((weight, cast_before_weight),) = calls
@@ -420,7 +421,7 @@ def test_cast_before_weight_norm_is_one_fused_call_and_keeps_hfs_dtype_promotion
     old32 = LlamaRMSNorm(32, eps=1e-6)
     with torch.no_grad():
         old32.weight.copy_(1 + 0.5 * torch.randn(32))
-    got, want = hf_norms.cast_before_weight_norm(old32)(x), old32(x)
+    got, want = norms.cast_before_weight_norm(old32)(x), old32(x)
     assert got.dtype == want.dtype == torch.float32
     assert (got != want).float().mean().item() < 0.01
 
@@ -431,7 +432,7 @@ def test_gemma_norm_is_zero_centered_with_eps_from_hf():
     old = GemmaRMSNorm(32, eps=1e-3)
     with torch.no_grad():
         old.weight.normal_()
-    new = hf_norms.zero_centered_norm(old)
+    new = norms.zero_centered_norm(old)
     assert new.eps == 1e-3 and new.zero_centered_weight and new.weight is old.weight
     x = torch.randn(5, 32)
     _assert_rel(new(x), old(x), 1e-5, "gemma norm")
@@ -492,18 +493,18 @@ def test_apply_to_a_model_already_on_the_gpu(family):
 def test_keyword_only_binding_fast_path_binds_and_refuses_like_the_general_one():
     """generate() calls a layer with keywords only: the one-merge path of _bound_arguments gives the general path's
     dict, and an unknown or a missing argument still raises its TypeError."""
-    from addnorm.integrations import hf_forwards
+    from addnorm.integrations.hf import forwards
 
     def forward(self, hidden_states, mask, position=None, cache=None):
         return hidden_states
 
-    layer = type("Layer", (), {"_addnorm_signature": hf_forwards.Signature.of(forward)})()
-    bound = hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "cache": 2})
+    layer = type("Layer", (), {"_addnorm_signature": forwards.Signature.of(forward)})()
+    bound = forwards._bound_arguments(layer, None, (), {"mask": 1, "cache": 2})
     assert bound == {"mask": 1, "position": None, "cache": 2}
-    assert hf_forwards._bound_arguments(layer, None, (1,), {"cache": 2}) == bound  # the general path
+    assert forwards._bound_arguments(layer, None, (1,), {"cache": 2}) == bound  # the general path
     # the old keyword is renamed as transformers' deprecate_kwarg does
-    assert hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "past_key_values": 2}) == bound
+    assert forwards._bound_arguments(layer, None, (), {"mask": 1, "past_key_values": 2}) == bound
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-        hf_forwards._bound_arguments(layer, None, (), {"mask": 1, "bogus": 3})
+        forwards._bound_arguments(layer, None, (), {"mask": 1, "bogus": 3})
     with pytest.raises(TypeError, match="missing required arguments: mask"):
-        hf_forwards._bound_arguments(layer, None, (), {"cache": 2})
+        forwards._bound_arguments(layer, None, (), {"cache": 2})

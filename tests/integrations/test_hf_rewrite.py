@@ -1,4 +1,4 @@
-"""hf_rewrite: a layer's own forward rewritten so that its residual add runs fused with the norm next to it.
+"""hf/rewrite.py: a layer's own forward rewritten so that its residual add runs fused with the norm next to it.
 
 Each layer below is written here in the shapes transformers' families use (no transformers needed); its rewritten
 forward must give the original's output bit for bit (fp32 and bf16), make the fused calls it claims
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from addnorm.integrations import hf_rewrite
-from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, OnePlusWeightLayerNorm
+from addnorm.integrations.hf import rewrite
+from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, OnePlusWeightLayerNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 W = 24
@@ -130,11 +130,11 @@ class Decorated(PreNorm):
         return residual + self.mlp(hidden_states)
 
 
-def _patched(layer: nn.Module) -> tuple[nn.Module, hf_rewrite.RewriteResult]:
+def _patched(layer: nn.Module) -> tuple[nn.Module, rewrite.RewriteResult]:
     """A copy of ``layer`` whose class runs the rewritten forward (as hf.apply installs it: a subclass)."""
     import copy
 
-    result = hf_rewrite.rewrite_forward(type(layer), hf_rewrite.norm_attributes(layer))
+    result = rewrite.rewrite_forward(type(layer), rewrite.norm_attributes(layer))
     assert result is not None, f"{type(layer).__name__} was not rewritten"
     new = copy.deepcopy(layer)
     new.__class__ = type(f"Fused{type(layer).__name__}", (type(layer),), {"forward": result.forward})
@@ -145,9 +145,9 @@ def _same(layer, new, *args, **kwargs) -> int:
     """Asserts equal outputs bit for bit; returns the fused calls the new forward made."""
     with torch.no_grad():
         want = layer(*args, **kwargs)
-        before = hf_rewrite.fused_runs()
+        before = rewrite.fused_runs()
         got = new(*args, **kwargs)
-        runs = hf_rewrite.fused_runs() - before
+        runs = rewrite.fused_runs() - before
     assert got.dtype == want.dtype and torch.equal(got, want)
     return runs
 
@@ -221,14 +221,14 @@ def test_operands_of_other_dtypes_or_shapes_run_unfused_as_written():
     """HF's promotion (a bf16 branch onto an fp32 stream) and broadcasting are kept: no fused call then."""
     norm = LayerNorm(W)
     a, b = torch.randn(3, W), torch.randn(3, W).to(torch.bfloat16)
-    before = hf_rewrite.fused_runs()
-    out, s = hf_rewrite.add_norm(norm, a, b)
+    before = rewrite.fused_runs()
+    out, s = rewrite.add_norm(norm, a, b)
     assert s.dtype == torch.float32 and torch.equal(s, a + b) and torch.equal(out, norm(a + b))
-    out, s = hf_rewrite.add_norm(norm, torch.randn(3, W), torch.randn(W))
+    out, s = rewrite.add_norm(norm, torch.randn(3, W), torch.randn(W))
     assert s.shape == (3, W)
-    got = hf_rewrite.norm_add(norm, b, a)
+    got = rewrite.norm_add(norm, b, a)
     assert torch.equal(got, a + norm(b))
-    assert hf_rewrite.fused_runs() == before
+    assert rewrite.fused_runs() == before
 
 
 def test_norm_add_keeps_each_norm_modules_numerics():
@@ -241,7 +241,7 @@ def test_norm_add_keeps_each_norm_modules_numerics():
             norm.weight.copy_(0.3 * torch.randn(W) + (0.0 if isinstance(norm, OnePlusWeightLayerNorm) else 1.0))
         norm.to(torch.bfloat16)
         with torch.no_grad():
-            assert torch.equal(hf_rewrite.norm_add(norm, y, a), a + norm(y)), type(norm).__name__
+            assert torch.equal(rewrite.norm_add(norm, y, a), a + norm(y)), type(norm).__name__
 
 
 class Super(_Base):
@@ -277,14 +277,14 @@ class NoNorm(_Base):
 @pytest.mark.parametrize("cls", [Super, Conditional, MovedNameInTest, NoNorm], ids=lambda c: c.__name__)
 def test_what_cannot_be_proven_equivalent_is_left_alone(cls):
     layer = cls()
-    assert hf_rewrite.rewrite_forward(cls, hf_rewrite.norm_attributes(layer)) is None
+    assert rewrite.rewrite_forward(cls, rewrite.norm_attributes(layer)) is None
 
 
 def test_a_norm_that_is_not_addnorms_is_not_fused():
     layer = PreNorm()
     layer.norm2 = nn.LayerNorm(W)
-    assert "norm2" not in hf_rewrite.norm_attributes(layer)
-    result = hf_rewrite.rewrite_forward(PreNorm, hf_rewrite.norm_attributes(layer))
+    assert "norm2" not in rewrite.norm_attributes(layer)
+    result = rewrite.rewrite_forward(PreNorm, rewrite.norm_attributes(layer))
     # only the add it returns is rewritten (handed to the next layer's input norm once linked); norm2 is not fused
     assert result.fused == () and result.forward._addnorm_handoff
     assert "_addnorm_add_norm(" not in result.source
@@ -309,9 +309,9 @@ def test_torch_compile_traces_the_rewritten_forward_whole(cls):
     new, _ = _patched(layer)
     x = torch.randn(2, 3, W)
     compiled = torch.compile(new, backend="eager", fullgraph=True)
-    before = hf_rewrite.fused_runs()
+    before = rewrite.fused_runs()
     with torch.no_grad():
         got, want = compiled(x), layer(x)
-    assert hf_rewrite.fused_runs() > before
+    assert rewrite.fused_runs() > before
     # traced, addnorm runs its torch backend, whose fp32 sums may differ from the eager kernel's in the last bit
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

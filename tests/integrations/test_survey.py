@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from addnorm.integrations import layer_match, norm_probe
+from addnorm.integrations.hf import layer_match, norm_probe
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -288,12 +288,12 @@ PINNED = [
     # post_attention_layernorm on the attention output before "residual + hidden_states"; (1.0 + self.weight.float())
     ("olmo2", {}, dict(norm="rmsnorm", placement="branch-output", qk_norm=True, final_norm=True, hf_apply="fused")),
     # hidden_states = self.post_attention_layernorm(self_attn(...)); residual + hidden_states; q_norm/k_norm
-    # (fused by hf_rewrite as one addnorm.norm_add call)
+    # (fused by hf/rewrite.py as one addnorm.norm_add call)
     ("olmo", {}, dict(norm="layernorm", placement="pre", eps=1e-5, bias=False, hf_apply="fused")),
     # OlmoLayerNorm: F.layer_norm(..., None, None, eps=1e-5): no weight, no bias, eps a literal
     ("cohere", {}, dict(norm="layernorm", placement="parallel", bias=False, hf_apply="fused")),
     # hidden_states = residual + hidden_states_attention + hidden_states_mlp (both read input_layernorm); the sum
-    # fused with the next layer's input_layernorm (hf_handoff)
+    # fused with the next layer's input_layernorm (hf/handoff.py)
     ("gptj", {}, dict(norm="layernorm", placement="parallel", bias=True)),
     # hidden_states = attn_output + feed_forward_hidden_states + residual
     (
@@ -324,7 +324,7 @@ PINNED = [
     # a vision-language model: on text alone only the language model (Llama) runs; its layers are what is fused
     ("bloom", {}, dict(norm="layernorm", placement="pre", hf_apply="fused")),
     # BloomAttention: output_tensor = dropout_add(output_tensor, residual, ...); the block reads its return value
-    # (hf_helpers rewrites dropout_add, hf_links links the attention to post_attention_layernorm)
+    # (hf/helper_rewrite.py rewrites dropout_add, hf/links.py links the attention to post_attention_layernorm)
     ("gpt_neox_japanese", {}, dict(norm="layernorm", placement="pre", hf_apply="fused")),
     # attn_output = bias_dropout_add(attn_output, bias=..., residual=residual, ...); self.post_attention_layernorm(.)
     (
@@ -336,7 +336,7 @@ PINNED = [
             "-> self.post_attention_layernorm; self.post_mlp_convolution(...) -> self.input_layernorm)",
         ),
     ),
-    # a family left unfused: its reason, read from the layer's forward by hf_why
+    # a family left unfused: its reason, read from the layer's forward by hf/unfused.py
 ]
 
 
@@ -510,7 +510,7 @@ def test_cli_from_saved_rows(tmp_path, capsys):
 
 def test_tiny_inputs_follow_the_config():
     pytest.importorskip("transformers")
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import tiny
 
     t5 = tiny.inputs(tiny.tiny_config("t5"), seed=3, batch_size=1, seq_len=5)
     assert t5["input_ids"].shape == (1, 5) and torch.equal(t5["decoder_input_ids"], t5["input_ids"])

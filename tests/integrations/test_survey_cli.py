@@ -169,8 +169,7 @@ def test_a_timeout_while_building_is_reported_as_a_timeout(monkeypatch, where):
     import transformers
     from transformers.models.auto import configuration_auto
 
-    from addnorm.integrations import survey
-    from addnorm.integrations.survey import tiny
+    from addnorm.integrations import survey, tiny
 
     def expire(*args, **kwargs):
         raise tiny.SurveyTimeout("over the survey's limit of 1 CPU seconds per architecture")

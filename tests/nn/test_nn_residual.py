@@ -271,3 +271,20 @@ def test_residual_scaled_std_is_gpt2s_rule():
     assert residual_scaled_std(0.02, 12) == pytest.approx(0.02 / math.sqrt(24))
     with pytest.raises(ValueError, match="n_layers"):
         residual_scaled_std(0.02, 0)
+
+
+def test_placements_are_defined_once_by_their_parts():
+    from addnorm.nn.placements import Placement
+
+    with pytest.raises(ValueError, match="placement must be one of post, pre, .*; got 'bogus'"):
+        Placement.named("bogus")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        Residual(_sublayer(), D, placement="bogus")
+    parts = {name: Placement.named(name) for name in PLACEMENTS}
+    # what the fused chains of addnorm.nn.layers and the configs' default final norm read off the parts
+    assert [n for n, p in parts.items() if p.ends_with_add] == ["pre", "sandwich", "none", "rezero", "branch-output"]
+    assert [n for n, p in parts.items() if p.starts_with_norm] == ["pre", "sandwich"]
+    assert [n for n, p in parts.items() if p.wants_final_norm] == ["pre", "sandwich", "pre-noskip", "branch-output"]
+    for name, p in parts.items():  # a Residual holds exactly the norms its parts name
+        r = Residual(_sublayer(), D, placement=name, alpha=1.5 if p.scaled_skip else None)
+        assert (r.norm is not None, r.norm_out is not None, r.rezero_alpha is not None) == (p.norm, p.norm_out, p.gate)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from addnorm import outpaths
 from addnorm.cli import main
-from addnorm.lab import outdir
 from addnorm.train.config import TrainConfig
 from addnorm.train.loop import train
 from tests.train.test_train import LANG, tiny_cfg, tiny_model
@@ -118,7 +118,7 @@ def test_a_second_train_into_a_locked_out_is_refused_and_writes_nothing(tmp_path
     assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
     before = _files(out)
     capsys.readouterr()
-    with outdir.out_lock(out, command="addnorm train"):  # what a run in progress holds
+    with outpaths.out_lock(out, command="addnorm train"):  # what a run in progress holds
         assert main(["train", *TINY, "--steps", "3", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert "in use by another `addnorm train` run" in err and "--out" in err

@@ -9,7 +9,7 @@
 - :mod:`addnorm.diagnostics.plots`: steps x layers heatmaps and per-layer curves (matplotlib).
 
 Names are imported on first use (PEP 562): the ``addnorm doctor`` command is registered from
-:mod:`addnorm.diagnostics.doctor_cli`, and ``addnorm --help`` must not import torch through this package.
+:mod:`addnorm.diagnostics.doctor.cli`, and ``addnorm --help`` must not import torch through this package.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ _LAZY = {
     "NonFiniteSentinel": "addnorm.diagnostics.anomaly",
     "Jump": "addnorm.diagnostics.anomaly",
     "localize_jump": "addnorm.diagnostics.anomaly",
-    "Finding": "addnorm.diagnostics.doctor_findings",
-    "diagnose": "addnorm.diagnostics.doctor",
+    "Finding": "addnorm.diagnostics.doctor.findings",
+    "diagnose": "addnorm.diagnostics.doctor.diagnosis",
 }
 
 __all__ = list(_LAZY)

@@ -7,7 +7,8 @@ from addnorm.nn.layers import DecoderLayer, EncoderLayer, ParallelBlock, make_bl
 from addnorm.nn.models import TransformerEncoder, TransformerEncoderDecoder, TransformerLM
 from addnorm.nn.norm_kinds import NORM_KINDS, DyT, NoNorm, ScaleNorm, SequenceBatchNorm, make_norm
 from addnorm.nn.norms import LayerNorm, RMSNorm
-from addnorm.nn.residual import PLACEMENTS, DeepNormCoefficients, Residual, deepnorm_coefficients
+from addnorm.nn.placements import PLACEMENTS
+from addnorm.nn.residual import DeepNormCoefficients, Residual, deepnorm_coefficients
 
 __all__ = [
     "LayerNorm",

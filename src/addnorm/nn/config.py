@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from addnorm.nn.ffn import FFN_KINDS
 from addnorm.nn.norm_kinds import NORM_KINDS
-from addnorm.nn.residual import PLACEMENTS
+from addnorm.nn.placements import PLACEMENTS, Placement
 
 __all__ = ["TransformerConfig", "CONFIG_PLACEMENTS", "POSITIONALS", "INITS", "PRESETS"]
 
@@ -216,7 +216,8 @@ class TransformerConfig:
     def use_final_norm(self) -> bool:
         if self.final_norm is not None:
             return bool(self.final_norm)
-        return self.parallel or self.placement in ("pre", "sandwich", "mix", "pre-noskip", "branch-output")
+        # Mix-LN ends in Pre-LN layers
+        return self.parallel or self.placement == "mix" or Placement.named(self.placement).wants_final_norm
 
     @property
     def decoder_layers(self) -> int:

@@ -34,6 +34,7 @@ from addnorm.nn.attention import MultiHeadAttention, RotaryEmbedding
 from addnorm.nn.config import TransformerConfig
 from addnorm.nn.ffn import FeedForward
 from addnorm.nn.norm_kinds import call_norm, make_norm
+from addnorm.nn.placements import Placement
 from addnorm.nn.residual import Residual
 
 __all__ = ["residual_chain", "EncoderLayer", "DecoderLayer", "ParallelBlock", "make_block"]
@@ -75,7 +76,7 @@ def _residual(
         norm=config.norm,
         eps=config.eps,
         dropout=config.dropout,
-        alpha=alpha if placement == "deepnorm" else None,
+        alpha=alpha if Placement.named(placement).scaled_skip else None,
         norm_kwargs=config.norm_factory_kwargs(),
         norm_output_scale=config.norm_output_scale(layer_idx),
     )

@@ -1,20 +1,8 @@
 """The residual connection with its norm, in every placement, plus DeepNorm's constants and init scaling.
 
-``Residual(F, d_model, placement=...)`` computes, for a sublayer F (dropout applies to the branch just before the
-residual add, i.e. to F's output, after Norm_out for sandwich):
-
-    "post"         Norm(x + F(x))                      original Transformer, BERT (one fused add+norm)
-    "pre"          x + F(Norm(x))                      GPT-2 onwards
-    "deepnorm"     Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022); alpha > 1 from the depth
-    "sandwich"     x + Norm_out(F(Norm_in(x)))         Sandwich-LN / Peri-LN
-    "none"         x + F(x)                            no norm at all
-    "rezero"       x + a * F(x), a a learned scalar    ReZero (Bachlechner et al. 2020): a = 0 at init, no norm
-    "branch-output" x + Norm(F(x))                     the norm on the branch's output only (OLMo 2's "reordered")
-    "post-noskip"  Norm(F(x))                          lab only: no residual path
-    "pre-noskip"   F(Norm(x))                          lab only: no residual path
-
-Mix-LN (Post-LN in the first layers, Pre-LN after) is a property of the stack: see
-:meth:`addnorm.nn.TransformerConfig.layer_placement`.
+``Residual(F, d_model, placement=...)`` runs a sublayer F in one of the placements of :mod:`addnorm.nn.placements`
+(their formulas are there, with the forward this module and the batched trainer share): "post", "pre",
+"deepnorm", "sandwich", "none", "rezero", "branch-output", and the lab's "post-noskip" and "pre-noskip".
 
 DeepNorm (Wang et al. 2022, Table 1): with N encoder and M decoder layers,
 
@@ -35,9 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.nn.norm_kinds import call_norm, make_norm
+from addnorm.nn.placements import PLACEMENTS, Placement, branch_forward, residual_forward
 
 __all__ = [
-    "PLACEMENTS",
     "Residual",
     "DeepNormCoefficients",
     "deepnorm_coefficients",
@@ -46,14 +34,6 @@ __all__ = [
     "residual_output_weights",
     "scale_weights_",
 ]
-
-PLACEMENTS = ("post", "pre", "deepnorm", "sandwich", "none", "post-noskip", "pre-noskip", "rezero", "branch-output")
-
-# placements whose output is "stream + branch" with nothing after the add: the add can fuse with the next norm
-_ENDS_WITH_ADD = ("pre", "sandwich", "none", "rezero", "branch-output")
-# placements whose branch input is Norm(stream): that norm can fuse with the previous add
-_STARTS_WITH_NORM = ("pre", "sandwich")
-_NEEDS_NORM = ("post", "pre", "deepnorm", "sandwich", "post-noskip", "pre-noskip")
 
 
 class Residual(nn.Module):
@@ -83,18 +63,18 @@ class Residual(nn.Module):
         norm_output_scale: float = 1.0,
     ):
         super().__init__()
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+        parts = Placement.named(placement)
         if not isinstance(norm_output_scale, (int, float)) or not math.isfinite(norm_output_scale):
             raise ValueError(f"norm_output_scale must be a finite number, got {norm_output_scale!r}")
-        if norm_output_scale != 1.0 and placement not in _STARTS_WITH_NORM:
+        if norm_output_scale != 1.0 and not parts.starts_with_norm:
+            scaled = ", ".join(n for n in PLACEMENTS if Placement.named(n).starts_with_norm)
             raise ValueError(
-                f"norm_output_scale scales the norm on the branch's input, which only placements "
-                f"{', '.join(_STARTS_WITH_NORM)} have; got placement {placement!r} with scale {norm_output_scale!r}"
+                f"norm_output_scale scales the norm on the branch's input, which only placements {scaled} have; "
+                f"got placement {placement!r} with scale {norm_output_scale!r}"
             )
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        if placement == "deepnorm":
+        if parts.scaled_skip:
             if alpha is None:
                 raise ValueError(
                     "placement 'deepnorm' needs alpha (the residual scale); take it from "
@@ -107,11 +87,12 @@ class Residual(nn.Module):
         kw = dict(norm_kwargs or {})
         self.sublayer = sublayer
         self.placement = placement
+        self.parts = parts
         self.d_model = d_model
         self.alpha = None if alpha is None else float(alpha)
-        self.norm = make_norm(norm, d_model, eps, **kw) if placement in _NEEDS_NORM else None
-        self.norm_out = make_norm(norm, d_model, eps, **kw) if placement in ("sandwich", "branch-output") else None
-        self.rezero_alpha = nn.Parameter(torch.zeros(())) if placement == "rezero" else None
+        self.norm = make_norm(norm, d_model, eps, **kw) if parts.norm else None
+        self.norm_out = make_norm(norm, d_model, eps, **kw) if parts.norm_out else None
+        self.rezero_alpha = nn.Parameter(torch.zeros(())) if parts.gate else None
         self.norm_output_scale = float(norm_output_scale)
         self.dropout = nn.Dropout(dropout)
 
@@ -119,12 +100,12 @@ class Residual(nn.Module):
     @property
     def ends_with_add(self) -> bool:
         """True when the output is ``x + branch`` with nothing after the add (pre, sandwich, none)."""
-        return self.placement in _ENDS_WITH_ADD
+        return self.parts.ends_with_add
 
     @property
     def starts_with_norm(self) -> bool:
         """True when the branch reads ``Norm(x)`` (pre, sandwich): that norm can fuse with a preceding add."""
-        return self.placement in _STARTS_WITH_NORM
+        return self.parts.starts_with_norm
 
     def branch(self, h: Tensor, *args, **kwargs) -> Tensor:
         """Dropout(F(h)), Dropout(Norm_out(F(h))) for sandwich and branch-output, Dropout(a * F(h)) for rezero: what
@@ -132,28 +113,18 @@ class Residual(nn.Module):
         rather than in forward, so the fused chains of addnorm.nn.layers, which call branch directly, scale too)."""
         if self.norm_output_scale != 1.0:
             h = h * self.norm_output_scale
-        y = self.sublayer(h, *args, **kwargs)
-        if self.norm_out is not None:
-            y = self.norm_out(y)
-        if self.rezero_alpha is not None:
-            y = self.rezero_alpha * y
+        y = branch_forward(self.parts, lambda h: self.sublayer(h, *args, **kwargs), h, self.norm_out, self.rezero_alpha)
         return self.dropout(y)
 
     def forward(self, x: Tensor, *args, norm_padding_mask: Tensor | None = None, **kwargs) -> Tensor:
-        p = self.placement
-        if p in ("pre", "sandwich"):
-            return x + self.branch(call_norm(self.norm, x, padding_mask=norm_padding_mask), *args, **kwargs)
-        if p in ("none", "rezero", "branch-output"):
-            return x + self.branch(x, *args, **kwargs)
-        if p == "post":
-            # Norm(x + F(x)) is itself one fused add+norm
-            return call_norm(self.norm, self.branch(x, *args, **kwargs), x, norm_padding_mask)[0]
-        if p == "deepnorm":
-            return call_norm(self.norm, self.branch(x, *args, **kwargs), self.alpha * x, norm_padding_mask)[0]
-        if p == "post-noskip":
-            return call_norm(self.norm, self.branch(x, *args, **kwargs), padding_mask=norm_padding_mask)
-        # pre-noskip
-        return self.branch(call_norm(self.norm, x, padding_mask=norm_padding_mask), *args, **kwargs)
+        return residual_forward(
+            self.parts,
+            x,
+            branch=lambda h: self.branch(h, *args, **kwargs),
+            norm=lambda h: call_norm(self.norm, h, padding_mask=norm_padding_mask),
+            add_norm=lambda y, r: call_norm(self.norm, y, r, norm_padding_mask)[0],  # Norm(y + r): one fused call
+            alpha=self.alpha,
+        )
 
     def extra_repr(self) -> str:
         scale = f", norm_output_scale={self.norm_output_scale:.4g}" if self.norm_output_scale != 1.0 else ""

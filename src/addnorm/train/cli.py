@@ -205,8 +205,7 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import dataclasses
     import sys
 
-    from addnorm.lab.outdir import out_lock
-    from addnorm.outpaths import describe_os_error, out_dir
+    from addnorm.outpaths import describe_os_error, out_dir, out_lock
     from addnorm.train import distributed as D
     from addnorm.train.loop import train
 

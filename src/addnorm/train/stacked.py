@@ -21,10 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from addnorm.nn.placements import PLACEMENTS, Placement, branch_forward, residual_forward
+
 __all__ = ["StackedLM", "VmapLM", "check_batchable"]
 
 _NORMS = ("layernorm", "rmsnorm", "dyt", "none")
-_PLACEMENTS = ("pre", "post", "deepnorm", "sandwich", "none", "rezero", "branch-output")
+# every placement with a skip path (the lab's *-noskip placements are not batched), and Mix-LN
+_PLACEMENTS = tuple(name for name in PLACEMENTS if Placement.named(name).skip) + ("mix",)
 # norm_kwargs that only set an initial value (the stacked forward reads the parameters themselves)
 _INIT_ONLY_NORM_KWARGS = ("alpha_init",)
 
@@ -33,7 +36,7 @@ def check_batchable(config) -> None:
     """Raise ValueError (naming the field) when :class:`StackedLM` cannot run a TransformerLM of ``config``."""
     checks = [
         ("norm", config.norm in _NORMS, f"one of {', '.join(_NORMS)}"),
-        ("placement", config.placement in _PLACEMENTS + ("mix",), f"one of {', '.join(_PLACEMENTS + ('mix',))}"),
+        ("placement", config.placement in _PLACEMENTS, f"one of {', '.join(_PLACEMENTS)}"),
         ("positional", config.positional in ("learned", "none"), "'learned' or 'none'"),
         ("parallel", not config.parallel, "False"),
         ("dropout", config.dropout == 0, "0"),
@@ -231,29 +234,24 @@ class StackedLM:
             hidden = act(self._linear(f"{prefix}.fc_in", x))
         return self._linear(f"{prefix}.fc_out", hidden)
 
-    def _residual(self, prefix: str, placement: str, x: Tensor, branch) -> Tensor:
-        """The placements of :class:`addnorm.nn.Residual` (its docstring has the formulas)."""
+    def _residual(self, prefix: str, placement: str, x: Tensor, sublayer) -> Tensor:
+        """One residual step of :class:`addnorm.nn.Residual`'s forward (:func:`residual_forward`), on stacked
+        members: the same pieces, read from the stacked parameters."""
+        p = Placement.named(placement)
         sub = f"{prefix}.sublayer"
         scale = self.input_scale.get(prefix, 1.0)
+        # rezero's learned scalar, one per member: (K,) viewed to broadcast against x
+        gate = self.params[f"{prefix}.rezero_alpha"].view(-1, *([1] * (x.dim() - 1))) if p.gate else None
 
-        def normed(h: Tensor) -> Tensor:  # the branch's normalized input, scaled by LayerNorm Scaling's factor
-            h = self._norm(f"{prefix}.norm", h)
-            return h * scale if scale != 1.0 else h
+        def branch(h: Tensor) -> Tensor:  # LayerNorm Scaling's factor on the normalized input, as Residual.branch
+            if scale != 1.0:
+                h = h * scale
+            return branch_forward(p, lambda h: sublayer(sub, h), h, lambda y: self._norm(f"{prefix}.norm_out", y), gate)
 
-        if placement == "pre":
-            return x + branch(sub, normed(x))
-        if placement == "sandwich":
-            return x + self._norm(f"{prefix}.norm_out", branch(sub, normed(x)))
-        if placement == "none":
-            return x + branch(sub, x)
-        if placement == "branch-output":
-            return x + self._norm(f"{prefix}.norm_out", branch(sub, x))
-        if placement == "rezero":
-            alpha = self.params[f"{prefix}.rezero_alpha"]  # (K,): one learned scalar per member
-            return x + alpha.view(-1, *([1] * (x.dim() - 1))) * branch(sub, x)
-        if placement == "post":
-            return self._norm(f"{prefix}.norm", branch(sub, x) + x)
-        return self._norm(f"{prefix}.norm", branch(sub, x) + self.alpha * x)  # deepnorm
+        def norm(h: Tensor) -> Tensor:
+            return self._norm(f"{prefix}.norm", h)
+
+        return residual_forward(p, x, branch, norm, lambda y, r: norm(y + r), alpha=self.alpha)
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dim() != 3 or ids.shape[0] != self.size or ids.dtype not in (torch.int64, torch.int32):

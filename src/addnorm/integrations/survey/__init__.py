@@ -1,8 +1,8 @@
 """``addnorm survey``: where every architecture of the installed transformers puts its norms, measured.
 
 For each ``model_type`` with a base model class, :func:`survey_one` builds a tiny random model from its config
-class (:mod:`.tiny`; nothing downloaded), runs one forward under the dataflow recorder (:mod:`.trace`), and
-reports one row:
+class (:mod:`~addnorm.integrations.tiny`, nothing downloaded), runs one forward under the dataflow recorder
+(:mod:`.trace`), and reports one row:
 
     norm                  layernorm | rmsnorm | a class name (what the stream's norms compute, per norm_probe)
     placement             pre | post | sandwich | branch-output | parallel | mixed | unknown (the last stack to run:
@@ -29,7 +29,7 @@ import torch
 
 from addnorm._limits import time_limit
 from addnorm.integrations.survey import trace
-from addnorm.integrations.survey.tiny import SkipModel, SurveyTimeout, build, model_types, tiny_config
+from addnorm.integrations.tiny import SkipModel, SurveyTimeout, build, model_types, tiny_config
 
 __all__ = ["survey", "survey_one", "model_types", "tiny_config", "build", "SkipModel"]
 
@@ -159,7 +159,8 @@ def _hf_apply(model, batch) -> dict[str, Any]:
     vision-language model does not run on text alone, and a rewritten forward may fuse only a branch the config does
     not take (GPT-NeoX's non-parallel one), so those layers are listed apart (``hf_fused_not_run``) and do not make
     the row "fused"."""
-    from addnorm.integrations import hf, hf_rewrite, hf_why
+    from addnorm.integrations import hf
+    from addnorm.integrations.hf import rewrite, unfused
 
     ref = _outputs(model, batch)
     try:
@@ -168,7 +169,7 @@ def _hf_apply(model, batch) -> dict[str, Any]:
             hf.apply(model)
     except ValueError as e:
         return {"hf_apply": "unsupported", "hf_apply_reason": str(e)}
-    ran, handles = hf_rewrite.record_fused_layers(model)  # layers that made a fused call, not only ran
+    ran, handles = rewrite.record_fused_layers(model)  # layers that made a fused call, not only ran
     try:
         got = _outputs(model, batch)
         err = (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
@@ -177,7 +178,7 @@ def _hf_apply(model, batch) -> dict[str, Any]:
         if set(fused) - ran:
             out["hf_fused_not_run"] = sorted(set(fused) - ran)
         if not ran:
-            out["hf_apply_reason"] = hf_why.unfused_reason(model)
+            out["hf_apply_reason"] = unfused.unfused_reason(model)
     finally:
         for h in handles:
             h.remove()
@@ -216,7 +217,7 @@ def _as_accurate_as_eager(model, batch, ref, got, out) -> bool:
 
 
 def _doctor(model, batch) -> list[dict]:
-    from addnorm.diagnostics.doctor import diagnose
+    from addnorm.diagnostics.doctor.diagnosis import diagnose
 
     findings = diagnose(model, batch)
     return [{"code": f.code, "severity": f.severity, "module": f.module} for f in findings if f.code != "summary"]

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from addnorm.integrations import norm_probe
+from addnorm.integrations.hf import norm_probe
 
 # ops that pass a tensor through unchanged in value (up to shape or dtype): the stream keeps its identity
 _ALIAS = frozenset(

@@ -240,7 +240,7 @@ def _flush_c_stdio() -> None:
 
 def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
     """(findings, title); runs the user's code with its output sent to stderr."""
-    from addnorm.diagnostics.doctor import diagnose
+    from addnorm.diagnostics.doctor.diagnosis import diagnose
 
     with _stdout_to_stderr(), _no_hard_exit():  # stdout carries only the report
         if args.hf_config and args.target:
@@ -272,7 +272,7 @@ class _CheckFailed(Exception):
 # ---- CLI ------------------------------------------------------------------------------------------------------------
 def _print_human(findings: list, title: str) -> None:
     """Findings grouped by severity; the same finding in several modules (every layer, usually) printed once."""
-    from addnorm.diagnostics.doctor_findings import SEVERITIES
+    from addnorm.diagnostics.doctor.findings import SEVERITIES
 
     print(f"addnorm doctor: {title}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
@@ -380,7 +380,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m addnorm.diagnostics.doctor_cli ...``: the doctor without the rest of the CLI."""
+    """``python -m addnorm.diagnostics.doctor.cli ...``: the doctor without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="addnorm")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])

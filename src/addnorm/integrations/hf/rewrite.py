@@ -1,7 +1,7 @@
 """Fused forwards written from a layer's own forward: its source parsed, each residual add next to a norm rewritten
 into one addnorm call, and compiled back with the original's globals and decorators.
 
-The templates of :mod:`addnorm.integrations.layer_match` need a forward written line for line like Llama's. Many
+The templates of :mod:`addnorm.integrations.hf.layer_match` need a forward written line for line like Llama's. Many
 families put the same add next to the same norm in a forward of their own shape (dropout before the add, a scaled
 branch, a cross-attention block in between, an ``if`` choosing pre- or post-norm, the norm nested in the MLP's call).
 This module rewrites the statements themselves, so whatever else the forward does stays exactly as written:
@@ -34,10 +34,10 @@ import types
 
 from torch import Tensor, nn
 
-from addnorm.integrations.hf_handoff import _FUSED_RUNS, _HANDOFF, add_handoff, fused_runs, rewrite_tail
-from addnorm.integrations.hf_handoff import fusable as _fusable
-from addnorm.integrations.hf_helpers import HelperCalls
-from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
+from addnorm.integrations.hf.handoff import _HANDOFF, add_handoff, count_fused_run, fused_runs, rewrite_tail
+from addnorm.integrations.hf.handoff import fusable as _fusable
+from addnorm.integrations.hf.helper_rewrite import HelperCalls
+from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
 
@@ -62,7 +62,7 @@ _PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what 
 def add_norm(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``: one fused call where :func:`_fusable`, else the add and the norm as written."""
     if _fusable(norm, a, b):
-        _FUSED_RUNS[0] += 1
+        count_fused_run()
         return norm(a, b)
     s = a + b
     return norm(s), s
@@ -73,14 +73,14 @@ def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
     the weight shares y's dtype: HF's ``weight * x`` would promote), else as written."""
     w = getattr(norm, "weight", None)
     if (
-        # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1); hf_handoff's only consumes
+        # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1); handoff.py's only consumes
         getattr(type(norm), "_addnorm_base", type(norm)) in _PLAIN_NORMS
         and _fusable(norm, y, a)
         and len(norm.normalized_shape) == 1
         and (w is None or w.dtype == y.dtype)
         and getattr(norm, "residual_dtype", None) is None
     ):
-        _FUSED_RUNS[0] += 1
+        count_fused_run()
         return _norm_add_op(
             y,
             a,
@@ -382,7 +382,7 @@ def rewrite_forward(cls: type, norms: set[str], producer: bool = False) -> Rewri
     """The forward of ``cls`` with its adds next to the norms named in ``norms`` (attribute names) fused, or None
     when nothing was fused (or the forward cannot be rewritten: no source, a closure such as ``super()``). With
     ``producer``, the add it returns is handed off even if it calls none of ``norms`` (a child module whose sum
-    its parent normalizes next, found by :func:`addnorm.integrations.hf_links.producers`)."""
+    its parent normalizes next, found by :func:`addnorm.integrations.hf.links.producers`)."""
     key = (cls, frozenset(norms), producer)
     if key not in _CACHE:
         try:
@@ -404,11 +404,11 @@ def _rewrite(cls: type, norms: set[str], producer: bool) -> RewriteResult | None
     fn.decorator_list = []
     rewriter = _Rewriter(set(norms))
     fn.body = rewriter.block(fn.body)
-    # adds made inside a helper function of the module, right before a norm of their sum (hf_helpers)
+    # adds made inside a helper function of the module, right before a norm of their sum (helper_rewrite)
     helpers = HelperCalls(inner.__globals__)
     sites = tuple(dict.fromkeys(helpers.before_norm(fn.body, set(norms))))
     # the add it returns, fused with the next layer's input norm once linked: in a layer, one that calls its norms;
-    # in a producer (a child whose sum its parent normalizes: hf_links.producers), always
+    # in a producer (a child whose sum its parent normalizes: links.producers), always
     calls_norm = any(_self_attr(n) in norms for n in ast.walk(fn))
     handoffs = rewrite_tail(fn, call=helpers) if calls_norm or producer else 0
     if not rewriter.fused and not handoffs and not sites:
@@ -438,8 +438,8 @@ def _rewrite(cls: type, norms: set[str], producer: bool) -> RewriteResult | None
     if forward is None:
         return None
     forward._addnorm_rewritten = True  # read by is_rewritten
-    forward._addnorm_handoff = handoffs > 0  # read by hf_links.link
-    forward._addnorm_norm_sites = sites  # norms a helper hands its sum to (hf_links.link)
+    forward._addnorm_handoff = handoffs > 0  # read by links.link
+    forward._addnorm_norm_sites = sites  # norms a helper hands its sum to (links.link)
     return RewriteResult(forward, tuple(dict.fromkeys(rewriter.fused + list(sites))), source)
 
 

@@ -2,7 +2,7 @@
 
 Each replaces a forward of the installed transformers (read from its source) line for line, except that
 "residual = residual + out; h = norm(residual)" becomes one call "h, residual = norm(out, residual)". Which classes
-match is recognised from their structure (:mod:`addnorm.integrations.layer_match`), never from a family's name.
+match is recognised from their structure (:mod:`addnorm.integrations.hf.layer_match`), never from a family's name.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from addnorm.integrations import hf_rewrite, layer_match
-from addnorm.integrations.hf_handoff import add_handoff
+from addnorm.integrations.hf import layer_match, rewrite
+from addnorm.integrations.hf.handoff import add_handoff
 
 __all__ = ["LayerRule", "Signature", "from_transformers", "layer_rule"]
 
@@ -150,7 +150,7 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
 # --------------------------------------------------------------------------------------------------------------
 
 
-# the add each template returns is handed off to the next layer's input norm (hf_links.link reads this)
+# the add each template returns is handed off to the next layer's input norm (links.link reads this)
 for _forward in (_pre_forward, _sandwich_forward, _gpt2_forward):
     _forward._addnorm_handoff = True
 
@@ -219,8 +219,8 @@ def layer_rule(module: nn.Module) -> tuple[LayerRule, dict[str, str]] | None:
     if _is_gpt2_block(cls):
         cross = {"norm_cross": "ln_cross_attn"} if hasattr(module, "ln_cross_attn") else {}
         return LayerRule(_gpt2_forward, ("norm2",) + tuple(cross)), {**_GPT2_ROLES, **cross}
-    # any other forward with a residual add next to a norm: its own source rewritten (hf_rewrite)
-    rewritten = hf_rewrite.rewrite_forward(cls, hf_rewrite.norm_attributes(module))
+    # any other forward with a residual add next to a norm: its own source rewritten (rewrite.py)
+    rewritten = rewrite.rewrite_forward(cls, rewrite.norm_attributes(module))
     if rewritten is not None:
         return LayerRule(rewritten.forward, rewritten.fused), {attr: attr for attr in rewritten.fused}
     return None

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.diagnostics.blocks import first_tensor
-from addnorm.diagnostics.doctor_findings import DoctorConfig, Finding
-from addnorm.diagnostics.doctor_walk import Trace, is_batch_norm
+from addnorm.diagnostics.doctor.example_run import Trace, is_batch_norm
+from addnorm.diagnostics.doctor.findings import DoctorConfig, Finding
 
 __all__ = ["check_norms"]
 

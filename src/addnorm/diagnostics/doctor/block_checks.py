@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.diagnostics.blocks import first_tensor, is_norm_module
-from addnorm.diagnostics.doctor_findings import DoctorConfig, Finding
-from addnorm.diagnostics.doctor_walk import Trace, replace_first_tensor, rms
+from addnorm.diagnostics.doctor.example_run import Trace, replace_first_tensor, rms
+from addnorm.diagnostics.doctor.findings import DoctorConfig, Finding
 
 __all__ = [
     "classify_blocks",
@@ -109,7 +109,7 @@ def classify_blocks(blocks, tr: Trace, findings, cfg: DoctorConfig, explain=None
     """Per block: "pre" (zeroed block is the identity, with norms inside), "none" (identity, no norm),
     "post" (zeroed block is Norm(x)), "design" (a recognised deliberate design, explained by a note), "bad" (an
     error was added) or None (could not be checked). ``explain(name, block, args, kwargs, out, has_norm=, cfg=)``
-    returns (note, kind) for a recognised design (:func:`addnorm.diagnostics.doctor_designs.explain`) or None."""
+    returns (note, kind) for a recognised design (:func:`addnorm.diagnostics.doctor.designs.explain`) or None."""
     kinds: list[str | None] = []
     for i, (name, block) in enumerate(blocks):
         call = tr.block_calls.get(i)

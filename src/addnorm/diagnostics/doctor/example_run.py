@@ -1,7 +1,8 @@
 """The doctor's example run: one forward (hooks record what each block and norm received) and one backward.
 
-The checks in :mod:`~addnorm.diagnostics.doctor_norms` and :mod:`~addnorm.diagnostics.doctor_skip` re-run copies
-of single modules on the inputs recorded here; a failing forward or backward, or a non-finite value, is a finding.
+The checks in :mod:`~addnorm.diagnostics.doctor.norm_checks` and :mod:`~addnorm.diagnostics.doctor.block_checks`
+re-run copies of single modules on the inputs recorded here; a failing forward or backward, or a non-finite value,
+is a finding.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from addnorm.diagnostics.anomaly import NonFiniteSentinel
 from addnorm.diagnostics.blocks import call_model, first_tensor, is_norm_module, output_logits
-from addnorm.diagnostics.doctor_findings import Finding
+from addnorm.diagnostics.doctor.findings import Finding
 
 __all__ = [
     "Trace",

@@ -1,4 +1,4 @@
-"""Linking each add that a patched forward hands off (:func:`addnorm.integrations.hf_handoff.add_handoff`) to the
+"""Linking each add that a patched forward hands off (:func:`addnorm.integrations.hf.handoff.add_handoff`) to the
 norm that reads its sum next, found in the source of the forwards around it:
 
     layer i -> layer i+1    a layer of a ``ModuleList`` that returns the sum: the next layer's input norm (the first
@@ -15,7 +15,7 @@ norm that reads its sum next, found in the source of the forwards around it:
 A child or a helper is rewritten to hand off only where such a norm follows it (:func:`producers`): the handoff is
 state kept for one call, and nothing should wait where no norm reads it. Every link is only a chance to skip work:
 the norm returns the fused call's output only for the very tensor it was computed from, unchanged
-(:mod:`addnorm.integrations.hf_handoff`), so a wrong reading of a source costs speed, never a wrong output.
+(:mod:`addnorm.integrations.hf.handoff`), so a wrong reading of a source costs speed, never a wrong output.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import textwrap
 
 from torch import nn
 
-from addnorm.integrations.hf_handoff import _NEXT, _READY, Link, _Consumer, _consumer_class
+from addnorm.integrations.hf.handoff import _NEXT, _READY, Link, _Consumer, _consumer_class
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 __all__ = ["children_into_norms", "final_norm", "input_norm", "link", "producers", "returned_child", "unlink"]

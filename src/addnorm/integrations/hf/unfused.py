@@ -10,7 +10,7 @@ import ast
 
 from torch import nn
 
-from addnorm.integrations.hf_links import _source_fn
+from addnorm.integrations.hf.links import _source_fn
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 __all__ = ["unfused_reason"]

@@ -18,7 +18,7 @@ code                        severity  what is checked
                                       (Post-Norm); anything else means the skip path is scaled or projected
 ``skip-path-design``        info      a recognised deliberate design instead (hyper-connections, learnable
                                       skip gates, branch lists, plain conv stacks, block-level residuals,
-                                      weightless token mixing): :mod:`~addnorm.diagnostics.doctor_designs`
+                                      weightless token mixing): :mod:`~addnorm.diagnostics.doctor.designs`
 ``missing-final-norm``      error     a Pre-Norm stack with no norm between the last block and the output
                                       (info on a vision encoder: its projector reads the stream)
 ``post-norm-deep``          warning   Post-Norm with 12 or more blocks (Xiong et al. 2020: needs warmup;
@@ -33,10 +33,10 @@ code                        severity  what is checked
 ==========================  ========  =====================================================================
 
 This module runs the checks and adds the stack-level ones (``post-norm-deep``, ``missing-final-norm``,
-``residual-growth``, the summary). The example run is in :mod:`~addnorm.diagnostics.doctor_walk`, the per-norm checks
-in :mod:`~addnorm.diagnostics.doctor_norms`, the per-block skip-path checks in :mod:`~addnorm.diagnostics.doctor_skip`
-(the designs they recognise in :mod:`~addnorm.diagnostics.doctor_designs`), the findings and thresholds in :mod:`~addnorm.diagnostics.doctor_findings`. The command ``addnorm doctor`` (loading a
-user's file or a Hugging Face config) is in :mod:`addnorm.diagnostics.doctor_cli`.
+``residual-growth``, the summary). Beside it in :mod:`addnorm.diagnostics.doctor`: the example run
+(``example_run.py``), the per-norm checks (``norm_checks.py``), the per-block skip-path checks (``block_checks.py``)
+and the designs they recognise (``designs.py``), the findings and thresholds (``findings.py``), and the command
+``addnorm doctor``, which loads a user's file or a Hugging Face config (``cli.py``).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from typing import Any
 from torch import nn
 
 from addnorm.diagnostics.blocks import find_blocks
-from addnorm.diagnostics.doctor_designs import explain
-from addnorm.diagnostics.doctor_findings import SEVERITIES, DoctorConfig, Finding, sort_findings
-from addnorm.diagnostics.doctor_norms import check_norms
-from addnorm.diagnostics.doctor_skip import block_direction, classify_blocks, uses_deepnorm
-from addnorm.diagnostics.doctor_walk import batch_shape, image_input, run_example
+from addnorm.diagnostics.doctor.block_checks import block_direction, classify_blocks, uses_deepnorm
+from addnorm.diagnostics.doctor.designs import explain
+from addnorm.diagnostics.doctor.example_run import batch_shape, image_input, run_example
+from addnorm.diagnostics.doctor.findings import SEVERITIES, DoctorConfig, Finding, sort_findings
+from addnorm.diagnostics.doctor.norm_checks import check_norms
 
 __all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES"]
 

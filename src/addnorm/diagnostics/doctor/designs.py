@@ -25,9 +25,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from addnorm.diagnostics.blocks import first_tensor
-from addnorm.diagnostics.doctor_findings import DoctorConfig, Finding
-from addnorm.diagnostics.doctor_skip import placement_of, zeroed_output
-from addnorm.diagnostics.doctor_walk import replace_first_tensor
+from addnorm.diagnostics.doctor.block_checks import placement_of, zeroed_output
+from addnorm.diagnostics.doctor.example_run import replace_first_tensor
+from addnorm.diagnostics.doctor.findings import DoctorConfig, Finding
 
 __all__ = ["explain"]
 

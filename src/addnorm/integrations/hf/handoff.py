@@ -3,13 +3,13 @@
 A parallel block (GPT-NeoX, Phi, Cohere, GPT-J: ``x + attn(N(x)) + mlp(N(x))``), a one-mixer block (Nemotron-H:
 ``x + mixer(N(x))``) and a pre-norm layer's MLP add (Llama: ``h + mlp(N2(h))``) have no norm after their last add
 inside the layer: the norm that reads the sum is the next layer's input norm. The layer's forward (a template of
-:mod:`addnorm.integrations.hf_forwards`, or rewritten by :mod:`addnorm.integrations.hf_rewrite`) makes the add it
+:mod:`addnorm.integrations.hf.forwards`, or rewritten by :mod:`addnorm.integrations.hf.rewrite`) makes the add it
 returns a call of :func:`add_handoff`:
 
     hidden_states = a + b          ->   hidden_states = add_handoff(self, a, b)
     return hidden_states                return hidden_states
 
-:func:`addnorm.integrations.hf_links.link` (called by ``hf.apply``) gives each such producer the norm that reads
+:func:`addnorm.integrations.hf.links.link` (called by ``hf.apply``) gives each such producer the norm that reads
 its sum next (a :class:`Link`): the input norm of the layer after it, the norm after the loop over the layers, or a
 norm of the parent (BLOOM, whose attention and MLP modules make the adds). A linked producer computes ``n, s =
 norm(a, b)`` in one fused call, returns the sum ``s`` (the tensor it returned before: the next layer, hooks and
@@ -37,13 +37,13 @@ from torch.nn.modules import module as _module
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["Link", "add_handoff", "fusable", "fused_runs", "rewrite_tail"]
+__all__ = ["Link", "add_handoff", "count_fused_run", "fusable", "fused_runs", "rewrite_tail"]
 
 _NEXT = "_addnorm_next"  # on a producer (a layer, a child, a norm that is its own site): its Link
 _READY = "_addnorm_ready"  # on a consuming norm: (weakref to the sum, its state, the normalized sum)
 _HANDOFF = "_addnorm_add_handoff"  # the name rewritten forwards call add_handoff by
 
-# Fused calls made by rewritten forwards so far (hf_rewrite's add_norm and norm_add count here too). A rewrite may
+# Fused calls made by rewritten forwards so far (rewrite.py's add_norm and norm_add count here too). A rewrite may
 # fuse a branch the model never takes (GPT-NeoX's use_parallel_residual=False, when its default is True): the
 # survey and the tests count a rewritten layer as fused only when this moved during its forward.
 _FUSED_RUNS = [0]
@@ -52,6 +52,11 @@ _FUSED_RUNS = [0]
 def fused_runs() -> int:
     """How many fused calls the rewritten forwards have made in this process (compare two readings)."""
     return _FUSED_RUNS[0]
+
+
+def count_fused_run() -> None:
+    """One more fused call made by a rewritten forward (the one writer of the count :func:`fused_runs` reads)."""
+    _FUSED_RUNS[0] += 1
 
 
 def fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:
@@ -158,7 +163,7 @@ class Link(NamedTuple):
 
 
 def add_handoff(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
-    """``a + b``; where :func:`addnorm.integrations.hf_links.link` linked ``layer`` (a layer, a child module, or a
+    """``a + b``; where :func:`addnorm.integrations.hf.links.link` linked ``layer`` (a layer, a child module, or a
     norm that is its own site) to a norm, in one fused call with that norm, whose output the norm then returns when
     called on this sum (see the module docstring)."""
     if torch.compiler.is_compiling():
@@ -175,7 +180,7 @@ def add_handoff(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
         return a + b
     n, s = super(_Consumer, norm).forward(a, b)  # the norm's own fused call; its hooks run when the next layer calls it
     norm.__dict__[_READY] = (weakref.ref(s), _state(norm, s), n)
-    _FUSED_RUNS[0] += 1
+    count_fused_run()
     return s
 
 

@@ -8,10 +8,10 @@ statements are
     out = residual + out                    # BLOOM;  GPT-NeoX-Japanese: ``if residual is not None:`` first
     return out
 
-The add is not in the forward that ``hf_rewrite`` rewrites, so it cannot become a fused call there. Here the helper
-itself is rewritten, once per function: a first parameter, the *site* (the module, or norm, that
-:mod:`addnorm.integrations.hf_links` links to the norm reading the sum), and its returned add made by
-:func:`addnorm.integrations.hf_handoff.add_handoff` on that site. The forward's call passes the site:
+The add is not in the forward that :mod:`~addnorm.integrations.hf.rewrite` rewrites, so it cannot become a fused
+call there. Here the helper itself is rewritten, once per function: a first parameter, the *site* (the module, or
+norm, that :mod:`addnorm.integrations.hf.links` links to the norm reading the sum), and its returned add made by
+:func:`addnorm.integrations.hf.handoff.add_handoff` on that site. The forward's call passes the site:
 
     out = dropout_add(out, residual, p, t)   ->   out = _addnorm_helper_dropout_add(self, out, residual, p, t)
 
@@ -29,7 +29,7 @@ import linecache
 import textwrap
 import types
 
-from addnorm.integrations.hf_handoff import _HANDOFF, add_handoff, rewrite_tail
+from addnorm.integrations.hf.handoff import _HANDOFF, add_handoff, rewrite_tail
 
 __all__ = ["HelperCalls", "handoff_helper"]
 
@@ -99,7 +99,7 @@ class HelperCalls:
 
     def __call__(self, call: ast.Call, site: str | ast.expr) -> int:
         """Rewrites ``call`` in place with ``site`` (a name, or an expression such as ``self.norm``); returns 1 if it
-        did, else 0 (the signature :func:`addnorm.integrations.hf_handoff.rewrite_tail` expects)."""
+        did, else 0 (the signature :func:`addnorm.integrations.hf.handoff.rewrite_tail` expects)."""
         new = self.helper(call)
         if new is None:
             return 0

@@ -122,7 +122,7 @@ def _formula(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | Non
 
 def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     """The addnorm module that reproduces ``m`` (per ``info.addnorm``), holding ``m``'s very Parameters."""
-    from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm, OnePlusWeightLayerNorm
+    from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm, OnePlusWeightLayerNorm
     from addnorm.nn.norms import LayerNorm
 
     n, eps = info.width, info.eps

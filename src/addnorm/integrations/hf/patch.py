@@ -5,14 +5,14 @@
 
 Nothing here is keyed by a family's name. ``apply`` recognises what to patch from the model itself:
 
-- **Norms** by what they compute (:mod:`addnorm.integrations.norm_probe` runs each candidate module on random rows
+- **Norms** by what they compute (:mod:`addnorm.integrations.hf.norm_probe` runs each candidate module on random rows
   in fp32 and bf16): every norm that an addnorm module reproduces exactly is swapped for one holding the *same*
   Parameter objects (so optimizers, tied weights and state_dict keys are untouched), with the family's cast order:
 
     Llama, Mistral, Qwen, T5, ...   y = weight * to(x.dtype)(x * rstd)           rstd in fp32; cast BEFORE the weight
     Gemma, Gemma2, Gemma3, ...      y = to(x.dtype)(x * rstd * (1 + weight))     all in fp32, one rounding
     nn.LayerNorm, OLMo, Cohere ...  y = to(x.dtype)((x - mean) * rstd * w + b)   all in fp32, one rounding
-    Nemotron (LayerNorm1P)          the same with w = (weight + 1) formed in the weight's dtype (hf_norms)
+    Nemotron (LayerNorm1P)          the same with w = (weight + 1) formed in the weight's dtype (norms.py)
 
   These are options of addnorm's contract: ``cast_before_weight`` for Llama (in bf16/fp16 it rounds the normalized
   value to the input dtype, then multiplies by the weight and rounds again), ``zero_centered_weight`` for Gemma.
@@ -23,7 +23,7 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
   are summed in another order than in torch's kernel, so a GPT-2/BERT output can land on the neighbouring bf16
   number (one ulp).
 
-- **Layers** by the structure of their forward (:mod:`addnorm.integrations.layer_match`: the source parsed and
+- **Layers** by the structure of their forward (:mod:`addnorm.integrations.hf.layer_match`: the source parsed and
   compared with a template after renaming attributes and locals). With ``fuse_residual=True`` a layer that matches
   gets a forward computing the residual add and the next norm in one call, ``h, residual = norm(branch, residual)``:
 
@@ -34,17 +34,17 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
     GPT-2 block  ln_2 (and ln_cross_attn) fused with the add before it (matched by its source lines)
     rewritten    any other forward with an add next to a norm: its own source with that add and norm made one
                  call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
-                 (:mod:`addnorm.integrations.hf_rewrite`)
+                 (:mod:`addnorm.integrations.hf.rewrite`)
 
 A fused layer (template or rewritten) also hands the add it returns to the norm that reads it next (the next layer's
 input norm, or the norm after the loop over the layers): one fused call computes the sum and that norm's output, the
 layer returns the sum as before, and the norm returns the output it was given when called on that very, unchanged,
-tensor (:mod:`addnorm.integrations.hf_handoff`, linked by :mod:`addnorm.integrations.hf_links`). So every norm of a
+tensor (:mod:`addnorm.integrations.hf.handoff`, linked by :mod:`addnorm.integrations.hf.links`). So every norm of a
 Llama stack but the first runs as a fused add + norm, and parallel blocks fuse (GPT-NeoX, Phi, Cohere, GPT-J: ``x +
 attn(N(x)) + mlp(N(x))`` has no norm after an add inside the layer). Adds made out of the layer's forward are handed
 off the same way: by a child module whose output the layer normalizes or returns (BLOOM's attention and MLP), or
 inside a helper function of the layer's module (BLOOM's ``dropout_add``, GPT-NeoX-Japanese's ``bias_dropout_add``:
-:mod:`addnorm.integrations.hf_helpers`). The new forward keeps the original's signature and return value, so
+:mod:`addnorm.integrations.hf.helper_rewrite`). The new forward keeps the original's signature and return value, so
 generation with a KV cache and gradient checkpointing keep working (with checkpointing on, and under torch.compile,
 there is no handoff). HF's dropout modules are kept and the fused op runs with ``dropout_p=0``, so training draws
 the same random numbers as the unpatched model. Hooks registered on the replaced norm modules do not move to the new
@@ -57,12 +57,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from addnorm.integrations import hf_links, hf_rewrite, norm_probe
-from addnorm.integrations.hf_forwards import LayerRule, Signature, from_transformers, layer_rule
-from addnorm.integrations.hf_norms import CastBeforeWeightRMSNorm, HFRMSNorm
+from addnorm.integrations.hf import links, norm_probe, rewrite
+from addnorm.integrations.hf.forwards import LayerRule, Signature, from_transformers, layer_rule
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
 __all__ = [
@@ -71,18 +69,15 @@ __all__ = [
     "is_applied",
     "apply_status",
     "fused_layer_classes",
-    "tiny_config",
-    "tiny_model",
-    "FAMILIES",
-    "CastBeforeWeightRMSNorm",
-    "HFRMSNorm",
+    "require_transformers",
 ]
 
 _INSTALL_HINT = "pip install 'addnorm[hf]'"
 _PATCH_ATTR = "_addnorm_hf_patch"
 
 
-def _require_transformers():
+def require_transformers():
+    """The transformers package, or an ImportError naming the extra to install."""
     try:
         import transformers
     except ImportError as e:
@@ -149,7 +144,7 @@ def _setstate_fused(self, state) -> None:
         self.__class__ = _FUSED_CLASSES[base]
         return
     if kind == "producer":
-        rewritten = hf_rewrite.rewrite_forward(base, hf_rewrite.norm_attributes(self), producer=True)
+        rewritten = rewrite.rewrite_forward(base, rewrite.norm_attributes(self), producer=True)
         found = None if rewritten is None else (LayerRule(rewritten.forward, ()), {})
     else:
         found = layer_rule(self)
@@ -176,7 +171,7 @@ class _Patch:
 
     modules: list[tuple[nn.Module, str, nn.Module, nn.Module]] = field(default_factory=list)  # parent, name, old, new
     classes: list[tuple[nn.Module, type]] = field(default_factory=list)  # module, its original class
-    links: list[tuple[nn.Module, nn.Module, type]] = field(default_factory=list)  # hf_links.link's record
+    links: list[tuple[nn.Module, nn.Module, type]] = field(default_factory=list)  # links.link's record
     fuse_residual: bool = True
 
 
@@ -198,7 +193,7 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
     :func:`revert` first. The patch is not saved: ``save_pretrained`` writes the usual keys and
     ``from_pretrained`` returns an unpatched model (apply again after loading).
     """
-    _require_transformers()
+    require_transformers()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if not isinstance(fuse_residual, bool):
@@ -237,16 +232,16 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             module.__class__ = _fused_class(cls, rule, roles)
             patch.classes.append((module, cls))
         # a child module that makes the add its parent normalizes next (BLOOM's attention and MLP, through their
-        # helper dropout_add): its forward rewritten to hand the add off (hf_links.producers)
-        for module in hf_links.producers(model, dict(patch.classes)):
-            rewritten = hf_rewrite.rewrite_forward(type(module), hf_rewrite.norm_attributes(module), producer=True)
+        # helper dropout_add): its forward rewritten to hand the add off (links.producers)
+        for module in links.producers(model, dict(patch.classes)):
+            rewritten = rewrite.rewrite_forward(type(module), rewrite.norm_attributes(module), producer=True)
             if rewritten is not None and rewritten.forward._addnorm_handoff:
                 cls = type(module)
                 module.__class__ = _fused_class(cls, LayerRule(rewritten.forward, ()), {}, kind="producer")
                 patch.classes.append((module, cls))
         # the add a layer (or such a child) returns, fused with the norm that reads it next: the next layer's input
-        # norm, the final norm, the parent's norm; that norm then finds its output computed (hf_handoff, hf_links)
-        patch.links = hf_links.link(model, dict(patch.classes))
+        # norm, the final norm, the parent's norm; that norm then finds its output computed (handoff, links)
+        patch.links = links.link(model, dict(patch.classes))
         if not patch.classes:
             warnings.warn(
                 f"addnorm: no layer of {type(model).__name__} matches a structure addnorm fuses (pre, "
@@ -282,7 +277,7 @@ def revert(model: nn.Module) -> nn.Module:
     if not is_applied(model):
         raise ValueError("model: not patched by addnorm.integrations.hf.apply (nothing to revert)")
     patch: _Patch = getattr(model, _PATCH_ATTR)
-    hf_links.unlink(patch.links)
+    links.unlink(patch.links)
     for module, cls in reversed(patch.classes):
         module.__class__ = cls
     for parent, name, old, new in reversed(patch.modules):
@@ -293,90 +288,3 @@ def revert(model: nn.Module) -> nn.Module:
         setattr(parent, name, old)
     object.__delattr__(model, _PATCH_ATTR)
     return model
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Tiny random models, for tests, benchmarks and docs (nothing is downloaded)
-# --------------------------------------------------------------------------------------------------------------
-
-_DECODER_SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-
-
-# Families with hand-sized tiny configs (tests, benchmarks, docs); tiny_config builds any other model_type too.
-FAMILIES = ("gpt2", "bert", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
-
-
-def _config_classes():
-    import transformers as t
-
-    return {
-        "gpt2": (
-            t.GPT2Config,
-            dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2),
-        ),
-        "bert": (
-            t.BertConfig,
-            dict(
-                vocab_size=128,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=128,
-            ),
-        ),
-        "llama": (t.LlamaConfig, _DECODER_SIZES),
-        "mistral": (t.MistralConfig, _DECODER_SIZES),
-        "qwen2": (t.Qwen2Config, _DECODER_SIZES),
-        "qwen3": (t.Qwen3Config, {**_DECODER_SIZES, "head_dim": 16}),
-        "gemma": (t.GemmaConfig, {**_DECODER_SIZES, "head_dim": 16}),
-        "gemma2": (t.Gemma2Config, {**_DECODER_SIZES, "head_dim": 16, "query_pre_attn_scalar": 16}),
-        "gemma3": (t.Gemma3TextConfig, {**_DECODER_SIZES, "head_dim": 16, "query_pre_attn_scalar": 16}),
-    }
-
-
-def tiny_config(family: str, **overrides):
-    """A tiny config of ``family``: one of :data:`FAMILIES` (2 layers, hidden 64, 4 heads, vocab 128), or any other
-    model_type of the installed transformers, shrunk by the survey's rules (addnorm.integrations.survey.tiny);
-    ``overrides`` are config fields, e.g. ``num_hidden_layers=4``."""
-    _require_transformers()
-    classes = _config_classes()
-    if family in classes:
-        cls, sizes = classes[family]
-        return cls(**{**sizes, **overrides})
-    from addnorm.integrations.survey import tiny
-
-    if not isinstance(family, str) or family not in tiny.config_names():
-        raise ValueError(
-            f"family must be a model_type of the installed transformers (e.g. {', '.join(classes)}), got {family!r}"
-        )
-    try:
-        return tiny.tiny_config(family, **overrides)
-    except tiny.SkipModel as e:
-        raise ValueError(f"family {family!r}: {e}") from e
-
-
-def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
-    """A randomly initialised model of :func:`tiny_config` (a causal LM where the family has one; BERT: masked LM;
-    else the base model), in eval mode."""
-    transformers = _require_transformers()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = tiny_config(family, **overrides)
-    if family == "bert":
-        auto = transformers.AutoModelForMaskedLM
-    elif config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        auto = transformers.AutoModelForCausalLM
-    else:
-        auto = transformers.AutoModel
-    torch.manual_seed(seed)
-    model = auto.from_config(config)
-    return model.to(dtype).eval()
