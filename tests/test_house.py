@@ -109,7 +109,6 @@ def test_no_import_cycles_in_src():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-
 def test_train_imports_nothing_from_the_lab():
     """The lab runs training, never the other way round: what both need (the output lock) lives below both."""
     graph = import_graph()
@@ -121,6 +120,7 @@ def test_train_imports_nothing_from_the_lab():
         if dep.startswith(f"{PACKAGE}.lab")
     )
     assert not up, "addnorm.train imports the lab:\n" + "\n".join(up)
+
 
 def test_no_source_file_past_one_readers_span():
     long = {
