@@ -68,13 +68,13 @@ def evidence_reading(name: str, src: Sources, keep: Callable[[dict], bool] = lam
         verdict, where, rules, js = judged
         parts = [_rule_reading(rule, j) for rule, j in zip(rules, js) if keep(rule)]
         return f"{name}: {verdict} ({where}): " + "; ".join(parts) if parts else f"{name}: {verdict} ({where})"
-    r = src.records.get(name)
+    r, p = src.records.get(name), src.pooled.get(name)
+    summary = f": {r['summary']}" if r and r.get("summary") else ""
+    if p is not None and p.basis == "majority":
+        at = " (this page's run)" if summary else ""
+        return f"{name}: {p.verdict} (not pooled: the majority of {p.scope()}; no rules yet){summary}{at}"
     if r is None:
-        p = src.pooled.get(name)
-        return (
-            f"{name}: {p.verdict} (recorded runs, no evidence)" if p is not None else f"{name}: not tested in this run"
-        )
-    summary = f": {r['summary']}" if r.get("summary") else ""
+        return f"{name}: not tested in this run"
     return f"{name}: {r['verdict']} (this run; no pre-registered rules yet){summary}"
 
 
