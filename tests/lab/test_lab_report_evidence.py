@@ -116,3 +116,19 @@ def test_criteria_of_the_real_registry_shows_the_criterion_of_experiments_withou
         assert f"{name}  [{exp.suite}, {exp.kind}]" in out
         if not exp.rules and exp.criterion:
             assert f"criterion: {exp.criterion}" in out
+
+
+def test_merge_refuses_two_shards_whose_evidence_differs_for_the_same_key(tmp_path):
+    from addnorm.lab.merge import MergeConflictError, merge
+
+    def shard(name, values):
+        d = tmp_path / name
+        d.mkdir()
+        ev = evidence((GAP,), {"gap": units(values, [0, 1], 0)})
+        rec = {"name": "fake-claim", "verdict": "reproduced", "reason": "", "metrics": {}, "key": "k1"}
+        rec.update(kind="empirical", claim="c", source="s", figures=[], evidence=ev)
+        (d / "results.json").write_text(json.dumps({"meta": {"seed": 0, "code": "c"}, "experiments": [rec]}))
+        return d
+
+    with pytest.raises(MergeConflictError, match="differs between .* in evidence"):
+        merge([shard("a", [0.3, 0.4]), shard("b", [0.3, 0.5])], tmp_path / "out")

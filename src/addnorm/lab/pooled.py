@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from addnorm.lab.core import VERDICTS
 from addnorm.lab.evidence import Judgement, Rule, judge, judge_evidence, pool_evidence
 from addnorm.lab.formatting import fmt_value, kind_of
 
-__all__ = ["Pooled", "pool_record", "pooled_headline", "basis_text", "judgement_rows"]
+__all__ = ["Pooled", "pool_record", "pooled_headline", "basis_text", "judgement_rows", "verdict_basis"]
 
 
 @dataclass(kw_only=True)
@@ -154,7 +155,8 @@ def pool_record(
 def basis_text(p: Pooled) -> str:
     """What an experiment's counted verdict rests on, in a sentence."""
     if p.basis == "pooled" and len(p.lab_seeds) > 1:
-        text = f"Pooled verdict over lab seeds {', '.join(p.lab_seeds)} ({p.scope()}): every recorded run of the current code."
+        seeds = ", ".join(p.lab_seeds)
+        text = f"Pooled verdict over lab seeds {seeds} ({p.scope()}): every recorded run of the current code."
     elif p.basis == "pooled":
         text = f"Rests on one lab seed ({p.lab_seeds[0]}, {p.scope()}): no other recorded run of the current code."
     elif p.basis == "majority":
@@ -216,3 +218,27 @@ def run_judgements(record: dict) -> tuple[str, str, list[Judgement]] | None:
     if not ev:
         return None
     return judge_evidence(ev)
+
+
+def verdict_basis(r: dict, pooled: dict | None, seed: Any) -> tuple[str, list[str], list[list[str]] | None]:
+    """What a report shows for the record ``r`` of a run at lab seed ``seed``: the verdict (the pooled one when
+    ``pooled`` has it), the sentences saying what it rests on, and its rules' table (header and rows) or None."""
+    if kind_of(r) != "empirical":
+        return r["verdict"], [], None
+    p = (pooled or {}).get(r["name"])
+    if p is not None:
+        table = list(judgement_rows(p.rules, p.judgements)) if p.judgements else None
+        return (
+            p.verdict,
+            [basis_text(p)] + ([f"This run (lab seed {seed}) alone: {r['verdict']}."] * (p.verdict != r["verdict"])),
+            table,
+        )
+    judged = run_judgements(r)
+    text = f"This run alone (lab seed {seed}): its own units; no seed record pooled."
+    if judged is None:
+        return (
+            r["verdict"],
+            [text + " The experiment states no pre-registered rules yet (its criterion is below)."],
+            None,
+        )
+    return r["verdict"], [text], list(judgement_rows(r["evidence"]["rules"], judged[2]))

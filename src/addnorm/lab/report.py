@@ -48,7 +48,7 @@ from addnorm.lab.formatting import (
     per_seed_table,
     timing_text,
 )
-from addnorm.lab.pooled import basis_text, judgement_rows, pooled_headline, run_judgements
+from addnorm.lab.pooled import pooled_headline, verdict_basis
 from addnorm.lab.registry import change_text, preregistration_lines, rule_text
 from addnorm.lab.seeds_advice import seeds_section
 
@@ -165,34 +165,11 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
 
 
-def _verdict_basis(r: dict, pooled: dict | None, seed: Any) -> tuple[str, list[str], list[list[str]] | None]:
-    """The verdict shown for ``r``, the sentence saying what it rests on, and its rules' table (or None)."""
-    if kind_of(r) != "empirical":
-        return r["verdict"], [], None
-    p = (pooled or {}).get(r["name"])
-    if p is not None:
-        table = list(judgement_rows(p.rules, p.judgements)) if p.judgements else None
-        return (
-            p.verdict,
-            [basis_text(p)] + ([f"This run (lab seed {seed}) alone: {r['verdict']}."] * (p.verdict != r["verdict"])),
-            table,
-        )
-    judged = run_judgements(r)
-    text = f"This run alone (lab seed {seed}): its own units; no seed record pooled."
-    if judged is None:
-        return (
-            r["verdict"],
-            [text + " The experiment states no pre-registered rules yet (its criterion is below)."],
-            None,
-        )
-    return r["verdict"], [text], list(judgement_rows(r["evidence"]["rules"], judged[2]))
-
-
 def md_experiment_body(r: dict, *, figures: bool = True, pooled: dict | None = None, seed: Any = None) -> list[str]:
     """An experiment's section after its heading: verdict (pooled when ``pooled`` has it) and what it rests on,
     the rules' estimates with 95% intervals, claim, source, pre-registration and change log, control, reason,
     finding, per-seed numbers, metrics, timings (and figures)."""
-    verdict, basis, table = _verdict_basis(r, pooled, seed)
+    verdict, basis, table = verdict_basis(r, pooled, seed)
     lines = [
         f"**Verdict: {verdict}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
         "",
@@ -334,7 +311,8 @@ def _html_preregistration(r: dict) -> list[str]:
     if r.get("rules"):
         items = "".join(f"<li>{e(rule_text(rule))}</li>" for rule in r["rules"])
         parts.append(
-            f'<div class="crit"><b>Pre-registered rules (fixed {e(r.get("fixed") or "date not recorded")}).</b><ul>{items}</ul></div>'
+            f'<div class="crit"><b>Pre-registered rules (fixed {e(r.get("fixed") or "date not recorded")}).</b>'
+            f"<ul>{items}</ul></div>"
         )
     if r.get("changes"):
         items = "".join(f"<li>{e(change_text(c))}</li>" for c in r["changes"])
@@ -395,7 +373,7 @@ def render_html(doc: dict[str, Any], out: Path, pooled: dict | None = None) -> s
             parts.append(f'<h2 class="kind">{e(KIND_TITLES[kind][0])}</h2>')
         for r in records:
             label = "" if kind == "empirical" else f' <span class="kindlabel">{e(kind)}, not counted</span>'
-            verdict, basis, table = _verdict_basis(r, pooled, meta.get("seed"))
+            verdict, basis, table = verdict_basis(r, pooled, meta.get("seed"))
             parts += [f'<section id="{e(r["name"])}">', f"<h3>{e(r['name'])} {_badge(verdict)}{label}</h3>"]
             parts += [f'<p class="meta">{e(text)}</p>' for text in basis]
             if table is not None:
