@@ -193,3 +193,20 @@ def test_the_repository_record_covers_every_empirical_experiment_at_seeds_0_1_2(
     assert set(record["experiments"]) == empirical
     for name in empirical:
         assert {"0", "1", "2"} <= set(record["experiments"][name]), name
+
+
+def test_damaged_evidence_is_refused_naming_the_file_and_the_entry(tmp_path):
+    broken = fake_evidence(0)
+    broken["rules"][0]["op"] = "about"
+    d = _run(tmp_path, "broken", 0, {"lr": "reproduced"}, ev={"lr": broken})
+    with pytest.raises(
+        ValueError, match=r"broken/results.json: the evidence of experiment 'lr' has a rule that is not"
+    ):
+        build_record([d])
+    path = tmp_path / "rec.json"
+    entry = {"verdict": "reproduced", "code": "c", "evidence": {"rules": fake_evidence(0)["rules"], "units": {}}}
+    path.write_text(json.dumps({"version": 2, "experiments": {"lr": {"0": entry}}}))
+    with pytest.raises(
+        ValueError, match=r"rec.json: the evidence of lr at lab seed 0 has no list of units for its rule"
+    ):
+        load_record(path)

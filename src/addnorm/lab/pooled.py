@@ -104,9 +104,10 @@ def pool_one(name: str, by_seed: dict[str, dict], current_code: str | None, page
     if with_ev:
         try:
             pooled = pool_evidence([by_seed[s]["evidence"] for s in with_ev])
-        except ValueError as err:  # same code, other rules: a damaged record; say so rather than pool
-            return Pooled(name=name, verdict="inconclusive", basis="pooled", reason=str(err), rows=rows, older=older)
-        verdict, reason, judged = judge_evidence(pooled)
+            verdict, reason, judged = judge_evidence(pooled)
+        except (ValueError, TypeError, KeyError) as err:  # same code, other rules: a damaged record; say so
+            why = f"the recorded evidence cannot be pooled: {err}"
+            return Pooled(name=name, verdict="inconclusive", basis="pooled", reason=why, rows=rows, older=older)
         claim = next(r["name"] for r in rules if r.get("role", "claim") == "claim")
         per = Counter(str(u["lab_seed"]) for u in pooled["units"][claim])
         unpooled = [s for s in current if s not in with_ev]

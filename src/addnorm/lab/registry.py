@@ -75,7 +75,9 @@ def preregistration_lines(record: dict[str, Any]) -> list[str]:
         lines += [f"Pre-registered rules (fixed {fixed}):", ""]
         lines += [f"- {rule_text(r)}" for r in rules] + [""]
     elif record.get("criterion"):
-        lines += [f"Criterion (no pre-registered rules yet; its text): {record['criterion']}", ""]
+        empirical = (record.get("kind") or "empirical") == "empirical"
+        label = "Criterion (no pre-registered rules yet; its text)" if empirical else "Criterion"
+        lines += [f"{label}: {record['criterion']}", ""]
     changes = record.get("changes") or []
     if changes:
         lines += ["Changes after a recorded run:", ""]

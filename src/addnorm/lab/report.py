@@ -180,8 +180,8 @@ def md_experiment_body(r: dict, *, figures: bool = True, pooled: dict | None = N
         lines += md_table(*table) + [""]
     lines += [f"Claim: {r['claim']}", "", f"Source: {r['source']}", ""]
     lines += preregistration_lines(r)
-    if r.get("criterion"):
-        lines += [f"Criterion: {r['criterion']}", ""]
+    if r.get("criterion") and r.get("rules"):  # without rules, preregistration_lines gave the criterion
+        lines += [f"Criterion in words: {r['criterion']}", ""]
     if r.get("precondition"):
         lines += [f"Control (precondition): {r['precondition']}", ""]
     if r.get("reason"):

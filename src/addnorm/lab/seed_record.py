@@ -96,8 +96,9 @@ def _evidence_of(path: Path, r: dict, seed: int) -> dict | None:
     ev = r.get("evidence")
     if ev is None:
         return None
-    if not isinstance(ev, dict) or not isinstance(ev.get("rules"), list) or not isinstance(ev.get("units"), dict):
-        raise ValueError(f"{path}: experiment {r['name']!r} has evidence without 'rules' and 'units'")
+    problem = _evidence_problem(ev)
+    if problem:
+        raise ValueError(f"{path}: the evidence of experiment {r['name']!r} {problem}")
     labs = {u.get("lab_seed") for us in ev["units"].values() for u in us if isinstance(u, dict)}
     if labs - {seed}:
         raise ValueError(
@@ -186,7 +187,32 @@ def load_record(path: Path) -> dict[str, Any]:
     bad = [f"{n} at {s}" for n, by_seed in experiments.items() for s in by_seed if not str(s).isdigit()]
     if bad:
         raise ValueError(f"{path}: lab seeds must be non-negative integers, got {', '.join(bad)}")
+    for name, by_seed in experiments.items():
+        for seed, entry in by_seed.items():
+            problem = _evidence_problem(entry.get("evidence"))
+            if problem:
+                raise ValueError(f"{path}: the evidence of {name} at lab seed {seed} {problem}")
     return record
+
+
+def _evidence_problem(ev: Any) -> str:
+    """What is wrong with a stored evidence dict ("" if nothing): its rules must be rules and every rule must have
+    a list of units."""
+    from addnorm.lab.evidence import Rule
+
+    if ev is None:
+        return ""
+    if not isinstance(ev, dict) or not isinstance(ev.get("rules"), list) or not isinstance(ev.get("units"), dict):
+        return "is not {'rules': [...], 'units': {...}}"
+    try:
+        names = [Rule(**r).name for r in ev["rules"]]
+    except (TypeError, ValueError) as err:
+        return f"has a rule that is not one: {err}"
+    for n in names:
+        us = ev["units"].get(n)
+        if not isinstance(us, list) or not all(isinstance(u, dict) and {"lab_seed", "value"} <= u.keys() for u in us):
+            return f"has no list of units for its rule {n!r}"
+    return ""
 
 
 def seed_line(record: dict[str, Any], result: dict, run_seed: Any) -> str | None:
