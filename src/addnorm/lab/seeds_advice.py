@@ -114,14 +114,38 @@ def deep_pre_ln(src: Sources) -> str:
     return "; ".join(pre + post) + f" ({evidence_reading('depth-sweep', src)})"
 
 
+def _sub_verdict(rules: list[dict], judged: list[Judgement]) -> str:
+    """The verdict of a subset of an experiment's rules, by evidence.judge_evidence's logic: a control not met ->
+    inconclusive; every claim rule reproduced -> reproduced; one clearly failing -> not reproduced."""
+    if any(r.get("role", "claim") != "claim" and not j.holds() for r, j in zip(rules, judged)):
+        return "inconclusive"
+    claims = [j for r, j in zip(rules, judged) if r.get("role", "claim") == "claim"]
+    if claims and all(j.holds() for j in claims):
+        return "reproduced"
+    return "not reproduced" if any(j.verdict == "not reproduced" for j in claims) else "inconclusive"
+
+
+_DEPTH_WORDS = re.compile(r"deep|depth|effective")
+
+
 def pre_ln_depth(src: Sources) -> str:
-    """Seed 004's "Pre-Norm may lose effective depth": layernorm-scaling's Pre-LN half (its rules about Pre-LN,
-    else its Pre-LN arms' numbers)."""
+    """Seed 004's "Pre-Norm may lose effective depth": layernorm-scaling's Pre-LN half, i.e. its claim rules about
+    Pre-LN's depth with the controls they need, judged on their own (else its Pre-LN arms' numbers)."""
     name = "layernorm-scaling"
-    about_pre = lambda rule: bool(_PRE.search(f"{rule['name']} {rule['statistic']}".lower()))  # noqa: E731
+
+    def about_pre_depth(rule: dict) -> bool:
+        text = f"{rule['name']} {rule['statistic']}".lower()
+        return bool(_PRE.search(text) and _DEPTH_WORDS.search(text))
+
     judged = _judged(name, src)
-    if judged is not None and any(about_pre(rule) for rule in judged[2]):
-        return evidence_reading(name, src, about_pre)
+    if judged is not None:
+        _, where, rules, js = judged
+        claims = [i for i, r in enumerate(rules) if r.get("role", "claim") == "claim" and about_pre_depth(r)]
+        if claims:
+            keep = [i for i, r in enumerate(rules) if r.get("role", "claim") != "claim" or i in claims]
+            sub = [rules[i] for i in keep], [js[i] for i in keep]
+            parts = "; ".join(_rule_reading(r, j) for r, j in zip(*sub))
+            return f"{name}, its Pre-LN half: {_sub_verdict(*sub)} ({where}): {parts}"
     arms = _arm_means(name, src, lambda k: bool(_PRE.search(k)))
     if arms:
         return "; ".join(arms) + f" ({evidence_reading(name, src)})"
