@@ -158,6 +158,8 @@ def test_lab_seeds_then_lab_doc_write_the_pooled_page_end_to_end(tmp_path, capsy
     assert "Pooled verdict over lab seeds 0, 1, 2" in warmup
     assert "| gap | claim | mean of excess gap > 0.1 | 0.3" in warmup  # the pooled mean with its interval
     assert "| lab seed | verdict at this seed |" in warmup and "| 2 | reproduced | current |" in warmup
+    assert "| post_fails | positive | mean of Post-LN excess without warmup > 0.5 | 1.1 [" in warmup
+    assert "| 9 | met |" in warmup and "| 9 | reproduced |" in warmup  # a control is met, a claim reproduced
     assert "Pre-registered rules (fixed 2026-12-02 at 8821e08):" in warmup
     assert "Changed on 2026-12-02 after a run showed 2 of 3 seeds: the claim became a rule (why: pooling)" in warmup
     depth = text.split("### depth-sweep: reproduced", 1)[1].split("\n### ", 1)[0]

@@ -105,6 +105,7 @@ def test_seed_004_effective_depth_reads_layernorm_scalings_pre_ln_half_judged_on
     # the half holds although the experiment as a whole (LNS's half fails) is not reproduced
     assert text.startswith("layernorm-scaling, its Pre-LN half: reproduced (this run): ")
     assert "C_deep(Pre-LN) - C_shallow = -0.25 [" in text and "excess(Pre-LN, 2) - excess(Pre-LN, L) = 0.35" in text
+    assert "] (> 0: met)" in text and "] (< 0: reproduced)" in text  # the control met, the claim rule reproduced
     assert "LNS" not in text
     values["depth helps"] = [-0.3, -0.4, -0.35]  # the control fails: the half cannot be read
     ev = evidence(rules, {r.name: units(values[r.name], [0, 1, 2], 0) for r in rules})

@@ -199,9 +199,16 @@ def pooled_headline(pooled: dict[str, Pooled]) -> str:
     return text + (" " + "; ".join(parts) + "." if parts else "")
 
 
+def status(rule: Rule, j: Judgement) -> str:
+    """A rule's outcome in words: a claim rule's verdict, or whether a control is met."""
+    if rule.role == "claim":
+        return j.verdict
+    return {"reproduced": "met", "not reproduced": "not met"}.get(j.verdict, "undecided")
+
+
 def judgement_rows(rules: list[dict], judged: list[Judgement]) -> tuple[list[str], list[list[str]]]:
     """The rules' table: role, rule, estimate with its 95% interval, units, verdict."""
-    header = ["rule", "role", "criterion", "estimate [95% interval]", "units", "rule verdict"]
+    header = ["rule", "role", "criterion", "estimate [95% interval]", "units", "outcome"]
     rows = []
     for rule, j in zip(rules, judged):
         r = Rule(**rule)
@@ -209,7 +216,7 @@ def judgement_rows(rules: list[dict], judged: list[Judgement]) -> tuple[list[str
         if j.margin is not None:
             est += f", margin {fmt_value(j.margin)}"
         units = f"{j.n}" + (f" (+{j.n_missing} missing)" if j.n_missing else "")
-        rows.append([r.name, r.role, r.text(), est, units, j.verdict + (f": {j.reason}" if j.reason else "")])
+        rows.append([r.name, r.role, r.text(), est, units, status(r, j) + (f": {j.reason}" if j.reason else "")])
     return header, rows
 
 

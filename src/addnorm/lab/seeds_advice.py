@@ -21,6 +21,7 @@ from typing import Any
 
 from addnorm.lab.evidence import Judgement, Rule, judge_evidence
 from addnorm.lab.formatting import fmt_value
+from addnorm.lab.pooled import status
 
 # The end-to-end generate() measurement the fusion statement is read from (repository checkouts only).
 GENERATE_RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "generate.md"
@@ -58,7 +59,11 @@ def _rule_reading(rule: dict, j: Judgement) -> str:
     r = Rule(**rule)
     if j.estimate is None:
         return f"{r.statistic}: no estimate ({j.reason})"
-    return f"{r.statistic} = {_num(j.estimate)} [{_num(j.low)}, {_num(j.high)}] (rule: {r.text()}; {j.verdict})"
+    if r.op in (">", "<"):
+        bar = f"{r.op} {r.threshold:g}"
+    else:
+        bar = f"{'inside' if r.op == 'within' else 'outside'} +-{_num(j.margin)}"
+    return f"{r.statistic} = {_num(j.estimate)} [{_num(j.low)}, {_num(j.high)}] ({bar}: {status(r, j)})"
 
 
 def evidence_reading(name: str, src: Sources, keep: Callable[[dict], bool] = lambda rule: True) -> str:
