@@ -132,3 +132,17 @@ def test_merge_refuses_two_shards_whose_evidence_differs_for_the_same_key(tmp_pa
 
     with pytest.raises(MergeConflictError, match="differs between .* in evidence"):
         merge([shard("a", [0.3, 0.4]), shard("b", [0.3, 0.5])], tmp_path / "out")
+
+
+def test_list_json_and_a_doc_without_record_say_what_they_rest_on(tmp_path, fake_lab, capsys):
+    assert main(["lab", "--list", "--json"]) == 0
+    (item,) = json.loads(capsys.readouterr().out)
+    assert item["rules"][0]["name"] == "gap" and item["fixed"] == "2026-12-02 at 8821e08" and item["changes"]
+    out = tmp_path / "s0"
+    assert main(["lab", "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
+    page = tmp_path / "page.md"
+    assert main(["lab", "doc", str(out), "--output", str(page)]) == 0
+    text = page.read_text()
+    assert "No seed record was given: every verdict rests on this run alone (one lab seed)." in text
+    assert "1 judged on the evidence of one lab seed (0)" in text
+    assert "Rests on one lab seed (0, 1 lab seed x 3 model seeds (units) each)" in text

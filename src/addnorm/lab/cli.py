@@ -144,9 +144,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "doc",
         help="render a run's results.json as the Markdown of docs/lab-results.md",
         description="Render the results of a lab run (OUT/results.json) as Markdown: the machine (CPU, cores), torch "
-        "version, date, wall time and --jobs, the empirical verdicts with each experiment's summary and "
-        "per-seed numbers, and the sanity checks and demonstrations apart. Prints it, or writes it to "
-        "--output.",
+        "version, date, wall time and --jobs, the empirical verdicts (pooled over the --seed-record's runs of the "
+        "current code, with each rule's 95%% interval, the per-lab-seed table, the pre-registration and change log; "
+        "without a record, this run's alone) with each experiment's summary and per-seed numbers, the sanity "
+        "checks and demonstrations apart, and what the seeds say. Prints it, or writes it to --output.",
     )
     d.add_argument(
         "dir",
@@ -181,10 +182,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "seeds",
         help="record each empirical verdict of runs at several --seed values (for `lab doc --seed-record`)",
         description="Read the results.json of `addnorm lab` runs made at different --seed values (not --quick) "
-        "and write, per empirical experiment and seed, the verdict with the run's code hash and date, as JSON. "
-        "With --add the runs are added to the existing record in --output (a newer run at the same seed "
-        "replaces an older one). `addnorm lab doc --seed-record FILE` then says under each verdict whether it "
-        "flips with the seed.",
+        "and write, per empirical experiment and lab seed, the run's evidence (units and rules), verdict, the "
+        "experiment's code identity, engine and date, as JSON (version 2; version 1 records are still read). "
+        "Refused, naming the file: a seed that is not an integer in [0, 2**32), a run without meta.code, a date in "
+        "the future, and two runs of the same code at one seed that disagree. With --add the runs are added to the "
+        "existing record in --output (a newer run at the same seed replaces an older one). `addnorm lab doc "
+        "--seed-record FILE` then pools every recorded run of the current code into one verdict per experiment.",
     )
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of `addnorm lab` runs")
     s.add_argument("--output", required=True, metavar="FILE", help="the record to write (e.g. docs/lab-seeds.json)")
