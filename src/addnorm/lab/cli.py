@@ -145,7 +145,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="render a run's results.json as the Markdown of docs/lab-results.md",
         description="Render the results of a lab run (OUT/results.json) as Markdown: the machine (CPU, cores), torch "
         "version, date, wall time and --jobs, the empirical verdicts (pooled over the --seed-record's runs of the "
-        "current code, with each rule's 95%% interval, the per-lab-seed table, the pre-registration and change log; "
+        "current code, with each rule's 95% interval, the per-lab-seed table, the pre-registration and change log; "
         "without a record, this run's alone) with each experiment's summary and per-seed numbers, the sanity "
         "checks and demonstrations apart, and what the seeds say. Prints it, or writes it to --output.",
     )
