@@ -35,7 +35,7 @@ def entry(lab_seed, gap, code="cur", verdict=None, **kw):
 def test_every_run_of_the_current_code_is_pooled_older_code_is_listed_not_pooled():
     by_seed = {
         "0": entry(0, [0.2, 0.3, 0.25]),
-        "1": entry(1, [0.3, 0.2, 0.35]),
+        "1": dict(entry(1, [0.3, 0.2, 0.35]), engine="batched"),
         "2": entry(2, [0.15, 0.3, 0.2]),
         "3": entry(3, [-5.0, -6.0, -5.5], code="old"),  # older code: listed, not pooled
     }
@@ -46,6 +46,7 @@ def test_every_run_of_the_current_code_is_pooled_older_code_is_listed_not_pooled
     assert claim.n == 9 and claim.estimate == pytest.approx(sum([0.2, 0.3, 0.25, 0.3, 0.2, 0.35, 0.15, 0.3, 0.2]) / 9)
     assert claim.low < claim.estimate < claim.high and p.verdict == "reproduced"
     assert [row[0] for row in p.rows] == ["0", "1", "2", "3"] and p.rows[3][2] == "older (old)"
+    assert p.rows[1][2] == "current, engine batched"  # pooled alike, and named
     assert p.rows[0][4].startswith("0.25 (0.2, 0.3, 0.25)")  # the per-lab-seed mean and its units
     text = basis_text(p)
     assert "Pooled verdict over lab seeds 0, 1, 2 (3 lab seeds x 3 model seeds (units) each)" in text

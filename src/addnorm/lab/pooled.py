@@ -72,6 +72,8 @@ def _unit_values(units: list[dict]) -> str:
 
 def _seed_row(seed: str, entry: dict, current: bool, rules: list[dict]) -> list[str]:
     code = "current" if current else f"older ({entry.get('code')})"
+    if (entry.get("engine") or "sequential") != "sequential":  # pooled too; equal up to float rounding (core.ENGINES)
+        code += f", engine {entry['engine']}"
     row = [seed, entry["verdict"], code, str(entry.get("date") or "-")[:10]]
     ev = entry.get("evidence")
     for rule in rules:
