@@ -135,6 +135,8 @@ def test_merge_refuses_two_shards_whose_evidence_differs_for_the_same_key(tmp_pa
 
 
 def test_list_json_and_a_doc_without_record_say_what_they_rest_on(tmp_path, fake_lab, capsys):
+    assert main(["lab", "--list"]) == 0
+    assert "rules: 2, fixed 2026-12-02 at 8821e08; changes since: 1 (lab criteria)" in capsys.readouterr().out
     assert main(["lab", "--list", "--json"]) == 0
     (item,) = json.loads(capsys.readouterr().out)
     assert item["rules"][0]["name"] == "gap" and item["fixed"] == "2026-12-02 at 8821e08" and item["changes"]

@@ -210,6 +210,9 @@ def _list(as_json: bool = False) -> int:
     for name, exp in registry.items():
         print(f"{name:<{width}}  [{exp.suite}, {exp.kind}] {exp.claim}")
         print(f"{'':<{width}}  source: {exp.source}")
+        if exp.rules:
+            fixed = f", fixed {exp.fixed}" if exp.fixed else ""
+            print(f"{'':<{width}}  rules: {len(exp.rules)}{fixed}; changes since: {len(exp.changes)} (lab criteria)")
     return 0
 
 
