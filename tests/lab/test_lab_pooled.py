@@ -141,7 +141,7 @@ def _fake_run(tmp: Path, lab_seed: int, codes: dict[str, str], gap) -> Path:
     return d
 
 
-def test_lab_seeds_then_lab_doc_write_the_pooled_page_end_to_end(tmp_path, capsys):
+def test_lab_seeds_then_lab_doc_write_the_pooled_page_end_to_end(tmp_path, capsys, monkeypatch):
     from addnorm.lab.cli import current_codes
 
     codes = current_codes()
@@ -166,11 +166,12 @@ def test_lab_seeds_then_lab_doc_write_the_pooled_page_end_to_end(tmp_path, capsy
     depth = text.split("### depth-sweep: reproduced", 1)[1].split("\n### ", 1)[0]
     assert "Not pooled" in depth and "Criterion (no pre-registered rules yet; its text)" in depth
     assert "## Sanity checks" in text and "## What the seeds say" in text
-    # an edit to the code of warmup: the record's runs become older code, listed and no longer pooled
-    stale = dict(codes, warmup="edited")
-    from addnorm.lab.docs import render_results_doc
-    from addnorm.lab.seed_record import load_record
+    assert "warning" not in capsys.readouterr().err
+    # an edit to the code of warmup: the record's runs become older code, listed and no longer pooled, and the
+    # command says so
+    import addnorm.lab.cli as lab_cli
 
-    doc = json.loads((Path(runs[0]) / "results.json").read_text())
-    redo = render_results_doc(doc, load_record(record), stale)
-    assert "Runs of older code at lab seed(s) 0, 1, 2 are listed, not pooled." in redo
+    monkeypatch.setattr(lab_cli, "current_codes", lambda: dict(codes, warmup="edited"))
+    assert main(["lab", "doc", runs[0], "--seed-record", str(record), "--output", str(page)]) == 0
+    assert "warning: no recorded run of the current code for warmup" in capsys.readouterr().err
+    assert "Runs of older code at lab seed(s) 0, 1, 2 are listed, not pooled." in page.read_text()

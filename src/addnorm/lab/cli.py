@@ -354,7 +354,10 @@ def _doc(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
         record = _load_seed_record(args.seed_record)
-        text = render_results_doc(read_results(path), record, current_codes() if record is not None else None)
+        doc, codes = read_results(path), current_codes() if record is not None else None
+        text = render_results_doc(doc, record, codes)
+        if record is not None:
+            _warn_stale(record, codes, doc)
         if args.output:
             io.atomic_write_text(Path(args.output), text)
         else:
@@ -368,6 +371,24 @@ def _doc(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _warn_stale(record: dict, codes: dict[str, str], doc: dict) -> None:
+    """Say on stderr which experiments the record holds no run of the current code for (the code changed since
+    the runs), so a page of stale verdicts is not written unnoticed."""
+    from addnorm.lab.pooled import pool_record
+
+    pooled = pool_record(record, codes, doc)
+    stale = [n for n, p in pooled.items() if p.basis == "run"]
+    older = [n for n, p in pooled.items() if p.older and p.basis != "run"]
+    if stale:
+        print(
+            f"addnorm lab doc: warning: no recorded run of the current code for {', '.join(stale)} (their code changed "
+            "since the runs): their verdicts rest on the page's run alone; rerun them and `addnorm lab seeds` again",
+            file=sys.stderr,
+        )
+    if older:
+        print(f"addnorm lab doc: note: runs of older code listed, not pooled, for {', '.join(older)}", file=sys.stderr)
 
 
 def _seeds(args: argparse.Namespace) -> int:
