@@ -169,7 +169,8 @@ def test_cli_writes_adds_to_and_reads_the_record(tmp_path, capsys):
     assert list(load_record(out)["experiments"]["lr"]) == ["0"]
     assert main(["lab", "seeds", str(s2), "--output", str(out), "--add"]) == 0
     assert list(load_record(out)["experiments"]["lr"]) == ["0", "2"]
-    assert "flip with --seed: lr" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "flip with --seed: lr" in err and "1 experiments (0 with evidence to pool" in err
     page = tmp_path / "page.md"
     assert main(["lab", "doc", str(s0), "--output", str(page), "--seed-record", str(out)]) == 0
     assert "this verdict flips with `--seed`" in page.read_text()

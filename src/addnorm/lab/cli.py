@@ -410,9 +410,10 @@ def _seeds(args: argparse.Namespace) -> int:
         print(f"addnorm lab seeds: error: cannot write {args.output}: {describe_os_error(err)}", file=sys.stderr)
         return 2
     flips = [n for n, by_seed in record["experiments"].items() if len({e["verdict"] for e in by_seed.values()}) > 1]
+    with_ev = sum(any(e.get("evidence") for e in by_seed.values()) for by_seed in record["experiments"].values())
     print(
-        f"wrote {args.output}: {len(record['experiments'])} experiments"
-        + (f"; verdicts that flip with --seed: {', '.join(flips)}" if flips else "; no verdict flips"),
+        f"wrote {args.output}: {len(record['experiments'])} experiments ({with_ev} with evidence to pool, the others "
+        "verdicts only)" + (f"; verdicts that flip with --seed: {', '.join(flips)}" if flips else "; no verdict flips"),
         file=sys.stderr,
     )
     return 0
