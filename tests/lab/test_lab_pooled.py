@@ -77,6 +77,8 @@ def test_no_run_of_the_current_code_falls_back_to_this_run_and_says_so():
     p = pool_record(record, {"d": "cur"}, page)["d"]
     assert (p.basis, p.verdict) == ("run", "not reproduced")
     assert "from this run alone" in pooled_headline({"d": p})
+    nowhere = pool_record(record, {"d": "cur"})["d"]  # neither the record nor a page has the current code's run
+    assert nowhere.verdict == "inconclusive" and "no run of the current code" in nowhere.reason
 
 
 def test_the_pages_run_is_the_newest_word_at_its_lab_seed_unless_it_is_quick():
