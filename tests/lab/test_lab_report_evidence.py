@@ -78,7 +78,9 @@ def test_lab_with_a_seed_record_shows_pooled_verdicts_and_says_so(tmp_path, fake
     assert "1 pooled over 2 lab seeds (0, 1) x 3 model seeds each" in md
     assert "Pooled verdict over lab seeds 0, 1 (2 lab seeds x 3 model seeds (units) each)" in md
     assert "| gap | claim | mean of loss gap > 0.1 | 0.4 [" in md  # (0.35 + 0.45) / 2: both lab seeds' units
-    assert "Pooled verdict over lab seeds 0, 1" in (s0 / "index.html").read_text()
+    assert "| 1 | reproduced | current |" in md  # the per-lab-seed table beside the pooled verdict
+    page = (s0 / "index.html").read_text()
+    assert "Pooled verdict over lab seeds 0, 1" in page and "verdict at this seed" in page
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert main(["lab", "--out", str(tmp_path / "x"), "--seed-record", str(bad)]) == 2

@@ -230,25 +230,20 @@ def run_judgements(record: dict) -> tuple[str, str, list[Judgement]] | None:
     return judge_evidence(ev)
 
 
-def verdict_basis(r: dict, pooled: dict | None, seed: Any) -> tuple[str, list[str], list[list[str]] | None]:
+def verdict_basis(r: dict, pooled: dict | None, seed: Any) -> tuple[str, list[str], list[tuple[list, list]]]:
     """What a report shows for the record ``r`` of a run at lab seed ``seed``: the verdict (the pooled one when
-    ``pooled`` has it), the sentences saying what it rests on, and its rules' table (header and rows) or None."""
+    ``pooled`` has it), the sentences saying what it rests on, and its tables (header, rows): the rules' estimates
+    with their intervals and, when pooled, the per-lab-seed table."""
     if kind_of(r) != "empirical":
-        return r["verdict"], [], None
+        return r["verdict"], [], []
     p = (pooled or {}).get(r["name"])
     if p is not None:
-        table = list(judgement_rows(p.rules, p.judgements)) if p.judgements else None
-        return (
-            p.verdict,
-            [basis_text(p)] + ([f"This run (lab seed {seed}) alone: {r['verdict']}."] * (p.verdict != r["verdict"])),
-            table,
-        )
+        tables = [judgement_rows(p.rules, p.judgements)] if p.judgements else []
+        tables += [(per_seed_header(p.rules), p.rows)] if p.rows else []
+        differs = [f"This run (lab seed {seed}) alone: {r['verdict']}."] if p.verdict != r["verdict"] else []
+        return p.verdict, [basis_text(p), *differs], tables
     judged = run_judgements(r)
     text = f"This run alone (lab seed {seed}): its own units; no seed record pooled."
     if judged is None:
-        return (
-            r["verdict"],
-            [text + " The experiment states no pre-registered rules yet (its criterion is below)."],
-            None,
-        )
-    return r["verdict"], [text], list(judgement_rows(r["evidence"]["rules"], judged[2]))
+        return r["verdict"], [text + " The experiment states no pre-registered rules yet (its criterion is below)."], []
+    return r["verdict"], [text], [judgement_rows(r["evidence"]["rules"], judged[2])]

@@ -169,15 +169,15 @@ def md_experiment_body(r: dict, *, figures: bool = True, pooled: dict | None = N
     """An experiment's section after its heading: verdict (pooled when ``pooled`` has it) and what it rests on,
     the rules' estimates with 95% intervals, claim, source, pre-registration and change log, control, reason,
     finding, per-seed numbers, metrics, timings (and figures)."""
-    verdict, basis, table = verdict_basis(r, pooled, seed)
+    verdict, basis, tables = verdict_basis(r, pooled, seed)
     lines = [
         f"**Verdict: {verdict}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
         "",
     ]
     for text in basis:
         lines += [text, ""]
-    if table is not None:
-        lines += md_table(*table) + [""]
+    for header, rows in tables:
+        lines += md_table(header, rows) + [""]
     lines += [f"Claim: {r['claim']}", "", f"Source: {r['source']}", ""]
     lines += preregistration_lines(r)
     if r.get("criterion") and r.get("rules"):  # without rules, preregistration_lines gave the criterion
@@ -373,11 +373,11 @@ def render_html(doc: dict[str, Any], out: Path, pooled: dict | None = None) -> s
             parts.append(f'<h2 class="kind">{e(KIND_TITLES[kind][0])}</h2>')
         for r in records:
             label = "" if kind == "empirical" else f' <span class="kindlabel">{e(kind)}, not counted</span>'
-            verdict, basis, table = verdict_basis(r, pooled, meta.get("seed"))
+            verdict, basis, tables = verdict_basis(r, pooled, meta.get("seed"))
             parts += [f'<section id="{e(r["name"])}">', f"<h3>{e(r['name'])} {_badge(verdict)}{label}</h3>"]
             parts += [f'<p class="meta">{e(text)}</p>' for text in basis]
-            if table is not None:
-                parts += _html_table(*table)
+            for header, rows in tables:
+                parts += _html_table(header, rows)
             parts += [
                 f'<p class="claim"><b>Claim.</b> {e(r["claim"])}</p>',
                 f"<p><b>Source.</b> {e(r['source'])}</p>",
