@@ -177,3 +177,14 @@ def test_lab_seeds_then_lab_doc_write_the_pooled_page_end_to_end(tmp_path, capsy
     assert main(["lab", "doc", runs[0], "--seed-record", str(record), "--output", str(page)]) == 0
     assert "warning: no recorded run of the current code for warmup" in capsys.readouterr().err
     assert "Runs of older code at lab seed(s) 0, 1, 2 are listed, not pooled." in page.read_text()
+
+
+def test_runs_of_one_code_judged_by_different_rules_are_not_pooled_and_the_page_says_why():
+    other = (Rule(name="gap", statistic="loss gap", op=">", threshold=0.2), CONTROL)
+    by_seed = {"0": entry(0, [0.3, 0.3, 0.4]), "1": entry(1, [0.3, 0.3, 0.4], rules=other)}
+    p = pool_record({"version": 2, "experiments": {"w": by_seed}}, {"w": "cur"})["w"]
+    assert p.verdict == "inconclusive" and "cannot be pooled" in p.reason and "different rules" in p.reason
+    assert "Pooled verdict over lab seeds 0, 1 (2 lab seeds)" in basis_text(
+        p
+    )  # the text renders, naming what was tried
+    assert "1 pooled over 2 lab seeds (0, 1)." in pooled_headline({"w": p})

@@ -47,9 +47,15 @@ class Pooled:
         n = len(self.lab_seeds)
         if self.basis != "pooled":
             return f"{n} lab seed{'s' * (n != 1)}"
-        lo, hi = min(self.units_per_seed, default=0), max(self.units_per_seed, default=0)
-        each = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        return f"{n} lab seed{'s' * (n != 1)} x {each} model seeds (units) each"
+        return f"{n} lab seed{'s' * (n != 1)}" + _each(self.units_per_seed, " model seeds (units) each")
+
+
+def _each(counts: list[int], what: str) -> str:
+    """ " x 3<what>" or " x 2-3<what>" for units per lab seed; "" when none were counted."""
+    if not counts:
+        return ""
+    lo, hi = min(counts), max(counts)
+    return f" x {lo}{what}" if lo == hi else f" x {lo}-{hi}{what}"
 
 
 def _entries(record: dict | None, page: dict | None) -> dict[str, dict[str, dict]]:
@@ -61,7 +67,7 @@ def _entries(record: dict | None, page: dict | None) -> dict[str, dict[str, dict
             if kind_of(r) != "empirical" or r.get("code") is None:
                 continue
             entry = {"verdict": r["verdict"], "code": r["code"], "date": meta.get("date")}
-            entry.update(engine=meta.get("engine") or "sequential", evidence=r.get("evidence"), page=True)
+            entry.update(engine=meta.get("engine") or "sequential", evidence=r.get("evidence"))
             out.setdefault(r["name"], {})[str(meta["seed"])] = entry
     return out
 
@@ -109,7 +115,9 @@ def pool_one(name: str, by_seed: dict[str, dict], current_code: str | None, page
             verdict, reason, judged = judge_evidence(pooled)
         except (ValueError, TypeError, KeyError) as err:  # same code, other rules: a damaged record; say so
             why = f"the recorded evidence cannot be pooled: {err}"
-            return Pooled(name=name, verdict="inconclusive", basis="pooled", reason=why, rows=rows, older=older)
+            return Pooled(
+                name=name, verdict="inconclusive", basis="pooled", reason=why, lab_seeds=with_ev, rows=rows, older=older
+            )
         claim = next(r["name"] for r in rules if r.get("role", "claim") == "claim")
         per = Counter(str(u["lab_seed"]) for u in pooled["units"][claim])
         unpooled = [s for s in current if s not in with_ev]
@@ -186,9 +194,8 @@ def pooled_headline(pooled: dict[str, Pooled]) -> str:
     parts = []
     if many:
         labs = sorted({s for p in many for s in p.lab_seeds}, key=int)
-        units = sorted({u for p in many for u in p.units_per_seed})
-        each = f"{units[0]}" if len(units) == 1 else f"{units[0]}-{units[-1]}"
-        parts.append(f"{len(many)} pooled over {len(labs)} lab seeds ({', '.join(labs)}) x {each} model seeds each")
+        each = _each([u for p in many for u in p.units_per_seed], " model seeds each")
+        parts.append(f"{len(many)} pooled over {len(labs)} lab seeds ({', '.join(labs)}){each}")
     if one:
         labs = sorted({p.lab_seeds[0] for p in one}, key=int)
         parts.append(f"{len(one)} judged on the evidence of one lab seed ({', '.join(labs)})")
