@@ -99,7 +99,9 @@ def _arm_means(name: str, src: Sources, match: Callable[[str], bool]) -> list[st
     for label, values in _per_seed(name, src).items():
         if match(label.lower()):
             m, n = _mean(values)
-            out.append(f"{label}: mean {_num(m)} over {n} seeds" if m is not None else f"{label}: no finite value")
+            out.append(
+                f"{label}: mean {_num(m)} over {n} seeds of this run" if m is not None else f"{label}: no finite value"
+            )
     return out
 
 
