@@ -28,7 +28,18 @@ TASKS_DIR = "tasks"  # under OUT/runs/: finished ctx.map tasks of unfinished exp
 
 # Files that only present results (report, command line): editing them must not throw away a 3-minute cache.
 _PRESENTATION_FILES = frozenset(
-    {"cli.py", "__main__.py", "lab/cli.py", "lab/report.py", "lab/formatting.py", "lab/docs.py"}
+    {
+        "cli.py",
+        "__main__.py",
+        "lab/cli.py",
+        "lab/report.py",
+        "lab/formatting.py",
+        "lab/docs.py",
+        "lab/seed_record.py",
+        "lab/seeds_advice.py",
+        "lab/pooled.py",
+        "lab/merge.py",
+    }
 )
 
 

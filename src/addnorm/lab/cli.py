@@ -26,7 +26,9 @@ The experiments' tasks run on --jobs worker processes; the results are the same 
   addnorm lab --shard 1/2 --out a    half of the suite (run 2/2 elsewhere into b), then:
   addnorm lab merge a b --out all    one report from both halves
   addnorm lab doc --output docs/lab-results.md   the results as the repository's Markdown page
-  addnorm lab seeds s0 s1 s2 --output docs/lab-seeds.json   each verdict at --seed 0, 1, 2 (runs s0, s1, s2)
+  addnorm lab seeds s0 s1 s2 --output docs/lab-seeds.json   record the runs at --seed 0, 1, 2 (s0, s1, s2)
+  addnorm lab doc s0 --seed-record docs/lab-seeds.json --output docs/lab-results.md   the pooled verdicts' page
+  addnorm lab criteria               every experiment's pre-registered rules, when fixed, and its change log
   torchrun --nproc_per_node 2 -m addnorm lab     the ranks split the tasks; rank 0 writes the report
 """
 
@@ -117,9 +119,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "torch's own setting; at most the number of CPU cores)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--seed-record",
+        metavar="FILE",
+        help="a record of runs at other --seed values (`addnorm lab seeds`, e.g. docs/lab-seeds.json): the report "
+        "then shows each empirical verdict pooled over every recorded run of the current code and this run, and "
+        "says what each rests on; without it every verdict rests on this run alone (and the report says so)",
+    )
     p.set_defaults(func=_lab)
 
-    sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc,seeds}")
+    sub = p.add_subparsers(dest="lab_command", metavar="{merge,doc,seeds,criteria}")
     m = sub.add_parser(
         "merge",
         help="combine the output directories of `addnorm lab --shard K/N` runs into one report",
@@ -135,9 +144,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "doc",
         help="render a run's results.json as the Markdown of docs/lab-results.md",
         description="Render the results of a lab run (OUT/results.json) as Markdown: the machine (CPU, cores), torch "
-        "version, date, wall time and --jobs, the empirical verdicts with each experiment's summary and "
-        "per-seed numbers, and the sanity checks and demonstrations apart. Prints it, or writes it to "
-        "--output.",
+        "version, date, wall time and --jobs, the empirical verdicts (pooled over the --seed-record's runs of the "
+        "current code, with each rule's 95% interval, the per-lab-seed table, the pre-registration and change log; "
+        "without a record, this run's alone) with each experiment's summary and per-seed numbers, the sanity "
+        "checks and demonstrations apart, and what the seeds say. Prints it, or writes it to --output.",
     )
     d.add_argument(
         "dir",
@@ -150,19 +160,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--seed-record",
         metavar="FILE",
-        help="a record of the verdicts at other --seed values (written by `addnorm lab seeds`, e.g. "
-        "docs/lab-seeds.json): each empirical verdict gets a line saying whether it is the same at every seed",
+        help="the record of runs at every lab seed (written by `addnorm lab seeds`, e.g. docs/lab-seeds.json): each "
+        "empirical verdict is pooled over every recorded run of the current code (with the rules' 95%% intervals "
+        "and a per-lab-seed table), the headline counts the pooled verdicts; experiments whose runs stored no "
+        "evidence show the majority of their seeds' verdicts, labelled 'not pooled'",
     )
     d.set_defaults(func=_doc)
+
+    c = sub.add_parser(
+        "criteria",
+        help="print every experiment's pre-registration: rules, controls, thresholds, when fixed, change log",
+        description="Print the registry of pre-registered criteria: for every experiment its claim, its rules "
+        "(claim and positive/negative controls with their thresholds), the date and commit they were fixed, its "
+        "config and every change made after a run had been recorded. Experiments without rules show their "
+        "criterion text.",
+    )
+    c.add_argument("--json", action="store_true", help="print it as JSON")
+    c.set_defaults(func=_criteria)
 
     s = sub.add_parser(
         "seeds",
         help="record each empirical verdict of runs at several --seed values (for `lab doc --seed-record`)",
         description="Read the results.json of `addnorm lab` runs made at different --seed values (not --quick) "
-        "and write, per empirical experiment and seed, the verdict with the run's code hash and date, as JSON. "
-        "With --add the runs are added to the existing record in --output (a newer run at the same seed "
-        "replaces an older one). `addnorm lab doc --seed-record FILE` then says under each verdict whether it "
-        "flips with the seed.",
+        "and write, per empirical experiment and lab seed, the run's evidence (units and rules), verdict, the "
+        "experiment's code identity, engine and date, as JSON (version 2; version 1 records are still read). "
+        "Refused, naming the file: a seed that is not an integer in [0, 2**32), a run without meta.code, a date in "
+        "the future, and two runs of the same code at one seed that disagree. With --add the runs are added to the "
+        "existing record in --output (a newer run at the same seed replaces an older one). `addnorm lab doc "
+        "--seed-record FILE` then pools every recorded run of the current code into one verdict per experiment.",
     )
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of `addnorm lab` runs")
     s.add_argument("--output", required=True, metavar="FILE", help="the record to write (e.g. docs/lab-seeds.json)")
@@ -175,14 +200,45 @@ def _list(as_json: bool = False) -> int:
 
     registry = load_experiments()
     if as_json:
+        from addnorm.lab.registry import preregistration
+
         fields = ("name", "suite", "kind", "claim", "source", "criterion", "precondition")
-        print(json.dumps([{f: getattr(exp, f, None) for f in fields} for exp in registry.values()], indent=2))
+        items = [{**{f: getattr(exp, f, None) for f in fields}, **preregistration(exp)} for exp in registry.values()]
+        print(json.dumps(items, indent=2))
         return 0
     width = max((len(n) for n in registry), default=10)
     for name, exp in registry.items():
         print(f"{name:<{width}}  [{exp.suite}, {exp.kind}] {exp.claim}")
         print(f"{'':<{width}}  source: {exp.source}")
+        if exp.rules:
+            fixed = f", fixed {exp.fixed}" if exp.fixed else ""
+            print(f"{'':<{width}}  rules: {len(exp.rules)}{fixed}; changes since: {len(exp.changes)} (lab criteria)")
     return 0
+
+
+def _criteria(args: argparse.Namespace) -> int:
+    from addnorm.lab.registry import criteria_json, criteria_text
+    from addnorm.lab.runner import load_experiments
+
+    registry = load_experiments()
+    print(json.dumps(criteria_json(registry), indent=2) if args.json else criteria_text(registry))
+    return 0
+
+
+def current_codes() -> dict[str, str]:
+    """Each registered empirical experiment's code identity now (what "the current code" is when pooling)."""
+    from addnorm.lab.registry import code_identity
+    from addnorm.lab.runner import load_experiments
+
+    return {name: code_identity(exp) for name, exp in load_experiments().items() if exp.kind == "empirical"}
+
+
+def _load_seed_record(path):
+    from pathlib import Path
+
+    from addnorm.lab.seed_record import load_record
+
+    return None if path is None else load_record(Path(path))
 
 
 def _finish(doc: dict, as_json: bool) -> None:
@@ -208,6 +264,7 @@ def _lab(args: argparse.Namespace) -> int:
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     try:
+        record = _load_seed_record(args.seed_record)  # before the run: a bad file should not wait for it
         shard = parse_shard(args.shard) if args.shard else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
@@ -247,7 +304,15 @@ def _lab(args: argparse.Namespace) -> int:
         return 128 + signum
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
         return 1 if summary.failed else 0
-    _finish(load_results(options.out), args.json)
+    doc = load_results(options.out)
+    if record is not None:
+        from addnorm.lab.pooled import pool_record, pooled_headline
+        from addnorm.lab.report import write_views
+
+        pooled = pool_record(record, current_codes(), doc)
+        write_views(options.out, doc, pooled)
+        print(f"pooled with {args.seed_record}: {pooled_headline(pooled)}", file=sys.stderr)
+    _finish(doc, args.json)
     if not args.json:
         print(f"report: {options.out / 'index.html'}")
     return 1 if summary.failed else 0
@@ -290,12 +355,11 @@ def _doc(args: argparse.Namespace) -> int:
             check_distinct([(f"the run's {path}", path), ("--output", args.output)])
         if not path.is_file():
             raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
-        record = None
-        if args.seed_record is not None:
-            from addnorm.lab.seed_record import load_record
-
-            record = load_record(Path(args.seed_record))
-        text = render_results_doc(read_results(path), record)
+        record = _load_seed_record(args.seed_record)
+        doc, codes = read_results(path), current_codes() if record is not None else None
+        text = render_results_doc(doc, record, codes)
+        if record is not None:
+            _warn_stale(record, codes, doc)
         if args.output:
             io.atomic_write_text(Path(args.output), text)
         else:
@@ -309,6 +373,24 @@ def _doc(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _warn_stale(record: dict, codes: dict[str, str], doc: dict) -> None:
+    """Say on stderr which experiments the record holds no run of the current code for (the code changed since
+    the runs), so a page of stale verdicts is not written unnoticed."""
+    from addnorm.lab.pooled import pool_record
+
+    pooled = pool_record(record, codes, doc)
+    stale = [n for n, p in pooled.items() if p.basis == "run"]
+    older = [n for n, p in pooled.items() if p.older and p.basis != "run"]
+    if stale:
+        print(
+            f"addnorm lab doc: warning: no recorded run of the current code for {', '.join(stale)} (their code changed "
+            "since the runs): their verdicts rest on the page's run alone; rerun them and `addnorm lab seeds` again",
+            file=sys.stderr,
+        )
+    if older:
+        print(f"addnorm lab doc: note: runs of older code listed, not pooled, for {', '.join(older)}", file=sys.stderr)
 
 
 def _seeds(args: argparse.Namespace) -> int:
@@ -330,9 +412,10 @@ def _seeds(args: argparse.Namespace) -> int:
         print(f"addnorm lab seeds: error: cannot write {args.output}: {describe_os_error(err)}", file=sys.stderr)
         return 2
     flips = [n for n, by_seed in record["experiments"].items() if len({e["verdict"] for e in by_seed.values()}) > 1]
+    with_ev = sum(any(e.get("evidence") for e in by_seed.values()) for by_seed in record["experiments"].values())
     print(
-        f"wrote {args.output}: {len(record['experiments'])} experiments"
-        + (f"; verdicts that flip with --seed: {', '.join(flips)}" if flips else "; no verdict flips"),
+        f"wrote {args.output}: {len(record['experiments'])} experiments ({with_ev} with evidence to pool, the others "
+        "verdicts only)" + (f"; verdicts that flip with --seed: {', '.join(flips)}" if flips else "; no verdict flips"),
         file=sys.stderr,
     )
     return 0

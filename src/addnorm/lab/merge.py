@@ -20,17 +20,18 @@ class MergeConflictError(ValueError):
 _META_MUST_AGREE = ("quick", "seed", "device", "addnorm", "code", "engine")
 _META_DEFAULTS = {"engine": "sequential"}  # what a results.json written before the field existed ran with
 # What determines a result: the same key (code, config, sizes, seed, device, torch) must give the same verdict,
-# reason and metrics. Not timings or seconds: wall-clock values differ on every run (core.py's Result.timings).
-_RESULT_FIELDS = ("verdict", "reason", "metrics", "key")
+# reason, metrics and evidence (the units the seed record pools). Not timings or seconds: wall-clock values differ
+# on every run (core.py's Result.timings).
+_RESULT_FIELDS = ("verdict", "reason", "metrics", "evidence", "key")
 
 
 def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     """Combine shard output directories into one report in ``out``.
 
     Records are matched by experiment name; the same name in two directories must carry the same key, verdict,
-    reason and metrics (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with different
-    quick/seed/device/engine/version settings do not merge either. Figures are copied into ``out``, which is locked
-    (:func:`out_lock`) while merge writes.
+    reason, metrics and evidence (timings and seconds may differ), else :class:`MergeConflictError`. Runs made with
+    different quick/seed/device/engine/version settings do not merge either. Figures are copied into ``out``, which
+    is locked (:func:`out_lock`) while merge writes.
     """
     if not dirs:
         raise ValueError("merge needs at least one directory")

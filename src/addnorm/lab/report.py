@@ -11,6 +11,13 @@ results.json::
      "counts": {"reproduced": n, "not reproduced": n, "inconclusive": n},      empirical claims only
      "counts_by_kind": {"empirical": {...}, "sanity": {...}, "demonstration": {...}}}
 
+Each record also carries ``evidence`` (the units and rules its verdict was judged by, or null), ``code`` (the
+experiment's code identity) and its pre-registration (``rules``, ``fixed``, ``changes``; registry.py).
+
+Which verdicts a report shows: a plain run's report judges each experiment on this run alone (one lab seed) and
+says so; ``addnorm lab --seed-record FILE`` (or ``addnorm lab doc --seed-record FILE``) shows the pooled verdict
+over every recorded run of the current code (pooled.py) and says, per experiment, what it rests on.
+
 Only empirical claims are evidence: the headline and ``counts`` cover them alone; sanity checks and demonstrations
 are shown in sections of their own, labelled, and not counted (see core.py). A record without ``kind`` (written
 before kinds existed) is empirical.
@@ -41,6 +48,8 @@ from addnorm.lab.formatting import (
     per_seed_table,
     timing_text,
 )
+from addnorm.lab.pooled import pooled_headline, verdict_basis
+from addnorm.lab.registry import change_text, preregistration_lines, rule_text
 from addnorm.lab.seeds_advice import seeds_section
 
 RESULTS_FILE = "results.json"
@@ -67,6 +76,11 @@ _PUBLIC_FIELDS = (
     "config",
     "index",
     "error",
+    "evidence",
+    "code",
+    "rules",
+    "fixed",
+    "changes",
 )
 
 
@@ -95,9 +109,16 @@ def write_report(out: Path, records: list[dict], meta: dict[str, Any]) -> dict[s
     out = Path(out)
     doc = results_document(records, meta)
     io.atomic_write_json(out / RESULTS_FILE, doc)
-    io.atomic_write_text(out / MARKDOWN_FILE, render_markdown(doc))
-    io.atomic_write_text(out / HTML_FILE, render_html(doc, out))
+    write_views(out, doc)
     return doc
+
+
+def write_views(out: Path, doc: dict[str, Any], pooled: dict | None = None) -> None:
+    """(Re)write report.md and index.html of ``doc``, with the pooled verdicts when given (pooled.pool_record)."""
+    from addnorm import io
+
+    io.atomic_write_text(Path(out) / MARKDOWN_FILE, render_markdown(doc, pooled))
+    io.atomic_write_text(Path(out) / HTML_FILE, render_html(doc, Path(out), pooled))
 
 
 # -------------------------------------------------------------------------------------------------- terminal
@@ -144,19 +165,23 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
 
 
-def md_experiment_body(r: dict, *, figures: bool = True) -> list[str]:
-    """An experiment's section after its heading: verdict, claim, source, criterion, control, reason, finding,
-    per-seed numbers, metrics, timings (and figures)."""
+def md_experiment_body(r: dict, *, figures: bool = True, pooled: dict | None = None, seed: Any = None) -> list[str]:
+    """An experiment's section after its heading: verdict (pooled when ``pooled`` has it) and what it rests on,
+    the rules' estimates with 95% intervals, claim, source, pre-registration and change log, control, reason,
+    finding, per-seed numbers, metrics, timings (and figures)."""
+    verdict, basis, tables = verdict_basis(r, pooled, seed)
     lines = [
-        f"**Verdict: {r['verdict']}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
-        "",
-        f"Claim: {r['claim']}",
-        "",
-        f"Source: {r['source']}",
+        f"**Verdict: {verdict}**" + ("" if kind_of(r) == "empirical" else f" ({kind_of(r)}, not counted)"),
         "",
     ]
-    if r.get("criterion"):
-        lines += [f"Criterion: {r['criterion']}", ""]
+    for text in basis:
+        lines += [text, ""]
+    for header, rows in tables:
+        lines += md_table(header, rows) + [""]
+    lines += [f"Claim: {r['claim']}", "", f"Source: {r['source']}", ""]
+    lines += preregistration_lines(r)
+    if r.get("criterion") and r.get("rules"):  # without rules, preregistration_lines gave the criterion
+        lines += [f"Criterion in words: {r['criterion']}", ""]
     if r.get("precondition"):
         lines += [f"Control (precondition): {r['precondition']}", ""]
     if r.get("reason"):
@@ -181,7 +206,23 @@ def md_experiment_body(r: dict, *, figures: bool = True) -> list[str]:
     return lines
 
 
-def render_markdown(doc: dict[str, Any]) -> str:
+def _shown(r: dict, pooled: dict | None) -> str:
+    """The verdict a report shows for ``r``: the pooled one when there is one."""
+    p = (pooled or {}).get(r["name"]) if kind_of(r) == "empirical" else None
+    return r["verdict"] if p is None else p.verdict
+
+
+def _headline(doc: dict[str, Any], pooled: dict | None) -> str:
+    if pooled:
+        return pooled_headline(pooled)
+    seed = (doc.get("meta") or {}).get("seed")
+    return (
+        f"{headline(doc)} Every verdict here rests on this run alone (lab seed {seed}); the verdicts pooled over "
+        "the recorded lab seeds: `addnorm lab --seed-record FILE` or `addnorm lab doc --seed-record FILE`."
+    )
+
+
+def render_markdown(doc: dict[str, Any], pooled: dict | None = None) -> str:
     meta = doc["meta"]
     lines = [
         "# addnorm lab report",
@@ -199,7 +240,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [f"> **{QUICK_NOTE}**", ""]
     if meta.get("engine") == "batched":
         lines += [f"> **{ENGINE_NOTE}**", ""]
-    lines += [headline(doc), ""]
+    lines += [_headline(doc, pooled), ""]
     groups = by_kind(doc["experiments"])
     for kind, records in groups.items():
         if not records:
@@ -208,14 +249,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [f"**{title}** ({what})", ""]
         lines += md_table(
             ["experiment", "verdict", "summary"],
-            [[f"[{r['name']}](#{r['name']})", r["verdict"], r.get("summary") or ""] for r in records],
+            [[f"[{r['name']}](#{r['name']})", _shown(r, pooled), r.get("summary") or ""] for r in records],
         ) + [""]
     for kind, records in groups.items():
         if records:
             lines += ["", f"# {KIND_TITLES[kind][0]}"]
         for r in records:
-            lines += ["", f"## {r['name']}", "", *md_experiment_body(r)]
-    lines += ["", *seeds_section(doc["experiments"])]
+            lines += ["", f"## {r['name']}", "", *md_experiment_body(r, pooled=pooled, seed=meta.get("seed"))]
+    lines += ["", *seeds_section(doc["experiments"], pooled)]
     return "\n".join(lines) + "\n"
 
 
@@ -263,7 +304,23 @@ def _html_table(header: list[str], rows: list[list[str]], value_class: str = "v"
     return parts
 
 
-def render_html(doc: dict[str, Any], out: Path) -> str:
+def _html_preregistration(r: dict) -> list[str]:
+    """The rules (with when they were fixed) and the change log, next to the verdict."""
+    e = html.escape
+    parts = []
+    if r.get("rules"):
+        items = "".join(f"<li>{e(rule_text(rule))}</li>" for rule in r["rules"])
+        parts.append(
+            f'<div class="crit"><b>Pre-registered rules (fixed {e(r.get("fixed") or "date not recorded")}).</b>'
+            f"<ul>{items}</ul></div>"
+        )
+    if r.get("changes"):
+        items = "".join(f"<li>{e(change_text(c))}</li>" for c in r["changes"])
+        parts.append(f'<div class="crit"><b>Changes after a recorded run.</b><ul>{items}</ul></div>')
+    return parts
+
+
+def render_html(doc: dict[str, Any], out: Path, pooled: dict | None = None) -> str:
     e = html.escape
     meta = doc["meta"]
     timing = timing_text(meta, len(doc["experiments"]))
@@ -290,7 +347,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
     if meta.get("engine") == "batched":
         parts.append(f'<p class="quick"><b>{e(ENGINE_NOTE)}</b></p>')
     parts.append(
-        f"<p>{e(headline(doc))} Each verdict follows a criterion fixed in the experiment's code before it "
+        f"<p>{e(_headline(doc, pooled))} Each verdict follows a criterion fixed in the experiment's code before it "
         "runs; an honest &ldquo;not reproduced&rdquo; is a result, not a bug.</p>"
     )
     groups = by_kind(doc["experiments"])
@@ -307,7 +364,7 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
             t = f"{secs:.1f} s" if isinstance(secs, (int, float)) else "-"
             t += " (cached)" if r.get("cached") else ""
             parts.append(
-                f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(r["verdict"])}</td>'
+                f'<tr><td><a href="#{e(r["name"])}">{e(r["name"])}</a></td><td>{_badge(_shown(r, pooled))}</td>'
                 f'<td>{e(r.get("summary") or "")}</td><td class="t">{e(t)}</td></tr>'
             )
         parts.append("</table>")
@@ -316,12 +373,16 @@ def render_html(doc: dict[str, Any], out: Path) -> str:
             parts.append(f'<h2 class="kind">{e(KIND_TITLES[kind][0])}</h2>')
         for r in records:
             label = "" if kind == "empirical" else f' <span class="kindlabel">{e(kind)}, not counted</span>'
+            verdict, basis, tables = verdict_basis(r, pooled, meta.get("seed"))
+            parts += [f'<section id="{e(r["name"])}">', f"<h3>{e(r['name'])} {_badge(verdict)}{label}</h3>"]
+            parts += [f'<p class="meta">{e(text)}</p>' for text in basis]
+            for header, rows in tables:
+                parts += _html_table(header, rows)
             parts += [
-                f'<section id="{e(r["name"])}">',
-                f"<h3>{e(r['name'])} {_badge(r['verdict'])}{label}</h3>",
                 f'<p class="claim"><b>Claim.</b> {e(r["claim"])}</p>',
                 f"<p><b>Source.</b> {e(r['source'])}</p>",
             ]
+            parts += _html_preregistration(r)
             if r.get("criterion"):
                 parts.append(f'<p class="crit"><b>Criterion (fixed before the run).</b> {e(r["criterion"])}</p>')
             if r.get("precondition"):

@@ -45,6 +45,7 @@ from addnorm.lab.core import ENGINES, EXPERIMENTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, default_jobs, init_group
 from addnorm.lab.interrupt import sigterm_interrupts
 from addnorm.lab.outdir import out_lock, prepare_out_dir
+from addnorm.lab.registry import record_fields
 from addnorm.train.distributed import DistInfo
 
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
@@ -214,6 +215,7 @@ def _base_record(exp: Experiment, index: int, key: str) -> dict:
         "config": exp.config,
         "index": index,
         "key": key,
+        **record_fields(exp),  # the code identity and pre-registration the seed record and report read
     }
 
 

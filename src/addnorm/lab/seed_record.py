@@ -1,20 +1,27 @@
-"""``addnorm lab seeds``: the verdict of each empirical experiment at several ``--seed`` values, from real runs.
+"""``addnorm lab seeds``: the record of every empirical experiment's runs at several lab seeds (``--seed``), from
+real runs, so a verdict can be pooled over all of them (pooled.py).
 
-A lab verdict rests on three model seeds inside one run; ``--seed S`` moves all of them (seeds S, S+1, S+2) and the
-language (seed S). Issue 27 asks that every empirical verdict be the same at ``--seed`` 0, 1 and 2, or that the
-verdict's own text say that it flips. Running the whole lab three times for each page is more than a 2-core machine
-has, so the runs at other seeds are made apart (``addnorm lab --only NAME --seed S``) and recorded here:
+Each lab seed trains its own model seeds (seeds.py: lab seed S uses S*1000+k), so runs at lab seeds 0, 1, 2 are
+independent evidence. Running the whole lab several times is more than a 2-core machine has in one go, so the runs
+are made apart (``addnorm lab --seed S --out sS``) and recorded here:
 
-* :func:`build_record` reads the ``results.json`` of such runs (not ``--quick`` ones) and keeps, per experiment
-  and seed, the verdict with the run's code hash and date. Two runs of one experiment at one seed must agree on the
-  verdict unless their code differs; then the newer run counts.
-* ``addnorm lab doc --seed-record FILE`` prints under each empirical verdict the line of :func:`seed_line`: the
-  verdicts at every recorded seed, "**flips with --seed**" where they differ, and a warning where the page's own
-  run disagrees with the record at its seed (the record is older than the code).
+* :func:`build_record` reads their ``results.json`` (not ``--quick`` ones) and keeps, per experiment and lab seed,
+  the run's ``evidence`` (its units and rules), verdict, code identity (registry.code_identity: the experiment's
+  code version and config), engine and date. Two runs of one experiment at one lab seed with the same code and
+  engine must agree on the verdict; otherwise the newer run replaces the older.
+* Version 1 records (before evidence was stored) are still read: their entries carry no evidence, so they count
+  only as "the verdict at this seed" and are never pooled; adding runs to one writes version 2.
+
+What a results.json must hold to be recorded (else the error names the file): ``meta.seed`` an integer in
+[0, 2**32), ``meta.code`` (without it two runs of the same code could not be told apart, and the check above would
+silently pass), ``meta.date`` an ISO date no later than :data:`CLOCK_SLACK` after now (a run dated in the future
+would otherwise win every "newer run" comparison forever). An entry of an older record dated in the future is never
+preferred over a run being recorded.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,9 +30,29 @@ from typing import Any
 from addnorm.lab.formatting import kind_of
 from addnorm.lab.report import RESULTS_FILE, read_results
 
-__all__ = ["build_record", "load_record", "seed_line"]
+__all__ = ["build_record", "load_record", "seed_line", "RECORD_VERSION"]
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SEED_LIMIT = 2**32  # the range `addnorm lab --seed` accepts
+# How far ahead of this machine's clock a run's date may be (clocks of two machines differ by seconds to minutes;
+# an hour also covers a wrongly set time zone offset of the other machine's clock, not a date typed by hand).
+CLOCK_SLACK = datetime.timedelta(hours=1)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def parse_date(text: Any) -> datetime.datetime | None:
+    """An ISO date (a naive one is read as UTC), or None when ``text`` is not one."""
+    if not isinstance(text, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
 
 
 def _runs(dirs: Iterable[Path]) -> list[tuple[Path, dict]]:
@@ -34,65 +61,158 @@ def _runs(dirs: Iterable[Path]) -> list[tuple[Path, dict]]:
         path = d / RESULTS_FILE if d.is_dir() else d
         if not path.is_file():
             raise ValueError(f"{d} has no {RESULTS_FILE}: give the output directory of an `addnorm lab` run")
-        runs.append((d, read_results(path)))
+        runs.append((path, read_results(path)))
     return runs
 
 
-def build_record(dirs: Iterable[Path], previous: dict | None = None) -> dict[str, Any]:
-    """The record of the empirical verdicts in the runs ``dirs`` (output directories or results.json files),
-    added to ``previous`` (an earlier record: its entries stay unless a run here replaces them).
+def _checked_meta(path: Path, doc: dict) -> tuple[int, str, str]:
+    """The run's lab seed, code and date, or a ValueError naming ``path``."""
+    meta = doc.get("meta") or {}
+    if meta.get("quick"):
+        raise ValueError(f"{path} is a --quick run: its verdicts are not recorded (quick sizes are a smoke test)")
+    seed = meta.get("seed")
+    if seed is None:
+        raise ValueError(f"{path}: its results.json records no seed (meta.seed)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{path}: meta.seed must be an integer in [0, 2**32) like --seed, got {seed!r}")
+    code = meta.get("code")
+    if not isinstance(code, str) or not code:
+        raise ValueError(
+            f"{path}: meta.code (the hash of the sources that ran) is missing; without it a second run of the same "
+            "code could not be checked against this one, so the run is not recorded"
+        )
+    date = parse_date(meta.get("date"))
+    if date is None:
+        raise ValueError(f"{path}: meta.date must be an ISO date (YYYY-MM-DDTHH:MM:SS+00:00), got {meta.get('date')!r}")
+    if date > _now() + CLOCK_SLACK:
+        raise ValueError(
+            f"{path}: meta.date {meta['date']} is in the future (this machine's clock says {_now():%Y-%m-%d %H:%M} "
+            "UTC): a wrong clock; fix the date or rerun, a future-dated run would replace every later one"
+        )
+    return seed, code, meta["date"]
 
-    Returns ``{"version": 1, "experiments": {name: {seed (str): {"verdict", "code", "date", "summary"}}}}``.
-    Quick runs are refused (their sizes are not the verdict's). Two runs of the same code at the same seed that
-    disagree are refused: the lab's results repeat exactly, so that means a broken run or an edited file.
+
+def _evidence_of(path: Path, r: dict, seed: int) -> dict | None:
+    ev = r.get("evidence")
+    if ev is None:
+        return None
+    problem = _evidence_problem(ev)
+    if problem:
+        raise ValueError(f"{path}: the evidence of experiment {r['name']!r} {problem}")
+    labs = {u.get("lab_seed") for us in ev["units"].values() for u in us if isinstance(u, dict)}
+    if labs - {seed}:
+        raise ValueError(
+            f"{path}: experiment {r['name']!r} has units of lab seed(s) {sorted(labs - {seed}, key=str)} in a run "
+            f"at --seed {seed}"
+        )
+    return ev
+
+
+def _entry_date(entry: dict) -> datetime.datetime:
+    """When an entry's run was made, for "the newer run counts"; a missing, unreadable or future date sorts first,
+    so it never wins over a run with a real date."""
+    when = parse_date(entry.get("date"))
+    floor = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+    return floor if when is None or when > _now() + CLOCK_SLACK else when
+
+
+def upgrade(record: dict) -> dict[str, dict[str, dict]]:
+    """The experiments of a version 1 or 2 record as version 2 entries (a version 1 entry gets evidence None)."""
+    if record.get("version") not in READABLE_VERSIONS or not isinstance(record.get("experiments"), dict):
+        raise ValueError(f"the previous record is not a seed record of version {READABLE_VERSIONS}")
+    out = {}
+    for name, by_seed in record["experiments"].items():
+        out[name] = {s: {"evidence": None, **e} for s, e in by_seed.items()}
+    return out
+
+
+def build_record(dirs: Iterable[Path], previous: dict | None = None) -> dict[str, Any]:
+    """The record of the empirical experiments in the runs ``dirs`` (output directories or results.json files),
+    added to ``previous`` (an earlier record, version 1 or 2: its entries stay unless a run here replaces them).
+
+    Returns ``{"version": 2, "experiments": {name: {lab seed (str): {"verdict", "code", "engine", "date",
+    "summary", "evidence"}}}}``. Refuses quick runs, runs whose meta is unusable (module docstring), and two runs of
+    the same code and engine at the same lab seed that disagree: the lab's results repeat exactly, so that means a
+    broken run or an edited file.
     """
-    experiments: dict[str, dict[str, dict]] = {}
-    source: dict[tuple[str, str], Path] = {}  # which directory each entry came from, for the error message only
-    if previous is not None:
-        if previous.get("version") != RECORD_VERSION or not isinstance(previous.get("experiments"), dict):
-            raise ValueError(f"the previous record is not a version-{RECORD_VERSION} seed record")
-        experiments = {name: dict(by_seed) for name, by_seed in previous["experiments"].items()}
-    for d, doc in _runs(dirs):
-        meta = doc.get("meta") or {}
-        if meta.get("quick"):
-            raise ValueError(f"{d} is a --quick run: its verdicts are not recorded (quick sizes are a smoke test)")
-        if meta.get("seed") is None:
-            raise ValueError(f"{d}: its results.json records no seed")
-        seed = str(meta["seed"])
+    experiments = upgrade(previous) if previous is not None else {}
+    source: dict[tuple[str, str], Path] = {}  # which file each entry came from, for the error message only
+    for path, doc in _runs(dirs):
+        seed_int, package, date = _checked_meta(path, doc)
+        seed, engine = str(seed_int), (doc.get("meta") or {}).get("engine") or "sequential"
         for r in doc["experiments"]:
             if kind_of(r) != "empirical":
                 continue
-            entry = {"verdict": r["verdict"], "code": meta.get("code"), "date": meta.get("date")}
-            entry["summary"] = r.get("summary") or ""
+            entry = {
+                "verdict": r["verdict"],
+                # the experiment's own code identity when the run recorded it, else the whole package's hash
+                "code": r.get("code") or package,
+                "engine": engine,
+                "date": date,
+                "summary": r.get("summary") or "",
+                "evidence": _evidence_of(path, r, seed_int),
+            }
             old = experiments.setdefault(r["name"], {}).get(seed)
-            if old is not None and old.get("code") == entry["code"] and old["verdict"] != entry["verdict"]:
+            same = old is not None and (old.get("code"), old.get("engine", "sequential")) == (entry["code"], engine)
+            if same and old["verdict"] != entry["verdict"]:
                 where = source.get((r["name"], seed), "the previous record")
                 raise ValueError(
-                    f"{r['name']} at --seed {seed}: {where} says {old['verdict']!r} and {d} says "
+                    f"{r['name']} at --seed {seed}: {where} says {old['verdict']!r} and {path} says "
                     f"{entry['verdict']!r} with the same code {entry['code']}: one of the runs is broken"
                 )
-            if old is None or str(entry["date"] or "") >= str(old.get("date") or ""):
+            if old is None or _entry_date(entry) >= _entry_date(old):
                 experiments[r["name"]][seed] = entry
-                source[r["name"], seed] = d
+                source[r["name"], seed] = path
     ordered = {name: dict(sorted(by_seed.items(), key=lambda kv: int(kv[0]))) for name, by_seed in experiments.items()}
     return {"version": RECORD_VERSION, "experiments": ordered}
 
 
 def load_record(path: Path) -> dict[str, Any]:
-    """A record written by ``addnorm lab seeds``, checked enough to fail with the file's name."""
+    """A record written by ``addnorm lab seeds`` (version 1 or 2), checked enough to fail with the file's name."""
     try:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable seed record: {err}") from None
-    if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
-        raise ValueError(f"{path} is not a version-{RECORD_VERSION} seed record (write it with `addnorm lab seeds`)")
+    if not isinstance(record, dict) or record.get("version") not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path} is not a seed record of version {' or '.join(map(str, READABLE_VERSIONS))} "
+            "(write it with `addnorm lab seeds`)"
+        )
     experiments = record.get("experiments")
     if not isinstance(experiments, dict) or not all(
         isinstance(by_seed, dict) and all(isinstance(e, dict) and "verdict" in e for e in by_seed.values())
         for by_seed in experiments.values()
     ):
         raise ValueError(f"{path}: 'experiments' must map each name to {{seed: {{'verdict': ...}}}}")
+    bad = [f"{n} at {s}" for n, by_seed in experiments.items() for s in by_seed if not str(s).isdigit()]
+    if bad:
+        raise ValueError(f"{path}: lab seeds must be non-negative integers, got {', '.join(bad)}")
+    for name, by_seed in experiments.items():
+        for seed, entry in by_seed.items():
+            problem = _evidence_problem(entry.get("evidence"))
+            if problem:
+                raise ValueError(f"{path}: the evidence of {name} at lab seed {seed} {problem}")
     return record
+
+
+def _evidence_problem(ev: Any) -> str:
+    """What is wrong with a stored evidence dict ("" if nothing): its rules must be rules and every rule must have
+    a list of units."""
+    from addnorm.lab.evidence import Rule
+
+    if ev is None:
+        return ""
+    if not isinstance(ev, dict) or not isinstance(ev.get("rules"), list) or not isinstance(ev.get("units"), dict):
+        return "is not {'rules': [...], 'units': {...}}"
+    try:
+        names = [Rule(**r).name for r in ev["rules"]]
+    except (TypeError, ValueError) as err:
+        return f"has a rule that is not one: {err}"
+    for n in names:
+        us = ev["units"].get(n)
+        if not isinstance(us, list) or not all(isinstance(u, dict) and {"lab_seed", "value"} <= u.keys() for u in us):
+            return f"has no list of units for its rule {n!r}"
+    return ""
 
 
 def seed_line(record: dict[str, Any], result: dict, run_seed: Any) -> str | None:
