@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from addnorm.lab.experiments import language_tasks as LT
+from addnorm.lab.experiments import powernorm as N
 from addnorm.lab.experiments import training_depth as D
-from addnorm.lab.experiments import training_norm_choices as N
 from addnorm.lab.runner import load_experiments
 from addnorm.train.data import MarkovLanguage, SentenceMixture
 
@@ -73,7 +73,7 @@ def test_batch_stats_probe_counts_only_unpadded_positions():
         train={"steps": 4, "lr": 1e-3, "seed": 0},
         lang_seed=0,
         language=N.BN_LANGUAGE,
-        probe="addnorm.lab.experiments.training_norm_choices:batch_stats_probe",
+        probe="addnorm.lab.experiments.powernorm:batch_stats_probe",
     )
     probe = out["probe"]
     assert 8 * N.BN_LANGUAGE["min_len"] <= probe["samples_per_step"] < 8 * 32  # padding left out

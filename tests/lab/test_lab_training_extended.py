@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from addnorm.lab.core import VERDICTS, Context
+from addnorm.lab.experiments import powernorm as N
 from addnorm.lab.experiments import training_depth as D
-from addnorm.lab.experiments import training_norm_choices as N
 from addnorm.lab.experiments import training_setup as C
 from addnorm.lab.runner import load_experiments
 
@@ -99,27 +99,6 @@ def test_branch_verdict_pass_fail_and_control():
     assert passed is None and "did not swell" in reason
 
 
-# ---- reordered-norm ---------------------------------------------------------------------------------------------
-def test_reordered_verdict_pass_fail_and_controls():
-    good = dict(
-        sens_ref=[0.3] * 3,
-        sens_new=[0.32] * 3,  # within max(0.05, 10%)
-        spikes_ref=[2] * 3,
-        spikes_new=[1] * 3,
-        lowest_ref=[0.1] * 3,
-        lowest_new=[0.1] * 3,
-        hurt_ref=[0.8] * 3,
-    )
-    passed, details, _ = N.reordered_verdict(**good)
-    assert passed is True and details["seeds_agreeing"] == "3/3"
-    assert N.reordered_verdict(**{**good, "sens_new": [0.5] * 3})[0] is False  # more LR-sensitive
-    assert N.reordered_verdict(**{**good, "spikes_new": [3, 3, 0]})[0] is False  # more spikes at 2 of 3
-    passed, _, reason = N.reordered_verdict(**{**good, "lowest_new": [0.4] * 3})
-    assert passed is None and "lowest LR did not converge" in reason
-    passed, _, reason = N.reordered_verdict(**{**good, "hurt_ref": [0.05] * 3})
-    assert passed is None and "no LR of the grid hurt" in reason
-
-
 # ---- batchnorm-training -----------------------------------------------------------------------------------------
 def test_iid_deviation_matches_sampling_iid_gaussians():
     n, m = 256, 0.1
@@ -144,7 +123,7 @@ def test_batch_stats_probe_records_training_steps_and_deviation_ratios():
     out = C.train_task(
         **kw,
         train={"steps": 4, "lr": 1e-3, "seed": 0},
-        probe="addnorm.lab.experiments.training_norm_choices:batch_stats_probe",
+        probe="addnorm.lab.experiments.powernorm:batch_stats_probe",
     )
     probe = out["probe"]
     assert len(probe["per_layer"]) == 2 and all(math.isfinite(v) for row in probe["per_layer"] for v in row)
@@ -152,16 +131,6 @@ def test_batch_stats_probe_records_training_steps_and_deviation_ratios():
     assert r_mean > 0 and r_var > 0
     assert probe["samples_per_step"] == 8 * 32  # the lab's language has no padding: every position is a sample
     assert N.deviation_ratios({"per_layer_ratio": [[None, None]]}) == (None, None)
-
-
-def test_batchnorm_verdict_pass_fail_and_control():
-    passed, details, _ = N.batchnorm_verdict([0.2] * 3, [0.6] * 3, [10.0] * 3, [5.0] * 3)
-    assert passed is True and details["worse_by_seed"] == [True] * 3
-    assert N.batchnorm_verdict([0.2] * 3, [0.22] * 3, [10.0] * 3, [5.0] * 3)[0] is False  # within parity
-    assert N.batchnorm_verdict([0.2] * 3, [0.6] * 3, [1.2] * 3, [5.0] * 3)[0] is False  # i.i.d.-like means
-    assert N.batchnorm_verdict([0.9] * 3, [1.2] * 3, [10.0] * 3, [5.0] * 3)[0] is None  # LayerNorm did not train
-    passed, _, reason = N.batchnorm_verdict([0.2] * 3, [0.6] * 3, [None, 10.0, 10.0], [5.0] * 3)
-    assert passed is None and "no batch statistics" in reason
 
 
 # ---- a tiny run of each -----------------------------------------------------------------------------------------

@@ -4,17 +4,18 @@ import importlib
 
 MODULES: list[str] = [
     "init_time",
-    "init_xiong",
-    "init_deepnet",
-    "init_admin",
+    "xiong",
+    "deepnet",
+    "admin",
     "numerics",
     "training",
-    "training_logits",
+    "wortsman",
     "training_norms",
     "training_newer",
     "training_residuals",
     "training_depth",
-    "training_norm_choices",
+    "olmo2",
+    "powernorm",
     "training_seeds",
     "training_seeds_faults",
 ]

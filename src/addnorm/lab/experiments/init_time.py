@@ -1,10 +1,9 @@
 """Init-time lab: the tiny models and helpers the init-time experiments share, and two demonstrations of what
 residual connections and norm placement do to signals and gradients at initialization. Tiny models (d = 64).
 
-The paper replications are in ``init_xiong.py`` (Xiong et al.), ``init_deepnet.py`` (DeepNet) and ``init_admin.py``
-(Admin); they use :class:`Stack`, :func:`loglog_slope`, :func:`init_seeds`, :func:`count_agree` and the statistics
-over inits (:func:`column_means`, :func:`flatten`, ...) from here. Their shared method, cost and verdicts are the last
-section of this docstring.
+The paper replications are in ``xiong.py`` (Xiong et al.), ``deepnet.py`` (DeepNet) and ``admin.py`` (Admin); they
+use :class:`Stack`, :func:`loglog_slope`, :func:`init_seeds`, :func:`judged` and the statistics over inits
+(:func:`column_means`, :func:`flatten`, ...) from here.
 
 The two experiments here are demonstrations (``kind="demonstration"``): they illustrate textbook facts with
 figures, and their checks hold by construction or by a margin of many orders of magnitude, so they are not counted
@@ -17,24 +16,19 @@ d x d FFN matrices and Xavier init everywhere.
 
 Cost: both demonstrations together ~3 s of CPU at default sizes, ~1 s with --quick (2-core machine, load ~5).
 
-The paper replications: init-time experiments that repeat a paper's own measurement, scaled down: Xiong et al.'s
-gradients at initialization (Theorem 1, Lemma 2, Fig. 3), DeepNet's model update in early training, Admin's output
-change under a small weight perturbation.
-
-Every verdict there is empirical and rests on at least 6 inits (seeds ``--seed * 1000 + k``, :func:`init_seeds`),
-paired where arms are compared (arm A and arm B of init k start from the same seed). Each criterion is a pure
-``*_verdict`` function fixed before the run; it says how many inits must agree (5 of 6: :func:`min_agree`), so one
-odd init neither makes nor breaks a verdict and the verdict does not hang on ``--seed``. The per-init work runs as
-``ctx.map`` tasks (module-level functions of plain arguments returning JSON-able dicts).
+The paper replications repeat a paper's own measurement, scaled down: Xiong et al.'s gradients at initialization
+(Theorem 1, Lemma 2, Fig. 3), DeepNet's model update in early training, Admin's output change under a small weight
+perturbation. Each rests on 6 inits per lab seed (seeds ``--seed * 1000 + k``, :func:`init_seeds`), paired where
+arms are compared (arm A and arm B of init k start from the same seed); its verdict is read from pre-registered
+rules (addnorm.lab.evidence.Rule) over one unit per init, by the bootstrap 95% interval of the units' mean, with a
+positive control that can fail; the units of several lab seeds pool. The per-init work runs as ``ctx.map`` tasks
+(module-level functions of plain arguments returning JSON-able dicts).
 
 Cost, measured with ``time.process_time`` on the project's 2-core machine shared with other jobs (load average
 6-8; wall-clock was 3-4x the CPU time): default sizes xiong 10 s, deepnet 72 s, admin 15 s of CPU (97 s);
 --quick 4.1 s, 5.7 s, 2.3 s (12 s). DeepNet's short trainings dominate: see the docstring of deepnet_update_size
-(``init_deepnet.py``) for how its window was compressed to stay inside this budget.
-
-Verdicts at ``--seed 0`` to ``--seed 4`` (default sizes): all three reproduced at every seed; for deepnet-update-size
-that is under its revised growth test (the first, per-init version failed at seed 1: see update_size_verdict in
-``init_deepnet.py``). The per-init numbers behind them are in ``metrics["per_seed"]``.
+(``deepnet.py``) for how its window was compressed to stay inside this budget. Admin's branch-share control reads
+the unperturbed forward pass it already makes (hooks, no extra pass).
 """
 
 from __future__ import annotations
@@ -46,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.lab.core import Context, Result, experiment, verdict_from
+from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
 from addnorm.lab.seeds import model_seeds
 from addnorm.nn import Residual, deepnorm_coefficients
 
@@ -160,16 +155,16 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float((lx * ly).sum() / (lx * lx).sum())
 
 
-def min_agree(n: int) -> int:
-    """How many of ``n`` inits must agree for an empirical verdict: at least 5 of 6 (ceil(5n/6)), so one odd
-    init does not decide it and the verdict does not hang on ``--seed``."""
-    return math.ceil(5 * n / 6)
-
-
-def count_agree(flags: Sequence[bool]) -> tuple[int, bool]:
-    """(how many ``flags`` hold, whether that is at least :func:`min_agree` of them)."""
-    k = sum(bool(f) for f in flags)
-    return k, len(flags) > 0 and k >= min_agree(len(flags))
+def judged(rules: Sequence[Rule], values: dict[str, Sequence], seeds: Sequence[int], lab_seed: int) -> tuple:
+    """An experiment's evidence from one value per seed and rule (``values[rule.name][k]`` from ``seeds[k]``), and
+    its verdict: (evidence dict, verdict, reason, a table of each rule's estimate and 95% interval for metrics)."""
+    ev = evidence(rules, {r.name: units(values[r.name], seeds, lab_seed) for r in rules})
+    verdict, reason, judgements = judge_evidence(ev)
+    table = {
+        j.rule: {"verdict": j.verdict, "estimate": j.estimate, "ci95": [j.low, j.high], "n": j.n, "margin": j.margin}
+        for j in judgements
+    }
+    return ev, verdict, reason, table
 
 
 def init_seeds(ctx: Context, n: int) -> list[int]:
