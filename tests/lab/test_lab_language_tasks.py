@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from addnorm.lab.experiments import language_tasks as LT
-from addnorm.lab.experiments import training_depth as D
+from addnorm.lab.experiments import layernorm_scaling as D
 from addnorm.lab.experiments import training_norm_choices as N
 from addnorm.lab.runner import load_experiments
 from addnorm.train.data import MarkovLanguage, SentenceMixture

@@ -12,11 +12,14 @@ MODULES: list[str] = [
     "training_logits",
     "training_norms",
     "training_newer",
-    "training_residuals",
-    "training_depth",
+    "rezero",
+    "mix_ln",
+    "layernorm_scaling",
+    "branch_scaling",
     "training_norm_choices",
     "training_seeds",
-    "training_seeds_faults",
+    "divergence",
+    "fp16_stats",
 ]
 
 for _m in MODULES:

@@ -1,47 +1,133 @@
-"""The seeds' advice on finding and avoiding faults (issue 27): bisecting a divergence from the first layer whose
-residual-stream norm jumps (seed 004), and LayerNorm statistics in fp16 (seed 003). Criteria and controls are in
-:mod:`training_seeds` (written before the first default run of each).
+"""Seed 004's advice for finding where a divergence comes from: "record the norm of the residual stream (each
+layer's output) regularly; if one layer's norm suddenly jumps, the problem is most likely near that layer ... bisect
+from the abnormal layer", validated with :func:`addnorm.diagnostics.localize_jump` (its defaults).
+
+Detection and localization are scored separately. Detection: planted faults of several sizes (one block's learning
+rate x10, x30, x100 from a given step), the harmful ones must be flagged and the clean runs must not; plus a natural
+divergence (Post-LN at a high LR, nothing planted), which must be flagged no later than its loss blows up. Where
+the first jump is named is fixed by the construction in a planted run (a fault in one block of a cumulative stream
+moves every later block's output with it, and the scan goes shallow to deep): that it names the faulted block is
+a sanity check, shown. Localization is scored in time, which can fail: the faulted block must be named no later
+than the step at which the run's loss shows the harm, i.e. before the loss curve alone would have said anything.
+Verdict from pre-registered rules over per-model-seed units (:mod:`addnorm.lab.evidence`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from addnorm.lab.core import Context, Result, verdict_from
-from addnorm.lab.experiments.seeds_tasks import fault_task, fp16_task
-from addnorm.lab.experiments.training_seeds import (
-    CRITERIA,
-    FAULT_HARM,
-    FP16_MAX,
-    LOCALIZE_RATE,
-    beyond,
-    register,
-)
+from addnorm.lab.core import Change, Context, Result
+from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.experiments.seeds_tasks import fault_task
 from addnorm.lab.experiments.training_setup import (
-    D_MODEL,
     SEED_STYLES,
-    TRAINED_EXCESS,
-    Verdict,
-    control,
     finite,
     fmt_seeds,
-    majority,
     nan,
-    plot_curves,
     pyplot,
+    registrar,
     save,
     seed_list,
-    seeds_needed,
     settings,
 )
 
+# A planted fault harms a run when its mean training loss over the last 10% of the steps exceeds the clean run's
+# of the same seed by more than this (nats); the harm shows at the first step where the running means (SMOOTH
+# steps) of the two runs' training losses differ by more than it.
+FAULT_HARM = 0.1
+SMOOTH = 10
+# A natural run blows up at the first step where its loss is not finite or the running mean of its training loss
+# is this many nats above its lowest running mean so far.
+BLOWUP = 1.0
+# The share of a seed's harmful faulted runs that must be flagged (and named in time).
+DETECT_RATE = 0.8
+FIXED = "2026-12-02 at 8821e08"
 
-# ------------------------------------------------------------------------------------------------ localize
-def first_jump(rms: Sequence[Sequence[float | None]]):
-    """:func:`addnorm.diagnostics.localize_jump` (its defaults) over per-step, per-block residual RMS values."""
+RULES = (
+    Rule(
+        name="the largest faults harm",
+        statistic="share of the seed's largest-size faulted runs whose late loss exceeds the clean run's by > 0.1",
+        op=">",
+        threshold=0.5,
+        role="positive",
+    ),
+    Rule(
+        name="the natural run blows up",
+        statistic="1 if the high-LR Post-LN run's loss blew up (non-finite, or running mean 1 nat above its low)",
+        op=">",
+        threshold=0.5,
+        role="positive",
+    ),
+    Rule(
+        name="harmful faults detected",
+        statistic="share of the seed's harmful faulted runs with a jump flagged at or after the fault's step",
+        op=">",
+        threshold=DETECT_RATE,
+    ),
+    Rule(
+        name="clean runs quiet",
+        statistic="1 if no jump is flagged in the seed's clean run, else 0",
+        op=">",
+        threshold=0.5,
+    ),
+    Rule(
+        name="named in time",
+        statistic="share of the seed's harmful faulted runs whose first jump names the faulted block, at or after "
+        "the fault's step and no later than the loss shows the harm",
+        op=">",
+        threshold=DETECT_RATE,
+    ),
+    Rule(
+        name="natural divergence flagged",
+        statistic="1 if a jump is flagged in the natural run no later than its blow-up, else 0",
+        op=">",
+        threshold=0.5,
+    ),
+)
+
+CRITERION = (
+    "Per model seed: planted faults (one block's LR x10, x30, x100 from the fault's step, at two blocks), a clean "
+    "run, and a natural run (Post-LN at a high LR, nothing planted; its series is the stream before each block's "
+    "norms, the Post-LN block output being a norm's output). localize_jump with its defaults (a jump: > 3x the "
+    "median of that layer's last 8 values) over every block's series, recorded at every step. Reproduced iff the "
+    f"bootstrap 95% intervals of the means lie above the thresholds: harmful faulted runs flagged (> {DETECT_RATE:.0%}"
+    f"), the faulted block named no later than the harm shows in the loss (> {DETECT_RATE:.0%}), clean runs quiet "
+    "(> 0.5), the natural divergence flagged no later than its blow-up (> 0.5). Detection by fault size, including "
+    "the harmless sizes, and the naming of the faulted block (fixed by the construction) are shown."
+)
+PRECONDITION = (
+    f"The largest planted faults harm (late loss above the clean run's by > {FAULT_HARM:g} nats: share > 0.5) and the "
+    f"natural run blows up (> 0.5): otherwise there is no divergence to find."
+)
+
+CHANGES = (
+    Change(
+        date="2026-12-01",
+        what="the planted fault x30 -> x100",
+        showed="probes: at x30 the fault went undetected",
+        reason="a fault that does not harm is not a divergence to localize (chosen after the probe, recorded then)",
+    ),
+    Change(
+        date="2026-12-02",
+        what="fault sizes swept (x10, x30, x100 at blocks 1 and 4; 150 steps, fault at step 75), a natural "
+        "divergence added (Post-LN at a high LR), detection and localization scored separately; 'names the faulted "
+        "block' shown as a sanity check, localization scored in time (named no later than the loss shows the harm)",
+        showed="lab seeds 0-2: 89% / 67% / 78% of faulted runs localized against 80%; whenever a jump was flagged it "
+        "named the faulted block (21/21), the misses were slow faults in block 4",
+        reason="a fault in one block of a cumulative stream is always found first, so naming it cannot fail; a single "
+        "fault size chosen after a probe says nothing about the sizes the method misses; a planted fault is not a "
+        "natural divergence",
+    ),
+)
+
+register = registrar({"localize-divergence": CRITERION}, {"localize-divergence": PRECONDITION}, version=2)
+
+
+def first_jump(series: Sequence[Sequence[float | None]]):
+    """:func:`addnorm.diagnostics.localize_jump` (its defaults) over per-step, per-block values."""
     from addnorm.diagnostics import localize_jump
 
-    history = [{"step": t, "layers": [{"residual_rms": v} for v in row]} for t, row in enumerate(rms)]
+    history = [{"step": t, "layers": [{"residual_rms": v} for v in row]} for t, row in enumerate(series)]
     return localize_jump(history)
 
 
@@ -51,256 +137,238 @@ def late_loss(losses: Sequence[float | None]) -> float | None:
     return sum(tail) / len(tail) if tail and all(map(finite, tail)) else None
 
 
-def localize_verdict(
-    found: Sequence[tuple[int, int | None, int | None]],
-    fault_step: int,
-    clean_found: Sequence[int | None],
-    harm: Sequence[float | None],
-) -> Verdict:
-    """``found``: per faulted run (faulted layer, named layer or None, step of the jump or None);
-    ``clean_found``: per seed, the layer named in the clean run (None: no jump); ``harm``: per faulted run, its late
-    training loss minus the clean run's of the same seed (None when either stopped early: counted as harm)."""
-    if not found or not clean_found or len(harm) != len(found):
-        return None, {}, "no runs, or the faulted runs and their harms are not paired"
-    harmed = [h is None or h > FAULT_HARM for h in harm]
-    reason = control(harmed, f"the planted fault did not raise the late training loss by > {FAULT_HARM:g} nats")
-    if reason:
-        return None, {"harmed_by_run": harmed}, reason
-    correct = [named == k and step is not None and step >= fault_step for k, named, step in found]
-    rate = sum(correct) / len(correct)
-    quiet = sum(1 for c in clean_found if c is None)
-    passed = rate >= LOCALIZE_RATE and quiet >= seeds_needed(len(clean_found))
-    details = {
-        "localized_by_run": correct,
-        "localized_rate": rate,
-        "clean_runs_quiet": f"{quiet}/{len(clean_found)}",
-        "harmed_by_run": harmed,
+def running_mean(losses: Sequence[float | None], window: int = SMOOTH) -> list[float | None]:
+    """The mean of the last ``window`` losses at each step (fewer at the start); None from the first missing one."""
+    out: list[float | None] = []
+    for t in range(len(losses)):
+        chunk = losses[max(0, t - window + 1) : t + 1]
+        if not all(map(finite, chunk)) or (out and out[-1] is None):
+            out.append(None)
+        else:
+            out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def harm_step(losses: Sequence[float | None], clean: Sequence[float | None], fault_step: int) -> int | None:
+    """The first step >= ``fault_step`` where the faulted run's running-mean loss exceeds the clean run's by more
+    than FAULT_HARM, or where it stopped (a non-finite loss); None when neither happens."""
+    a, b = running_mean(losses), running_mean(clean)
+    for t in range(fault_step, len(a)):
+        if a[t] is None:
+            return t
+        if t < len(b) and b[t] is not None and a[t] - b[t] > FAULT_HARM:
+            return t
+    return None
+
+
+def blowup_step(losses: Sequence[float | None]) -> int | None:
+    """The first step where the loss is not finite or its running mean is BLOWUP nats above its lowest so far."""
+    low = float("inf")
+    for t, m in enumerate(running_mean(losses)):
+        if m is None:
+            return t
+        if m > low + BLOWUP:
+            return t
+        low = min(low, m)
+    return None
+
+
+def seed_outcome(clean: dict, faults: dict[tuple[int, float], dict], natural: dict, fault_step: int) -> dict:
+    """One seed's measurements: ``clean``, each faulted run keyed (block, size), the natural run (fault_task
+    results)."""
+    clean_late = late_loss(clean["losses"])
+    rows = []
+    for (block, size), run in faults.items():
+        late = late_loss(run["losses"])
+        harmed = late is None or (finite(clean_late) and late - clean_late > FAULT_HARM)
+        j = first_jump(run["rms"])
+        flagged = j is not None and j.step >= fault_step
+        when = harm_step(run["losses"], clean["losses"], fault_step)
+        limit = when if when is not None else len(run["losses"])
+        named = flagged and j.layer == block
+        rows.append(
+            {
+                "block": block,
+                "size": size,
+                "harm": None if late is None or not finite(clean_late) else late - clean_late,
+                "harmed": harmed,
+                "flagged": flagged,
+                "named": j.layer if j is not None else None,
+                "jump_step": j.step if j is not None else None,
+                "harm_step": when,
+                "named_in_time": named and j.step <= limit,
+            }
+        )
+    jc = first_jump(clean["rms"])
+    blow = blowup_step(natural["losses"])
+    jn = first_jump(natural["norm_rms"])
+    return {
+        "faults": rows,
+        "clean_flagged": jc is not None,
+        "natural_blowup_step": blow,
+        "natural_jump_step": jn.step if jn is not None else None,
+        "natural_jump_block": jn.layer if jn is not None else None,
     }
-    return passed, details, ""
+
+
+def _share(flags: Sequence[bool]) -> float | None:
+    return sum(map(bool, flags)) / len(flags) if flags else None
+
+
+def localize_units(outcomes: Sequence[dict], seeds: Sequence[int], lab_seed: int) -> dict[str, list[dict]]:
+    """The units of :data:`RULES` from each seed's :func:`seed_outcome`, paired by ``seeds``."""
+    if len(outcomes) != len(seeds):
+        raise ValueError("localize_units: one outcome per seed")
+    vals: dict[str, list] = {r.name: [] for r in RULES}
+    for o in outcomes:
+        largest = max((r["size"] for r in o["faults"]), default=None)
+        harmful = [r for r in o["faults"] if r["harmed"]]
+        vals["the largest faults harm"].append(_share([r["harmed"] for r in o["faults"] if r["size"] == largest]))
+        blew = o["natural_blowup_step"] is not None
+        vals["the natural run blows up"].append(1.0 if blew else 0.0)
+        vals["harmful faults detected"].append(_share([r["flagged"] for r in harmful]))
+        vals["clean runs quiet"].append(0.0 if o["clean_flagged"] else 1.0)
+        vals["named in time"].append(_share([r["named_in_time"] for r in harmful]))
+        jn = o["natural_jump_step"]
+        vals["natural divergence flagged"].append(
+            (1.0 if jn is not None and jn <= o["natural_blowup_step"] else 0.0) if blew else None
+        )
+    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}
+
+
+def localize_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
+    """(evidence, verdict, reason) of the units."""
+    ev = evidence(RULES, unit_map)
+    verdict, reason, _ = judge_evidence(ev)
+    return ev, verdict, reason
 
 
 @register(
     "localize-divergence",
     claim="Logging each layer's residual-stream norm during training and starting from the first layer whose norm "
-    "jumps finds the layer a divergence comes from (validated: addnorm.diagnostics.localize_jump on runs with a "
-    "fault planted in a known block).",
+    "jumps finds a divergence and the layer it comes from, before the loss shows it (validated: "
+    "addnorm.diagnostics.localize_jump on runs with faults of several sizes planted in known blocks, and on a "
+    "natural divergence).",
     source="Seed 004 (section 2.5, part 6 'first-hand experience of training stability', third point: 'record the "
     "norm of the residual stream (each layer's output) regularly; if one layer's norm suddenly jumps, the problem "
     "is most likely near that layer ... bisect from the abnormal layer')",
     config={
         "lr": 3e-3,
         "warmup": 20,
-        "fault_mult": 100.0,
-        "default": {"layers": 6, "steps": 200, "fault_step": 100, "fault_layers": [0, 2, 4], "seeds": 3},
+        "fault_mults": [10.0, 30.0, 100.0],
+        "natural": {"placement": "post", "lr": 3e-2},
+        "default": {"layers": 6, "steps": 150, "fault_step": 75, "fault_layers": [1, 4], "seeds": 3},
         "quick": {"layers": 3, "steps": 24, "fault_step": 12, "fault_layers": [1], "seeds": 2},
     },
     suite="extended",
+    rules=RULES,
+    fixed=FIXED,
+    changes=CHANGES,
 )
 def localize_divergence(ctx: Context) -> Result:
-    """A divergence planted at a known place: from the fault's step on, one block's learning rate is 100x the
-    others' (a misconfigured parameter group, the kind of local fault the seed's bisection is for), in a 6-layer
-    Pre-LN model (d = 32, Adam lr 3e-3 constant after a 20-step warmup, 200 steps, fault at step 100) at blocks 0,
-    2 and 4, 3 seeds, plus a clean run per seed. Pre-LN because its block outputs are the residual stream itself
-    (in Post-LN every block's output is a norm's output, RMS ~1 whatever happens before it). Every block's output
-    RMS is recorded at every step by addnorm.diagnostics.Monitor and handed to localize_jump unchanged."""
+    """Planted faults: from the fault's step, one block's learning rate is 10x, 30x or 100x the others' (a
+    misconfigured parameter group, the kind of local fault the seed's bisection is for) in a 6-layer Pre-LN model
+    (d = 32, Adam lr 3e-3 constant after a 20-step warmup, 150 steps, fault at step 75) at blocks 1 and 4, 3 model
+    seeds, plus a clean run per seed. Pre-LN because its block outputs are the residual stream itself. The natural
+    divergence: the same model as Post-LN at lr 3e-2, nothing planted; its series is each block's largest norm
+    input (the stream before the norm). Every series is recorded at every step by addnorm.diagnostics.Monitor and
+    handed to localize_jump unchanged."""
     s = settings(ctx)
     steps, layers, fault_step = s["steps"], s["layers"], s["fault_step"]
     seeds = seed_list(ctx, s["seeds"])
-    faults = [None, *s["fault_layers"]]
-    ctx.progress(f"{len(faults) * len(seeds)} runs of {steps} steps")
-    base = {"layers": layers, "lr": s["lr"], "steps": steps, "warmup": s["warmup"], "fault_step": fault_step}
-    tasks = [
-        {**base, "fault_layer": f, "fault_mult": s["fault_mult"], "seed": sd, "lang_seed": ctx.seed}
-        for sd in seeds
-        for f in faults
-    ]
-    results = ctx.map(fault_task, tasks)
-    runs = {(f, sd): results[k * len(faults) + j] for k, sd in enumerate(seeds) for j, f in enumerate(faults)}
-    jumps = {key: first_jump(r["rms"]) for key, r in runs.items()}
-    found, harm, naive = [], [], []
+    planted = [(b, m) for b in s["fault_layers"] for m in s["fault_mults"]]
+    kinds = ["clean", *planted, "natural"]
+    ctx.progress(f"{len(kinds) * len(seeds)} runs of {steps} steps")
+    base = {"layers": layers, "steps": steps, "warmup": s["warmup"], "fault_step": fault_step, "lang_seed": ctx.seed}
+    tasks = []
     for sd in seeds:
-        clean = late_loss(runs[(None, sd)]["losses"])
-        for f in s["fault_layers"]:
-            j = jumps[(f, sd)]
-            found.append((f, j.layer if j else None, j.step if j else None))
-            late = late_loss(runs[(f, sd)]["losses"])
-            harm.append(late - clean if finite(late) and finite(clean) else None)
-            last = [v if finite(v) else float("inf") for v in runs[(f, sd)]["rms"][-1]]
-            naive.append(max(range(len(last)), key=last.__getitem__) == f)
-    clean_found = [jumps[(None, sd)].layer if jumps[(None, sd)] else None for sd in seeds]
-    passed, extra, reason = localize_verdict(found, fault_step, clean_found, harm)
+        for k in kinds:
+            if k == "clean":
+                tasks.append({**base, "lr": s["lr"], "fault_layer": None, "fault_mult": 1.0, "seed": sd})
+            elif k == "natural":
+                nat = s["natural"]
+                tasks.append(
+                    {**base, "lr": nat["lr"], "placement": nat["placement"], "fault_layer": None, "fault_mult": 1.0}
+                    | {"seed": sd}
+                )
+            else:
+                tasks.append({**base, "lr": s["lr"], "fault_layer": k[0], "fault_mult": k[1], "seed": sd})
+    results = ctx.map(fault_task, tasks)
+    runs = {
+        (k if isinstance(k, str) else tuple(k), sd): results[i * len(kinds) + j]
+        for i, sd in enumerate(seeds)
+        for j, k in enumerate(kinds)
+    }
+    outcomes = [
+        seed_outcome(runs[("clean", sd)], {k: runs[(k, sd)] for k in planted}, runs[("natural", sd)], fault_step)
+        for sd in seeds
+    ]
+    unit_map = localize_units(outcomes, seeds, ctx.seed)
+    ev, verdict, reason = localize_judgement(unit_map)
     figures = []
     plt = pyplot()
     if plt is not None:
-        panels = [None, *s["fault_layers"]]
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), sharey=True)
-        for ax, f in zip(axes, panels):
-            for k, sd in enumerate(seeds):
-                rms = runs[(f, sd)]["rms"]
-                for i in range(layers):
+        panels = ["clean", *[k for k in planted if k[1] == max(s["fault_mults"])], "natural"]
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
+        for ax, k in zip(axes, panels):
+            for i, sd in enumerate(seeds):
+                series = runs[(k, sd)]["norm_rms" if k == "natural" else "rms"]
+                for b in range(layers):
                     ax.plot(
-                        [nan(row[i]) for row in rms],
-                        SEED_STYLES[k % 4],
-                        color=f"C{i}",
+                        [nan(row[b]) for row in series],
+                        SEED_STYLES[i % 4],
+                        color=f"C{b}",
                         lw=0.8,
-                        label=f"block {i}" if k == 0 else None,
+                        label=f"block {b}" if i == 0 else None,
                     )
-                j = jumps[(f, sd)]
-                if j is not None:
-                    ax.plot([j.step], [j.value], "kx")
             ax.set_yscale("log")
-            ax.axvline(fault_step, color="grey", lw=0.5)
-            ax.set_title("clean" if f is None else f"fault in block {f}", fontsize=9)
-            ax.set_xlabel("step (x: first jump found)")
-        axes[0].set_ylabel("block output RMS")
+            if k != "natural":
+                ax.axvline(fault_step, color="grey", lw=0.5)
+            title = k if isinstance(k, str) else f"block {k[0]} x{k[1]:g}"
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+        axes[0].set_ylabel("block output RMS (natural: norm input)")
         axes[0].legend(fontsize=6)
         figures = save(plt, fig, ctx, "localize_divergence.png")
-    per_seed = {}
-    for i, f in enumerate(s["fault_layers"]):
-        rows = [found[k * len(s["fault_layers"]) + i] for k in range(len(seeds))]
-        per_seed[f"fault in block {f}: block named"] = [r[1] for r in rows]
-        per_seed[f"fault in block {f}: step of the jump"] = [r[2] for r in rows]
-        per_seed[f"fault in block {f}: late loss - clean's"] = [
-            harm[k * len(s["fault_layers"]) + i] for k in range(len(seeds))
-        ]
-    per_seed["clean run: block named"] = clean_found
-    per_seed["clean run: late training loss"] = [late_loss(runs[(None, sd)]["losses"]) for sd in seeds]
+    per_seed: dict[str, list] = {}
+    for b, m in planted:
+        rows = [next(r for r in o["faults"] if (r["block"], r["size"]) == (b, m)) for o in outcomes]
+        per_seed[f"block {b} x{m:g}: late loss - clean's"] = [r["harm"] for r in rows]
+        per_seed[f"block {b} x{m:g}: flagged"] = [r["flagged"] for r in rows]
+        per_seed[f"block {b} x{m:g}: block named"] = [r["named"] for r in rows]
+        per_seed[f"block {b} x{m:g}: jump step / harm step"] = [f"{r['jump_step']}/{r['harm_step']}" for r in rows]
+    per_seed["clean run flagged"] = [o["clean_flagged"] for o in outcomes]
+    per_seed["natural run: blow-up step"] = [o["natural_blowup_step"] for o in outcomes]
+    per_seed["natural run: jump step"] = [o["natural_jump_step"] for o in outcomes]
+    per_seed["natural run: block named"] = [o["natural_jump_block"] for o in outcomes]
+    all_rows = [r for o in outcomes for r in o["faults"]]
+    by_size = {
+        f"x{m:g}": f"{sum(r['flagged'] for r in all_rows if r['size'] == m)}/{sum(r['size'] == m for r in all_rows)} "
+        f"flagged, {sum(r['harmed'] for r in all_rows if r['size'] == m)} harmful"
+        for m in s["fault_mults"]
+    }
+    detected = [r for r in all_rows if r["flagged"]]
+    sanity = f"{sum(r['named'] == r['block'] for r in detected)}/{len(detected)}"
     metrics = {
-        "criterion": CRITERIA["localize-divergence"],
+        "criterion": CRITERION,
         "steps": steps,
         "layers": layers,
         "fault_step": fault_step,
         "seeds": seeds,
         "per_seed": per_seed,
-        "chance_rate": 1 / layers,
-        "naive_rate": sum(naive) / len(naive),
+        "detection_by_size": by_size,
+        "named_the_faulted_block_when_flagged (sanity)": sanity,
         "setup": f"Pre-LN, {layers} layers, d = 32, Adam lr {s['lr']:g} constant after {s['warmup']} warmup steps, "
-        f"{steps} steps; from step {fault_step} one block's LR x{s['fault_mult']:g} (blocks {s['fault_layers']}), "
-        f"{len(seeds)} seeds, one clean run each",
-        **extra,
+        f"{steps} steps; from step {fault_step} one block's LR x{s['fault_mults']} (blocks {s['fault_layers']}); "
+        f"natural: {s['natural']['placement']} at lr {s['natural']['lr']:g}; {len(seeds)} model seeds, one clean run "
+        "each",
     }
-    rate = extra.get("localized_rate")
+    shares = {n: [u["value"] for u in us] for n, us in unit_map.items()}
     line = (
-        f"First jump named the faulted block in {sum(extra.get('localized_by_run', []))} of {len(found)} faulted "
-        f"runs ({'n/a' if rate is None else f'{rate:.0%}'}; chance {1 / layers:.0%}, the largest-RMS rule "
-        f"{metrics['naive_rate']:.0%}); clean runs with no jump flagged: {extra.get('clean_runs_quiet', 'n/a')}; "
-        f"late training loss above the clean run's: {fmt_seeds(harm)} nats."
+        f"Detection by fault size: {'; '.join(f'{k} {v}' for k, v in by_size.items())}; harmful runs flagged by seed "
+        f"{fmt_seeds(shares['harmful faults detected'])}, named in time {fmt_seeds(shares['named in time'])}; clean "
+        f"runs flagged {sum(per_seed['clean run flagged'])}/{len(seeds)}; natural run blow-up / jump step "
+        f"{'; '.join(f'{a}/{b}' for a, b in zip(per_seed['natural run: blow-up step'], per_seed['natural run: jump step']))}"
+        f"; named the faulted block when flagged (sanity, by construction): {sanity}."
     )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
-
-
-# ------------------------------------------------------------------------------------------------ fp16
-STATS = ("fp16", "fp32", "clamp")
-STAT_NAMES = {"fp16": "fp16 statistics", "fp32": "fp32 statistics", "clamp": "clamp + fp16 statistics"}
-
-
-def harmed(run: dict, fp32: dict) -> bool | None:
-    """The seed's failure: a non-finite loss, a divergence, or an excess clearly above the fp32-statistics run's."""
-    if run["diverged"] or not finite(run["final_loss"]):
-        return True
-    return beyond(run["excess"], fp32["excess"])
-
-
-def fp16_verdict(runs: Sequence[dict[str, dict]]) -> Verdict:
-    """``runs``: per seed, {"fp16", "fp32", "clamp"} -> the task's result."""
-    if not runs or any(set(r) != set(STATS) for r in runs):
-        return None, {}, "every seed needs the three arms"
-    reached = [finite(r["fp32"]["max_sumsq"]) and r["fp32"]["max_sumsq"] > FP16_MAX for r in runs]
-    reason = control(reached, f"the fp32-statistics run never met a per-token sum of squares > {FP16_MAX:.0f}")
-    if not reason:
-        trains = [finite(r["fp32"]["excess"]) and r["fp32"]["excess"] < TRAINED_EXCESS for r in runs]
-        reason = control(trains, "the fp32-statistics run did not train")
-    if reason:
-        return None, {"regime_reached_by_seed": reached}, reason
-    h16 = [harmed(r["fp16"], r["fp32"]) for r in runs]
-    hcl = [harmed(r["clamp"], r["fp32"]) for r in runs]
-    per_seed = [None if a is None or b is None else (a and not b) for a, b in zip(h16, hcl)]
-    passed, details, reason = majority(per_seed, "the losses")
-    return (
-        passed,
-        {"fp16_harmed_by_seed": h16, "clamp_harmed_by_seed": hcl, "holds_by_seed": per_seed, **details},
-        reason,
-    )
-
-
-@register(
-    "fp16-layernorm",
-    claim="A LayerNorm whose statistics are computed in fp16 overflows and breaks training (the loss turns to NaN) "
-    "where fp32 statistics, or a clamp before the norm, do not.",
-    source="Seed 003 (section 4.5 'choices in real projects', point 4: 'in mixed-precision training LayerNorm "
-    "overflows easily in FP16; add a torch.clamp before it or compute it in FP32 ... the loss became NaN halfway')",
-    config={
-        "lr": 1e-2,
-        "default": {"layers": 6, "steps": 300, "seeds": 3},
-        "quick": {"layers": 2, "steps": 12, "seeds": 2},
-    },
-    suite="extended",
-)
-def fp16_layernorm(ctx: Context) -> Result:
-    """The regime where fp16 statistics can overflow: Pre-LN's residual stream grows during training at a high LR
-    (peri-ln-training measured its RMS at 18-70 after 400 steps at lr 1e-2), and a norm's sum of squares over its
-    32 features passes 65504 once a token's RMS passes 45. 6-layer Pre-LN, d = 32, Adam lr 1e-2, warmup 10% then
-    cosine, 300 steps, 3 seeds. The model runs in fp32 and only the norms' statistics change: every LayerNorm's
-    input is rounded to fp16 (the activations of mixed precision) and its mean and variance are summed in fp16
-    (naive), in fp32 (addnorm's contract for half inputs), or in fp16 after the seed's clamp to +-sqrt(65504 / 32)
-    (the bound at which the sum of squares cannot overflow). Why not the whole model in fp16: the claim is about the
-    norm; fp16 matmuls elsewhere would add their own overflows (and run slowly on CPU)."""
-    s = settings(ctx)
-    steps, layers = s["steps"], s["layers"]
-    seeds = seed_list(ctx, s["seeds"])
-    # a hair under the bound at which D_MODEL squares sum to 65504: fp16 rounding of the squares must not reach it
-    clamp = (FP16_MAX / D_MODEL) ** 0.5 * 0.99
-    train = {"steps": steps, "lr": s["lr"], "warmup": max(1, steps // 10)}
-    ctx.progress(f"{len(STATS) * len(seeds)} runs of {steps} steps")
-    tasks = [
-        {
-            "model": {"n_layers": layers, "placement": "pre"},
-            "stats": st,
-            "clamp": clamp if st == "clamp" else None,
-            "train": {**train, "seed": sd},
-            "lang_seed": ctx.seed,
-        }
-        for sd in seeds
-        for st in STATS
-    ]
-    results = ctx.map(fp16_task, tasks)
-    runs = {(st, sd): results[k * len(STATS) + j] for k, sd in enumerate(seeds) for j, st in enumerate(STATS)}
-    by_seed = [{st: runs[(st, sd)] for st in STATS} for sd in seeds]
-    passed, extra, reason = fp16_verdict(by_seed)
-    figures = []
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 1, figsize=(6, 3.5))
-        plot_curves(ax, runs, list(STATS), seeds, steps, STAT_NAMES)
-        ax.set_xlabel("step (line style: seed)")
-        ax.set_ylabel("train loss")
-        ax.legend(fontsize=8)
-        figures = save(plt, fig, ctx, "fp16_layernorm.png")
-    per_seed = {}
-    for st in STATS:
-        per_seed[f"{STAT_NAMES[st]} excess"] = [runs[(st, sd)]["excess"] for sd in seeds]
-        per_seed[f"{STAT_NAMES[st]} overflows"] = [runs[(st, sd)]["overflows"] for sd in seeds]
-        per_seed[f"{STAT_NAMES[st]} first overflow step"] = [runs[(st, sd)]["first_overflow_step"] for sd in seeds]
-        per_seed[f"{STAT_NAMES[st]} diverged"] = [runs[(st, sd)]["diverged"] for sd in seeds]
-    per_seed["fp32 statistics: largest sum of squares"] = [runs[("fp32", sd)]["max_sumsq"] for sd in seeds]
-    metrics = {
-        "criterion": CRITERIA["fp16-layernorm"],
-        "steps": steps,
-        "layers": layers,
-        "seeds": seeds,
-        "clamp": clamp,
-        "per_seed": per_seed,
-        "setup": f"Pre-LN, {layers} layers, d = 32, Adam lr {s['lr']:g}, warmup 10% then cosine, {steps} steps, "
-        f"{len(seeds)} seeds; model in fp32, each LayerNorm's input rounded to fp16, statistics as per arm",
-        **extra,
-    }
-    line = (
-        f"Excess loss by seed ({len(seeds)}): "
-        + "; ".join(f"{STAT_NAMES[st]} {fmt_seeds(per_seed[f'{STAT_NAMES[st]} excess'])}" for st in STATS)
-        + "; overflowed norm calls (fp16 statistics): "
-        + "/".join(str(v) for v in per_seed["fp16 statistics overflows"])
-        + "; largest sum of squares with fp32 statistics: "
-        + "/".join(f"{nan(v):.3g}" for v in per_seed["fp32 statistics: largest sum of squares"])
-        + f" (claim holds at {extra.get('seeds_agreeing', 'n/a')} seeds)."
-    )
-    return Result(verdict=verdict_from(passed), metrics=metrics, figures=figures, summary=line, reason=reason)
+    return Result(verdict=verdict, metrics=metrics, figures=figures, summary=line, reason=reason, evidence=ev)
