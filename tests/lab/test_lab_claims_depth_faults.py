@@ -61,38 +61,50 @@ def test_steps_to_target_uses_a_running_mean_and_stops_at_a_missing_loss():
         R.steps_to_target([1.0], 1.0, window=0)
 
 
+def _curve(start, end, reach_at, steps=150):
+    """A training-loss curve falling linearly from ``start`` to ``end`` at step ``reach_at``, flat after."""
+    return [start + (end - start) * min(t, reach_at) / reach_at for t in range(steps)]
+
+
 REZERO_OK = dict(
     ex_none=[3.0, 1.2, 0.8],
     div_none=[True, False, False],
     ex_rezero=[0.2, 0.25, 0.3],
-    steps_rezero=[40, 50, 45],
-    steps_pre=[90, 100, 80],
+    curve_rezero=[_curve(3.5, 1.2, 40), _curve(3.5, 1.3, 50), _curve(3.5, 1.25, 45)],
+    curve_pre=[_curve(3.5, 1.5, 100), _curve(3.5, 1.6, 120), _curve(3.5, 1.5, 90)],
     budget=150,
 )
 
 
 def _rezero(**kw):
-    return R.rezero_judgement(R.rezero_units(**{**REZERO_OK, **kw}, seeds=SEEDS, lab_seed=0))
+    unit_map, shown = R.rezero_units(**{**REZERO_OK, **kw}, seeds=SEEDS, lab_seed=0)
+    return (*R.rezero_judgement(unit_map), shown)
 
 
 def test_rezero_reproduced_on_a_clear_effect():
-    ev, verdict, reason = _rezero()
+    ev, verdict, reason, shown = _rezero()
     assert verdict == "reproduced" and reason == ""
-    assert [u["value"] for u in ev["units"]["ReZero is faster"]] == pytest.approx([40 / 90, 0.5, 45 / 80])
+    assert shown["target"] == pytest.approx([1.5, 1.6, 1.5])
+    ratios = [u["value"] for u in ev["units"]["ReZero is faster"]]
+    assert all(0.2 < r < 0.6 for r in ratios) and shown["Pre-LN steps"][0] > 100
 
 
 def test_rezero_planted_null_x_plus_f_trains_here_is_inconclusive():
     # the regime has no failure of x + F(x) for ReZero to fix: the control refuses it, whatever ReZero does
-    _, verdict, reason = _rezero(ex_none=[0.2, 0.3, 0.25], div_none=[False] * 3)
+    _, verdict, reason, _ = _rezero(ex_none=[0.2, 0.3, 0.25], div_none=[False] * 3)
     assert verdict == "inconclusive" and "x + F(x) fails" in reason
-    _, verdict, reason = _rezero(steps_pre=[None, None, 80])  # Pre-LN never reaches the target: no time to compare
-    assert verdict == "inconclusive" and "Pre-LN reaches the target" in reason
+    stuck = [_curve(3.5, 3.2, 50)] * 3  # Pre-LN does not learn: its final loss is no target
+    _, verdict, reason, _ = _rezero(curve_pre=stuck)
+    assert verdict == "inconclusive" and "Pre-LN learns" in reason
 
 
 def test_rezero_claims_can_fail():
-    assert _verdict(_rezero(steps_rezero=[120, 130, 140])) == "not reproduced"  # slower than Pre-LN
-    assert _verdict(_rezero(steps_rezero=[None] * 3)) == "not reproduced"  # never reaches it: counted at 150
-    assert _verdict(_rezero(ex_rezero=[0.9, 1.0, 1.1])) == "not reproduced"  # ReZero does not train either
+    same = REZERO_OK["curve_pre"]  # ReZero exactly as fast as Pre-LN: the ratio is 1, not below
+    assert _rezero(curve_rezero=same)[1] == "not reproduced"
+    never = [_curve(3.5, 2.5, 40)] * 3  # never reaches Pre-LN's level: counted at the run's length
+    assert _rezero(curve_rezero=never)[1] == "not reproduced"
+    assert _rezero(ex_rezero=[0.9, 1.0, 1.1])[1] == "not reproduced"  # ReZero does not train either
+    assert R.final_level([1.0] * 5 + [2.0] * 10) == 2.0 and R.final_level([1.0, None] * 10) is None
 
 
 # ---- mix-ln-training --------------------------------------------------------------------------------------------
@@ -237,7 +249,7 @@ def _fault_run(rms_jump_block=None, jump_at=None, harm_at=None, steps=40, blocks
 
 def _outcome(fault_jump=22, harm=24, natural_jump=10, natural_blow=12, clean_jump=None):
     clean = _fault_run(rms_jump_block=0, jump_at=clean_jump)
-    faults = {(1, 100.0): _fault_run(1, fault_jump, harm), (1, 10.0): _fault_run()}  # x10: harmless, unflagged
+    faults = {(1, 100.0): _fault_run(1, fault_jump, harm), (1, 30.0): _fault_run()}  # x30: harmless, unflagged
     natural = {**_fault_run(0, natural_jump), "losses": [3.0] * natural_blow + [9.0] * (40 - natural_blow)}
     return V.seed_outcome(clean, faults, natural, fault_step=20)
 
@@ -268,6 +280,8 @@ def test_localize_claims_can_fail():
     assert _verdict(_localize([late] * 3)) == "not reproduced"
     assert _verdict(_localize([_outcome(clean_jump=25)] * 3)) == "not reproduced"  # false alarms
     assert _verdict(_localize([_outcome(natural_jump=None)] * 3)) == "not reproduced"  # natural one missed
+    # a flag long before the blow-up is one a run raises without diverging, not a warning of it
+    assert _verdict(_localize([_outcome(natural_jump=5, natural_blow=30)] * 3)) == "not reproduced"
 
 
 def test_first_jump_and_late_loss():

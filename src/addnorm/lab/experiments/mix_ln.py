@@ -95,6 +95,16 @@ def deep_share(profile: Sequence[float | None] | None) -> float | None:
     return sum(deep) / len(deep) / median
 
 
+def deep_mean(profile: Sequence[float | None] | None) -> float | None:
+    """The mean gradient norm of the deepest quarter of the layers (shown beside the share, not counted: an
+    absolute gradient norm also moves with the loss level and the parametrization)."""
+    vals = list(profile or [])
+    if len(vals) < 2 or not all(map(finite, vals)):
+        return None
+    deep = vals[-max(1, len(vals) // 4) :]
+    return sum(deep) / len(deep)
+
+
 def mix_units(
     share_pre: Sequence[float | None],
     share_mix: Sequence[float | None],
@@ -159,6 +169,10 @@ def mix_ln_training(ctx: Context) -> Result:
     ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
     prof = {p: [runs[(p, sd)]["layer_grad_mean"] for sd in seeds] for p in arms}
     share = {p: [deep_share(v) for v in prof[p]] for p in arms}
+    absolute = [
+        b / a if finite(a) and finite(b) and a > 0 else None
+        for a, b in zip(*([deep_mean(v) for v in prof[p]] for p in ("pre", "mix")))
+    ]
     unit_map = mix_units(share["pre"], share["mix"], ex["pre"], ex["mix"], seeds, ctx.seed)
     ev, verdict, reason = mix_judgement(unit_map)
     names = {"pre": "Pre-LN", "mix": "Mix-LN"}
@@ -184,6 +198,7 @@ def mix_ln_training(ctx: Context) -> Result:
         "per_seed": {
             **{f"{names[p]} excess": ex[p] for p in arms},
             **{f"{names[p]} deep share": share[p] for p in arms},
+            "deepest quarter's gradient norm, Mix-LN / Pre-LN (absolute, shown)": absolute,
         },
         "layer_grad_mean": {f"{p} seed {sd}": prof[p][k] for p in arms for k, sd in enumerate(seeds)},
         "setup": f"Li et al. 2024 at d = 32: {layers} layers, Adam lr {s['lr']:g}, warmup 10% then cosine, {steps} "
@@ -192,6 +207,7 @@ def mix_ln_training(ctx: Context) -> Result:
     line = (
         f"Deep share of the gradient (deepest quarter / median layer) by seed ({len(seeds)}): Pre-LN "
         f"{fmt_seeds(share['pre'])}, Mix-LN {fmt_seeds(share['mix'])}; excess loss Pre-LN {fmt_seeds(ex['pre'])}, "
-        f"Mix-LN {fmt_seeds(ex['mix'])}."
+        f"Mix-LN {fmt_seeds(ex['mix'])}; the deepest quarter's absolute gradient norm, Mix-LN / Pre-LN (shown): "
+        f"{fmt_seeds(absolute)}."
     )
     return Result(verdict=verdict, metrics=metrics, figures=figures, summary=line, reason=reason, evidence=ev)
