@@ -1,6 +1,6 @@
-"""The extended-suite training experiments of issue 27 (layernorm-scaling, reordered-norm, batchnorm-training,
-branch-scaling): their verdict rules on synthetic numbers (pass, fail, control failing), their probes, a tiny run
-of each, and their place in the registry."""
+"""The extended-suite training experiments reordered-norm and batchnorm-training: their verdict rules on synthetic
+numbers (pass, fail, control failing), their probes, a tiny run of each, and their place in the registry
+(layernorm-scaling and branch-scaling: test_lab_claims_depth_faults.py)."""
 
 from __future__ import annotations
 
