@@ -247,7 +247,7 @@ def _fault_run(rms_jump_block=None, jump_at=None, harm_at=None, steps=40, blocks
     return {"rms": rms, "norm_rms": rms, "losses": losses}
 
 
-def _outcome(fault_jump=22, harm=24, natural_jump=10, natural_blow=12, clean_jump=None):
+def _outcome(fault_jump=22, harm=24, natural_jump=20, natural_blow=22, clean_jump=None):
     clean = _fault_run(rms_jump_block=0, jump_at=clean_jump)
     faults = {(1, 100.0): _fault_run(1, fault_jump, harm), (1, 30.0): _fault_run()}  # x30: harmless, unflagged
     natural = {**_fault_run(0, natural_jump), "losses": [3.0] * natural_blow + [9.0] * (40 - natural_blow)}
@@ -281,7 +281,10 @@ def test_localize_claims_can_fail():
     assert _verdict(_localize([_outcome(clean_jump=25)] * 3)) == "not reproduced"  # false alarms
     assert _verdict(_localize([_outcome(natural_jump=None)] * 3)) == "not reproduced"  # natural one missed
     # a flag long before the blow-up is one a run raises without diverging, not a warning of it
-    assert _verdict(_localize([_outcome(natural_jump=5, natural_blow=30)] * 3)) == "not reproduced"
+    assert _verdict(_localize([_outcome(natural_jump=14, natural_blow=30)] * 3)) == "not reproduced"
+    # nor is one in the first steps, where every run's norms move fast: the detector starts at step BURN_IN
+    early = _outcome(natural_jump=4, natural_blow=12)
+    assert early["natural_jump_step"] is None and _verdict(_localize([early] * 3)) == "not reproduced"
 
 
 def test_first_jump_and_late_loss():
@@ -289,6 +292,9 @@ def test_first_jump_and_late_loss():
     j = V.first_jump(rms)
     assert (j.layer, j.step) == (1, 6)
     assert V.first_jump([[1.0, 2.0]] * 10) is None
+    assert V.first_jump(rms, start=6) is None  # the jump is the first value it sees: no history to jump from
+    late = [[1.0, 2.0]] * 12 + [[5.0, 9.0]]
+    assert V.first_jump(late, start=8).step == 12 and V.first_jump(late, start=8).layer == 0
     assert V.late_loss([5.0] * 9 + [1.0] * 1) == 1.0 and V.late_loss([1.0, None]) is None
 
 

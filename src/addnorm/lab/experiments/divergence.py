@@ -43,6 +43,10 @@ SMOOTH = 10
 # in their first steps).
 BLOWUP = 1.0
 WARN = 10
+# localize_jump sees every run's records from this step on: in the first steps every run's norms move fast as the
+# LR ramps up, and runs that never diverge flag jumps there (steps 3-5 in the probes), so a flag there warns of
+# nothing.
+BURN_IN = 10
 # The share of a seed's harmful faulted runs that must be flagged (and named in time).
 DETECT_RATE = 0.8
 FIXED = "2026-12-02 at 8821e08"
@@ -83,7 +87,8 @@ RULES = (
     ),
     Rule(
         name="natural divergence flagged",
-        statistic="1 if the natural run's first jump is flagged in the 10 steps up to its blow-up, else 0",
+        statistic="1 if the natural run's first jump (from step 10) is flagged in the 10 steps up to its blow-up, "
+        "else 0",
         op=">",
         threshold=0.5,
     ),
@@ -92,7 +97,8 @@ RULES = (
 CRITERION = (
     "Per model seed: planted faults (one block's LR x30, x100 from the fault's step, at two blocks) and a clean run "
     "of Pre-LN, and a natural run (x + F(x), 12 layers, lr 1e-2, nothing planted). localize_jump with its defaults (a jump: > 3x the "
-    "median of that layer's last 8 values) over every block's series, recorded at every step. Reproduced iff the "
+    f"median of that layer's last 8 values) over every block's series, recorded at every step, from step {BURN_IN} "
+    "on. Reproduced iff the "
     f"bootstrap 95% intervals of the means lie above the thresholds: harmful faulted runs flagged (> {DETECT_RATE:.0%}"
     f"), the faulted block named no later than the harm shows in the loss (> {DETECT_RATE:.0%}), clean runs quiet "
     f"(> 0.5), the natural divergence's first jump flagged in the {WARN} steps up to its blow-up (> 0.5). Detection by fault size, including "
@@ -121,16 +127,26 @@ CHANGES = (
         "fault size chosen after a probe says nothing about the sizes the method misses; a planted fault is not a "
         "natural divergence",
     ),
+    Change(
+        date="2026-12-02",
+        what="localize_jump sees every run from step 10 on (a burn-in); before, from step 0",
+        showed="the default run at lab seed 0 (this code before the change): inconclusive; the natural runs blew up at "
+        "steps 18/16/13 and their first flags came at steps 3/6/3, so 2 of 3 counted as warnings by the 10-step "
+        "window alone; harmful planted faults flagged 6/6, named in time 5/6, clean runs quiet 3/3",
+        reason="high-LR runs that never diverge flag jumps at steps 3-5 too (probes), so a flag in the first steps "
+        "warns of nothing; counting it made the natural-divergence rule easier to pass, not harder",
+    ),
 )
 
 register = registrar({"localize-divergence": CRITERION}, {"localize-divergence": PRECONDITION}, version=2)
 
 
-def first_jump(series: Sequence[Sequence[float | None]]):
-    """:func:`addnorm.diagnostics.localize_jump` (its defaults) over per-step, per-block values."""
+def first_jump(series: Sequence[Sequence[float | None]], start: int = 0):
+    """:func:`addnorm.diagnostics.localize_jump` (its defaults) over per-step, per-block values, from step
+    ``start`` on (the jump's step counts from the run's first step)."""
     from addnorm.diagnostics import localize_jump
 
-    history = [{"step": t, "layers": [{"residual_rms": v} for v in row]} for t, row in enumerate(series)]
+    history = [{"step": t, "layers": [{"residual_rms": v} for v in row]} for t, row in enumerate(series) if t >= start]
     return localize_jump(history)
 
 
@@ -184,7 +200,7 @@ def seed_outcome(clean: dict, faults: dict[tuple[int, float], dict], natural: di
     for (block, size), run in faults.items():
         late = late_loss(run["losses"])
         harmed = late is None or (finite(clean_late) and late - clean_late > FAULT_HARM)
-        j = first_jump(run["rms"])
+        j = first_jump(run["rms"], BURN_IN)
         flagged = j is not None and j.step >= fault_step
         when = harm_step(run["losses"], clean["losses"], fault_step)
         limit = when if when is not None else len(run["losses"])
@@ -202,9 +218,9 @@ def seed_outcome(clean: dict, faults: dict[tuple[int, float], dict], natural: di
                 "named_in_time": named and j.step <= limit,
             }
         )
-    jc = first_jump(clean["rms"])
+    jc = first_jump(clean["rms"], BURN_IN)
     blow = blowup_step(natural["losses"])
-    jn = first_jump(natural["rms"])
+    jn = first_jump(natural["rms"], BURN_IN)
     return {
         "faults": rows,
         "clean_flagged": jc is not None,
