@@ -244,7 +244,7 @@ def _fault_run(rms_jump_block=None, jump_at=None, harm_at=None, steps=40, blocks
             row = [v * (10.0 if b >= rms_jump_block else 1.0) for b, v in enumerate(row)]
         rms.append(row)
         losses.append(loss + (1.0 if harm_at is not None and t >= harm_at else 0.0))
-    return {"rms": rms, "norm_rms": rms, "losses": losses}
+    return {"rms": rms, "losses": losses}
 
 
 def _outcome(fault_jump=22, harm=24, natural_jump=20, natural_blow=22, clean_jump=None):
@@ -285,6 +285,17 @@ def test_localize_claims_can_fail():
     # nor is one in the first steps, where every run's norms move fast: the detector starts at step BURN_IN
     early = _outcome(natural_jump=4, natural_blow=12)
     assert early["natural_jump_step"] is None and _verdict(_localize([early] * 3)) == "not reproduced"
+
+
+def test_fault_task_trains_the_placement_it_is_given():
+    from addnorm.lab.experiments.seeds_tasks import fault_task
+
+    kw = dict(layers=2, lr=1e-3, steps=3, warmup=1, fault_layer=None, fault_step=0, fault_mult=1.0, seed=0, lang_seed=0)
+    pre, plain = fault_task(**kw), fault_task(**kw, placement="none")
+    assert len(plain["rms"]) == 3 and all(len(r) == 2 for r in plain["rms"]) and plain["steps_done"] == 3
+    assert plain["losses"] != pre["losses"]  # another model: no norm in x + F(x)
+    with pytest.raises(ValueError, match="placement"):
+        fault_task(**kw, placement="sideways")
 
 
 def test_first_jump_and_late_loss():

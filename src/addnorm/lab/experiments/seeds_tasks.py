@@ -91,11 +91,10 @@ def fault_task(
     placement: str = "pre",
 ) -> dict:
     """A run (Pre-LN unless ``placement`` says otherwise) where block ``fault_layer``'s learning rate is multiplied
-    by ``fault_mult`` from ``fault_step`` on (``fault_layer`` None: a clean run). Adam(W) without weight decay, linear warmup then a
-    constant LR, gradient clipping at 1 (the lab loop's settings). Every block's residual-stream RMS is recorded at
-    every step by :class:`addnorm.diagnostics.Monitor` (the seed's "log each layer's output norm"), and the largest
-    RMS of a norm's input in each block (``norm_rms``: in Post-LN the stream before its norm); a run stops at the
-    first non-finite loss."""
+    by ``fault_mult`` from ``fault_step`` on (``fault_layer`` None: a clean run). Adam(W) without weight decay,
+    linear warmup then a constant LR, gradient clipping at 1 (the lab loop's settings). Every block's
+    residual-stream RMS is recorded at every step by :class:`addnorm.diagnostics.Monitor` (the seed's "log each
+    layer's output norm"); a run stops at the first non-finite loss."""
     import torch.nn.functional as F
 
     from addnorm.diagnostics import Monitor
@@ -114,7 +113,6 @@ def fault_task(
     data = CachedBatches(language(lang_seed))
     monitor = Monitor(net)
     rms: list[list[float | None]] = []
-    norm_rms: list[list[float | None]] = []
     losses: list[float] = []
     try:
         for step in range(steps):
@@ -128,7 +126,6 @@ def fault_task(
             loss.backward()
             rec = monitor.step(loss=loss)
             rms.append([_num(layer.get("residual_rms")) for layer in rec["layers"]])
-            norm_rms.append([_num(layer.get("norm_input_rms")) for layer in rec["layers"]])
             losses.append(float(loss.detach()))
             if not math.isfinite(losses[-1]):
                 break
@@ -136,7 +133,7 @@ def fault_task(
             opt.step()
     finally:
         monitor.detach()
-    return {"rms": rms, "norm_rms": norm_rms, "losses": [_num(v) for v in losses], "steps_done": len(losses)}
+    return {"rms": rms, "losses": [_num(v) for v in losses], "steps_done": len(losses)}
 
 
 # ------------------------------------------------------------------------------------------------ fp16 statistics
