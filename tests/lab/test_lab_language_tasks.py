@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from addnorm.lab.experiments import language_tasks as LT
+from addnorm.lab.experiments import layernorm_scaling as D
 from addnorm.lab.experiments import powernorm as N
-from addnorm.lab.experiments import training_depth as D
 from addnorm.lab.runner import load_experiments
 from addnorm.train.data import MarkovLanguage, SentenceMixture
 

@@ -13,10 +13,9 @@ import torch
 from addnorm.lab.core import EXPERIMENTS, Context, serial_map
 from addnorm.lab.experiments import seeds_tasks as K
 from addnorm.lab.experiments import training_seeds as S
-from addnorm.lab.experiments import training_seeds_faults as F
 from addnorm.lab.experiments import training_setup as C
 
-NAMES = ("norm-hyperparameters", "finetune-post-to-pre", "localize-divergence", "fp16-layernorm")
+NAMES = ("norm-hyperparameters", "finetune-post-to-pre")
 
 
 def test_registered_empirical_with_criterion_control_and_the_seed_as_source():
@@ -113,29 +112,6 @@ def test_the_switch_keeps_every_pretrained_weight_and_adds_the_final_norm_at_its
 
 
 # ---- localize-divergence ----------------------------------------------------------------------------------------
-def test_first_jump_and_late_loss():
-    rms = [[1.0, 2.0, 3.0]] * 6 + [[1.0, 9.0, 10.0]]
-    j = F.first_jump(rms)
-    assert (j.layer, j.step) == (1, 6)
-    assert F.first_jump([[1.0, 2.0]] * 10) is None
-    assert F.late_loss([5.0] * 9 + [1.0] * 1) == 1.0 and F.late_loss([1.0, None]) is None
-
-
-def test_localize_verdict():
-    found = [(0, 0, 120), (2, 2, 130), (4, 4, 101), (0, 0, 110), (2, 2, 104)]
-    harm = [0.5] * 5
-    passed, extra, reason = F.localize_verdict(found, 100, [None, None, 3], harm)
-    assert passed is True and reason == "" and extra["localized_rate"] == 1.0 and extra["clean_runs_quiet"] == "2/3"
-    early = [(0, 0, 50)] + found[1:]  # a jump before the fault is a false alarm, not a localization
-    assert F.localize_verdict(early, 100, [None] * 3, harm)[1]["localized_by_run"][0] is False
-    wrong = [(0, 5, 120), (2, 5, 130)] + found[2:]  # 3/5 = 60% < 80%
-    assert F.localize_verdict(wrong, 100, [None] * 3, harm)[0] is False
-    assert F.localize_verdict(found, 100, [1, 2, None], harm)[0] is False  # the clean runs flag jumps
-    passed, _, reason = F.localize_verdict(found, 100, [None] * 3, [0.01, 0.02, 0.5, 0.0, 0.0])
-    assert passed is None and "did not raise" in reason
-    assert F.localize_verdict(found, 100, [None] * 3, [None] * 5)[2] == ""  # a run that stopped early was harmed
-
-
 def test_fault_task_raises_only_the_faulted_blocks_learning_rate():
     kw = dict(layers=2, lr=1e-3, steps=6, warmup=1, fault_step=2, seed=0, lang_seed=0)
     clean = K.fault_task(**kw, fault_layer=None, fault_mult=1.0)
@@ -199,24 +175,6 @@ def test_swap_norms_and_set_norm_gains_reach_every_layernorm():
     assert len(swapped) == 5 and not any(isinstance(m, torch.nn.LayerNorm) for m in net.modules())
     with pytest.raises(ValueError, match="no LayerNorm"):
         K.swap_norms(net, "fp32")
-
-
-def _run(stats: dict[str, dict]) -> dict:
-    return {k: {"excess": 0.2, "final_loss": 1.0, "diverged": False, "max_sumsq": 1e5, **v} for k, v in stats.items()}
-
-
-def test_fp16_verdict():
-    bad = _run({"fp16": {"excess": 0.5}, "fp32": {}, "clamp": {}})
-    nan = _run({"fp16": {"final_loss": None, "diverged": True}, "fp32": {}, "clamp": {}})
-    fine = _run({"fp16": {"excess": 0.21}, "fp32": {}, "clamp": {}})
-    passed, extra, reason = F.fp16_verdict([bad, nan, fine])
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
-    assert F.fp16_verdict([fine, fine, bad])[0] is False
-    clamp_bad = _run({"fp16": {"excess": 0.5}, "fp32": {}, "clamp": {"excess": 0.5}})
-    assert F.fp16_verdict([clamp_bad] * 3)[0] is False  # the seed's fix must not be harmed either
-    low = _run({"fp16": {"excess": 0.5}, "fp32": {"max_sumsq": 1e3}, "clamp": {}})
-    passed, _, reason = F.fp16_verdict([low, low, bad])
-    assert passed is None and "never met" in reason
 
 
 # ---- quick runs through ctx.map ---------------------------------------------------------------------------------

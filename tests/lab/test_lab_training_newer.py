@@ -10,10 +10,9 @@ import torch
 
 from addnorm.lab.core import EXPERIMENTS
 from addnorm.lab.experiments import training_newer as W
-from addnorm.lab.experiments import training_residuals as R
 from addnorm.lab.experiments import training_setup as C
 
-NEW = ("peri-ln-training", "dyt", "rezero", "mix-ln-training")
+NEW = ("peri-ln-training", "dyt")
 
 
 def test_new_experiments_are_registered_empirical_with_criterion_precondition_and_source():
@@ -93,29 +92,6 @@ def test_train_task_probes_hidden_states_and_tracks_the_mean_logit_without_chang
 
 
 # ---- ReZero -----------------------------------------------------------------------------------------------------
-def test_rezero_verdict():
-    ok = dict(
-        ex_none=[1.0, 1.0, 0.2],
-        div_none=[False, True, False],
-        ex_rezero=[0.2] * 3,
-        ex_pre=[0.25] * 3,
-        early_rezero=[1.0, 1.1, 1.0],
-        early_pre=[1.5] * 3,
-    )
-    passed, extra, reason = R.rezero_verdict(**ok)
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
-    assert R.rezero_verdict(**{**ok, "ex_none": [0.2] * 3, "div_none": [False] * 3})[0] is False  # x + F(x) trains
-    assert R.rezero_verdict(**{**ok, "early_rezero": [2.0] * 3})[0] is False  # ReZero not faster
-    assert R.rezero_verdict(**{**ok, "ex_rezero": [0.9] * 3})[0] is False  # ReZero does not train either
-    passed, _, reason = R.rezero_verdict(**{**ok, "ex_pre": [0.9, 0.9, 0.2]})
-    assert passed is None and "Pre-LN did not train" in reason
-
-
-def test_first_half_mean():
-    assert R.first_half_mean([4.0, 2.0, 1.0, 1.0]) == 3.0
-    assert R.first_half_mean([4.0, None, 1.0, 1.0]) is None
-
-
 def test_rezero_and_branch_output_models_build_fused_and_unfused_alike():
     from addnorm.nn import TransformerLM
 
@@ -128,23 +104,6 @@ def test_rezero_and_branch_output_models_build_fused_and_unfused_alike():
         with torch.no_grad():
             torch.testing.assert_close(fused(x), plain(x))
         assert fused.final_norm is None if placement == "rezero" else fused.final_norm is not None
-
-
-# ---- Mix-LN -----------------------------------------------------------------------------------------------------
-def test_variation_is_zero_for_a_uniform_profile():
-    assert R.variation([2.0, 2.0, 2.0]) == 0.0
-    assert R.variation([1.0, 3.0]) == pytest.approx(0.5)
-    assert R.variation([1.0, None]) is None and R.variation([1.0]) is None and R.variation([0.0, 0.0]) is None
-
-
-def test_mix_verdict():
-    passed, extra, reason = R.mix_verdict([0.8, 0.7, 0.6], [0.3, 0.9, 0.2], [0.2] * 3, [0.21, 0.2, 0.22])
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, False, True]
-    assert R.mix_verdict([0.8] * 3, [0.3] * 3, [0.2] * 3, [0.5] * 3)[0] is False  # uniform but worse loss
-    passed, _, reason = R.mix_verdict([0.1, 0.1, 0.8], [0.05] * 3, [0.2] * 3, [0.2] * 3)
-    assert passed is None and "already uniform" in reason
-    passed, _, reason = R.mix_verdict([0.8] * 3, [0.3] * 3, [0.9, 0.9, 0.2], [0.2] * 3)
-    assert passed is None and "Pre-LN did not train" in reason
 
 
 def test_train_task_averages_each_layers_gradient_norm_over_the_records():

@@ -12,12 +12,15 @@ MODULES: list[str] = [
     "wortsman",
     "training_norms",
     "training_newer",
-    "training_residuals",
-    "training_depth",
+    "rezero",
+    "mix_ln",
+    "layernorm_scaling",
+    "branch_scaling",
     "olmo2",
     "powernorm",
     "training_seeds",
-    "training_seeds_faults",
+    "divergence",
+    "fp16_stats",
 ]
 
 for _m in MODULES:

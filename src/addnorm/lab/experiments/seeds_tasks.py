@@ -88,19 +88,20 @@ def fault_task(
     fault_mult: float,
     seed: int,
     lang_seed: int,
+    placement: str = "pre",
 ) -> dict:
-    """A Pre-LN run where block ``fault_layer``'s learning rate is multiplied by ``fault_mult`` from
-    ``fault_step`` on (``fault_layer`` None: a clean run). Adam(W) without weight decay, linear warmup then a
-    constant LR, gradient clipping at 1 (the lab loop's settings). Every block's residual-stream RMS is recorded at
-    every step by :class:`addnorm.diagnostics.Monitor` (the seed's "log each layer's output norm"); a run stops at
-    the first non-finite loss."""
+    """A run (Pre-LN unless ``placement`` says otherwise) where block ``fault_layer``'s learning rate is multiplied
+    by ``fault_mult`` from ``fault_step`` on (``fault_layer`` None: a clean run). Adam(W) without weight decay,
+    linear warmup then a constant LR, gradient clipping at 1 (the lab loop's settings). Every block's
+    residual-stream RMS is recorded at every step by :class:`addnorm.diagnostics.Monitor` (the seed's "log each
+    layer's output norm"); a run stops at the first non-finite loss."""
     import torch.nn.functional as F
 
     from addnorm.diagnostics import Monitor
     from addnorm.nn import TransformerLM
 
     torch.manual_seed(seed)
-    net = TransformerLM(model_config(n_layers=layers, placement="pre"))
+    net = TransformerLM(model_config(n_layers=layers, placement=placement))
     if fault_layer is not None and not 0 <= fault_layer < layers:
         raise ValueError(f"fault_layer must be None or in [0, {layers}), got {fault_layer}")
     faulty = set() if fault_layer is None else {id(p) for p in net.blocks[fault_layer].parameters()}
