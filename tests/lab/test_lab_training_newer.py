@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from addnorm.lab.core import EXPERIMENTS
-from addnorm.lab.experiments import training_newer as W
 from addnorm.lab.experiments import training_residuals as R
 from addnorm.lab.experiments import training_setup as C
 
@@ -23,41 +22,6 @@ def test_new_experiments_are_registered_empirical_with_criterion_precondition_an
         exp = EXPERIMENTS[name]
         assert exp.kind == "empirical" and exp.claim and exp.criterion and exp.precondition, name
         assert "arXiv:" in exp.source and exp.config["default"]["seeds"] >= 3, name
-
-
-# ---- peri-ln ----------------------------------------------------------------------------------------------------
-def test_peri_verdict_pass_and_fail():
-    grew_init = [1.0, 1.0, 1.0]
-    passed, extra, reason = W.peri_verdict([9.0, 8.0, 3.0], grew_init, [2.0, 2.0, 2.0], [0.3] * 3, [0.31, 0.2, 0.3])
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
-    # Peri-LN's stream as large as Pre-LN's: not reproduced
-    assert W.peri_verdict([9.0] * 3, grew_init, [6.0] * 3, [0.3] * 3, [0.3] * 3)[0] is False
-    # Peri-LN bounded but clearly worse: not reproduced ("trains at least as well" fails)
-    assert W.peri_verdict([9.0] * 3, grew_init, [2.0] * 3, [0.2] * 3, [0.4] * 3)[0] is False
-
-
-def test_peri_verdict_is_inconclusive_when_a_control_fails():
-    # Pre-LN's stream did not grow during training: the growth the claim is about did not occur
-    passed, extra, reason = W.peri_verdict([1.5] * 3, [1.0] * 3, [1.0] * 3, [0.3] * 3, [0.3] * 3)
-    assert passed is None and "did not grow" in reason and extra["pre_grew_by_seed"] == [False] * 3
-    passed, _, reason = W.peri_verdict([9.0] * 3, [1.0] * 3, [2.0] * 3, [0.3] * 3, [1.0, 1.0, 0.3])
-    assert passed is None and "Peri-LN did not train" in reason
-    assert W.peri_verdict([9.0] * 3, [1.0] * 2, [2.0] * 3, [0.3] * 3, [0.3] * 3)[0] is None  # not paired
-
-
-def test_peak_rms():
-    assert W.peak_rms([{"rms": 1.0}, {"rms": 3.0}, {"rms": 2.0}]) == 3.0
-    assert W.peak_rms([{"rms": 1.0}, {"rms": None}]) is None and W.peak_rms(None) is None
-
-
-# ---- DyT --------------------------------------------------------------------------------------------------------
-def test_dyt_verdict():
-    passed, extra, reason = W.dyt_verdict([0.2, 0.3, 0.25], [0.22, 0.5, 0.27])
-    assert passed is True and reason == "" and extra["parity_by_seed"] == [True, False, True]
-    assert W.dyt_verdict([0.2] * 3, [0.5] * 3)[0] is False
-    passed, _, reason = W.dyt_verdict([1.0, 1.0, 0.2], [0.2] * 3)
-    assert passed is None and "LayerNorm model did not train" in reason
-    assert W.parity(0.54, 0.5) is True and W.parity(0.6, 0.5) is False and W.parity(math.nan, 0.5) is None
 
 
 # ---- the task's probes ------------------------------------------------------------------------------------------
