@@ -135,7 +135,7 @@ def peak_lr_sanity(steps_at_peak: dict[str, dict[int, Sequence[int]]], steps: in
     claim="Post-LN trained with Adam needs learning-rate warmup (without it, it ends clearly worse); Pre-LN does "
     "not depend on warmup.",
     source="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, arXiv:2002.04745 "
-    "(section 3.2, Fig. 2); seed 000 section 4.3 point 1",
+    "(section 3.2, Fig. 2)",
     config={
         "lr": 4e-3,
         "warmups": [0, 250],
