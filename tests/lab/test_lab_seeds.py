@@ -197,7 +197,9 @@ def test_quick_run_goes_through_ctx_map_with_portable_tasks(name, tmp_path):
     res = EXPERIMENTS[name].run(Context(quick=True, seed=0, figure_dir=tmp_path, config=config, mapper=mapper))
     assert res.verdict in ("reproduced", "not reproduced", "inconclusive")
     assert (res.verdict == "inconclusive") == bool(res.reason)
-    assert res.metrics["seeds"] == [0, 1] and res.metrics["criterion"] == (S.CRITERIA | A.CRITERIA)[name] and res.summary
+    assert (
+        res.metrics["seeds"] == [0, 1] and res.metrics["criterion"] == (S.CRITERIA | A.CRITERIA)[name] and res.summary
+    )
     assert all(len(v) == 2 for v in res.metrics["per_seed"].values())
     json.dumps(res.metrics)
     if C.pyplot() is not None:

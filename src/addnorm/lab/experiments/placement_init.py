@@ -151,7 +151,7 @@ def placement_comparison(ctx: Context) -> Result:
     Narrowed from the earlier version, which also tested "Post-LN's gradients rise towards the last layers" on this
     decoder-only stack: Xiong et al. measured that profile in the decoder of a 6-6 encoder-decoder (Fig. 3), where
     xiong-init-gradients now tests it; in a decoder-only stack with consistent init, Post-LN's per-layer gradient
-    profile is flat (issue 14's variant runs: top/bottom quarter 0.98), so the gradient profiles are shown here,
+    profile is flat (variant runs of 2026-11-30: top/bottom quarter 0.98), so the gradient profiles are shown here,
     not tested. The criterion was rewritten for these reasons before this version ran.
 
     First run of this version (seed 0, 2026-11-30): Pre-LN's g was 1.9-2.7 at all 6 inits, as Lemma 2 predicts,
@@ -159,7 +159,7 @@ def placement_comparison(ctx: Context) -> Result:
     evidence is about the hidden states *during training* (Pre-LN's grow large, Peri-LN's stay bounded), while at
     init both add about one unit-RMS branch output per sublayer.
 
-    Issue 27 (2026-12-01, before the rerun): no cited paper makes the init-time Sandwich claim, and g cannot tell
+    2026-12-01, before the rerun: no cited paper makes the init-time Sandwich claim, and g cannot tell
     linear from exponential growth (linear variance growth gives g ~ 1.8-2.4 at 24 layers, 1.1x per layer 2.36),
     while its control (Post-LN flat) held by construction. So this is now a demonstration of Lemma 2 with a
     statistic that separates the two: the increment ratio r of the variance (:func:`increment_ratio`). Peri-LN's

@@ -194,11 +194,11 @@ def ln_vs_rms(ctx: Context) -> Result:
     Quality here: Pre-LN, 4 layers, d = 32, Adam lr 3e-3, warmup 10% then cosine, 300 steps, 3 seeds, LayerNorm vs
     RMSNorm paired by seed. Speed on the norm itself, at a size where it dominates (4096 x 1024 fp32, forward +
     backward), with implementations of matched quality: both written out the same way in torch, and both through
-    addnorm's cpu kernels; interleaved, 30 repetitions, 95% interval of the ratio. (Issue 13: the model's step
+    addnorm's cpu kernels; interleaved, 30 repetitions, 95% interval of the ratio. (Earlier, the model's step
     time put the norm at a small share and compared torch's fused F.layer_norm with an unfused F.rms_norm; its
     ratio moved between 1.03 and 1.19 from run to run.) Timings go to ``Result.timings``.
 
-    Issue 27 (2026-12-01, before the rerun): the verdict is loss parity only. The speed criterion flipped the verdict
+    2026-12-01, before the rerun: the verdict is loss parity only. The speed criterion flipped the verdict
     to inconclusive in 2 of 4 recorded runs under machine load; a verdict that changes with the machine's load is not
     a verdict, so the speed is now a benchmark row (``timings["speed_reading"]``) shown next to the result."""
     s = settings(ctx)

@@ -1,4 +1,4 @@
-"""The training tasks of the seeds' own advice (issue 27, "the seeds' own advice, tested"): module-level functions
+"""The training tasks of the seeds' own advice, tested as claims: module-level functions
 with plain arguments and JSON-able results, run through ``ctx.map`` like :func:`training_setup.train_task`.
 
 - :func:`hyper_task`: one run of the tiny LM with a given norm eps and gain (gamma) init.
