@@ -89,6 +89,13 @@ register = registrar(CRITERIA, PRECONDITIONS, version=3)
 
 CHANGES = (
     Change(
+        date="2026-11-30",
+        what="Setup from variant runs: lr 1e-3, 400 steps, warmup 40 then cosine (was 300 steps, warmup 30).",
+        showed="Variant runs: at lr 4e-3 Post-LN was stuck at every depth, so depth could not be what broke it; "
+        "300 steps left the shallow arms short of training.",
+        reason="Shallow Post-LN must train (the control) for depth to be what breaks deep Post-LN.",
+    ),
+    Change(
         date="2026-12-01",
         what="Added the deep Post-LN arm with the long warmup (250 of 400 steps) and required it to be worse than "
         "shallow Post-LN by > 0.1 nats.",

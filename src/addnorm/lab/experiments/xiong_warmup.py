@@ -90,6 +90,14 @@ register = registrar(CRITERIA, PRECONDITIONS, version=3)
 
 CHANGES = (
     Change(
+        date="2026-11-30",
+        what="Setup from variant runs: warmup 250 of a 400-step run, constant LR after (was 300 of 500); quick sizes "
+        "smaller.",
+        showed="Variant runs of the first version: a 50-step warmup did not help Post-LN, and a warmup that ends "
+        "near the end of the run is a lower-LR run, not a warmup arm.",
+        reason="Every warmup arm must reach its peak LR and train a third of the run there (shorter for the budget).",
+    ),
+    Change(
         date="2026-12-02",
         what="Verdict read off rules: a bootstrap 95% interval of the mean over model seeds instead of a strict "
         "majority of per-seed passes; the peak-LR control became a sanity check and the controls are now 'Pre-LN "
