@@ -90,10 +90,11 @@ register = registrar(CRITERIA, PRECONDITIONS, version=3)
 CHANGES = (
     Change(
         date="2026-11-30",
-        what="Setup from variant runs: lr 1e-3, 400 steps, warmup 40 then cosine (was 300 steps, warmup 30).",
-        showed="Variant runs: at lr 4e-3 Post-LN was stuck at every depth, so depth could not be what broke it; "
-        "300 steps left the shallow arms short of training.",
-        reason="Shallow Post-LN must train (the control) for depth to be what breaks deep Post-LN.",
+        what="Setup: lr 1e-3, warmup 40 then cosine, 400 steps (was lr 4e-3 with a 6-step warmup); a control that "
+        "shallow Post-LN trains.",
+        showed="Post-LN stuck at every depth (excess 1.034 / 1.032 / 1.035 at L = 6 / 24 / 48): 'degrades with "
+        "depth' could not be observed.",
+        reason="Depth can only be what breaks deep Post-LN where shallow Post-LN trains.",
     ),
     Change(
         date="2026-12-01",
