@@ -88,7 +88,11 @@ def parity_rules(baseline: str, arm: str, claim: str, *, one_sided: bool = False
     (positive control), the margin rejects the baseline at half its steps (negative control), and the paired
     difference is inside the margin (the claim, named ``claim``). ``one_sided``: "no worse than" (the difference
     is how much worse the arm ends, 0 when it is better)."""
-    what = "how much worse {} ends than {} (nats, 0 when better)" if one_sided else "{} excess minus {} excess (nats)"
+    spread = f"the spread is that of {baseline}'s excess over the seeds"
+    if one_sided:
+        what = "how much worse {} ends than {} (nats, 0 when better; " + spread + ")"
+    else:
+        what = "excess of {} minus {}'s (nats; " + spread + ")"
     return (
         Rule(
             name=f"{baseline.lower()}-trains",
@@ -99,8 +103,7 @@ def parity_rules(baseline: str, arm: str, claim: str, *, one_sided: bool = False
         ),
         Rule(
             name="margin-rejects-half-budget",
-            statistic=what.format(f"{baseline} trained half the steps", baseline)
-            + f"; margin = {PARITY_SPREADS:g} x the std of {baseline}'s excess over seeds",
+            statistic=what.format(f"{baseline} trained half the steps", baseline),
             op="outside",
             threshold=PARITY_SPREADS,
             role="negative",
@@ -108,8 +111,7 @@ def parity_rules(baseline: str, arm: str, claim: str, *, one_sided: bool = False
         ),
         Rule(
             name=claim,
-            statistic=what.format(arm, baseline) + f"; margin = {PARITY_SPREADS:g} x the std of {baseline}'s excess "
-            "over seeds",
+            statistic=what.format(arm, baseline),
             op="within",
             threshold=PARITY_SPREADS,
             relative=True,
