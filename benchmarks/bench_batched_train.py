@@ -39,7 +39,7 @@ MODEL_KW: dict = {}  # extra TransformerConfig fields (--record-logits)
 
 
 def _models(layers: int, seeds: list[int]):
-    from addnorm.lab.experiments.training import model_config
+    from addnorm.lab.experiments.training_setup import model_config
     from addnorm.nn import TransformerLM
 
     out = []
@@ -68,7 +68,7 @@ class _Clock:
 
 
 def single_step_times(layers: int, steps: int) -> tuple[list[float], list[float]]:
-    from addnorm.lab.experiments.training import language
+    from addnorm.lab.experiments.training_setup import language
     from addnorm.train.loop import train
 
     (model,) = _models(layers, [0])
@@ -79,7 +79,7 @@ def single_step_times(layers: int, steps: int) -> tuple[list[float], list[float]
 
 def batched_step_times(layers: int, k: int, steps: int, engine: str) -> tuple[list[float], list[float]]:
     """(wall, cpu) seconds of each batched step of K members."""
-    from addnorm.lab.experiments.training import language
+    from addnorm.lab.experiments.training_setup import language
     from addnorm.train.batched import train_batched
 
     seeds = list(range(k))

@@ -1,18 +1,17 @@
-"""The seeds' own advice as experiments (issue 27): their verdict rules on synthetic numbers (pass, fail, control
+"""The seeds' own advice as experiments: their verdict rules on synthetic numbers (pass, fail, control
 failing), their tasks' pieces (the fp16-statistics norm, the related language, the Post-to-Pre switch, the planted
 fault), and one quick run of each through ctx.map with portable tasks."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from addnorm.lab.core import EXPERIMENTS, Context, serial_map
+from addnorm.lab.experiments import seed_advice_claims as A
 from addnorm.lab.experiments import seeds_tasks as K
-from addnorm.lab.experiments import training_seeds as S
 from addnorm.lab.experiments import training_setup as C
 
 NAMES = ("norm-hyperparameters", "finetune-post-to-pre")
@@ -24,53 +23,11 @@ def test_registered_empirical_with_criterion_control_and_the_seed_as_source():
     for name in NAMES:
         exp = EXPERIMENTS[name]
         assert exp.kind == "empirical" and exp.claim and exp.precondition, name
-        assert exp.criterion == S.CRITERIA[name] and exp.source.startswith("Seed 00"), name
+        assert exp.criterion == A.CRITERIA[name] and exp.source.startswith("Seed 00"), name
         assert exp.config["default"]["seeds"] >= 3, name
 
 
-# ---- norm-hyperparameters ---------------------------------------------------------------------------------------
-def _cells(effect: dict[str, float], base: float = 0.2) -> list[tuple[dict, float]]:
-    """A 2^4 factorial whose excess is additive: base + effect[f] at each factor's second level."""
-    out = []
-    for p in ("pre", "post"):
-        for w in (0, 100):
-            for e in (1e-6, 1e-3):
-                for g in (0.5, 1.0):
-                    c = {"placement": p, "warmup": w, "eps": e, "gamma": g}
-                    second = {"placement": p == "post", "warmup": w == 100, "eps": e == 1e-3, "gamma": g == 1.0}
-                    out.append((c, base + sum(effect[f] for f in S.FACTORS if second[f])))
-    return out
-
-
-def test_main_effects_recover_an_additive_factorial():
-    eff = S.main_effects(_cells({"placement": 0.5, "warmup": -0.3, "eps": 0.01, "gamma": 0.02}))
-    assert eff == pytest.approx({"placement": 0.5, "warmup": 0.3, "eps": 0.01, "gamma": 0.02})
-    broken = _cells({"placement": 0.5, "warmup": 0.3, "eps": 0.0, "gamma": 0.0})
-    broken[3] = (broken[3][0], math.nan)
-    assert all(v is None for v in S.main_effects(broken).values())
-
-
-def test_hyper_verdict():
-    big = S.main_effects(_cells({"placement": 0.5, "warmup": 0.3, "eps": 0.01, "gamma": 0.05}))
-    close = S.main_effects(_cells({"placement": 0.5, "warmup": 0.12, "eps": 0.01, "gamma": 0.05}))  # 0.12 < 3 x 0.05
-    passed, extra, reason = S.hyper_verdict([big, big, close], [0.2] * 3)
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
-    assert extra["structure_over_norm_by_seed"][0] == pytest.approx(6.0)
-    assert S.hyper_verdict([close, close, big], [0.2] * 3)[0] is False
-    passed, _, reason = S.hyper_verdict([big] * 3, [0.9, 0.9, 0.2])
-    assert passed is None and "did not train" in reason
-
-
-# ---- finetune-post-to-pre ---------------------------------------------------------------------------------------
-def test_finetune_verdict():
-    passed, extra, reason = S.finetune_verdict([0.2, 0.2, 0.2], [0.4, 0.22, 0.5], [0.6] * 3)
-    assert passed is True and reason == "" and extra["switch_loses_by_seed"] == [True, False, True]
-    assert S.finetune_verdict([0.2] * 3, [0.21] * 3, [0.6] * 3)[0] is False  # within the tolerance: no loss
-    passed, _, reason = S.finetune_verdict([0.2] * 3, [0.5] * 3, [0.22, 0.6, 0.23])
-    assert passed is None and "did not beat training from scratch" in reason
-    assert S.beyond(0.26, 0.2) is True and S.beyond(0.24, 0.2) is False and S.beyond(None, 0.2) is None
-
-
+# ---- finetune-post-to-pre's tasks ------------------------------------------------------------------------------
 def test_related_language_redraws_a_quarter_of_the_rules():
     base, rel = C.language(0), K.related_language(0, 0.25)
     same = [bool((base.table[r] == rel.table[r]).all()) for r in range(C.VOCAB)]
@@ -193,7 +150,7 @@ def test_quick_run_goes_through_ctx_map_with_portable_tasks(name, tmp_path):
     res = EXPERIMENTS[name].run(Context(quick=True, seed=0, figure_dir=tmp_path, config=config, mapper=mapper))
     assert res.verdict in ("reproduced", "not reproduced", "inconclusive")
     assert (res.verdict == "inconclusive") == bool(res.reason)
-    assert res.metrics["seeds"] == [0, 1] and res.metrics["criterion"] == S.CRITERIA[name] and res.summary
+    assert res.metrics["seeds"] == [0, 1] and res.metrics["criterion"] == A.CRITERIA[name] and res.summary
     assert all(len(v) == 2 for v in res.metrics["per_seed"].values())
     json.dumps(res.metrics)
     if C.pyplot() is not None:

@@ -1,5 +1,5 @@
-"""The issue-27 training experiments: their verdict rules on synthetic numbers (pass, fail, control failing), the
-hidden-state probe and the mean-logit tracking of train_task."""
+"""The hidden-state probe, the per-layer gradient record and the mean-logit tracking of train_task, the models
+of the newer experiments (ReZero, branch-output), and the helpers the rules read (peak residual RMS)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from addnorm.lab.core import EXPERIMENTS
-from addnorm.lab.experiments import training_newer as W
+from addnorm.lab.experiments import peri_ln as P
 from addnorm.lab.experiments import training_setup as C
+
+NEW = ("peri-ln-training", "dyt", "rezero", "mix-ln-training")
+
 
 NEW = ("peri-ln-training", "dyt")
 
@@ -22,41 +25,6 @@ def test_new_experiments_are_registered_empirical_with_criterion_precondition_an
         exp = EXPERIMENTS[name]
         assert exp.kind == "empirical" and exp.claim and exp.criterion and exp.precondition, name
         assert "arXiv:" in exp.source and exp.config["default"]["seeds"] >= 3, name
-
-
-# ---- peri-ln ----------------------------------------------------------------------------------------------------
-def test_peri_verdict_pass_and_fail():
-    grew_init = [1.0, 1.0, 1.0]
-    passed, extra, reason = W.peri_verdict([9.0, 8.0, 3.0], grew_init, [2.0, 2.0, 2.0], [0.3] * 3, [0.31, 0.2, 0.3])
-    assert passed is True and reason == "" and extra["holds_by_seed"] == [True, True, False]
-    # Peri-LN's stream as large as Pre-LN's: not reproduced
-    assert W.peri_verdict([9.0] * 3, grew_init, [6.0] * 3, [0.3] * 3, [0.3] * 3)[0] is False
-    # Peri-LN bounded but clearly worse: not reproduced ("trains at least as well" fails)
-    assert W.peri_verdict([9.0] * 3, grew_init, [2.0] * 3, [0.2] * 3, [0.4] * 3)[0] is False
-
-
-def test_peri_verdict_is_inconclusive_when_a_control_fails():
-    # Pre-LN's stream did not grow during training: the growth the claim is about did not occur
-    passed, extra, reason = W.peri_verdict([1.5] * 3, [1.0] * 3, [1.0] * 3, [0.3] * 3, [0.3] * 3)
-    assert passed is None and "did not grow" in reason and extra["pre_grew_by_seed"] == [False] * 3
-    passed, _, reason = W.peri_verdict([9.0] * 3, [1.0] * 3, [2.0] * 3, [0.3] * 3, [1.0, 1.0, 0.3])
-    assert passed is None and "Peri-LN did not train" in reason
-    assert W.peri_verdict([9.0] * 3, [1.0] * 2, [2.0] * 3, [0.3] * 3, [0.3] * 3)[0] is None  # not paired
-
-
-def test_peak_rms():
-    assert W.peak_rms([{"rms": 1.0}, {"rms": 3.0}, {"rms": 2.0}]) == 3.0
-    assert W.peak_rms([{"rms": 1.0}, {"rms": None}]) is None and W.peak_rms(None) is None
-
-
-# ---- DyT --------------------------------------------------------------------------------------------------------
-def test_dyt_verdict():
-    passed, extra, reason = W.dyt_verdict([0.2, 0.3, 0.25], [0.22, 0.5, 0.27])
-    assert passed is True and reason == "" and extra["parity_by_seed"] == [True, False, True]
-    assert W.dyt_verdict([0.2] * 3, [0.5] * 3)[0] is False
-    passed, _, reason = W.dyt_verdict([1.0, 1.0, 0.2], [0.2] * 3)
-    assert passed is None and "LayerNorm model did not train" in reason
-    assert W.parity(0.54, 0.5) is True and W.parity(0.6, 0.5) is False and W.parity(math.nan, 0.5) is None
 
 
 # ---- the task's probes ------------------------------------------------------------------------------------------
@@ -115,3 +83,8 @@ def test_train_task_averages_each_layers_gradient_norm_over_the_records():
         init_record=True,
     )
     assert len(out["layer_grad_mean"]) == 3 and all(v > 0 for v in out["layer_grad_mean"])
+
+
+def test_peak_rms():
+    assert P.peak_rms([{"rms": 1.0}, {"rms": 3.0}, {"rms": 2.0}]) == 3.0
+    assert P.peak_rms([{"rms": 1.0}, {"rms": None}]) is None and P.peak_rms(None) is None

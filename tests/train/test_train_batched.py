@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from addnorm.lab.experiments.training import language, model_config
+from addnorm.lab.experiments.training_setup import language, model_config
 from addnorm.nn import TransformerLM
 from addnorm.train.batched import train_batched
 from addnorm.train.config import TrainConfig

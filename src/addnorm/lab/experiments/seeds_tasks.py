@@ -1,4 +1,4 @@
-"""The training tasks of the seeds' own advice (issue 27, "the seeds' own advice, tested"): module-level functions
+"""The training tasks of the seeds' own advice, tested as claims: module-level functions
 with plain arguments and JSON-able results, run through ``ctx.map`` like :func:`training_setup.train_task`.
 
 - :func:`hyper_task`: one run of the tiny LM with a given norm eps and gain (gamma) init.
@@ -7,7 +7,8 @@ with plain arguments and JSON-able results, run through ``ctx.map`` like :func:`
 - :func:`fp16_task`: a run whose LayerNorms compute their statistics in fp16, in fp32, or in fp16 after the seed's
   clamp, counting the steps where a norm's statistics overflowed.
 - :func:`finetune_task`: fine-tuning a Post-LN model pretrained on one language on a related one, as it is or with
-  its weights rearranged as Pre-LN (or training from scratch, the control).
+  its weights rearranged as Pre-LN (or training from scratch, the control); with ``eval_every`` in its fine-tuning
+  keywords, the excess loss at every evaluation (``excess_at``: fine-tuning budgets read off one run).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _run(net: nn.Module, data, train: dict) -> dict:
     cfg = TrainConfig(**{"batch_size": BATCH, "seq_len": SEQ, "eval_batches": 2, **train})
     res = run(net, data, cfg)
     reference = res.eval_optimum if res.eval_optimum is not None else reference_eval_loss(data, cfg)
-    return {
+    out = {
         "initial_loss": _num(res.initial_loss),
         "final_loss": _num(res.final_loss),
         "reference": _num(reference),
@@ -50,6 +51,13 @@ def _run(net: nn.Module, data, train: dict) -> dict:
         "steps_done": res.steps_done,
         "loss_curve": _subsample(res.losses, 50),
     }
+    if cfg.eval_every:  # the excess at every evaluation (the same validation tokens, so the same reference)
+        evals = dict(res.evals)
+        out["excess_at"] = {
+            str(step): _num(excess(evals.get(step), res.initial_loss, reference))
+            for step in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)
+        }
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ eps and gamma
