@@ -153,9 +153,8 @@ def test_configuration_cache_is_bounded(monkeypatch):
 # ---- resolve_backend's CUDA cache --------------------------------------------------------------------------------
 
 
-def test_resolution_is_remembered_but_not_across_env_or_module_tables(monkeypatch):
+def test_resolution_is_remembered_but_not_across_env_or_a_fresh_start(monkeypatch, fresh_registry):
     calls = []
-    monkeypatch.setattr(backends, "_resolved", {})
     monkeypatch.setattr(backends, "_resolve", lambda b, d: calls.append((b, d.type)) or "triton")
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -169,18 +168,17 @@ def test_resolution_is_remembered_but_not_across_env_or_module_tables(monkeypatc
     backends.resolve_backend("auto", cuda)
     assert calls[3:] == [("auto", "cuda")] * 2  # the override is read on every call
     monkeypatch.delenv(backends.ENV_VAR)
-    monkeypatch.setattr(backends, "_modules", {})  # another module table than the cached one
+    backends.forget()  # as a fresh process: resolved again
     backends.resolve_backend("triton", cuda)
     assert calls[-1] == ("triton", "cuda") and len(calls) == 6
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.resolve_backend(["triton"], cuda)  # an unhashable value still gets the argument's error
 
 
-def test_a_failed_resolution_is_not_remembered(monkeypatch):
-    monkeypatch.setattr(backends, "_resolved", {})
+def test_a_failed_resolution_is_not_remembered(monkeypatch, fresh_registry):
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     meta = torch.device("meta")
     for _ in range(2):
         with pytest.raises(backends.BackendUnavailableError, match="cpu"):
             backends.resolve_backend("cpu", meta)
-    assert backends._resolved == {}
+    assert backends._resolve_remembered.cache_info().currsize == 0

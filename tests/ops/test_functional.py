@@ -191,7 +191,7 @@ def test_dropout_keeps_fraction_scales_and_zeroes_grad_where_dropped(backend):
 
 
 def test_reference_backend_dropout_mask_is_the_seeded_hash():
-    from addnorm.reference import dropout_keep_mask
+    from addnorm.ops.contract import dropout_keep_mask
 
     torch.manual_seed(5)
     x = torch.rand(8, 40) + 0.5
@@ -253,13 +253,12 @@ def test_auto_takes_the_cpu_backend_for_cpu_tensors_of_every_size(monkeypatch):
     assert backends.resolve_backend("auto", cpu) == want
 
 
-def test_unavailable_backend_says_why_and_what_to_install(monkeypatch):
+def test_unavailable_backend_says_why_and_what_to_install(monkeypatch, fresh_registry):
     monkeypatch.setitem(
         backends.KERNEL_BACKENDS,
         "cpu",
         backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"),
     )
-    monkeypatch.setattr(backends, "_modules", {})
     with pytest.raises(backends.BackendUnavailableError, match="pip install numba"):
         addnorm.rms_norm(torch.randn(2, 4), backend="cpu")
     # auto falls back to what runs
@@ -312,9 +311,8 @@ def test_compile_fullgraph_through_the_custom_ops_matches_eager():
         torch.testing.assert_close(a, b)
 
 
-def test_compile_fullgraph_with_auto_backend_before_any_eager_call(monkeypatch):
+def test_compile_fullgraph_with_auto_backend_before_any_eager_call(fresh_registry):
     """auto's resolution (imports, environment) must not be traced: it is a constant of the compiled graph."""
-    monkeypatch.setattr(backends, "_modules", {})  # as in a fresh process: no backend imported yet
 
     def f(x, r):
         return addnorm.add_rms_norm(x, r, eps=1e-6)[0]

@@ -30,7 +30,7 @@ count): each chunk sums its rows in order, then the chunk partials are summed in
 identical whatever the number of threads, and run to run.
 
 Dropout keeps element (i, j) by the contract's keep-function of (seed, i * N + j) and scales kept elements by
-the contract's scale (:func:`addnorm.reference.dropout_keep_mask`, :func:`~addnorm.reference.dropout_scale`), so
+the contract's scale (:func:`addnorm.ops.contract.dropout_keep_mask`, :func:`~addnorm.ops.contract.dropout_scale`), so
 the backward regenerates the mask and every backend agrees bit for bit.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from addnorm import reference as _ref
+from addnorm.ops.contract import MIX_M1, MIX_M2
 
 try:
     import numba
@@ -231,12 +231,12 @@ def _zero_of_impl(a):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Dropout: the contract's keep-function (addnorm.reference), in uint64 arithmetic masked to 32 bits
+# Dropout: the contract's keep-function (addnorm.ops.contract), in uint64 arithmetic masked to 32 bits
 # --------------------------------------------------------------------------------------------------------------
 
 _M32 = np.uint64(0xFFFFFFFF)
-_MIX_M1 = np.uint64(_ref.MIX_M1)
-_MIX_M2 = np.uint64(_ref.MIX_M2)
+_MIX_M1 = np.uint64(MIX_M1)
+_MIX_M2 = np.uint64(MIX_M2)
 
 
 @njit(inline="always", **JIT)

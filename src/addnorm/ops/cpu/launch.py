@@ -14,8 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from addnorm import reference as _ref
-from addnorm.ops.contract import stats_dtype
+from addnorm.ops.contract import dropout_scale, dropout_seed_key, dropout_threshold, stats_dtype
 from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.decode reaches it here)
 from addnorm.ops.cpu.kernels import IMPORT_ERROR, fwd_parallel, fwd_serial, numba
 from addnorm.ops.cpu.kernels_bwd import bwd_cols_parallel, bwd_parallel, bwd_serial
@@ -25,8 +24,7 @@ __all__ = ["unavailable_reason", "forward", "backward", "forward_into"]
 
 def _dropout_args(seed, p: float, sd: torch.dtype) -> tuple[int, int, float]:
     """(the seed's key mix32(seed + offset), keep threshold, scale) as plain Python numbers."""
-    seed_key = _ref.mix32((int(seed) + _ref.DROPOUT_SEED_OFFSET) & 0xFFFFFFFF)
-    return seed_key, _ref.dropout_threshold(p), _ref.dropout_scale(p, sd)
+    return dropout_seed_key(seed), dropout_threshold(p), dropout_scale(p, sd)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ sizes of :mod:`addnorm.ops.triton.plan`).
 The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
 
     forward   r    = keep * x * scale + residual          # keep(seed, i * N + j), scale ~ 1/(1-p): the contract's
-                                                          # keep-function and scale (addnorm.reference), not stored
+                                                          # keep-function and scale (addnorm.ops.contract), not stored
               h    = round(r, residual_dtype)             # stored as residual_out; normalized exactly as stored
               LayerNorm: mean = sum(h) / N,  var = sum((h - mean)^2) / N   (two passes over registers, or
                          Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
@@ -79,7 +79,7 @@ def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
 
 @_jit
 def _mix32(z):
-    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.reference)."""
+    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.ops.contract)."""
     z ^= z >> 16
     z *= 0x7FEB352D
     z ^= z >> 15
@@ -90,7 +90,7 @@ def _mix32(z):
 @_jit
 def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET: tl.constexpr):
     """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
-    of addnorm.reference (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
+    of addnorm.ops.contract (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
     draw the same mask."""
     key = _mix32((tl.load(Seed) + SEED_OFFSET).to(tl.uint32))
     z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
@@ -140,7 +140,7 @@ def fwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,  # off under inference: no (M,) statistics to allocate per call
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -212,7 +212,7 @@ def fwd_looped_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -321,7 +321,7 @@ def bwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     RELOAD_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -454,7 +454,7 @@ def bwd_tiles_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     BLOCK_N: tl.constexpr,
 ):
     # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers

@@ -17,7 +17,7 @@ import struct
 import torch
 from torch import Tensor
 
-from addnorm.ops.contract import stats_dtype
+from addnorm.ops.contract import dropout_threshold, stats_dtype
 from addnorm.ops.triton import fast_launch, plan, wide
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     bwd_row_sums_kernel,
@@ -27,7 +27,6 @@ from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tes
     fwd_rows_kernel,
     triton,
 )
-from addnorm.reference import dropout_threshold
 
 __all__ = ["interpreted", "unavailable_reason", "forward", "forward_into", "backward"]
 

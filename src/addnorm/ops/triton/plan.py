@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from addnorm.reference import DROPOUT_SEED_OFFSET
+from addnorm.ops.contract import DROPOUT_SEED_OFFSET
 
 __all__ = ["Tuning", "TUNING", "bwd_config", "cached_config", "fwd_config"]
 
