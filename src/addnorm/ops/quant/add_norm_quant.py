@@ -24,7 +24,7 @@ from addnorm.ops.quant.contract import QMAX, min_scale, quantize, validate_quant
 __all__ = ["add_layer_norm_quant", "add_layer_norm_quant_", "add_rms_norm_quant", "add_rms_norm_quant_"]
 
 # backend name -> the module that runs the fused kernels (imported on first use)
-_QUANT_MODULES = {"cpu": "addnorm.ops.quant.cpu", "triton": "addnorm.ops.quant.triton_quant"}
+_QUANT_MODULES = {"cpu": "addnorm.ops.cpu.quant", "triton": "addnorm.ops.triton.quant"}
 
 
 def quant_module(name: str):
