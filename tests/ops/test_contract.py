@@ -314,7 +314,8 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
     _skip_unavailable("triton")
     from addnorm.ops.triton import plan
 
-    monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    tuning = plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16)
+    monkeypatch.setattr(plan, "tuning", lambda: tuning)
     g = torch.Generator().manual_seed(5)
     x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
     grads = {}
@@ -344,7 +345,8 @@ def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, loop
     if looped:
         from addnorm.ops.triton import plan
 
-        monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, loop_block_n=16))
+        tuning = plan.Tuning(max_fwd_block_n=32, loop_block_n=16)
+        monkeypatch.setattr(plan, "tuning", lambda: tuning)
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
     w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)

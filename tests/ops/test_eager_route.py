@@ -126,19 +126,20 @@ def test_launch_configuration_is_computed_once_per_shape_and_flags(monkeypatch):
 
 
 def test_replacing_tuning_replaces_the_cached_configuration(monkeypatch):
-    """A new TUNING object (how tests and tune_triton.py change it; Tuning is frozen) is not served stale plans:
+    """A new Tuning object (how tests and tune_triton.py change it; Tuning is frozen) is not served stale plans:
     the same shape moves from the rows kernel to the looped one, with the same numbers."""
     P = _triton_plan()
     x, r, w, _ = _inputs(3, 64, residual=True, bias=False)
     key = ("fwd", 3, 64, True, True, False, True, False, False, True, False, True)
     want = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     assert P.cached_config(P.fwd_config, key)[0] is True  # rows kernel
-    monkeypatch.setattr(P, "TUNING", P.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    tuning = P.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16)
+    monkeypatch.setattr(P, "tuning", lambda: tuning)
     assert P.cached_config(P.fwd_config, key)[0] is False  # looped kernel
     got = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # another reduction order: close, not bitwise
     with pytest.raises(AttributeError):
-        P.TUNING.max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
+        P.tuning().max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
 
 
 def test_configuration_cache_is_bounded(monkeypatch):

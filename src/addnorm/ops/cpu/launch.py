@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from addnorm.ops.contract import dropout_scale, dropout_seed_key, dropout_threshold, stats_dtype
-from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.decode reaches it here)
+from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.fast_path reaches it here)
 from addnorm.ops.cpu.kernels import IMPORT_ERROR, fwd_parallel, fwd_serial, numba
 from addnorm.ops.cpu.kernels_bwd import bwd_cols_parallel, bwd_parallel, bwd_serial
 

@@ -1,5 +1,5 @@
 """Wide rows by teams: K programs share one row, each holding a chunk of CHUNK columns in registers (the kernels;
-:mod:`addnorm.ops.triton.wide` chooses K and launches them).
+:mod:`addnorm.ops.triton.team_launch` chooses K and launches them).
 
 Per row, program k of the team computes its chunk's partial statistics and publishes them:
     forward   RMSNorm: s_k = sum(h^2);   LayerNorm: s_k = sum(h), m2_k = sum((h - s_k / n_k)^2)  (Chan's partials)
