@@ -385,3 +385,24 @@ def test_triton_inference_call_writes_no_statistics(monkeypatch):
     expected = oracle(x, r, w, b, eps=1e-5, is_rms=False)
     assert_close(out, expected["out"], "out")
     assert_close(res, expected["residual_out"], "residual_out")
+
+
+def test_the_spec_of_a_call_fills_the_defaults_and_is_frozen():
+    import dataclasses
+
+    x, r = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8)
+    w = torch.ones(8, dtype=torch.bfloat16)
+    spec = C.AddNormSpec.of_call(x, r, w, None, None, True, 0, None, False, True, None)
+    assert spec == C.AddNormSpec(torch.finfo(torch.float32).eps, True, 0.0, torch.float32, False, True, torch.bfloat16)
+    assert type(spec.eps) is float and type(spec.dropout_p) is float
+    # the cast rounds nothing without an affine step, or when out_dtype is the statistics dtype
+    assert not C.AddNormSpec.of_call(x, r, None, None, 1e-6, True, 0.0, None, False, True, None).cast_before_weight
+    assert not C.AddNormSpec.of_call(
+        x, r, w, None, 1e-6, True, 0.0, None, False, True, torch.float32
+    ).cast_before_weight
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.eps = 1.0
+    with pytest.raises(TypeError, match="^out_dtype must be a floating dtype"):
+        C.AddNormSpec.of_call(x, r, w, None, 1e-6, True, 0.0, None, False, False, torch.int8)
+    with pytest.raises(ValueError, match="^eps must be a finite number"):
+        C.AddNormSpec.of_call(x, r, w, None, -1.0, True, 0.0, None, False, False, None)

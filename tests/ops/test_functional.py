@@ -245,6 +245,33 @@ def test_env_var_overrides_auto(monkeypatch):
         backends.resolve_backend("auto", torch.device("cpu"))
 
 
+def test_the_override_is_read_stripped_and_auto_means_none(monkeypatch):
+    monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
+    assert backends.backend_override() is None
+    for value, want in (("", None), ("  ", None), ("auto", None), (" auto ", None), (" cpu\n", "cpu"), ("x", "x")):
+        monkeypatch.setenv("ADDNORM_BACKEND", value)
+        assert backends.backend_override() == want, value
+
+
+def test_addnorm_backend_has_one_reader():
+    """Every place under ops/ that looks ADDNORM_BACKEND up lies inside backends.backend_override (the fast path,
+    the general path and the torch.func fallback all ask it), so the override cannot mean one thing here and another
+    there. (`addnorm info` prints the variable's raw value: a report, not a choice of backend.)"""
+    import inspect
+    from pathlib import Path
+
+    ops = Path(backends.__file__).parent
+    lines, start = inspect.getsourcelines(backends.backend_override)
+    owner = {("backends.py", start + i) for i in range(len(lines))}
+    readers = set()
+    for path in ops.rglob("*.py"):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            looks_up = any(call in line for call in ("environ.get(", "environ[", "getenv(", "_ENV_TABLE.get("))
+            if looks_up and ("ENV_VAR" in line or "ADDNORM_BACKEND" in line or "_ENV_KEY" in line):
+                readers.add((str(path.relative_to(ops)), i))
+    assert readers and readers <= owner, sorted(readers - owner)
+
+
 def test_auto_takes_the_cpu_backend_for_cpu_tensors_of_every_size(monkeypatch):
     # no size switch (batch invariance: tests/ops/test_batch_invariance.py); torch only when numba is missing
     monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
