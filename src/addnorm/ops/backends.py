@@ -107,6 +107,7 @@ def forget() -> None:
     change KERNEL_BACKENDS or what is installed)."""
     _import_backend.cache_clear()
     _resolve_remembered.cache_clear()
+    _cpu_remembered.cache_clear()
 
 
 def compiled_ops_usable(name: str, device_type: str) -> bool:
@@ -158,6 +159,22 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto" and backend_override() is not None:  # an override is read on every call: not remembered
         return _resolve(backend, device)
     return _resolve_remembered(backend, device)
+
+
+def resolve_cpu_backend(backend: str) -> str:
+    """:func:`resolve_backend` for CPU tensors, as the fast path asks on every decode-size call: the same answer and
+    errors, remembered per argument alone (no device to hash: ~0.15 us a call instead of ~0.3)."""
+    if type(backend) is not str or backend_override() is not None:  # (a bad value meets resolve_backend's error)
+        return resolve_backend(backend, _CPU)
+    return _cpu_remembered(backend)
+
+
+_CPU = torch.device("cpu")
+
+
+@functools.cache
+def _cpu_remembered(backend: str) -> str:
+    return resolve_backend(backend, _CPU)  # raises for a bad or unavailable backend: not remembered
 
 
 @functools.cache

@@ -24,8 +24,9 @@ What they run is the general path's computation with its bits (tests/ops/test_fa
   such shortcut: ``F.layer_norm`` on a half tensor differs from the contract's fp32 computation by an ulp in some
   rows, so it stays on the general path.)
 
-The backend is resolved by :func:`addnorm.ops.backends.resolve_backend`, as on the general path (it remembers
-what resolved, reads ``ADDNORM_BACKEND`` on every call and resolves a set override every call).
+The backend is resolved by :func:`addnorm.ops.backends.resolve_cpu_backend`: the general path's answer and errors,
+remembered per ``backend`` argument (auto's choice reads no shape: batch invariance); ``ADDNORM_BACKEND`` is read on
+every call, and a set override is resolved every call, not remembered.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ import math
 import torch
 from torch import Tensor
 
-from addnorm.ops.backends import kernel_module, resolve_backend
+from addnorm.ops.backends import kernel_module, resolve_cpu_backend
 from addnorm.ops.contract import MACHINE_EPS
 from addnorm.ops.torch_backend import rms_norm_one_dtype
 
 __all__ = ["try_add_norm", "try_add_norm_"]
 
-_CPU = torch.device("cpu")
 _STRIDED = torch.strided  # (sparse and mkldnn layouts: the general path)
 _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))  # a parameter passes; subclasses (FakeTensor, DTensor) don't
 _STATS_DTYPES = (torch.float32, torch.float64)  # x in one of these: the cast before the weight rounds nothing
@@ -146,7 +146,7 @@ def try_add_norm(
     if rows is None:
         return None
     m, n, eps = rows
-    name = resolve_backend(backend, _CPU)
+    name = resolve_cpu_backend(backend)
     if name == "cpu":
         cpu = kernel_module("cpu")
         if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
@@ -183,7 +183,7 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
     if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         return False
     m, n, eps = rows
-    name = resolve_backend(backend, _CPU)
+    name = resolve_cpu_backend(backend)
     if name == "cpu":
         cpu = kernel_module("cpu")
         if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
