@@ -20,9 +20,8 @@ What they run is the general path's computation with its bits (tests/ops/test_fa
 - on the ``cpu`` backend (contiguous tensors, bf16/fp16/fp32, below the parallel threshold): the serial numba
   kernel through :mod:`addnorm.ops.cpu.fast_launch` (raw addresses, no numpy views, no weight conversion);
 - on the ``torch`` backend, RMSNorm only: eager's own ops, :func:`addnorm.ops.torch_backend.rms_norm_one_dtype`,
-  as that backend runs them. (LayerNorm has no
-  such shortcut: ``F.layer_norm`` on a half tensor differs from the contract's fp32 computation by an ulp in some
-  rows, so it stays on the general path.)
+  as that backend runs them. (LayerNorm has no such shortcut: ``F.layer_norm`` on a half tensor differs from the
+  contract's fp32 computation by an ulp in some rows, so it stays on the general path.)
 
 The backend is resolved by :func:`addnorm.ops.backends.resolve_cpu_backend`: the general path's answer and errors,
 remembered per ``backend`` argument (auto's choice reads no shape: batch invariance); ``ADDNORM_BACKEND`` is read on
