@@ -264,10 +264,10 @@ def test_team_plans_do_not_depend_on_m(device):
 def test_the_launchers_take_teams_past_the_rows_path_when_on(device, monkeypatch, enabled):
     """The automatic choice through the launchers, scaled down (rows path to 64 columns, chunks of 32 forward and
     16 backward): N = 200 runs teams of 7 and 13 programs when the team path is on, the looped kernels when off."""
-    tuning = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64)
-    monkeypatch.setattr(P, "tuning", lambda: tuning)
-    tuning = W.WideTuning(enabled=enabled, chunk=32, bwd_chunk=16)
-    monkeypatch.setattr(W, "wide_tuning", lambda: tuning)
+    plan_tuning = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64)
+    monkeypatch.setattr(P, "tuning", lambda: plan_tuning)
+    wide = W.WideTuning(enabled=enabled, chunk=32, bwd_chunk=16)
+    monkeypatch.setattr(W, "wide_tuning", lambda: wide)
     launched = []
     for module, names in (
         (W, ("fwd_partials_kernel", "fwd_finish_kernel", "bwd_partials_kernel", "bwd_finish_kernel")),
