@@ -176,3 +176,14 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 )
 def test_the_cycle_finder_sees_what_it_should(tmp_path, files, expected):
     assert cycles(import_graph(_write(tmp_path, files))) == expected
+
+
+def test_nothing_under_ops_imports_the_oracle():
+    """The float oracle (addnorm.reference) judges the kernels: a kernel that imported it could share its mistakes,
+    and the runtime path would carry the oracle. What both need (the dropout hash, the row mean) is the contract,
+    addnorm.ops.contract, which the oracle imports instead. The `reference` backend, which runs the oracle behind
+    the kernel contract, lives outside ops/ (addnorm.reference_backend) and the registry names it by its import
+    path, so no module under ops/ is an exception."""
+    graph = import_graph()
+    taken = sorted(m for m, deps in graph.items() if m.startswith(f"{PACKAGE}.ops") and f"{PACKAGE}.reference" in deps)
+    assert not taken, f"modules under {PACKAGE}.ops importing {PACKAGE}.reference: {taken}"

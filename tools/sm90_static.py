@@ -42,10 +42,10 @@ from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
-from addnorm.ops.triton import wide as WIDE  # noqa: E402
+from addnorm.ops.triton import team_launch as TL  # noqa: E402
 
 KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
-# the wide rows' team kernels (addnorm.ops.triton.team, launched by wide.py): the team kernel a GPU runs, and the
+# the wide rows' team kernels (addnorm.ops.triton.team_kernels, launched by team_launch.py): the team kernel a GPU runs, and the
 # two-kernel fallback the interpreter runs (and a GPU with WideTuning(fallback=True))
 TEAM_KERNELS = (
     "fwd_team_kernel",
@@ -108,7 +108,7 @@ class Report:
     @property
     def programs_per_sm(self) -> int:
         # what the team launcher sizes its grid from on a GPU (from the compiled kernel there)
-        return WIDE.programs_per_sm(self.registers, self.num_warps, self.shared_bytes)
+        return TL.programs_per_sm(self.registers, self.num_warps, self.shared_bytes)
 
 
 def shapes_for(which: str) -> list[Shape]:
@@ -145,7 +145,7 @@ def shapes_for(which: str) -> list[Shape]:
         for is_rms in (True, False)
         for n in BENCH_SIZES
         for team in ("", "team", "fallback")
-        if not team or n > P.TUNING.max_fwd_block_n
+        if not team or n > P.tuning().max_fwd_block_n
     ]
 
 
@@ -164,18 +164,18 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
             )
 
     saved = {name: getattr(T, name) for name in KERNELS}
-    saved_team = {name: getattr(WIDE, name) for name in TEAM_KERNELS}
-    saved_programs, saved_use, saved_resident = P._programs, WIDE._use_team_kernel, WIDE.resident_programs
+    saved_team = {name: getattr(TL, name) for name in TEAM_KERNELS}
+    saved_programs, saved_use, saved_resident = P.persistent_programs, TL._use_team_kernel, TL.resident_programs
     try:
         for name in KERNELS:
             setattr(T, name, Recorder(saved[name]))
         for name in TEAM_KERNELS:
-            setattr(WIDE, name, Recorder(saved_team[name]))
-        P._programs = lambda device, per_sm: per_sm * SM_COUNT
+            setattr(TL, name, Recorder(saved_team[name]))
+        P.persistent_programs = lambda device, per_sm: per_sm * SM_COUNT
         # meta tensors: the team kernel as on a GPU, its grid as if a team of every size fitted (only the
         # compiled kernel matters here)
-        WIDE._use_team_kernel = lambda device, interpreted: current["shape"].team == "team"
-        WIDE.resident_programs = lambda kernel, args, meta, device: SM_COUNT * meta["K"]
+        TL._use_team_kernel = lambda device, interpreted: current["shape"].team == "team"
+        TL.resident_programs = lambda kernel, args, meta, device: SM_COUNT * meta["K"]
         for s in shapes:
             current["shape"] = s
             launch_shape(s, torch.device("meta"))
@@ -183,19 +183,18 @@ def record_launches(shapes: list[Shape]) -> list[Launch]:
         for name, kernel in saved.items():
             setattr(T, name, kernel)
         for name, kernel in saved_team.items():
-            setattr(WIDE, name, kernel)
-        P._programs, WIDE._use_team_kernel, WIDE.resident_programs = saved_programs, saved_use, saved_resident
+            setattr(TL, name, kernel)
+        P.persistent_programs, TL._use_team_kernel, TL.resident_programs = saved_programs, saved_use, saved_resident
     return launches
 
 
 def launch_shape(s: Shape, device: torch.device) -> None:
     """The forward and backward of one shape through the launchers, on ``device`` (meta: nothing is touched)."""
-    saved = WIDE.WIDE
-    WIDE.WIDE = WIDE.WideTuning(enabled=bool(s.team), fallback=s.team == "fallback")
+    saved = TL.set_wide_tuning(TL.WideTuning(enabled=bool(s.team), fallback=s.team == "fallback"))
     try:
         _launch_shape(s, device)
     finally:
-        WIDE.WIDE = saved
+        TL.set_wide_tuning(saved)
 
 
 def _launch_shape(s: Shape, device: torch.device) -> None:
@@ -236,7 +235,7 @@ def compiled_on_device(shapes: list[Shape], out: str | None) -> list[dict]:
         torch.cuda.synchronize()
         rows = []
         for name in KERNELS + TEAM_KERNELS:
-            kernel = getattr(T, name) if name in KERNELS else getattr(WIDE, name)
+            kernel = getattr(T, name) if name in KERNELS else getattr(TL, name)
             for caches in kernel.device_caches.values():
                 for compiled in list(caches[0].values()):
                     if getattr(compiled, "n_regs", None) is None:
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         if knob not in fields or not value.isdigit():
             p.error(f"--tuning: expected KNOB=INTEGER with KNOB one of {', '.join(sorted(fields))}; got {item!r}")
         overrides[knob] = int(value)
-    P.TUNING = dataclasses.replace(P.TUNING, **overrides)
+    P.set_tuning(dataclasses.replace(P.tuning(), **overrides))
     if a.on_device:
         # not the team kernels: on a GPU they run for real, and a team that never met would hang the run (their
         # own test runs them in a subprocess under a timeout); the static table has them

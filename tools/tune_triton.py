@@ -65,9 +65,8 @@ def _launch_plan(tuning: P.Tuning, n: int, mode: str, rms_16bit: bool = False) -
     def path(max_block_n: int):
         return P._rows_blocks(n, max_block_n) or min(tuning.loop_block_n, max_block_n)
 
-    saved = P.TUNING
+    saved = P.set_tuning(tuning)  # _rows_blocks reads rows_block_elems from the Tuning in force
     try:
-        P.TUNING = tuning  # _rows_blocks reads rows_block_elems from the module's TUNING
         fwd = path(tuning.max_fwd_block_n) if mode != "bwd" else None
         bwd_limit = tuning.max_bwd_block_n
         if rms_16bit:
@@ -83,7 +82,7 @@ def _launch_plan(tuning: P.Tuning, n: int, mode: str, rms_16bit: bool = False) -
             per_sm if mode != "fwd" else None,
         )
     finally:
-        P.TUNING = saved
+        P.set_tuning(saved)
 
 
 def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=print) -> list[dict]:
@@ -91,7 +90,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
         cfg.device, (1 << 30) if cfg.device.startswith("cuda") else (1 << 24), cfg.warmup, max(cfg.reps, 10)
     )
     rows = []
-    saved = P.TUNING
+    saved = P.tuning()
     rms_16bit = cfg.norm == "rms" and bench.DTYPES[cfg.dtype].itemsize == 2
     try:
         for n in cfg.sizes:
@@ -102,7 +101,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                     plan = _launch_plan(tuning, n, mode, rms_16bit)
                     if (plan, mode) in timed:  # same kernels as a setting already timed: nothing new to learn
                         continue
-                    P.TUNING = tuning
+                    P.set_tuning(tuning)
                     r = bench.bench_one("addnorm", mode, m, n, cfg, copy_gbps)
                     row = dict(
                         knob=knob,
@@ -123,7 +122,7 @@ def sweep(cfg: bench.BenchConfig, knobs: dict[str, tuple[int, ...]], progress=pr
                         + (f"{r.gbps:9.4g} GB/s" if r.gbps is not None else f"   -     {r.note}")
                     )
     finally:
-        P.TUNING = saved
+        P.set_tuning(saved)
     return rows
 
 

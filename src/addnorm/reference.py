@@ -28,11 +28,14 @@ every operation, so fp16 overflow and catastrophic cancellation can be shown rat
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# the contract's definitions the oracle must share with the kernels: the dropout keep-function and its scaling
+# (a different mask could not judge theirs), and the row mean that gives a row the same bits alone as in a batch
+from addnorm.ops.contract import dropout_keep_mask, dropout_scale, row_mean
 
 __all__ = [
     "acc_dtype",
@@ -42,10 +45,6 @@ __all__ = [
     "rms_norm_bwd_ref",
     "add_norm_ref",
     "add_norm_bwd_ref",
-    "dropout_keep_mask",
-    "dropout_scale",
-    "dropout_threshold",
-    "mix32",
     "Stats",
     "stats_naive",
     "stats_two_pass",
@@ -58,33 +57,6 @@ __all__ = [
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype statistics are accumulated in for inputs of ``dtype``: fp64 stays fp64, all else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# ATen's CPU reductions sum a reduction with a single output (one row) of at least GRAIN_SIZE elements in two passes
-# split across threads when there is more than one thread; any other row count gets each row summed by one thread
-# in one fixed order. So a row of >= 32768 elements alone would get other bits than the same row in a batch
-# (batch invariance: docs/kernels.md): a lone row is reduced as one of two identical rows instead.
-ATEN_GRAIN_SIZE = 32768
-
-
-def lone_wide_row(t: Tensor) -> bool:
-    """Whether reducing t's last dim hits ATen's split reduction: one row, >= ATEN_GRAIN_SIZE elements, on a CPU
-    with more than one intra-op thread. Never under torch.compile, whose generated code is its own (and does not
-    promise batch invariance)."""
-    return (
-        t.numel() == t.shape[-1] >= ATEN_GRAIN_SIZE
-        and t.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and torch.get_num_threads() > 1
-    )
-
-
-def row_mean(t: Tensor, keepdim: bool = False) -> Tensor:
-    """``t.mean(dim=-1, keepdim=keepdim)``, with the bits a row gets in a batch of any size (see lone_wide_row)."""
-    if t.dim() and lone_wide_row(t):
-        m = t.reshape(1, -1).expand(2, -1).mean(dim=-1)[:1]
-        return m.reshape(*t.shape[:-1], 1) if keepdim else m.reshape(t.shape[:-1])
-    return t.mean(dim=-1, keepdim=keepdim)
 
 
 def _effective_weight(weight: Tensor | None, zero_centered_weight: bool, dtype: torch.dtype) -> Tensor | None:
@@ -213,76 +185,6 @@ def rms_norm_bwd_ref(
     """Gradients of RMSNorm: ``(dx, dweight)`` in the compute dtype (the caller casts)."""
     dh, dw, _ = _norm_bwd(dy, x, weight, None, rstd, zero_centered_weight, compute_dtype or acc_dtype(x.dtype))
     return dh, dw
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Dropout: one keep-function of (seed, row, column) and one scaling for every backend (torch, reference, cpu,
-# triton), so a seed gives bitwise the same residual_out whatever the backend or the batch size. The hash uses only
-# 32-bit multiplies, shifts and xors: cheap in Triton (uint32), numba (uint64 masked) and torch (int64 masked).
-#
-#   mix(z)   = lowbias32 (C. Wellons' integer hash, a bijection of uint32): z ^= z >> 16; z *= 0x7FEB352D;
-#              z ^= z >> 15; z *= 0x846CA68B; z ^= z >> 16   (products mod 2^32)
-#   idx      = i * N + j (int64)
-#   z        = mix(lo32(idx) ^ mix(hi32(idx) ^ mix(seed + 0x9E3779B9)))
-#   keep     = (z >> 8) >= ceil(p * 2^24)          (the top 24 bits as u = k / 2^24: keep iff u >= p, exactly)
-#   kept     = v * scale,  scale = 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
-#
-# Below 2^32 elements every element gets a distinct z (mix is a bijection), so no two share a draw.
-# --------------------------------------------------------------------------------------------------------------
-
-DROPOUT_SEED_OFFSET = 0x9E3779B9
-MIX_M1 = 0x7FEB352D
-MIX_M2 = 0x846CA68B
-_M32 = 0xFFFFFFFF
-
-
-def mix32(z: int) -> int:
-    """lowbias32 on a Python int in [0, 2^32): the scalar form, for tests and host code."""
-    z ^= z >> 16
-    z = (z * MIX_M1) & _M32
-    z ^= z >> 15
-    z = (z * MIX_M2) & _M32
-    return z ^ (z >> 16)
-
-
-def _mix32_t(z: Tensor) -> Tensor:
-    """lowbias32 on int64 tensors holding values in [0, 2^32). The second multiplier is used as its negative
-    two's-complement twin so that no int64 product overflows; the low 32 bits are the same."""
-    z = z ^ (z >> 16)  # a new tensor: the in-place steps below never touch the caller's
-    z.mul_(MIX_M1).bitwise_and_(_M32)  # in place: each step of an (M, N) mask otherwise allocates 8 bytes/element
-    z.bitwise_xor_(z >> 15)
-    z.mul_(MIX_M2 - (1 << 32)).bitwise_and_(_M32)
-    return z.bitwise_xor_(z >> 16)
-
-
-def dropout_threshold(p: float) -> int:
-    """The keep threshold on the hash's top 24 bits: u = k / 2^24 >= p iff k >= ceil(p * 2^24) (both exact)."""
-    return math.ceil(p * (1 << 24))
-
-
-def dropout_scale(p: float, dtype: torch.dtype) -> float:
-    """The factor kept elements are multiplied by: 1 / (1 - p) in fp64, rounded to ``dtype`` (the statistics
-    dtype), returned as a Python float holding exactly that value."""
-    s = 1.0 / (1.0 - p)
-    return s if dtype == torch.float64 else float(torch.tensor(s, dtype=torch.float32))
-
-
-def dropout_keep_mask(seed: int | Tensor, rows: int, cols: int, p: float, device: torch.device | str = "cpu") -> Tensor:
-    """Boolean keep mask of shape (rows, cols): element (i, j) is kept iff its hash of (seed, i * cols + j) has
-    top 24 bits >= p * 2^24 (see the section comment). ``seed`` may be an int or a 0-dim integer tensor (read
-    without leaving its device)."""
-    if isinstance(seed, Tensor):
-        s = _mix32_t((seed.to(torch.int64) + DROPOUT_SEED_OFFSET) & _M32).to(device)
-    else:
-        s = mix32((int(seed) + DROPOUT_SEED_OFFSET) & _M32)
-    idx = torch.arange(rows * cols, dtype=torch.int64, device=device).reshape(rows, cols)
-    if rows * cols <= 1 << 32:
-        # every index's hi word is 0, so the inner hash is one value, mix32(s): computed once, not per element
-        # (this halves the mask's cost; the composed paths and the torch backend draw their masks here)
-        z = _mix32_t(idx ^ (_mix32_t(s) if isinstance(s, Tensor) else mix32(s)))
-    else:
-        z = _mix32_t((idx & _M32) ^ _mix32_t((idx >> 32) ^ s))
-    return (z >> 8) >= dropout_threshold(p)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def two_threads():
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_a_lone_wide_row_gets_its_bits_in_a_batch_with_two_threads(backend, is_rms, two_threads):
     # ATen sums a single output of >= 32K elements in two passes split over threads, and every other row count one
-    # row per thread (reference.lone_wide_row): with 2 threads a lone fp32 row of 40000 differed by ~2e-6
+    # row per thread (contract.lone_wide_row): with 2 threads a lone fp32 row of 40000 differed by ~2e-6
     _skip_unavailable(backend)
     n = 40000
     x, r, w, b = _row_inputs(n, torch.float32, torch.float32)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import addnorm
-from addnorm import reference as ref
 from addnorm.ops import backends
+from addnorm.ops import contract as C
 from addnorm.testing import assert_close, oracle
 
 ALL = ["torch", "reference", "cpu", "triton"]
@@ -76,41 +76,53 @@ def test_keep_function_tensor_form_matches_the_scalar_definition():
     """The int64 tensor hash (negative multiplier, masking) equals the plain-integer definition element by element,
     including elements past 2^32 (the hi word) and a seed given as a tensor."""
     seed, rows, cols, p = 123456789, 3, 11, 0.4
-    mask = ref.dropout_keep_mask(seed, rows, cols, p)
-    assert torch.equal(mask, ref.dropout_keep_mask(torch.tensor(seed), rows, cols, p))
-    thr = ref.dropout_threshold(p)
-    key = ref.mix32((seed + ref.DROPOUT_SEED_OFFSET) & 0xFFFFFFFF)
+    mask = C.dropout_keep_mask(seed, rows, cols, p)
+    assert torch.equal(mask, C.dropout_keep_mask(torch.tensor(seed), rows, cols, p))
+    thr = C.dropout_threshold(p)
+    key = C.mix32((seed + C.DROPOUT_SEED_OFFSET) & 0xFFFFFFFF)
     for i in range(rows):
         for j in range(cols):
             idx = i * cols + j
-            z = ref.mix32((idx & 0xFFFFFFFF) ^ ref.mix32((idx >> 32) ^ key))
+            z = C.mix32((idx & 0xFFFFFFFF) ^ C.mix32((idx >> 32) ^ key))
             assert bool(mask[i, j]) == ((z >> 8) >= thr)
     # the hi word: rows so long that i * N + j passes 2^32 (checked on two rows only)
     big = 1 << 31
     idx = torch.tensor([[big * 2 - 1, big * 2, big * 2 + 5]], dtype=torch.int64)
-    z = ref._mix32_t((idx & 0xFFFFFFFF) ^ ref._mix32_t((idx >> 32) ^ key))
+    z = C._mix32_t((idx & 0xFFFFFFFF) ^ C._mix32_t((idx >> 32) ^ key))
     for k, v in enumerate(idx[0].tolist()):
-        assert int(z[0, k]) == ref.mix32((v & 0xFFFFFFFF) ^ ref.mix32((v >> 32) ^ key))
+        assert int(z[0, k]) == C.mix32((v & 0xFFFFFFFF) ^ C.mix32((v >> 32) ^ key))
     # a value computed once from the definition: changing a constant changes every mask, which must be deliberate
-    assert ref.mix32(0x12345678) == 0xF5E71C96
+    assert C.mix32(0x12345678) == 0xF5E71C96
+
+
+def test_dropout_keep_mask_deterministic_and_unbiased():
+    a = C.dropout_keep_mask(7, 64, 129, 0.25)
+    assert torch.equal(a, C.dropout_keep_mask(7, 64, 129, 0.25))
+    assert not torch.equal(a, C.dropout_keep_mask(8, 64, 129, 0.25))
+    n = a.numel()
+    frac = a.double().mean().item()
+    sigma = (0.25 * 0.75 / n) ** 0.5
+    assert abs(frac - 0.75) < 5 * sigma
+    # neighbouring rows are not copies of each other (the index, not just the column, enters the hash)
+    assert not torch.equal(a[0], a[1])
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_fraction_and_independence(p):
-    mask = ref.dropout_keep_mask(3, 256, 256, p).float()
+    mask = C.dropout_keep_mask(3, 256, 256, p).float()
     assert abs(mask.mean().item() - (1 - p)) < 0.01
     # neighbouring rows and columns are uncorrelated, and another seed gives another mask
     for a, b in ((mask[1:], mask[:-1]), (mask[:, 1:], mask[:, :-1])):
         corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
         assert abs(corr) < 0.02
-    other = ref.dropout_keep_mask(4, 256, 256, p).float()
+    other = C.dropout_keep_mask(4, 256, 256, p).float()
     assert abs(torch.corrcoef(torch.stack([mask.flatten(), other.flatten()]))[0, 1].item()) < 0.02
 
 
 def test_scale_is_one_over_one_minus_p_rounded_to_the_stats_dtype():
     p = 0.1
-    assert ref.dropout_scale(p, torch.float64) == 1 / (1 - p)
-    s32 = ref.dropout_scale(p, torch.float32)
+    assert C.dropout_scale(p, torch.float64) == 1 / (1 - p)
+    s32 = C.dropout_scale(p, torch.float32)
     assert s32 == float(torch.tensor(1 / (1 - p), dtype=torch.float32)) and s32 != 1 / (1 - p)
 
 
@@ -141,9 +153,9 @@ def test_same_seed_same_residual_out_bit_for_bit_on_every_backend(mn, x_dtype, r
     # the contract written out: the seed the op draws, the mask of addnorm.reference, the scale
     torch.manual_seed(7)
     seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-    keep = ref.dropout_keep_mask(seed, m, n, 0.3)
+    keep = C.dropout_keep_mask(seed, m, n, 0.3)
     cd = torch.float64 if torch.float64 in (x_dtype, rd) else torch.float32
-    expected = (torch.where(keep, x.to(cd) * ref.dropout_scale(0.3, cd), 0.0) + r.to(cd)).to(rd or x_dtype)
+    expected = (torch.where(keep, x.to(cd) * C.dropout_scale(0.3, cd), 0.0) + r.to(cd)).to(rd or x_dtype)
     for backend, (_, res) in results.items():
         assert torch.equal(res, expected), f"{backend}: residual_out differs from the contract"
     assert 0.6 < keep.float().mean().item() < 0.8
@@ -159,7 +171,7 @@ def test_dropout_backward_regenerates_the_forwards_mask(backend):
     (res * torch.randn_like(res)).sum().backward()
     kept = res.detach() != r.detach()  # where x was dropped, residual_out is the residual itself
     assert torch.equal(x.grad != 0, kept)
-    assert torch.allclose(x.grad[kept], (r.grad * ref.dropout_scale(0.5, torch.float32))[kept])
+    assert torch.allclose(x.grad[kept], (r.grad * C.dropout_scale(0.5, torch.float32))[kept])
 
 
 # ---- 3. dresidual is dx's tensor when nothing separates them ----------------------------------------------------
@@ -302,7 +314,8 @@ def test_triton_looped_path_draws_the_same_mask(monkeypatch, is_rms):
     _skip_unavailable("triton")
     from addnorm.ops.triton import plan
 
-    monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    tuning = plan.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16)
+    monkeypatch.setattr(plan, "tuning", lambda: tuning)
     g = torch.Generator().manual_seed(5)
     x, r = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
     grads = {}
@@ -332,7 +345,8 @@ def test_forward_without_statistics_gives_the_same_outputs(backend, is_rms, loop
     if looped:
         from addnorm.ops.triton import plan
 
-        monkeypatch.setattr(plan, "TUNING", plan.Tuning(max_fwd_block_n=32, loop_block_n=16))
+        tuning = plan.Tuning(max_fwd_block_n=32, loop_block_n=16)
+        monkeypatch.setattr(plan, "tuning", lambda: tuning)
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(5, 70, generator=g).to(torch.bfloat16), torch.randn(5, 70, generator=g)
     w, b = torch.randn(70, generator=g), torch.randn(70, generator=g)
@@ -371,3 +385,24 @@ def test_triton_inference_call_writes_no_statistics(monkeypatch):
     expected = oracle(x, r, w, b, eps=1e-5, is_rms=False)
     assert_close(out, expected["out"], "out")
     assert_close(res, expected["residual_out"], "residual_out")
+
+
+def test_the_spec_of_a_call_fills_the_defaults_and_is_frozen():
+    import dataclasses
+
+    x, r = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8)
+    w = torch.ones(8, dtype=torch.bfloat16)
+    spec = C.AddNormSpec.of_call(x, r, w, None, None, True, 0, None, False, True, None)
+    assert spec == C.AddNormSpec(torch.finfo(torch.float32).eps, True, 0.0, torch.float32, False, True, torch.bfloat16)
+    assert type(spec.eps) is float and type(spec.dropout_p) is float
+    # the cast rounds nothing without an affine step, or when out_dtype is the statistics dtype
+    assert not C.AddNormSpec.of_call(x, r, None, None, 1e-6, True, 0.0, None, False, True, None).cast_before_weight
+    assert not C.AddNormSpec.of_call(
+        x, r, w, None, 1e-6, True, 0.0, None, False, True, torch.float32
+    ).cast_before_weight
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.eps = 1.0
+    with pytest.raises(TypeError, match="^out_dtype must be a floating dtype"):
+        C.AddNormSpec.of_call(x, r, w, None, 1e-6, True, 0.0, None, False, False, torch.int8)
+    with pytest.raises(ValueError, match="^eps must be a finite number"):
+        C.AddNormSpec.of_call(x, r, w, None, -1.0, True, 0.0, None, False, False, None)

@@ -15,8 +15,9 @@ import torch
 
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend
+from addnorm.ops.contract import dropout_keep_mask
 from addnorm.ops.cpu import launch as cpu
-from addnorm.reference import add_norm_bwd_ref, add_norm_ref, dropout_keep_mask
+from addnorm.reference import add_norm_bwd_ref, add_norm_ref
 from addnorm.testing import assert_close, oracle
 
 pytestmark = pytest.mark.skipif(cpu.unavailable_reason(torch.device("cpu")) is not None, reason="numba missing")

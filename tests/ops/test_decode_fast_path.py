@@ -1,4 +1,4 @@
-"""The decode fast path of :mod:`addnorm.ops.decode` (issue 25 item 2): the calls it takes give the general path's
+"""The fast path of :mod:`addnorm.ops.fast_path` at decode sizes: the calls it takes give the general path's
 bits, the calls it must not take reach the general path, and every bad argument meets the general path's error.
 
 "The general path" is the same call with the fast path switched off (``try_add_norm`` answering None), so each
@@ -19,7 +19,9 @@ import addnorm
 from addnorm.nn import LayerNorm, RMSNorm
 from addnorm.ops import add_norm as A
 from addnorm.ops import add_norm_inplace as AI
-from addnorm.ops import decode as D
+from addnorm.ops import fast_path as D
+from addnorm.ops import torch_backend as TB
+from addnorm.ops.contract import AddNormSpec
 from addnorm.ops.cpu import fast_launch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -38,7 +40,7 @@ def _inputs(shape, dtype, seed=0):
 def launches(monkeypatch):
     """Counts the decode launches (cpu) and the torch backend's one-dtype calls made through the fast path."""
     seen = {"cpu": 0, "torch": 0}
-    real_ptr, real_torch = fast_launch.forward_ptr, D.torch_rms_norm_one_dtype
+    real_ptr, real_torch = fast_launch.forward_ptr, D.rms_norm_one_dtype
 
     def ptr(*args):
         seen["cpu"] += 1
@@ -49,7 +51,7 @@ def launches(monkeypatch):
         return real_torch(*args)
 
     monkeypatch.setattr(fast_launch, "forward_ptr", ptr)
-    monkeypatch.setattr(D, "torch_rms_norm_one_dtype", one_dtype)
+    monkeypatch.setattr(D, "rms_norm_one_dtype", one_dtype)
     return seen
 
 
@@ -132,7 +134,7 @@ def test_torch_backend_decode_path_is_bitwise_the_general_path(launches, dtype, 
             got = addnorm.add_rms_norm(x, res, weight, 1e-6, cast_before_weight=cast, backend="torch")
             # the torch backend written out in the statistics dtype (run_add_norm drops the cast in fp32/fp64)
             cbw = cast and dtype not in (torch.float32, torch.float64)
-            want = A.torch_add_norm_general(x, res, weight, None, 1e-6, True, 0.0, dtype, False, cbw, dtype)
+            want = TB.add_norm_general(x, res, weight, None, AddNormSpec(1e-6, True, 0.0, dtype, False, cbw, dtype))
         _same(got[0], want[0])
         _same(got[1], want[1])
     assert launches["torch"] == (8 if shape[0] else 0)

@@ -126,19 +126,20 @@ def test_launch_configuration_is_computed_once_per_shape_and_flags(monkeypatch):
 
 
 def test_replacing_tuning_replaces_the_cached_configuration(monkeypatch):
-    """A new TUNING object (how tests and tune_triton.py change it; Tuning is frozen) is not served stale plans:
+    """A new Tuning object (how tests and tune_triton.py change it; Tuning is frozen) is not served stale plans:
     the same shape moves from the rows kernel to the looped one, with the same numbers."""
     P = _triton_plan()
     x, r, w, _ = _inputs(3, 64, residual=True, bias=False)
     key = ("fwd", 3, 64, True, True, False, True, False, False, True, False, True)
     want = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     assert P.cached_config(P.fwd_config, key)[0] is True  # rows kernel
-    monkeypatch.setattr(P, "TUNING", P.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16))
+    tuning = P.Tuning(max_fwd_block_n=32, max_bwd_block_n=32, loop_block_n=16)
+    monkeypatch.setattr(P, "tuning", lambda: tuning)
     assert P.cached_config(P.fwd_config, key)[0] is False  # looped kernel
     got = addnorm.add_rms_norm(x, r, w, 1e-6, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # another reduction order: close, not bitwise
     with pytest.raises(AttributeError):
-        P.TUNING.max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
+        P.tuning().max_fwd_block_n = 8  # frozen: an in-place edit would bypass the cache's check
 
 
 def test_configuration_cache_is_bounded(monkeypatch):
@@ -153,9 +154,8 @@ def test_configuration_cache_is_bounded(monkeypatch):
 # ---- resolve_backend's CUDA cache --------------------------------------------------------------------------------
 
 
-def test_resolution_is_remembered_but_not_across_env_or_module_tables(monkeypatch):
+def test_resolution_is_remembered_but_not_across_env_or_a_fresh_start(monkeypatch, fresh_registry):
     calls = []
-    monkeypatch.setattr(backends, "_resolved", {})
     monkeypatch.setattr(backends, "_resolve", lambda b, d: calls.append((b, d.type)) or "triton")
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -169,18 +169,17 @@ def test_resolution_is_remembered_but_not_across_env_or_module_tables(monkeypatc
     backends.resolve_backend("auto", cuda)
     assert calls[3:] == [("auto", "cuda")] * 2  # the override is read on every call
     monkeypatch.delenv(backends.ENV_VAR)
-    monkeypatch.setattr(backends, "_modules", {})  # another module table than the cached one
+    backends.forget()  # as a fresh process: resolved again
     backends.resolve_backend("triton", cuda)
     assert calls[-1] == ("triton", "cuda") and len(calls) == 6
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.resolve_backend(["triton"], cuda)  # an unhashable value still gets the argument's error
 
 
-def test_a_failed_resolution_is_not_remembered(monkeypatch):
-    monkeypatch.setattr(backends, "_resolved", {})
+def test_a_failed_resolution_is_not_remembered(monkeypatch, fresh_registry):
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     meta = torch.device("meta")
     for _ in range(2):
         with pytest.raises(backends.BackendUnavailableError, match="cpu"):
             backends.resolve_backend("cpu", meta)
-    assert backends._resolved == {}
+    assert backends._resolve_remembered.cache_info().currsize == 0

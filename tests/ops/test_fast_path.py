@@ -1,4 +1,4 @@
-"""The decode-size fast paths give the general paths' bits (issue 25 item 2): the torch backend's one-dtype RMSNorm
+"""The decode-size fast paths give the general paths' bits: the torch backend's one-dtype RMSNorm
 without gradients (eager's ``x + r; F.rms_norm``), the in-place op on the torch backend, and the nn modules' direct
 call; bad input and a weight changed after the first call still raise errors that name them."""
 
@@ -10,7 +10,8 @@ from torch import nn
 
 import addnorm
 from addnorm.nn import LayerNorm, RMSNorm
-from addnorm.ops import add_norm as A
+from addnorm.ops import torch_backend as TB
+from addnorm.ops.contract import AddNormSpec
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 # 0 rows, 1 row, N not a power of two, a decode row of 4096, many rows
@@ -28,7 +29,7 @@ def _inputs(shape, dtype, seed=0):
 def _general(x, r, w, eps, cast):
     d = x.dtype
     cast = cast and d not in (torch.float32, torch.float64)  # as run_add_norm drops it
-    return A.torch_add_norm_general(x, r, w, None, eps, True, 0.0, d, False, cast, d)
+    return TB.add_norm_general(x, r, w, None, AddNormSpec(eps, True, 0.0, d, False, cast, d))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -58,8 +59,8 @@ def test_strided_rows_take_the_fast_path_with_the_same_bits():
 def test_the_fast_path_is_taken_without_grad_and_not_with_it(monkeypatch):
     x, r, w = _inputs((2, 64), torch.bfloat16)
     calls = []
-    real = A.torch_add_norm_general
-    monkeypatch.setattr(A, "torch_add_norm_general", lambda *a: calls.append(1) or real(*a))
+    real = TB.add_norm_general
+    monkeypatch.setattr(TB, "add_norm_general", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         addnorm.add_rms_norm(x, r, w, backend="torch")
     assert calls == []

@@ -191,7 +191,7 @@ def test_dropout_keeps_fraction_scales_and_zeroes_grad_where_dropped(backend):
 
 
 def test_reference_backend_dropout_mask_is_the_seeded_hash():
-    from addnorm.reference import dropout_keep_mask
+    from addnorm.ops.contract import dropout_keep_mask
 
     torch.manual_seed(5)
     x = torch.rand(8, 40) + 0.5
@@ -245,6 +245,33 @@ def test_env_var_overrides_auto(monkeypatch):
         backends.resolve_backend("auto", torch.device("cpu"))
 
 
+def test_the_override_is_read_stripped_and_auto_means_none(monkeypatch):
+    monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
+    assert backends.backend_override() is None
+    for value, want in (("", None), ("  ", None), ("auto", None), (" auto ", None), (" cpu\n", "cpu"), ("x", "x")):
+        monkeypatch.setenv("ADDNORM_BACKEND", value)
+        assert backends.backend_override() == want, value
+
+
+def test_addnorm_backend_has_one_reader():
+    """Every place under ops/ that looks ADDNORM_BACKEND up lies inside backends.backend_override (the fast path,
+    the general path and the torch.func fallback all ask it), so the override cannot mean one thing here and another
+    there. (`addnorm info` prints the variable's raw value: a report, not a choice of backend.)"""
+    import inspect
+    from pathlib import Path
+
+    ops = Path(backends.__file__).parent
+    lines, start = inspect.getsourcelines(backends.backend_override)
+    owner = {("backends.py", start + i) for i in range(len(lines))}
+    readers = set()
+    for path in ops.rglob("*.py"):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            looks_up = any(call in line for call in ("environ.get(", "environ[", "getenv(", "_ENV_TABLE.get("))
+            if looks_up and ("ENV_VAR" in line or "ADDNORM_BACKEND" in line or "_ENV_KEY" in line):
+                readers.add((str(path.relative_to(ops)), i))
+    assert readers and readers <= owner, sorted(readers - owner)
+
+
 def test_auto_takes_the_cpu_backend_for_cpu_tensors_of_every_size(monkeypatch):
     # no size switch (batch invariance: tests/ops/test_batch_invariance.py); torch only when numba is missing
     monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
@@ -253,13 +280,12 @@ def test_auto_takes_the_cpu_backend_for_cpu_tensors_of_every_size(monkeypatch):
     assert backends.resolve_backend("auto", cpu) == want
 
 
-def test_unavailable_backend_says_why_and_what_to_install(monkeypatch):
+def test_unavailable_backend_says_why_and_what_to_install(monkeypatch, fresh_registry):
     monkeypatch.setitem(
         backends.KERNEL_BACKENDS,
         "cpu",
         backends.KernelBackend("cpu", "addnorm.ops._does_not_exist", "`pip install numba`"),
     )
-    monkeypatch.setattr(backends, "_modules", {})
     with pytest.raises(backends.BackendUnavailableError, match="pip install numba"):
         addnorm.rms_norm(torch.randn(2, 4), backend="cpu")
     # auto falls back to what runs
@@ -312,9 +338,8 @@ def test_compile_fullgraph_through_the_custom_ops_matches_eager():
         torch.testing.assert_close(a, b)
 
 
-def test_compile_fullgraph_with_auto_backend_before_any_eager_call(monkeypatch):
+def test_compile_fullgraph_with_auto_backend_before_any_eager_call(fresh_registry):
     """auto's resolution (imports, environment) must not be traced: it is a constant of the compiled graph."""
-    monkeypatch.setattr(backends, "_modules", {})  # as in a fresh process: no backend imported yet
 
     def f(x, r):
         return addnorm.add_rms_norm(x, r, eps=1e-6)[0]

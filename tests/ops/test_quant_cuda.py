@@ -56,7 +56,7 @@ def test_triton_matches_torch_on_the_gpu(qd, mode, is_rms, x_dtype, r_dtype):
 def test_hardware_encoder_is_torchs_conversion(qd):
     if not _fp8_ok():
         pytest.skip("FP8 conversion needs sm_89+")
-    from addnorm.ops.quant.triton_quant import encode_kernel
+    from addnorm.ops.triton.quant import encode_kernel
 
     qmax = QMAX[qd]
     hi = torch.tensor(qmax, dtype=torch.float32).view(torch.int32).item()

@@ -172,7 +172,7 @@ def test_requires_grad_is_an_error_in_grad_mode():
 
 
 def test_triton_fp8_needs_sm89(monkeypatch):
-    from addnorm.ops.quant import triton_quant
+    from addnorm.ops.triton import quant as triton_quant
 
     if triton_quant.triton is None:
         pytest.skip("triton is not installed")

@@ -31,7 +31,7 @@ def _patterns(qd, stride: int) -> torch.Tensor:
 @pytest.mark.parametrize("qd", FP8, ids=["e4m3", "e5m2"])
 def test_numba_encoder_is_torchs_conversion(qd):
     skip_unavailable("cpu")
-    from addnorm.ops.quant.cpu import encode_fp8
+    from addnorm.ops.cpu.quant import encode_fp8
 
     v = _patterns(qd, 997)  # ~1.1M patterns of each sign: every binade, most mantissas' neighbourhoods
     want = v.to(qd).view(torch.uint8)
@@ -44,7 +44,7 @@ def test_numba_encoder_is_torchs_conversion(qd):
 @pytest.mark.parametrize("qd", [*FP8, torch.int8], ids=["e4m3", "e5m2", "int8"])
 def test_triton_encoder_is_torchs_conversion_saturated(qd):
     skip_unavailable("triton")
-    from addnorm.ops.quant.triton_quant import _INTERPRETED, encode_kernel
+    from addnorm.ops.triton.quant import _INTERPRETED, encode_kernel
 
     qmax = QMAX[qd]
     v = _patterns(qd if qd != torch.int8 else torch.float8_e4m3fn, 9973)
@@ -73,7 +73,7 @@ def test_interpreter_conversion_is_wrong_without_the_encoder():
     7.96875 -> 4.0, 500 -> 256, NaN -> 384 with Triton 3.9). When a Triton release fixes it this test says so, and
     the bit-level path can go."""
     skip_unavailable("triton")
-    from addnorm.ops.quant.triton_quant import _INTERPRETED, encode_kernel
+    from addnorm.ops.triton.quant import _INTERPRETED, encode_kernel
 
     if not _INTERPRETED:
         pytest.skip("only the interpreter's conversion is in question")

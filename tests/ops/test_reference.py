@@ -91,18 +91,6 @@ def test_add_norm_bwd_ref_matches_autograd_with_dropout(is_rms):
         assert db is None
 
 
-def test_dropout_keep_mask_deterministic_and_unbiased():
-    a = ref.dropout_keep_mask(7, 64, 129, 0.25)
-    assert torch.equal(a, ref.dropout_keep_mask(7, 64, 129, 0.25))
-    assert not torch.equal(a, ref.dropout_keep_mask(8, 64, 129, 0.25))
-    n = a.numel()
-    frac = a.double().mean().item()
-    sigma = (0.25 * 0.75 / n) ** 0.5
-    assert abs(frac - 0.75) < 5 * sigma
-    # neighbouring rows are not copies of each other (the index, not just the column, enters the hash)
-    assert not torch.equal(a[0], a[1])
-
-
 # ---- statistics variants ---------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ def _triton_here(device):
 @pytest.fixture
 def looped(monkeypatch):
     """Force the looped path: rows wider than 64 elements no longer fit 'registers'."""
-    monkeypatch.setattr(P, "TUNING", TINY)
+    monkeypatch.setattr(P, "tuning", lambda: TINY)
 
 
 def _inputs(m, n, dtype, device, *, residual=True, weight=True, bias=True, residual_dtype=None, stride_pad=0):
@@ -155,18 +155,15 @@ class _Launches:
 def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual_dtype, is_rms, one_pass):
     """Tuning.max_bwd_block_n_rms_16bit, scaled down (64 -> 256 here, 8192 -> 16384 as shipped): which kernels the
     backward launches, with how many warps, and that both routes still match the oracle."""
-    monkeypatch.setattr(
-        P,
-        "TUNING",
-        P.Tuning(
-            max_fwd_block_n=64,
-            max_bwd_block_n=64,
-            max_bwd_block_n_rms_16bit=256,
-            wide_bwd_elems_per_thread=2,
-            rows_block_elems=256,
-            loop_block_n=32,
-        ),
+    tuning = P.Tuning(
+        max_fwd_block_n=64,
+        max_bwd_block_n=64,
+        max_bwd_block_n_rms_16bit=256,
+        wide_bwd_elems_per_thread=2,
+        rows_block_elems=256,
+        loop_block_n=32,
     )
+    monkeypatch.setattr(P, "tuning", lambda: tuning)
     seen = []
     for name in ("bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel"):
         monkeypatch.setattr(T, name, _Launches(getattr(T, name), seen, name))
@@ -181,9 +178,9 @@ def test_rms_backward_wide_rows_in_one_pass(device, monkeypatch, dtype, residual
 def test_backward_warps_as_shipped():
     """The shipped limits: RMSNorm's backward rows of 16384 run 16 warps (32 elements a thread; 32 warps would cap
     a thread at 64 registers and spill), narrower rows keep 8 elements a thread."""
-    assert P.TUNING.max_bwd_block_n_rms_16bit == 16384
-    assert P._warps(16384, P.TUNING.wide_bwd_elems_per_thread) == 16
-    assert P._warps(8192) == 32 and P._warps(4096) == 16
+    assert P.tuning().max_bwd_block_n_rms_16bit == 16384
+    assert P.warp_count(16384, P.tuning().wide_bwd_elems_per_thread) == 16
+    assert P.warp_count(8192) == 32 and P.warp_count(4096) == 16
 
 
 def test_backward_grid_sizes_per_path(monkeypatch):
@@ -194,7 +191,7 @@ def test_backward_grid_sizes_per_path(monkeypatch):
     rows = P.bwd_config(100000, 1024, True, False, True, False, True, False, False, False, False, cuda)
     assert rows[0] is True and rows[1] == 2 * 132
     looped = P.bwd_config(100000, 65536, True, False, True, False, True, False, False, False, False, cuda)
-    assert looped[0] is False and looped[1] == 65536 // P.TUNING.loop_block_n
+    assert looped[0] is False and looped[1] == 65536 // P.tuning().loop_block_n
     assert looped[2] == -(-4 * 132 // looped[1])  # row groups: 4 programs per SM over the column tiles
     few_rows = P.bwd_config(3, 65536, True, False, True, False, True, False, False, False, False, cuda)
     assert few_rows[2] == 3  # never more groups than rows
@@ -213,7 +210,7 @@ def test_zero_centered_weight(device, is_rms):
 def test_cast_before_weight(device, is_rms, path, monkeypatch):
     """Llama's order on both kernel paths; the fwd output matches the reference backend's (same two roundings)."""
     if path == "looped":
-        monkeypatch.setattr(P, "TUNING", TINY)
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
     x, r, w, b = _inputs(5, 100, torch.bfloat16, device)
     out, _ = check_against_oracle(is_rms, x, r, w, b, cast_before_weight=True)
     fn = add_rms_norm if is_rms else add_layer_norm
@@ -229,7 +226,7 @@ def test_cast_before_weight(device, is_rms, path, monkeypatch):
 def test_out_dtype(device, path, monkeypatch):
     """An fp32 residual stream whose normalized output is written in bf16 (and the reverse), with Llama's cast."""
     if path == "looped":
-        monkeypatch.setattr(P, "TUNING", TINY)
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
     check_against_oracle(RMS, *_inputs(5, 100, torch.float32, device), out_dtype=torch.bfloat16)
     check_against_oracle(LN, *_inputs(3, 90, torch.bfloat16, device), out_dtype=torch.float32, cast_before_weight=True)
 
@@ -237,7 +234,8 @@ def test_out_dtype(device, path, monkeypatch):
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
 def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch):
     """The wide-row variant of the backward's rows kernel (weight reloaded per row block, not held in registers)."""
-    monkeypatch.setattr(P, "TUNING", P.Tuning(reload_weight_above=0))
+    tuning = P.Tuning(reload_weight_above=0)
+    monkeypatch.setattr(P, "tuning", lambda: tuning)
     x, r, w, b = _inputs(9, 100, torch.bfloat16, device)
     with torch.no_grad():
         w.mul_(0.1)
@@ -247,7 +245,7 @@ def test_backward_reloading_the_weight_per_row_block(device, is_rms, monkeypatch
 def test_small_n_packs_rows(device):
     """QK-norm shapes: several rows per program (BLOCK_M > 1), rows crossing program boundaries."""
     m, n = 37, 128
-    block_m, _ = P._rows_blocks(n, P.TUNING.max_fwd_block_n)
+    block_m, _ = P._rows_blocks(n, P.tuning().max_fwd_block_n)
     assert 1 < block_m < m  # two programs, the second one partly past the last row
     check_against_oracle(RMS, *_inputs(m, n, torch.bfloat16, device))
 
@@ -277,7 +275,7 @@ def test_leading_dims_and_plain_norms(device):
     ],
 )
 def test_looped_path(device, looped, dtype, is_rms, opts):
-    assert P._rows_blocks(200, P.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(200, P.tuning().max_fwd_block_n) is None
     residual_dtype = opts.get("residual_dtype")
     kw = {"residual_dtype": residual_dtype} if residual_dtype is not None else {}
     check_against_oracle(is_rms, *_inputs(3, 200, dtype, device, **opts), **kw)
@@ -288,7 +286,7 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
     """A large common offset: E[h^2] - E[h]^2 in fp32 loses every digit of the variance (shown with the naive
     reference); the kernels' two-pass / Welford-Chan statistics keep it."""
     if path == "looped":
-        monkeypatch.setattr(P, "TUNING", TINY)
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
     x = (1e4 + torch.randn(2, 200, dtype=torch.float64)).float().to(device)
     _, _, _, rstd = T.forward(
         x,
@@ -321,7 +319,7 @@ def test_stats_do_not_cancel(device, monkeypatch, path):
 )
 def test_wide_row(device, n, dtype, is_rms):
     """Real hidden sizes above 65536 with the default block limits (one row, so the interpreter stays quick)."""
-    assert P._rows_blocks(n, P.TUNING.max_fwd_block_n) is None
+    assert P._rows_blocks(n, P.tuning().max_fwd_block_n) is None
     check_against_oracle(is_rms, *_inputs(1, n, dtype, device))
 
 
@@ -355,7 +353,7 @@ def test_real_sizes_on_gpu(device, m, n, is_rms):
 @pytest.mark.parametrize("path", ["rows", "looped"])
 def test_dweight_dbias_bitwise_reproducible(device, monkeypatch, path):
     if path == "looped":
-        monkeypatch.setattr(P, "TUNING", TINY)
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
     # several persistent programs in the interpreter (rows: 9 row blocks of 4 on 4 programs; looped: 3 column
     # tiles x 2 row groups)
     m, n = (33, 600) if path == "rows" else (9, 70)
@@ -405,7 +403,7 @@ def test_dropout_mask_depends_only_on_seed_and_position(device, monkeypatch):
     torch.manual_seed(1)
     _, rows_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
     _, next_res = add_rms_norm(x, dropout_p=0.5, backend="triton")
-    monkeypatch.setattr(P, "TUNING", TINY)
+    monkeypatch.setattr(P, "tuning", lambda: TINY)
     torch.manual_seed(1)
     xg = x.clone().requires_grad_(True)
     out, looped_res = add_rms_norm(xg, dropout_p=0.5, backend="triton")

@@ -352,7 +352,7 @@ def test_bound_launch_passes_what_the_normal_launch_passes(stub, monkeypatch, na
 
 @pytest.mark.parametrize("name", list(LOOPED))
 def test_bound_launch_on_the_looped_paths(stub, monkeypatch, name):
-    monkeypatch.setattr(P, "TUNING", TINY)
+    monkeypatch.setattr(P, "tuning", lambda: TINY)
     calls = _check_parity(stub, monkeypatch, LOOPED[name])
     assert {c[0] for c in calls} & {"fwd_looped_kernel", "bwd_tiles_kernel"}
 
@@ -551,10 +551,11 @@ def test_too_large_to_check_is_launched_normally_until_a_smaller_call(stub, monk
 
 
 def test_a_new_plan_object_is_a_new_key(stub, monkeypatch):
-    """The plan cache starts over when TUNING changes: a bound launch is never reused with another plan's meta."""
+    """The plan cache starts over when the Tuning changes: a bound launch is never reused with another plan's meta."""
     call = _fwd(4, 64)
     call()
-    monkeypatch.setattr(P, "TUNING", P.Tuning(elems_per_thread=4))
+    tuning = P.Tuning(elems_per_thread=4)
+    monkeypatch.setattr(P, "tuning", lambda: tuning)
     call()
     assert len(FL._bound) == 2
 
@@ -628,7 +629,7 @@ def test_bound_launches_are_bitwise_the_normal_launch_on_the_gpu(device, monkeyp
     difference: an error here), then the bound launch; every output bitwise equal."""
     _gpu_or_skip(device)
     if name in LOOPED:
-        monkeypatch.setattr(P, "TUNING", TINY)
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
     make = {**SCENARIOS, **LOOPED}[name]
     _set_fast(monkeypatch, False)
     normal = _results(make, device)

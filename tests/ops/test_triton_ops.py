@@ -314,7 +314,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from functorch.compile import aot_function, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from addnorm.ops.triton import compiled, launch as T, plan as P  # noqa: F401 - registers the ops
-P._programs = lambda device, per_sm: per_sm * 132  # no device properties to read on fake tensors
+P.persistent_programs = lambda device, per_sm: per_sm * 132  # no device properties to read on fake tensors
 T._device_guard = lambda device: contextlib.nullcontext()
 graphs = []
 

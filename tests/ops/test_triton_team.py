@@ -1,4 +1,4 @@
-"""Wide rows by teams of programs (addnorm.ops.triton.team, launched by addnorm.ops.triton.wide): the math of K
+"""Wide rows by teams of programs (addnorm.ops.triton.team_kernels, launched by addnorm.ops.triton.team_launch): the math of K
 programs per row against the float64 oracle, forward and every gradient, for K = 1 ... 8; what is promised bit for
 bit (a row's bits do not depend on the batch or its position; residual_out not on K); the choice of K from N only;
 the occupancy arithmetic that sizes the team grid.
@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from addnorm import add_layer_norm, add_rms_norm  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
-from addnorm.ops.triton import wide as W  # noqa: E402
+from addnorm.ops.triton import team_launch as W  # noqa: E402
 from addnorm.testing import assert_close, oracle  # noqa: E402
 
 LN, RMS = False, True
@@ -37,7 +37,8 @@ def _triton_here(device):
 
 
 def _team(monkeypatch, k: int, **kw) -> None:
-    monkeypatch.setattr(W, "WIDE", W.WideTuning(team=k, **kw))
+    tuning = W.WideTuning(team=k, **kw)
+    monkeypatch.setattr(W, "wide_tuning", lambda: tuning)
 
 
 def _inputs(m, n, dtype, device, *, residual=True, weight=True, bias=True, residual_dtype=None):
@@ -224,7 +225,7 @@ def test_in_place_through_a_team(device, monkeypatch):
 
 
 def test_team_size_is_opt_in_and_from_n_only(monkeypatch):
-    limit = P.TUNING.max_fwd_block_n
+    limit = P.tuning().max_fwd_block_n
     off = W.WideTuning(enabled=False)
     on = W.WideTuning(enabled=True)
     assert W.team_size(262144, wide=off) == 0  # off by default: no GPU has measured the team kernels yet
@@ -236,8 +237,13 @@ def test_team_size_is_opt_in_and_from_n_only(monkeypatch):
     assert W.team_size(10**7, wide=on) == on.max_team
     assert W.team_size(64, wide=W.WideTuning(team=5)) == 5  # forced: tests, every width
     monkeypatch.setenv(W.ENV, "1")
-    monkeypatch.setattr(W, "WIDE", W.WideTuning(chunk=4096))
-    assert W.refresh().enabled and W.WIDE.chunk == 4096  # the env var read again, the other fields kept
+    previous = W.set_wide_tuning(W.WideTuning(chunk=4096))
+    try:
+        tuning = W.refresh()
+        assert tuning.enabled and tuning.chunk == 4096  # the env var read again, the other fields kept
+        assert W.wide_tuning() is tuning
+    finally:
+        W.set_wide_tuning(previous)
 
 
 def test_team_plans_do_not_depend_on_m(device):
@@ -258,8 +264,10 @@ def test_team_plans_do_not_depend_on_m(device):
 def test_the_launchers_take_teams_past_the_rows_path_when_on(device, monkeypatch, enabled):
     """The automatic choice through the launchers, scaled down (rows path to 64 columns, chunks of 32 forward and
     16 backward): N = 200 runs teams of 7 and 13 programs when the team path is on, the looped kernels when off."""
-    monkeypatch.setattr(P, "TUNING", P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64))
-    monkeypatch.setattr(W, "WIDE", W.WideTuning(enabled=enabled, chunk=32, bwd_chunk=16))
+    plan_tuning = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64)
+    monkeypatch.setattr(P, "tuning", lambda: plan_tuning)
+    wide = W.WideTuning(enabled=enabled, chunk=32, bwd_chunk=16)
+    monkeypatch.setattr(W, "wide_tuning", lambda: wide)
     launched = []
     for module, names in (
         (W, ("fwd_partials_kernel", "fwd_finish_kernel", "bwd_partials_kernel", "bwd_finish_kernel")),
@@ -338,12 +346,12 @@ _GPU_SCRIPT = textwrap.dedent(
     """
     import torch
     from addnorm import add_layer_norm, add_rms_norm
-    from addnorm.ops.triton import wide as W
+    from addnorm.ops.triton import team_launch as W
 
     torch.manual_seed(0)
 
     def run(is_rms, k, fallback, m, n):
-        W.WIDE = W.WideTuning(team=k, fallback=fallback)
+        W.set_wide_tuning(W.WideTuning(team=k, fallback=fallback))
         g = torch.Generator(device="cuda").manual_seed(1)
         x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "xr")
         w = (1 + torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)).requires_grad_()

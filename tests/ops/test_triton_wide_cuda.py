@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from addnorm import add_layer_norm, add_rms_norm, add_rms_norm_  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
-from addnorm.ops.triton import wide as W  # noqa: E402
+from addnorm.ops.triton import team_launch as W  # noqa: E402
 from addnorm.testing import assert_close, oracle  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sizes past the interpreter)")
@@ -26,7 +26,7 @@ def test_more_than_2_31_elements(monkeypatch, path, n):
     """M * N > 2^31 elements of bf16 (4 GiB a tensor): the last rows, whose offsets overflow int32, are right."""
     if torch.cuda.get_device_properties(0).total_memory < 24 << 30:
         pytest.skip("needs about 18 GiB of GPU memory")
-    monkeypatch.setattr(W, "WIDE", PATHS[path])
+    monkeypatch.setattr(W, "wide_tuning", lambda: PATHS[path])
     m = (1 << 31) // n + 3
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -46,7 +46,7 @@ def test_in_place_on_wide_rows(monkeypatch, path, n):
     """add_rms_norm_ writes x and residual while reading them: past the rows path (the looped kernel re-reads
     residual_out in its second pass; the team kernels hold the chunk) it must equal the out-of-place op bit for
     bit."""
-    monkeypatch.setattr(W, "WIDE", PATHS[path])
+    monkeypatch.setattr(W, "wide_tuning", lambda: PATHS[path])
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(33, n, device="cuda", dtype=torch.bfloat16, generator=g)
     r = torch.randn(33, n, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -61,7 +61,8 @@ def test_in_place_on_wide_rows(monkeypatch, path, n):
 def test_wide_backward_against_the_oracle(monkeypatch, path):
     """The looped backward with its row groups sized from the compiled kernel (WideTuning.sized_grids), and the
     team backward, at N = 65536: every gradient against the float64 oracle."""
-    monkeypatch.setattr(W, "WIDE", W.WideTuning(**{"sized_grids" if path != "team" else "enabled": True}))
+    tuning = W.WideTuning(**{"sized_grids" if path != "team" else "enabled": True})
+    monkeypatch.setattr(W, "wide_tuning", lambda: tuning)
     seen = []
     kernel = T.bwd_tiles_kernel
 

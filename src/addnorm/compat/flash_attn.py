@@ -9,7 +9,7 @@ then ``residual_out`` (with ``prenorm``), then ``dropout_mask, dropout_mask1`` (
 ``residual_out`` is in the residual's dtype, else fp32 with ``residual_in_fp32``, else x's; the outputs are in
 ``out_dtype`` (default x's). The numerics are addnorm's contract (:mod:`addnorm.ops.add_norm`: fp32 statistics,
 one rounding per output), which is at least as accurate as flash-attention's kernel. Dropout masks come from
-addnorm's keep-function (:func:`addnorm.reference.dropout_keep_mask`), not Triton's ``tl.rand``: the same
+addnorm's keep-function (:func:`addnorm.ops.contract.dropout_keep_mask`), not Triton's ``tl.rand``: the same
 distribution, different bits for a given seed. ``rowscale`` may be given with ``x1`` here (it scales x only).
 
 Which combinations run in one fused kernel and which are composed is in :mod:`addnorm.ops.add_norm_multi`;

@@ -1,4 +1,4 @@
-"""Residual add + LayerNorm/RMSNorm: the public functions, the kernel contract, and the plain-PyTorch backend.
+"""Residual add + LayerNorm/RMSNorm: the public functions, and the contract every backend implements.
 
 The contract (every backend implements exactly this):
 
@@ -30,9 +30,9 @@ Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
     Dropout, the same on every backend (torch included) so that a seed gives bitwise the same residual_out whatever
     the backend: the seed is drawn on x's device by
     :func:`addnorm.ops.contract.draw_seed`; element (i, j) is kept iff the top 24 bits of a 32-bit integer hash of
-    (seed, i * N + j) are >= ceil(p * 2^24) (:func:`addnorm.reference.dropout_keep_mask` defines it); kept elements
-    are multiplied by 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
-    (:func:`addnorm.reference.dropout_scale`), dropped ones are 0.
+    (seed, i * N + j) are >= ceil(p * 2^24) (:func:`addnorm.ops.contract.dropout_keep_mask` defines it); kept
+    elements are multiplied by 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
+    (:func:`addnorm.ops.contract.dropout_scale`), dropped ones are 0.
 
     backward(dout, dresidual_out, h, weight, mean, rstd, *, is_rms, dropout_p, seed, zero_centered_weight,
              x_dtype, residual_dtype, bias_dtype, cast_before_weight=False)
@@ -49,8 +49,9 @@ The kernel backends run behind two custom ops, ``addnorm::add_norm_fwd`` and ``a
 ``torch.compile(fullgraph=True)`` traces through them without a graph break. On CUDA tensors compiled graphs run the
 Triton backend through ``addnorm::triton_add_norm_fwd``/``_bwd`` instead (:mod:`addnorm.ops.triton.compiled`): the
 same arguments and autograd, but triton ops whose kernel launches Inductor sees. Eager calls use neither: a plain
-autograd.Function calls the kernels (no dispatcher in the way). The ``torch`` backend is plain PyTorch: the readable
-one, the fallback and the baseline.
+autograd.Function calls the kernels (no dispatcher in the way). The ``torch`` backend
+(:mod:`addnorm.ops.torch_backend`) is plain PyTorch: the readable one, the fallback and the baseline. What all of
+them share (the dropout hash, the row helpers, the dtype rules, the validation) is :mod:`addnorm.ops.contract`.
 
 What composes with what: every backend works under autocast (the op takes each tensor's dtype as given),
 ``no_grad``/``inference_mode``, activation checkpointing (the dropout seed comes from torch's generator, which
@@ -62,122 +63,16 @@ uses the torch backend inside one and a kernel backend asked for by name raises.
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from addnorm.ops.backends import ENV_VAR, resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import FLOAT_DTYPES, as_dtype, default_rms_eps, draw_seed, stats_dtype, validate
-from addnorm.ops.decode import batch_invariant_rms_norm, torch_rms_norm_one_dtype, try_add_norm
+from addnorm.ops import torch_backend
+from addnorm.ops.backends import ENV_VAR, backend_override, resolve_backend, resolve_backend_for_trace
+from addnorm.ops.contract import AddNormSpec
+from addnorm.ops.fast_path import try_add_norm
 from addnorm.ops.kernel_ops import kernel_add_norm
-from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
-
-# --------------------------------------------------------------------------------------------------------------
-# The torch backend: plain PyTorch, differentiable by autograd, traced natively by torch.compile
-# --------------------------------------------------------------------------------------------------------------
-
-
-def torch_add_norm(
-    x,
-    residual,
-    weight,
-    bias,
-    eps,
-    is_rms,
-    dropout_p,
-    residual_dtype,
-    zero_centered_weight,
-    cast_before_weight,
-    out_dtype,
-):
-    """The torch backend: (out, residual_out), with run_add_norm's arguments less ``backend``."""
-    if (
-        is_rms
-        and dropout_p == 0.0
-        and not zero_centered_weight
-        and x.dtype is residual_dtype
-        and out_dtype is residual_dtype
-        and (residual is None or residual.dtype is residual_dtype)
-        and (weight is None or weight.dtype is residual_dtype)
-        and not (torch.is_grad_enabled() and _any_requires_grad(x, residual, weight))
-    ):
-        return torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight)
-    return torch_add_norm_general(
-        x,
-        residual,
-        weight,
-        bias,
-        eps,
-        is_rms,
-        dropout_p,
-        residual_dtype,
-        zero_centered_weight,
-        cast_before_weight,
-        out_dtype,
-    )
-
-
-def _any_requires_grad(x, residual, weight) -> bool:
-    return (
-        x.requires_grad
-        or (residual is not None and residual.requires_grad)
-        or (weight is not None and weight.requires_grad)
-    )
-
-
-def torch_add_norm_general(
-    x,
-    residual,
-    weight,
-    bias,
-    eps,
-    is_rms,
-    dropout_p,
-    residual_dtype,
-    zero_centered_weight,
-    cast_before_weight,
-    out_dtype,
-):
-    """The torch backend written out in the statistics dtype: every case, differentiable."""
-    cd = stats_dtype(x.dtype, residual_dtype)
-    h = as_dtype(x, cd)
-    if dropout_p > 0.0:
-        # the contract's mask and scaling (addnorm.reference), not F.dropout: the same bits as the kernel backends
-        n = x.shape[-1]
-        keep = dropout_keep_mask(draw_seed(x.device), x.numel() // n, n, dropout_p, x.device).reshape(x.shape)
-        h = torch.where(keep, h * dropout_scale(dropout_p, cd), torch.zeros((), dtype=cd, device=x.device))
-    if residual is not None:
-        h = h + as_dtype(residual, cd)
-    residual_out = as_dtype(h, residual_dtype)  # rounded once; the norm below sees exactly this
-    h = as_dtype(residual_out, cd)
-    w = None if weight is None else (as_dtype(weight, cd) + 1 if zero_centered_weight else as_dtype(weight, cd))
-    b = None if bias is None or is_rms else as_dtype(bias, cd)
-    n = (x.shape[-1],)
-    if cast_before_weight:
-        # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
-        xhat = batch_invariant_rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
-        # the rounding's gradient is the identity, as in the kernels: autograd through .to(out_dtype) would round
-        # dout * w to out's dtype before the norm's backward (up to one bf16 ulp more error in dx). xhat + (r -
-        # xhat) is r exactly: r is xhat's nearest out_dtype value, so the difference is exact (Sterbenz)
-        out = xhat + (xhat.to(out_dtype).to(cd) - xhat).detach()
-        if w is not None:
-            out = out * w
-        if b is not None:
-            out = out + b
-    elif is_rms:
-        out = batch_invariant_rms_norm(h, n, w, eps)
-    else:
-        out = F.layer_norm(h, n, w, b, eps)
-    return as_dtype(out, out_dtype), residual_out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Public functions
-# --------------------------------------------------------------------------------------------------------------
 
 
 def run_add_norm(
@@ -194,9 +89,10 @@ def run_add_norm(
     out_dtype,
     backend,
 ):
-    """What the public functions (and add_norm_multi's fused calls) share: validate, resolve the backend, run the
-    torch backend or the kernel route. Arguments positional, in the order of the signature. A decode-size call in
-    the common inference case is served by the fast path first (:mod:`addnorm.ops.decode`: the same bits)."""
+    """What the public functions (and add_norm_multi's fused calls) share: validate the call into an
+    :class:`~addnorm.ops.contract.AddNormSpec`, resolve the backend, run the torch backend or the kernel route.
+    Arguments positional, in the order of the signature. A decode-size call in the common inference case is served
+    by the fast path first (:mod:`addnorm.ops.fast_path`: the same bits)."""
     fast = try_add_norm(
         x,
         residual,
@@ -213,26 +109,7 @@ def run_add_norm(
     )
     if fast is not None:
         return fast
-    if is_rms and eps is None:
-        eps = default_rms_eps(x, residual, residual_dtype)
-    validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
-    eps, dropout_p = float(eps), float(dropout_p)
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype must be a floating dtype or None, got {out_dtype!r}")
-    if residual_dtype is None:
-        residual_dtype = residual.dtype if residual is not None else x.dtype
-    out_dtype = out_dtype or x.dtype
-    compiling = torch.compiler.is_compiling()  # once a call: the kernel route asks again otherwise
-    if compiling:
-        name = resolve_backend_for_trace(backend, x.device.type)
-    else:
-        name = resolve_backend(backend, x.device)
-        if name != "torch" and torch._C._are_functorch_transforms_active():
-            name = _backend_under_functorch(backend, name)
-    # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
-    cast_before_weight = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
-    cast_before_weight = cast_before_weight and out_dtype != stats_dtype(x.dtype, residual_dtype)
-    args = (
+    spec = AddNormSpec.of_call(
         x,
         residual,
         weight,
@@ -245,18 +122,26 @@ def run_add_norm(
         cast_before_weight,
         out_dtype,
     )
+    compiling = torch.compiler.is_compiling()  # once a call: the kernel route asks again otherwise
+    if compiling:
+        name = resolve_backend_for_trace(backend, x.device.type)
+    else:
+        name = resolve_backend(backend, x.device)
+        if name != "torch" and torch._C._are_functorch_transforms_active():
+            name = _backend_under_functorch(backend, name)
     if name == "torch":
-        return torch_add_norm(*args)
-    return kernel_add_norm(*args, name, compiling)
+        return torch_backend.add_norm(x, residual, weight, bias, spec)
+    return kernel_add_norm(x, residual, weight, bias, spec, name, compiling)
 
 
 def _backend_under_functorch(backend: str, name: str) -> str:
     """torch.func transforms (vmap, grad, jacrev, functional_call + grad, ...) compose with plain PyTorch only: the
     kernel backends' autograd has no vmap rule and cannot see through functorch's wrapped tensors. auto falls back
     to the torch backend (same contract); a kernel backend asked for by name (or by ADDNORM_BACKEND) is an error."""
-    if backend == "auto" and os.environ.get(ENV_VAR, "").strip() in ("", "auto"):
+    override = backend_override()
+    if backend == "auto" and override is None:
         return "torch"
-    asked = f"backend={backend!r}" if backend != "auto" else f"{ENV_VAR}={os.environ[ENV_VAR].strip()!r}"
+    asked = f"backend={backend!r}" if backend != "auto" else f"{ENV_VAR}={override!r}"
     raise RuntimeError(
         f"addnorm's {name!r} backend ({asked}) does not support torch.func transforms (vmap, grad, jacrev, ...); "
         f"use backend='torch', or 'auto' with {ENV_VAR} unset (auto uses the torch backend inside a transform)"

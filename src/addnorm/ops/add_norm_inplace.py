@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import torch_add_norm
+from addnorm.ops import torch_backend
 from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import check_disjoint, default_rms_eps, stats_dtype, validate
-from addnorm.ops.decode import torch_rms_norm_one_dtype, try_add_norm_
+from addnorm.ops.contract import AddNormSpec, check_disjoint, default_rms_eps, stats_dtype, validate
+from addnorm.ops.fast_path import try_add_norm_
 
 __all__ = ["add_layer_norm_", "add_rms_norm_"]
 
@@ -77,7 +77,7 @@ def _(x):
     return None
 
 
-def _rows(t: Tensor) -> Tensor | None:
+def _writable_rows(t: Tensor) -> Tensor | None:
     """t as (M, N) rows written in place, or None when the kernels cannot write it directly (not contiguous)."""
     return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
 
@@ -103,25 +103,14 @@ def _inplace_impl(
         # one dtype (decode): residual += x, then x = RMSNorm(residual) with the torch backend's one-dtype ops,
         # whose bits are the out-of-place call's; written in place, nothing but the norm's result allocated
         residual.add_(x)
-        x.copy_(torch_rms_norm_one_dtype(residual, None, weight, eps, cast_before_weight)[0])
+        x.copy_(torch_backend.rms_norm_one_dtype(residual, None, weight, eps, cast_before_weight)[0])
         return
-    x2, r2 = _rows(x), _rows(residual)
+    x2, r2 = _writable_rows(x), _writable_rows(residual)
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write
         if backend == "torch":
-            out, res = torch_add_norm(
-                x,
-                residual,
-                weight,
-                bias,
-                eps,
-                is_rms,
-                0.0,
-                residual.dtype,
-                zero_centered_weight,
-                cast_before_weight,
-                x.dtype,
-            )
+            spec = AddNormSpec(eps, is_rms, 0.0, residual.dtype, zero_centered_weight, cast_before_weight, x.dtype)
+            out, res = torch_backend.add_norm(x, residual, weight, bias, spec)
         else:
             n = x.shape[-1]
             out, res, _, _ = kernel_module(backend).forward(
@@ -170,7 +159,7 @@ def _(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_
 
 
 def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
-    # a decode-size call in the common case: the fast path (addnorm.ops.decode), which refuses anything unusual
+    # a decode-size call in the common case: the fast path (addnorm.ops.fast_path), which refuses anything unusual
     if try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
         return x, residual
     if is_rms and eps is None:

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.add_norm_multi import add_norm_multi
-from addnorm.ops.contract import check_float, default_rms_eps, stats_dtype
-from addnorm.reference import row_mean
+from addnorm.ops.contract import check_float, default_rms_eps, row_mean, stats_dtype
 
 __all__ = ["add_norm_linear"]
 

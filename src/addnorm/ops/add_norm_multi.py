@@ -8,7 +8,7 @@ a per-row scale, a second affine output, RMSNorm with a bias and returned dropou
     out1         = xhat * w1 + b1                          # only with weight1; the same statistics
 
 Everything follows :mod:`addnorm.ops.add_norm`'s contract (statistics dtype, one rounding of residual_out and of
-each output, ``cast_before_weight``, the dropout keep-function of :mod:`addnorm.reference`), on every backend.
+each output, ``cast_before_weight``, the dropout keep-function of :mod:`addnorm.ops.contract`), on every backend.
 
 What runs in one fused kernel and what is composed around it (composition is exact under the contract: the
 pieces are computed in the statistics dtype and rounded where the contract rounds):
@@ -16,7 +16,7 @@ pieces are computed in the statistics dtype and rounded where the contract round
 - fused: everything :func:`addnorm.add_layer_norm` / :func:`addnorm.add_rms_norm` take (x, residual, weight,
   bias, dropout without a returned mask).
 - composed before the kernel: ``rowscale``, ``x1``, and dropout when a mask is returned or x1/rowscale is
-  present. The branch is formed in the statistics dtype (masks drawn with :func:`addnorm.reference.
+  present. The branch is formed in the statistics dtype (masks drawn with :func:`addnorm.ops.contract.
   dropout_keep_mask` from seeds drawn like the kernels'), then goes through the fused kernel without dropout. This
   costs one (M, N) temporary in the statistics dtype.
 - composed after the kernel: ``weight1``/``bias1`` and RMSNorm's ``bias``. The kernel returns xhat (no weight,
@@ -39,9 +39,10 @@ from addnorm.ops.contract import (
     check_like_x,
     default_rms_eps,
     draw_seed,
+    dropout_keep_mask,
+    dropout_scale,
     stats_dtype,
 )
-from addnorm.reference import dropout_keep_mask, dropout_scale
 
 __all__ = ["AddNormOutputs", "add_norm_multi"]
 
@@ -78,7 +79,7 @@ def _validate_extra(x, x1, weight1, bias1, rowscale, bias, is_rms) -> None:
 
 def _dropout(h: Tensor, p: float, cd: torch.dtype) -> tuple[Tensor, Tensor]:
     """The contract's dropout of h (already in the statistics dtype): a fresh seed drawn like the kernels', the
-    keep-function of addnorm.reference, kept values times dropout_scale. Returns (dropped h, bool keep mask)."""
+    keep-function of addnorm.ops.contract, kept values times dropout_scale. Returns (dropped h, bool keep mask)."""
     n = h.shape[-1]
     keep = dropout_keep_mask(draw_seed(h.device), h.numel() // n, n, p, h.device).reshape(h.shape)
     return torch.where(keep, h * dropout_scale(p, cd), torch.zeros((), dtype=cd, device=h.device)), keep

@@ -1,9 +1,11 @@
 """Backend registry: which implementations of the add + norm contract exist, which run here, and why not.
 
 Backends:
-- ``torch``: plain PyTorch (the fallback and the baseline; always available, traced natively by torch.compile).
+- ``torch``: plain PyTorch (:mod:`addnorm.ops.torch_backend`: the fallback and the baseline; always available,
+  traced natively by torch.compile).
 - ``reference``: the explicit float oracle of :mod:`addnorm.reference` run through the kernel contract and the
-  registered custom ops; slow, available everywhere, used to test the plumbing every kernel backend shares.
+  registered custom ops (:mod:`addnorm.reference_backend`, outside ``ops/``: nothing under ``ops/`` imports the
+  oracle that judges it); slow, available everywhere, used to test the plumbing every kernel backend shares.
 - ``triton``: fused Triton kernels (CUDA GPUs; on CPU tensors only under ``TRITON_INTERPRET=1``).
 - ``cpu``: fused numba kernels, parallel over rows (CPU tensors).
 
@@ -12,11 +14,13 @@ functions that follow the contract documented in :mod:`addnorm.ops.add_norm`. Co
 through the opaque custom ops of :mod:`addnorm.ops.kernel_ops`, unless the backend registers ops of its own whose
 kernels the compiler sees (``KernelBackend.compiled_module``: the Triton backend's triton ops on CUDA tensors).
 
-``backend="auto"`` picks the best available backend for the tensor's device; ``ADDNORM_BACKEND`` overrides it.
+``backend="auto"`` picks the best available backend for the tensor's device; ``ADDNORM_BACKEND`` overrides it
+(:func:`backend_override` is its one reader).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ class KernelBackend:
 
 
 KERNEL_BACKENDS: dict[str, KernelBackend] = {
-    "reference": KernelBackend("reference", "addnorm.ops.reference_backend", "nothing (always available)"),
+    "reference": KernelBackend("reference", "addnorm.reference_backend", "nothing (always available)"),
     "triton": KernelBackend(
         "triton",
         "addnorm.ops.triton.launch",
@@ -54,8 +58,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # auto's order of preference per device type. The choice depends on the device, what is installed and the
 # ADDNORM_BACKEND override, never on the tensor's size: backends round their fp32 sums in different orders, so a
 # switch on the row count would give a row different bits in a batch of 4 and in a batch of 64 (batch invariance,
-# docs/kernels.md). Until issue 26 auto kept CPU tensors under 32K elements on the torch backend, whose per-call
-# cost was lower than the numba launch's.
+# docs/kernels.md).
 AUTO_ORDER = {"cuda": ("triton",), "cpu": ("cpu",)}
 
 
@@ -63,22 +66,48 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here; the message says why and what to install."""
 
 
-# name -> imported module, or the ImportError it raised (cached too: a failed import is not retried on every call,
-# which would also make torch.compile trace importlib on each resolve)
-_modules: dict[str, ModuleType | ImportError] = {}
+def backend_override() -> str | None:
+    """The backend ``ADDNORM_BACKEND`` names for ``backend="auto"`` (stripped, not yet checked), or None when it is
+    unset, empty or "auto". The one reader of the variable; it is read on every call, never remembered.
+
+    Every decode step asks, so the lookup goes to os.environ's own table (what os.environ reads and writes,
+    monkeypatch.setenv included) with the key encoded once: ~0.05 us, where os.environ.get encodes the key and
+    decodes the value each time (~0.6 us)."""
+    value = _ENV_TABLE.get(_ENV_KEY) if _ENV_TABLE is not None else os.environ.get(ENV_VAR)
+    if not value:
+        return None
+    value = (os.environ.decodevalue(value) if isinstance(value, bytes) else value).strip()
+    return value if value not in ("", "auto") else None
+
+
+_ENV_TABLE = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENV_TABLE is not None else None
+
+
+@functools.cache
+def _import_backend(name: str) -> ModuleType | ImportError:
+    """The kernel module of backend ``name``, or the ImportError it raised: both remembered (a failed import is not
+    retried on every call, which would also make torch.compile trace importlib on each resolve)."""
+    try:
+        return importlib.import_module(KERNEL_BACKENDS[name].module)
+    except ImportError as e:
+        return e
 
 
 def kernel_module(name: str) -> ModuleType:
-    """Import (once) and return the kernel module of backend ``name``; re-raises a cached ImportError."""
-    if name not in _modules:
-        try:
-            _modules[name] = importlib.import_module(KERNEL_BACKENDS[name].module)
-        except ImportError as e:
-            _modules[name] = e
-    mod = _modules[name]
+    """Import (once) and return the kernel module of backend ``name``; re-raises a remembered ImportError."""
+    mod = _import_backend(name)
     if isinstance(mod, ImportError):
         raise mod
     return mod
+
+
+def forget() -> None:
+    """Forget the imported kernel modules and every resolved name, as a fresh process would start (for tests that
+    change KERNEL_BACKENDS or what is installed)."""
+    _import_backend.cache_clear()
+    _resolve_remembered.cache_clear()
+    _cpu_remembered.cache_clear()
 
 
 def compiled_ops_usable(name: str, device_type: str) -> bool:
@@ -127,30 +156,41 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     depend on the input's shape (batch invariance: docs/kernels.md)."""
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    if backend == "auto" and os.environ.get(ENV_VAR):  # an override is read on every call: not cached
+    if backend == "auto" and backend_override() is not None:  # an override is read on every call: not remembered
         return _resolve(backend, device)
-    key = (backend, device)
-    hit = _resolved.get(key)
-    if hit is not None and hit[1] is _modules:
-        return hit[0]
-    name = _resolve(backend, device)
-    _resolved[key] = (name, _modules)
-    return name
+    return _resolve_remembered(backend, device)
 
 
-# A backend that resolved once stays resolvable: what decides it (an importable module, CUDA present, Triton's
-# interpreter chosen at import) does not change in a running process, and the availability checks cost
-# microseconds that every call of a decode step pays. Failures are not cached (each call says why again).
-# Entries hold the module table they were resolved with, so replacing it (tests do) misses the cache; an
-# ADDNORM_BACKEND override is never cached. One consequence: once the triton backend resolved for CPU tensors (its
-# kernels interpreted), unsetting TRITON_INTERPRET afterwards does not take it away (those kernels still run).
-_resolved: dict = {}
+def resolve_cpu_backend(backend: str) -> str:
+    """:func:`resolve_backend` for CPU tensors, as the fast path asks on every decode-size call: the same answer and
+    errors, remembered per argument alone (no device to hash: ~0.15 us a call instead of ~0.3)."""
+    if type(backend) is not str or backend_override() is not None:  # (a bad value meets resolve_backend's error)
+        return resolve_backend(backend, _CPU)
+    return _cpu_remembered(backend)
+
+
+_CPU = torch.device("cpu")
+
+
+@functools.cache
+def _cpu_remembered(backend: str) -> str:
+    return resolve_backend(backend, _CPU)  # raises for a bad or unavailable backend: not remembered
+
+
+@functools.cache
+def _resolve_remembered(backend: str, device: torch.device) -> str:
+    """A backend that resolved once stays resolvable: what decides it (an importable module, CUDA present, Triton's
+    interpreter chosen at import) does not change in a running process, and the availability checks cost
+    microseconds that every call of a decode step pays. Failures raise, so they are not remembered (each call says
+    why again); :func:`forget` starts over. One consequence: once the triton backend resolved for CPU tensors (its
+    kernels interpreted), unsetting TRITON_INTERPRET afterwards does not take it away (those kernels still run)."""
+    return _resolve(backend, device)
 
 
 def _resolve(backend: str, device: torch.device) -> str:
     if backend == "auto":
-        env = os.environ.get(ENV_VAR, "").strip()
-        if env and env != "auto":
+        env = backend_override()
+        if env is not None:
             if env not in BACKEND_NAMES:
                 raise ValueError(f"{ENV_VAR} must be one of {BACKEND_NAMES}, got {env!r}")
             backend = env

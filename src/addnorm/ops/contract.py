@@ -1,20 +1,30 @@
-"""What every backend and op of the add + norm contract shares (the contract itself is written in
-:mod:`addnorm.ops.add_norm`): its dtype rules (the float dtypes, the statistics dtype, eps=None's default), the
-dropout seed every backend draws the same way, and the validation that names a bad argument.
+"""What every backend and op of the add + norm contract shares: the options of one call as a frozen
+:class:`AddNormSpec`, the dtype rules (the float dtypes, the statistics dtype, eps=None's default), the dropout
+keep-function and seed every backend draws the same way, the row helpers that keep a row's bits independent of the
+batch, and the validation that names a bad argument. The contract in words is the docstring of
+:mod:`addnorm.ops.add_norm`.
 
-This module sits below every backend and op file: it imports nothing of addnorm.
+This module sits below every backend and op file, and below the float oracle of :mod:`addnorm.reference` (which
+draws its dropout masks here, so that it judges the kernels by the same mask): it imports nothing of addnorm.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "ATEN_GRAIN_SIZE",
+    "AddNormSpec",
+    "DROPOUT_SEED_OFFSET",
     "FLOAT_DTYPES",
+    "MACHINE_EPS",
+    "MIX_M1",
+    "MIX_M2",
     "as_dtype",
     "check_affine",
     "check_float",
@@ -22,9 +32,64 @@ __all__ = [
     "check_like_x",
     "default_rms_eps",
     "draw_seed",
+    "dropout_keep_mask",
+    "dropout_scale",
+    "dropout_seed_key",
+    "dropout_threshold",
+    "lone_wide_row",
+    "mix32",
+    "row_mean",
     "stats_dtype",
     "validate",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class AddNormSpec:
+    """The options of one add + norm call, validated and with their defaults filled in: what the public functions
+    hand to a backend beside the tensors (x, residual, weight, bias). ``residual_dtype`` and ``out_dtype`` are
+    dtypes, never None; ``cast_before_weight`` is already dropped where it changes nothing (no affine step, or
+    out_dtype the statistics dtype)."""
+
+    eps: float
+    is_rms: bool
+    dropout_p: float
+    residual_dtype: torch.dtype
+    zero_centered_weight: bool
+    cast_before_weight: bool
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of_call(
+        cls,
+        x,
+        residual,
+        weight,
+        bias,
+        eps,
+        is_rms,
+        dropout_p,
+        residual_dtype,
+        zero_centered_weight,
+        cast_before_weight,
+        out_dtype,
+    ) -> AddNormSpec:
+        """Validate one call's arguments (an error names the bad one) and fill in the defaults: eps=None (RMSNorm),
+        residual_dtype (the residual's dtype, else x's), out_dtype (x's dtype); cast_before_weight kept only where
+        it rounds something."""
+        if is_rms and eps is None:
+            eps = default_rms_eps(x, residual, residual_dtype)
+        validate(x, residual, weight, bias, eps, dropout_p, residual_dtype)
+        if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be a floating dtype or None, got {out_dtype!r}")
+        if residual_dtype is None:
+            residual_dtype = residual.dtype if residual is not None else x.dtype
+        out_dtype = out_dtype or x.dtype
+        # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
+        cast = bool(cast_before_weight) and (weight is not None or (bias is not None and not is_rms))
+        cast = cast and out_dtype != stats_dtype(x.dtype, residual_dtype)
+        return cls(float(eps), is_rms, float(dropout_p), residual_dtype, zero_centered_weight, cast, out_dtype)
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)  # membership by hash, for tensor dtypes: every call checks 2-4
@@ -33,14 +98,6 @@ _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)  # membership by hash, for tensor dty
 def stats_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> torch.dtype:
     """Statistics are fp32 unless x or the residual stream is fp64."""
     return torch.float64 if torch.float64 in (x_dtype, residual_dtype) else torch.float32
-
-
-def draw_seed(device: torch.device) -> Tensor:
-    """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
-    never leaves the device (a captured CUDA graph replays the draw itself, so each replay should get a fresh mask:
-    tools/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
-    backend draws it this way, which is what makes a seed give the same mask on all of them."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
 
 
 def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -55,11 +112,125 @@ def default_rms_eps(x, residual, residual_dtype):
     bf16 activations: 2^-7 instead of 1.2e-7. Unusable input is left for validate to name (None stays None)."""
     for dt in (residual_dtype, getattr(residual, "dtype", None), getattr(x, "dtype", None)):
         if dt is not None:
-            return _MACHINE_EPS.get(dt) if dt in FLOAT_DTYPES else None
+            return MACHINE_EPS.get(dt) if dt in FLOAT_DTYPES else None
     return None
 
 
-_MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in FLOAT_DTYPES}  # torch.finfo() costs ~0.5 us a call
+MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in FLOAT_DTYPES}  # torch.finfo() costs ~0.5 us a call
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rows: a row gets the same bits alone as in a batch of any size (batch invariance: docs/kernels.md)
+# --------------------------------------------------------------------------------------------------------------
+
+# ATen's CPU reductions sum a reduction with a single output (one row) of at least GRAIN_SIZE elements in two passes
+# split across threads when there is more than one thread; any other row count gets each row summed by one thread
+# in one fixed order. So a row of >= 32768 elements alone would get other bits than the same row in a batch: a lone
+# row is reduced as one of two identical rows instead.
+ATEN_GRAIN_SIZE = 32768
+
+
+def lone_wide_row(t: Tensor) -> bool:
+    """Whether reducing t's last dim hits ATen's split reduction: one row, >= ATEN_GRAIN_SIZE elements, on a CPU
+    with more than one intra-op thread. Never under torch.compile, whose generated code is its own (and does not
+    promise batch invariance)."""
+    return (
+        t.numel() == t.shape[-1] >= ATEN_GRAIN_SIZE
+        and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and torch.get_num_threads() > 1
+    )
+
+
+def row_mean(t: Tensor, keepdim: bool = False) -> Tensor:
+    """``t.mean(dim=-1, keepdim=keepdim)``, with the bits a row gets in a batch of any size (see lone_wide_row)."""
+    if t.dim() and lone_wide_row(t):
+        m = t.reshape(1, -1).expand(2, -1).mean(dim=-1)[:1]
+        return m.reshape(*t.shape[:-1], 1) if keepdim else m.reshape(t.shape[:-1])
+    return t.mean(dim=-1, keepdim=keepdim)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dropout: one keep-function of (seed, row, column) and one scaling for every backend (torch, reference, cpu,
+# triton), so a seed gives bitwise the same residual_out whatever the backend or the batch size. The hash uses only
+# 32-bit multiplies, shifts and xors: cheap in Triton (uint32), numba (uint64 masked) and torch (int64 masked).
+#
+#   mix(z)   = lowbias32 (C. Wellons' integer hash, a bijection of uint32): z ^= z >> 16; z *= 0x7FEB352D;
+#              z ^= z >> 15; z *= 0x846CA68B; z ^= z >> 16   (products mod 2^32)
+#   idx      = i * N + j (int64)
+#   z        = mix(lo32(idx) ^ mix(hi32(idx) ^ mix(seed + 0x9E3779B9)))
+#   keep     = (z >> 8) >= ceil(p * 2^24)          (the top 24 bits as u = k / 2^24: keep iff u >= p, exactly)
+#   kept     = v * scale,  scale = 1 / (1 - p) computed in fp64 and rounded to the statistics dtype
+#
+# Below 2^32 elements every element gets a distinct z (mix is a bijection), so no two share a draw.
+# --------------------------------------------------------------------------------------------------------------
+
+DROPOUT_SEED_OFFSET = 0x9E3779B9
+MIX_M1 = 0x7FEB352D
+MIX_M2 = 0x846CA68B
+_M32 = 0xFFFFFFFF
+
+
+def draw_seed(device: torch.device) -> Tensor:
+    """The dropout seed of one call: a 0-dim int64 tensor in [0, 2^31 - 1) drawn from ``device``'s generator, so it
+    never leaves the device (a captured CUDA graph replays the draw itself, so each replay should get a fresh mask:
+    tools/gpu_graph_check.py checks it on a GPU; activation checkpointing restores the generator). Every
+    backend draws it this way, which is what makes a seed give the same mask on all of them."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
+
+
+def mix32(z: int) -> int:
+    """lowbias32 on a Python int in [0, 2^32): the scalar form, for tests and host code."""
+    z ^= z >> 16
+    z = (z * MIX_M1) & _M32
+    z ^= z >> 15
+    z = (z * MIX_M2) & _M32
+    return z ^ (z >> 16)
+
+
+def dropout_seed_key(seed: int) -> int:
+    """mix(seed + DROPOUT_SEED_OFFSET): the per-call key the hash of every element starts from."""
+    return mix32((int(seed) + DROPOUT_SEED_OFFSET) & _M32)
+
+
+def _mix32_t(z: Tensor) -> Tensor:
+    """lowbias32 on int64 tensors holding values in [0, 2^32). The second multiplier is used as its negative
+    two's-complement twin so that no int64 product overflows; the low 32 bits are the same."""
+    z = z ^ (z >> 16)  # a new tensor: the in-place steps below never touch the caller's
+    z.mul_(MIX_M1).bitwise_and_(_M32)  # in place: each step of an (M, N) mask otherwise allocates 8 bytes/element
+    z.bitwise_xor_(z >> 15)
+    z.mul_(MIX_M2 - (1 << 32)).bitwise_and_(_M32)
+    return z.bitwise_xor_(z >> 16)
+
+
+def dropout_threshold(p: float) -> int:
+    """The keep threshold on the hash's top 24 bits: u = k / 2^24 >= p iff k >= ceil(p * 2^24) (both exact)."""
+    return math.ceil(p * (1 << 24))
+
+
+def dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """The factor kept elements are multiplied by: 1 / (1 - p) in fp64, rounded to ``dtype`` (the statistics
+    dtype), returned as a Python float holding exactly that value."""
+    s = 1.0 / (1.0 - p)
+    return s if dtype == torch.float64 else float(torch.tensor(s, dtype=torch.float32))
+
+
+def dropout_keep_mask(seed: int | Tensor, rows: int, cols: int, p: float, device: torch.device | str = "cpu") -> Tensor:
+    """Boolean keep mask of shape (rows, cols): element (i, j) is kept iff its hash of (seed, i * cols + j) has
+    top 24 bits >= p * 2^24 (see the section comment). ``seed`` may be an int or a 0-dim integer tensor (read
+    without leaving its device)."""
+    if isinstance(seed, Tensor):
+        s = _mix32_t((seed.to(torch.int64) + DROPOUT_SEED_OFFSET) & _M32).to(device)
+    else:
+        s = dropout_seed_key(seed)
+    idx = torch.arange(rows * cols, dtype=torch.int64, device=device).reshape(rows, cols)
+    if rows * cols <= 1 << 32:
+        # every index's hi word is 0, so the inner hash is one value, mix32(s): computed once, not per element
+        # (this halves the mask's cost; the composed paths and the torch backend draw their masks here)
+        z = _mix32_t(idx ^ (_mix32_t(s) if isinstance(s, Tensor) else mix32(s)))
+    else:
+        z = _mix32_t((idx & _M32) ^ _mix32_t((idx >> 32) ^ s))
+    return (z >> 8) >= dropout_threshold(p)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.backends import compiled_ops_usable, kernel_module
-from addnorm.ops.contract import draw_seed, stats_dtype
+from addnorm.ops.contract import AddNormSpec, draw_seed, stats_dtype
 
 __all__ = ["backward", "kernel_add_norm", "setup_context"]
 
@@ -345,25 +345,10 @@ class _EagerAddNorm(torch.autograd.Function):
 _eager_apply = getattr(super(torch.autograd.Function, _EagerAddNorm), "apply", _EagerAddNorm.apply)
 
 
-def kernel_add_norm(
-    x,
-    residual,
-    weight,
-    bias,
-    eps,
-    is_rms,
-    dropout_p,
-    residual_dtype,
-    zero_centered_weight,
-    cast_before_weight,
-    out_dtype,
-    backend,
-    compiling=False,
-):
-    """One call on kernel backend ``backend`` (run_add_norm's arguments, validated): (..., N) inputs as (M, N) rows,
-    then the custom op (compiling), the eager autograd.Function (something to differentiate) or the kernel forward
-    alone. Returns (out, residual_out)."""
-    # eps and dropout_p arrive as Python floats (run_add_norm converted them, once)
+def kernel_add_norm(x, residual, weight, bias, spec: AddNormSpec, backend: str, compiling: bool = False):
+    """One call on kernel backend ``backend`` with a validated spec: (..., N) inputs as (M, N) rows, then the custom
+    op (compiling), the eager autograd.Function (something to differentiate) or the kernel forward alone. Returns
+    (out, residual_out)."""
     shape = x.shape
     n = shape[-1]
     # (..., N) -> (M, N) without a copy when the leading dims allow it; rows may stay strided
@@ -376,34 +361,31 @@ def kernel_add_norm(
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
     # with nothing to add and nothing to round, residual_out *is* x: skip writing a copy of it
-    store = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
-    args = (
-        x2,
-        r2,
-        weight,
-        bias,
-        eps,
-        is_rms,
-        dropout_p,
-        residual_dtype,
-        zero_centered_weight,
+    store = residual is not None or spec.dropout_p > 0 or spec.residual_dtype != x.dtype
+    # the custom ops' flat arguments (a schema takes no dataclass), in their order
+    opts = (
+        spec.eps,
+        spec.is_rms,
+        spec.dropout_p,
+        spec.residual_dtype,
+        spec.zero_centered_weight,
         store,
         backend,
-        cast_before_weight,
-        out_dtype,
+        spec.cast_before_weight,
+        spec.out_dtype,
     )
     if compiling:
         if compiled_ops_usable(backend, x.device.type):
             # the backend's own op (addnorm::triton_add_norm_fwd): Inductor sees (and can graph) the kernels
-            # themselves, not an opaque call
+            # themselves, not an opaque call (its arguments: add_norm_fwd's less ``backend``)
             op = getattr(torch.ops.addnorm, f"{backend}_add_norm_fwd")
-            out, res_out = op(*args[:10], *args[11:])[:2]
+            out, res_out = op(x2, r2, weight, bias, *opts[:6], *opts[7:])[:2]
         else:
-            out, res_out = torch.ops.addnorm.add_norm_fwd(*args)[:2]
+            out, res_out = torch.ops.addnorm.add_norm_fwd(x2, r2, weight, bias, *opts)[:2]
     elif torch.is_grad_enabled() and _any_requires_grad(x2, r2, weight, bias):
-        out, res_out = _eager_apply(x2, r2, weight, bias, args[4:])
+        out, res_out = _eager_apply(x2, r2, weight, bias, opts)
     else:  # nothing to differentiate (inference, no_grad): no autograd node, no statistics, straight to the kernel
-        out, res_out = _fwd_raw(*args, store_stats=False)[:2]
+        out, res_out = _fwd_raw(x2, r2, weight, bias, *opts, store_stats=False)[:2]
     if x.dim() != 2:
         out = out.reshape(shape)
         res_out = res_out.reshape(shape) if store else None

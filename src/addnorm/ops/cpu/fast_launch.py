@@ -14,7 +14,7 @@ the element type at compile time) turns the addresses into arrays with ``numba.c
 kernel the general launch runs (:func:`addnorm.ops.cpu.kernels.fwd_serial`), so the bits are the same
 (tests/ops/test_cpu_fast_launch.py checks them against the general launch). The weight is read as stored: a half
 value widens to fp32 exactly, which is what the general launch's conversion does ahead of the kernel. Callers
-(:mod:`addnorm.ops.decode`) check that the tensors fit; anything else takes the general launch.
+(:mod:`addnorm.ops.fast_path`) check that the tensors fit; anything else takes the general launch.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ count): each chunk sums its rows in order, then the chunk partials are summed in
 identical whatever the number of threads, and run to run.
 
 Dropout keeps element (i, j) by the contract's keep-function of (seed, i * N + j) and scales kept elements by
-the contract's scale (:func:`addnorm.reference.dropout_keep_mask`, :func:`~addnorm.reference.dropout_scale`), so
+the contract's scale (:func:`addnorm.ops.contract.dropout_keep_mask`, :func:`~addnorm.ops.contract.dropout_scale`), so
 the backward regenerates the mask and every backend agrees bit for bit.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from addnorm import reference as _ref
+from addnorm.ops.contract import MIX_M1, MIX_M2
 
 try:
     import numba
@@ -231,12 +231,12 @@ def _zero_of_impl(a):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Dropout: the contract's keep-function (addnorm.reference), in uint64 arithmetic masked to 32 bits
+# Dropout: the contract's keep-function (addnorm.ops.contract), in uint64 arithmetic masked to 32 bits
 # --------------------------------------------------------------------------------------------------------------
 
 _M32 = np.uint64(0xFFFFFFFF)
-_MIX_M1 = np.uint64(_ref.MIX_M1)
-_MIX_M2 = np.uint64(_ref.MIX_M2)
+_MIX_M1 = np.uint64(MIX_M1)
+_MIX_M2 = np.uint64(MIX_M2)
 
 
 @njit(inline="always", **JIT)
@@ -263,7 +263,7 @@ def keep(idx, seed_key, threshold):
 
 
 @njit(fastmath=FAST, **JIT)
-def _sum(h, n, zero):
+def row_sum(h, n, zero):
     s = zero
     for j in range(n):
         s += cast_like(load(h, j), zero)
@@ -271,7 +271,7 @@ def _sum(h, n, zero):
 
 
 @njit(fastmath=FAST, **JIT)
-def _sum_sq_dev(h, n, mean, zero):
+def row_sum_sq_dev(h, n, mean, zero):
     s = zero
     for j in range(n):
         d = cast_like(load(h, j), zero) - mean
@@ -280,7 +280,7 @@ def _sum_sq_dev(h, n, mean, zero):
 
 
 @njit(**JIT)
-def _residual_row(x, r, h, i, n, has_res, dropout, seed_key, threshold, scale, zero):
+def residual_row(x, r, h, i, n, has_res, dropout, seed_key, threshold, scale, zero):
     """h = dropout(x) + r for row i, rounded to h's storage type."""
     for j in range(n):
         v = cast_like(load(x, j), zero)
@@ -361,16 +361,16 @@ def _fwd_row(
     # H: residual_out rows (stride sh; H is X itself when nothing is stored); Mean, Rstd: (M,) statistics
     h = H[i * sh : i * sh + n]
     if store:  # rounded once; everything below normalizes the stored value
-        _residual_row(
+        residual_row(
             X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, dropout, seed_key, threshold, scale, zero
         )
     nf = cast_like(n, zero)
     if is_rms:
         mean = zero
-        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, zero, zero) / nf + eps)
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, zero, zero) / nf + eps)
     else:
-        mean = _sum(h, n, zero) / nf
-        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, mean, zero) / nf + eps)
+        mean = row_sum(h, n, zero) / nf
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, mean, zero) / nf + eps)
         Mean[i] = mean
     rstd = cast_like(rstd, zero)
     Rstd[i] = rstd

@@ -14,9 +14,8 @@ import threading
 import numpy as np
 import torch
 
-from addnorm import reference as _ref
-from addnorm.ops.contract import stats_dtype
-from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.decode reaches it here)
+from addnorm.ops.contract import dropout_scale, dropout_seed_key, dropout_threshold, stats_dtype
+from addnorm.ops.cpu import fast_launch  # noqa: F401  (the decode launch: addnorm.ops.fast_path reaches it here)
 from addnorm.ops.cpu.kernels import IMPORT_ERROR, fwd_parallel, fwd_serial, numba
 from addnorm.ops.cpu.kernels_bwd import bwd_cols_parallel, bwd_parallel, bwd_serial
 
@@ -25,8 +24,7 @@ __all__ = ["unavailable_reason", "forward", "backward", "forward_into"]
 
 def _dropout_args(seed, p: float, sd: torch.dtype) -> tuple[int, int, float]:
     """(the seed's key mix32(seed + offset), keep threshold, scale) as plain Python numbers."""
-    seed_key = _ref.mix32((int(seed) + _ref.DROPOUT_SEED_OFFSET) & 0xFFFFFFFF)
-    return seed_key, _ref.dropout_threshold(p), _ref.dropout_scale(p, sd)
+    return dropout_seed_key(seed), dropout_threshold(p), dropout_scale(p, sd)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -61,7 +59,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _use_parallel(elements: int) -> bool:
+def use_parallel(elements: int) -> bool:
     if elements < PARALLEL_MIN_ELEMENTS or _pool["forked"] or _threads() < 2:
         return False
     _pool["started"] = True
@@ -118,13 +116,13 @@ def _empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A tensor as a numpy array sharing its memory, half types as their bits."""
     bits = _BITS_VIEW.get(t.dtype)
     return (t if bits is None else t.view(bits)).numpy()
 
 
-def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
+def row_view(t: torch.Tensor) -> tuple[np.ndarray, int]:
     """(flat numpy view spanning the rows of 2-D ``t``, row stride), without copying row-strided input."""
     m, n = t.shape
     rs, cs = t.stride()
@@ -133,8 +131,8 @@ def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
     if t.requires_grad:
         t = t.detach()
     if rs == n or m == 1:
-        return _np(t).reshape(-1), n
-    return _np(t.as_strided(((m - 1) * rs + n,), (1,))), rs
+        return as_numpy(t).reshape(-1), n
+    return as_numpy(t.as_strided(((m - 1) * rs + n,), (1,))), rs
 
 
 def _vector(t: torch.Tensor | None, dtype: torch.dtype, plus_one: bool, dummy: np.ndarray) -> np.ndarray:
@@ -243,17 +241,17 @@ def forward_into(
     if rstd is None:  # the numba kernels write the (M,) statistics row by row: give them scratch
         rstd, mean = _scratch(m, stats_dtype(x.dtype, (res_out if res_out is not None else x).dtype), is_rms)
     sd = rstd.dtype
-    X, sx = _rows(x)
+    X, sx = row_view(x)
     store = res_out is not None
     if store:
-        H, sh = _np(res_out).reshape(-1), n
+        H, sh = as_numpy(res_out).reshape(-1), n
     else:
         H, sh = X, sx  # nothing stored: the kernel normalizes x
     R, sr = H, sh  # placeholder of a type the kernel is compiled for anyway
     if residual is not None:
         if residual.dtype not in ((res_out if store else x).dtype, sd):
             residual = residual.to(sd)  # exact (or the float oracle's own rounding of an fp64 residual)
-        R, sr = _rows(residual)
+        R, sr = row_view(residual)
     Rstd = rstd.numpy()
     Mean = Rstd if is_rms else mean.numpy()
     W = _vector(weight, sd, zero_centered_weight, Rstd)
@@ -267,7 +265,7 @@ def forward_into(
         sr,
         W,
         B,
-        _np(out).reshape(-1),
+        as_numpy(out).reshape(-1),
         H,
         sh,
         Mean,
@@ -286,7 +284,7 @@ def forward_into(
         float(eps),
         bool(cast_before_weight),
     )
-    if _use_parallel(m * n):
+    if use_parallel(m * n):
         with _parallel_lock:
             fwd_parallel(*args)
     else:
@@ -323,14 +321,14 @@ def backward(
     dw = torch.zeros(n, dtype=sd) if weight is not None else None
     db = torch.zeros(n, dtype=sd) if bias_dtype is not None else None
     if m > 0:
-        DY, sdy = _rows(dout)
-        H, sh = _rows(h)
-        DRO, sdro = (H, sh) if dresidual_out is None else _rows(dresidual_out)
-        Rstd = _np(rstd.detach().contiguous())
-        Mean = Rstd if mean is None else _np(mean.detach().to(sd).contiguous())
+        DY, sdy = row_view(dout)
+        H, sh = row_view(h)
+        DRO, sdro = (H, sh) if dresidual_out is None else row_view(dresidual_out)
+        Rstd = as_numpy(rstd.detach().contiguous())
+        Mean = Rstd if mean is None else as_numpy(mean.detach().to(sd).contiguous())
         W = _vector(weight, sd, zero_centered_weight, Rstd)
-        DX = _np(dx).reshape(-1)
-        DRes = H if dres is None else _np(dres).reshape(-1)
+        DX = as_numpy(dx).reshape(-1)
+        DRes = H if dres is None else as_numpy(dres).reshape(-1)
         dwp = torch.zeros((chunks, n), dtype=sd) if dw is not None else None
         dbp = torch.zeros((chunks, n), dtype=sd) if db is not None else None
         DWp, DW = (Rstd, Rstd) if dw is None else (dwp.numpy().reshape(-1), dw.numpy())
@@ -367,10 +365,10 @@ def backward(
             scale,
             bool(cast_before_weight),
         )
-        if chunks > 1 and _use_parallel(m * n):
+        if chunks > 1 and use_parallel(m * n):
             with _parallel_lock:
                 bwd_parallel(*args)
-        elif _use_parallel(m * n):  # too few rows to split: split the columns
+        elif use_parallel(m * n):  # too few rows to split: split the columns
             block = max(COLS_BLOCK_MIN, -(-n // (4 * _threads())))
             sg, sgx = np.empty(m, Rstd.dtype), np.empty(m, Rstd.dtype)
             with _parallel_lock:

@@ -16,15 +16,15 @@ import importlib
 import torch
 from torch import Tensor
 
-from addnorm.ops.add_norm import torch_add_norm
+from addnorm.ops import torch_backend
 from addnorm.ops.backends import BackendUnavailableError, kernel_module, resolve_backend
-from addnorm.ops.contract import as_dtype, check_disjoint, default_rms_eps, stats_dtype, validate
+from addnorm.ops.contract import AddNormSpec, as_dtype, check_disjoint, default_rms_eps, stats_dtype, validate
 from addnorm.ops.quant.contract import QMAX, min_scale, quantize, validate_quant
 
 __all__ = ["add_layer_norm_quant", "add_layer_norm_quant_", "add_rms_norm_quant", "add_rms_norm_quant_"]
 
 # backend name -> the module that runs the fused kernels (imported on first use)
-_QUANT_MODULES = {"cpu": "addnorm.ops.quant.cpu", "triton": "addnorm.ops.quant.triton_quant"}
+_QUANT_MODULES = {"cpu": "addnorm.ops.cpu.quant", "triton": "addnorm.ops.triton.quant"}
 
 
 def quant_module(name: str):
@@ -37,9 +37,8 @@ def _pre_rounding(x, residual, weight, bias, eps, is_rms, residual_dtype, zero_c
 
     def run(w, b, out_dtype):
         if backend == "torch":
-            return torch_add_norm(
-                x, residual, w, b, eps, is_rms, 0.0, residual_dtype, zero_centered_weight, False, out_dtype
-            )
+            spec = AddNormSpec(eps, is_rms, 0.0, residual_dtype, zero_centered_weight, False, out_dtype)
+            return torch_backend.add_norm(x, residual, w, b, spec)
         n = x.shape[-1]
         out, res, _, _ = kernel_module(backend).forward(
             x.reshape(-1, n),

@@ -39,6 +39,7 @@ compiled kernel; test doubles), a launch hook installed (a profiler reads the la
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -64,30 +65,28 @@ _I32, _I64, _U64 = 1 << 31, 1 << 63, 1 << 64
 _UNKNOWN = object()  # an argument this module does not know how Triton specializes: launch normally
 
 
-def _reason() -> str | None:
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when launches may be bound, else why not (kernels that are not compiled, e.g. interpreted, never are).
+    Decided when this module is imported and remembered; :func:`refresh` decides again."""
     if triton is None:
         return "triton is not installed"
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
+    # the binding reads Triton's own launch code, which changes between versions: only those read are bound
     if not triton.__version__.startswith(TRITON_VERSIONS):
         return f"Triton {triton.__version__} is not one of the versions read ({', '.join(TRITON_VERSIONS)}x)"
     return None
 
 
-_off = _reason()
+unavailable_reason()
 
 
 def refresh() -> str | None:
     """Re-read the switch (``ADDNORM_TRITON_FAST_LAUNCH``) and the version check; forget every bound launch."""
-    global _off
-    _off = _reason()
+    unavailable_reason.cache_clear()
     _bound.clear()
-    return _off
-
-
-def unavailable_reason() -> str | None:
-    """None when launches may be bound, else why not (kernels that are not compiled, e.g. interpreted, never are)."""
-    return _off
+    return unavailable_reason()
 
 
 def _spec(a):
@@ -169,7 +168,7 @@ def _call(bound: _Bound, grid, stream, args) -> None:
 def launch(kernel, grid, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``, bound after the first launch when the module docstring's conditions hold."""
     if (
-        _off is not None
+        unavailable_reason() is not None
         or kernel.__class__ is not JITFunction
         or kernel.pre_run_hooks
         or _hooked(knobs.runtime.launch_enter_hook)

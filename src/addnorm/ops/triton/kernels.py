@@ -4,7 +4,7 @@ sizes of :mod:`addnorm.ops.triton.plan`).
 The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or the residual stream is fp64):
 
     forward   r    = keep * x * scale + residual          # keep(seed, i * N + j), scale ~ 1/(1-p): the contract's
-                                                          # keep-function and scale (addnorm.reference), not stored
+                                                          # keep-function and scale (addnorm.ops.contract), not stored
               h    = round(r, residual_dtype)             # stored as residual_out; normalized exactly as stored
               LayerNorm: mean = sum(h) / N,  var = sum((h - mean)^2) / N   (two passes over registers, or
                          Welford-Chan merging of per-tile (mean, M2) when the row is looped: no E[h^2] - E[h]^2)
@@ -31,22 +31,22 @@ try:
     import triton
     import triton.language as tl
 
-    _jit = triton.jit
+    jit = triton.jit
 except ImportError:  # the module still imports, so unavailable_reason() can say what to install
     triton = None
     tl = SimpleNamespace(constexpr=None)
-    _jit = lambda fn: fn  # noqa: E731
+    jit = lambda fn: fn  # noqa: E731
 
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
 # --------------------------------------------------------------------------------------------------------------
 
-# _round(v, dtype): v in dtype, rounded to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds),
-# so there it rounds on the bits. Chosen at import, not by a tl.constexpr global: Triton re-checks those per launch.
+# round_to(v, dtype): v in dtype, rounded to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU
+# rounds), so there it rounds on the bits: chosen at import (Triton re-checks a tl.constexpr global per launch).
 if os.environ.get("TRITON_INTERPRET") == "1":
 
-    @_jit
-    def _round(v, dtype: tl.constexpr):
+    @jit
+    def round_to(v, dtype: tl.constexpr):
         if dtype != tl.bfloat16:  # (the interpreter runs this as plain Python)
             return v.to(dtype)
         bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
@@ -54,13 +54,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 else:
 
-    @_jit
-    def _round(v, dtype: tl.constexpr):
+    @jit
+    def round_to(v, dtype: tl.constexpr):
         return v.to(dtype)
 
 
-@_jit
-def _rsqrt(v):
+@jit
+def rsqrt(v):
     # correctly rounded sqrt then a division: tl.math.rsqrt is approximate, and sqrt_rn has no fp64 form
     if v.dtype == tl.float64:
         return 1.0 / tl.sqrt(v)
@@ -68,8 +68,8 @@ def _rsqrt(v):
         return 1.0 / tl.sqrt_rn(v)
 
 
-@_jit
-def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+@jit
+def load_weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """The effective weight of columns ``cols``: w, or 1 + w (Gemma); 0 outside the row, where dout is 0 too."""
     w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
     if ZERO_CENTERED:
@@ -77,9 +77,9 @@ def _weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     return w
 
 
-@_jit
+@jit
 def _mix32(z):
-    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.reference)."""
+    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.ops.contract)."""
     z ^= z >> 16
     z *= 0x7FEB352D
     z ^= z >> 15
@@ -87,10 +87,10 @@ def _mix32(z):
     return z ^ (z >> 16)
 
 
-@_jit
-def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET: tl.constexpr):
+@jit
+def dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET: tl.constexpr):
     """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
-    of addnorm.reference (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
+    of addnorm.ops.contract (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
     draw the same mask."""
     key = _mix32((tl.load(Seed) + SEED_OFFSET).to(tl.uint32))
     z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
@@ -102,16 +102,16 @@ def _dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_O
     return tl.where(keep, v * scale, 0.0)
 
 
-@_jit
-def _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexpr):
+@jit
+def dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexpr):
     """dout * (the value the weight multiplied): xhat, or xhat rounded to out's dtype (cast_before_weight)."""
     if CAST_BEFORE_WEIGHT:
-        return dy * _round(xhat, out_t).to(dy.dtype)
+        return dy * round_to(xhat, out_t).to(dy.dtype)
     else:
         return dy * xhat
 
 
-@_jit
+@jit
 def fwd_rows_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL)
@@ -140,7 +140,7 @@ def fwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,  # off under inference: no (M,) statistics to allocate per call
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -153,21 +153,21 @@ def fwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]  # int64: M * N may exceed 2^31
     h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if HAS_DROPOUT:
-        h = _dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+        h = dropout(h, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
     if HAS_RESIDUAL:
         h += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     if STORE_RESIDUAL_OUT:
-        stored = _round(h, ResOut.dtype.element_ty)
+        stored = round_to(h, ResOut.dtype.element_ty)
         tl.store(ResOut + rows64 * N + cols[None, :], stored, mask=mask)
         h = stored.to(acc_t)  # normalize the sum exactly as stored
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = _rsqrt(tl.sum(h * h, axis=1) / N + eps)
+        rstd = rsqrt(tl.sum(h * h, axis=1) / N + eps)
         xhat = h * rstd[:, None]
     else:
         mean = tl.sum(h, axis=1) / N
         d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
-        rstd = _rsqrt(tl.sum(d * d, axis=1) / N + eps)
+        rstd = rsqrt(tl.sum(d * d, axis=1) / N + eps)
         if STORE_STATS:
             tl.store(Mean + rows, mean, mask=row_ok)
         xhat = d * rstd[:, None]
@@ -175,15 +175,15 @@ def fwd_rows_kernel(
         tl.store(Rstd + rows, rstd, mask=row_ok)
     y = xhat
     if CAST_BEFORE_WEIGHT:
-        y = _round(y, Out.dtype.element_ty).to(acc_t)
+        y = round_to(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
-        y = y * _weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
+        y = y * load_weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-    tl.store(Out + rows64 * N + cols[None, :], _round(y, Out.dtype.element_ty), mask=mask)
+    tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=mask)
 
 
-@_jit
+@jit
 def fwd_looped_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL)
@@ -212,7 +212,7 @@ def fwd_looped_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     STORE_STATS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -236,11 +236,11 @@ def fwd_looped_kernel(
         else:
             h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(acc_t)
         if HAS_DROPOUT:
-            h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+            h = dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
         if HAS_RESIDUAL:
             h += tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         if STORE_RESIDUAL_OUT:
-            stored = _round(h, ResOut.dtype.element_ty)
+            stored = round_to(h, ResOut.dtype.element_ty)
             tl.store(res_row + cols, stored, mask=ok, eviction_policy="evict_last")
             h = stored.to(acc_t)
         if IS_RMS:
@@ -257,10 +257,10 @@ def fwd_looped_kernel(
             count = n_ab
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = _rsqrt(tl.sum(sumsq, axis=0) / N + eps)
+        rstd = rsqrt(tl.sum(sumsq, axis=0) / N + eps)
         mean_s = 0.0
     else:
-        rstd = tl.sum(_rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
+        rstd = tl.sum(rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
         mean_s = tl.sum(mean, axis=0)
         if STORE_STATS:
             tl.store(Mean + row, mean_s)
@@ -278,12 +278,12 @@ def fwd_looped_kernel(
             h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
         y = (h - mean_s) * rstd
         if CAST_BEFORE_WEIGHT:
-            y = _round(y, Out.dtype.element_ty).to(acc_t)
+            y = round_to(y, Out.dtype.element_ty).to(acc_t)
         if HAS_WEIGHT:
-            y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
         if HAS_BIAS:
             y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-        tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
+        tl.store(Out + row * N + cols, round_to(y, Out.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def fwd_looped_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def bwd_rows_kernel(
     DOut,  # (M, N) gradient of out, row stride stride_dout
     DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
@@ -321,7 +321,7 @@ def bwd_rows_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     RELOAD_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -331,7 +331,7 @@ def bwd_rows_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if HAS_WEIGHT and not RELOAD_W:
-        w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
+        w = load_weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_t)
     # persistent: this program takes row blocks pid, pid + programs, ... in a fixed order (deterministic)
@@ -350,9 +350,9 @@ def bwd_rows_kernel(
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         if HAS_WEIGHT:
             if RELOAD_W:  # fewer live registers in wide rows (see Tuning.reload_weight_above)
-                w = _weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
+                w = load_weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
             g = dy * w[None, :]
-            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)  # dout is in out's dtype
+            dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)  # dout is in out's dtype
         else:
             g = dy
         if HAS_DB:
@@ -368,19 +368,19 @@ def bwd_rows_kernel(
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + rows64 * stride_dres_out + cols[None, :], mask=mask, other=0.0).to(acc_t)
         if STORE_DRES:
-            tl.store(DRes + rows64 * N + cols[None, :], _round(dh, DRes.dtype.element_ty), mask=mask)
+            tl.store(DRes + rows64 * N + cols[None, :], round_to(dh, DRes.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            dh = _dropout(
+            dh = dropout(
                 dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET
             )
-        tl.store(DX + rows64 * N + cols[None, :], _round(dh, DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows64 * N + cols[None, :], round_to(dh, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if HAS_DB:
         tl.store(DBPart + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
 
 
-@_jit
+@jit
 def bwd_row_sums_kernel(
     DOut,  # (M, N) gradient of out
     H,  # (M, N) residual_out as stored (or x)
@@ -410,7 +410,7 @@ def bwd_row_sums_kernel(
         h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
         g = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
         if HAS_WEIGHT:
-            g = g * _weight(W, cols, ok, acc_t, ZERO_CENTERED)  # 1 + 0 outside the row, but g is 0 there
+            g = g * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)  # 1 + 0 outside the row, but g is 0 there
         if IS_RMS:
             xhat = h * rstd
         else:
@@ -422,7 +422,7 @@ def bwd_row_sums_kernel(
         tl.store(C2 + row, tl.sum(s2, axis=0) / N)
 
 
-@_jit
+@jit
 def bwd_tiles_kernel(
     DOut,  # (M, N) gradient of out
     DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
@@ -454,7 +454,7 @@ def bwd_tiles_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_DRES: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    SEED_OFFSET: tl.constexpr,  # addnorm.reference.DROPOUT_SEED_OFFSET (the plans pass it)
+    SEED_OFFSET: tl.constexpr,  # addnorm.ops.contract.DROPOUT_SEED_OFFSET (the plans pass it)
     BLOCK_N: tl.constexpr,
 ):
     # program (tile, group): columns of one tile, rows group, group + groups, ...; dw/db stay in registers
@@ -463,7 +463,7 @@ def bwd_tiles_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     if HAS_WEIGHT:
-        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([BLOCK_N], dtype=acc_t)
     db_acc = tl.zeros([BLOCK_N], dtype=acc_t)
     for r in range(group, M, tl.num_programs(1)):
@@ -478,7 +478,7 @@ def bwd_tiles_kernel(
             xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
         if HAS_WEIGHT:
             g = dy * w
-            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+            dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         else:
             g = dy
         if HAS_DB:
@@ -490,10 +490,10 @@ def bwd_tiles_kernel(
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_DRES:
-            tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
+            tl.store(DRes + row * N + cols, round_to(dh, DRes.dtype.element_ty), mask=ok)
         if HAS_DROPOUT:
-            dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
-        tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
+            dh = dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+        tl.store(DX + row * N + cols, round_to(dh, DX.dtype.element_ty), mask=ok)
     if HAS_WEIGHT:
         tl.store(DWPart + group * N + cols, dw_acc, mask=ok)
     if HAS_DB:

@@ -17,8 +17,8 @@ import struct
 import torch
 from torch import Tensor
 
-from addnorm.ops.contract import stats_dtype
-from addnorm.ops.triton import fast_launch, plan, wide
+from addnorm.ops.contract import dropout_threshold, stats_dtype
+from addnorm.ops.triton import fast_launch, plan, team_launch
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     bwd_row_sums_kernel,
     bwd_rows_kernel,
@@ -27,7 +27,6 @@ from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tes
     fwd_rows_kernel,
     triton,
 )
-from addnorm.reference import dropout_threshold
 
 __all__ = ["interpreted", "unavailable_reason", "forward", "forward_into", "backward"]
 
@@ -102,7 +101,7 @@ def _launch(kernel, grid, args: tuple, meta: dict, traceable: bool) -> None:
 
 
 def _launcher(traceable: bool):
-    """_launch with ``traceable`` bound: how addnorm.ops.triton.wide launches the team kernels."""
+    """_launch with ``traceable`` bound: how addnorm.ops.triton.team_launch launches the team kernels."""
     return lambda kernel, grid, args, meta: _launch(kernel, grid, args, meta, traceable)
 
 
@@ -146,11 +145,13 @@ def _fwd_launch(
         cast,
         store_stats,
     )
-    k = wide.team_size(n)  # 0 unless the team path is on (opt-in: addnorm.ops.triton.wide)
+    k = team_launch.team_size(n)  # 0 unless the team path is on (opt-in: addnorm.ops.triton.team_launch)
     if k:
-        team = (wide.WIDE, k, *key)
-        config = wide.fwd_plan(*team) if traceable else plan.cached_config(wide.fwd_plan, ("team-fwd", *team))
-        wide.fwd_launch(config, args, m, x.device, rstd.dtype, interpreted() or traceable, _launcher(traceable))
+        team = (team_launch.wide_tuning(), k, *key)
+        config = (
+            team_launch.fwd_plan(*team) if traceable else plan.cached_config(team_launch.fwd_plan, ("team-fwd", *team))
+        )
+        team_launch.fwd_launch(config, args, m, x.device, rstd.dtype, interpreted() or traceable, _launcher(traceable))
         return
     rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
     _launch(fwd_rows_kernel if rows else fwd_looped_kernel, grid, args, meta, traceable)
@@ -196,13 +197,15 @@ def _bwd_launch(
         cast,
         h.device,
     )
-    k = wide.team_size(n, backward=True)
+    k = team_launch.team_size(n, backward=True)
     if k:
-        team = (wide.WIDE, k, *key)
-        config = wide.bwd_plan(*team) if traceable else plan.cached_config(wide.bwd_plan, ("team-bwd", *team))
+        team = (team_launch.wide_tuning(), k, *key)
+        config = (
+            team_launch.bwd_plan(*team) if traceable else plan.cached_config(team_launch.bwd_plan, ("team-bwd", *team))
+        )
         tensors = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
         strides = (dout.stride(0), _row_stride(dres_out), h.stride(0))
-        return wide.bwd_launch(
+        return team_launch.bwd_launch(
             config, tensors, strides, drop, m, n, h.device, acc, interpreted() or traceable, _launcher(traceable)
         )
     chosen = plan.bwd_config(*key) if traceable else plan.cached_config(plan.bwd_config, ("bwd", *key))
@@ -224,12 +227,12 @@ def _bwd_launch(
             sums,
             traceable,
         )
-        if wide.WIDE.sized_grids and h.is_cuda and not traceable and not interpreted():
+        if team_launch.wide_tuning().sized_grids and h.is_cuda and not traceable and not interpreted():
             probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, dx, dres_, c1, c1)
             probe += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
-            resident = wide.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
-            groups = wide.looped_groups(
-                tiles, resident, plan._programs(h.device, plan.TUNING.looped_programs_per_sm), m
+            resident = team_launch.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
+            groups = team_launch.looped_groups(
+                tiles, resident, plan.persistent_programs(h.device, plan.tuning().looped_programs_per_sm), m
             )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)

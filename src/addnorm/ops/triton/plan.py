@@ -2,7 +2,7 @@
 :mod:`addnorm.ops.triton.launch` use for one shape and flag set, within the limits of :class:`Tuning`.
 
 Layout of the work:
-- rows path (N <= ``TUNING.max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
+- rows path (N <= ``tuning().max_fwd_block_n`` / ``max_bwd_block_n``, RMSNorm's backward on 2-byte types up to
   ``max_bwd_block_n_rms_16bit``): a program holds BLOCK_M whole rows in
   registers (BLOCK_M > 1 for small N, e.g. QK-norm's N = 128); the backward is persistent: a bounded set of
   programs (about 2x the SM count) walks the rows and keeps its dw/db partial sums in registers.
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from addnorm.reference import DROPOUT_SEED_OFFSET
+from addnorm.ops.contract import DROPOUT_SEED_OFFSET
 
-__all__ = ["Tuning", "TUNING", "bwd_config", "cached_config", "fwd_config"]
+__all__ = ["Tuning", "bwd_config", "cached_config", "fwd_config", "set_tuning", "tuning"]
 
 
-@dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per TUNING object
+@dataclass(kw_only=True, frozen=True)  # frozen: the launchers cache configurations per Tuning object
 class Tuning:
     """Block-size limits of the launchers. Tests shrink them to reach the looped path at small N;
     ``tools/tune_triton.py`` sweeps them on a GPU."""
@@ -50,14 +50,32 @@ class Tuning:
     # 1 (3073) and 8 (3197) at N = 65536, and the full table's fwd+bwd there fell from 77% to 71% of copy bandwidth
     # when programs_per_sm went from 4 to 2 for every path
     looped_programs_per_sm: int = 4
-    elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see _warps)
+    elems_per_thread: int = 8  # sets the warp count: one 16-byte load of a 2-byte type per thread (see warp_count)
     # the backward's rows kernel reloads the weight for each row block (an L1/L2 hit) instead of holding it in
     # registers once a program holds more elements than this: at BLOCK_N = 16384 that cuts RMSNorm's spills for
     # sm_90 from 76 to 12 bytes a thread (tools/sm90_static.py), letting max_bwd_block_n = 16384 be tried
     reload_weight_above: int = 8192
 
 
-TUNING = Tuning()
+class _InForce:
+    """The Tuning the launchers plan with: read through tuning(), replaced through set_tuning() only."""
+
+    tuning = Tuning()
+
+
+def tuning() -> Tuning:
+    """The Tuning in force (the defaults above, unless replaced)."""
+    return _InForce.tuning
+
+
+def set_tuning(new: Tuning) -> Tuning:
+    """Put ``new`` in force; returns the one it replaces, to put back (tests shrink the limits, tune_triton.py sweeps
+    them). The cached configurations belong to one Tuning object, so the next launch plans afresh."""
+    if not isinstance(new, Tuning):
+        raise TypeError(f"tuning must be a Tuning, got {type(new).__name__}")
+    previous, _InForce.tuning = _InForce.tuning, new
+    return previous
+
 
 # Triton's FP fusion (a * b + c as one fma), pinned rather than left to Triton's default: enabled by default up to
 # Triton 3.9 (what every measured and tested result of these kernels was produced with), disabled by default from
@@ -76,16 +94,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _warps(elems: int, per_thread: int | None = None) -> int:
+def warp_count(elems: int, per_thread: int | None = None) -> int:
     # 8 elements per thread (one 16-byte load of a 2-byte type), 4 to 32 warps. More per thread costs registers:
     # compiled for sm_90, the dw/db accumulators of the backward spill at 16 elements per thread, and the register
     # count (hence occupancy) roughly halves with each halving of elements per thread. The exception: the RMSNorm
     # backward's widest rows (Tuning.max_bwd_block_n_rms_16bit), where 32 warps cap a thread at 64 registers.
-    return min(32, max(4, _pow2(elems) // (32 * (per_thread or TUNING.elems_per_thread))))
+    return min(32, max(4, pow2(elems) // (32 * (per_thread or tuning().elems_per_thread))))
 
 
 @functools.cache
@@ -93,12 +111,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device, per_sm: int) -> int:
+def persistent_programs(device: torch.device, per_sm: int) -> int:
     """Size of a persistent backward grid: ``per_sm`` programs per SM, a handful in the interpreter."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return per_sm * _sm_count(index)
-    return TUNING.interpreter_programs
+    return tuning().interpreter_programs
 
 
 def _rows_blocks(n: int, max_block_n: int) -> tuple[int, int] | None:
@@ -108,14 +126,14 @@ def _rows_blocks(n: int, max_block_n: int) -> tuple[int, int] | None:
     row's elements are spread over threads and warps, hence the tree tl.sum adds them in. A plan that shrank
     BLOCK_M for a batch of 1 would give a row other bits alone than in a batch (batch invariance,
     docs/kernels.md); a small batch pays for the masked rows of its one program instead."""
-    block_n = _pow2(n)
+    block_n = pow2(n)
     if block_n > max_block_n:
         return None
-    return max(1, TUNING.rows_block_elems // block_n), block_n
+    return max(1, tuning().rows_block_elems // block_n), block_n
 
 
 def _loop_block(max_block_n: int) -> int:
-    return _pow2(min(TUNING.loop_block_n, max_block_n))
+    return pow2(min(tuning().loop_block_n, max_block_n))
 
 
 def fwd_config(
@@ -136,16 +154,16 @@ def fwd_config(
         SEED_OFFSET=DROPOUT_SEED_OFFSET,
         enable_fp_fusion=FP_FUSION,
     )
-    blocks = _rows_blocks(n, TUNING.max_fwd_block_n)
+    blocks = _rows_blocks(n, tuning().max_fwd_block_n)
     if blocks is not None:
         block_m, block_n = blocks
         return (
             True,
             (_cdiv(m, block_m),),
-            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n)),
+            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warp_count(block_m * block_n)),
         )
-    block_n = _loop_block(TUNING.max_fwd_block_n)
-    return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=_warps(block_n))
+    block_n = _loop_block(tuning().max_fwd_block_n)
+    return False, (m,), dict(meta, BLOCK_N=block_n, num_warps=warp_count(block_n))
 
 
 def bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_dropout, store_dres, cast, device):
@@ -164,37 +182,39 @@ def bwd_config(m, n, narrow, has_dres_out, has_weight, has_db, is_rms, zc, has_d
         SEED_OFFSET=DROPOUT_SEED_OFFSET,
         enable_fp_fusion=FP_FUSION,
     )
-    max_block_n = TUNING.max_bwd_block_n
+    max_block_n = tuning().max_bwd_block_n
     if is_rms and narrow:
-        max_block_n = max(max_block_n, TUNING.max_bwd_block_n_rms_16bit)
+        max_block_n = max(max_block_n, tuning().max_bwd_block_n_rms_16bit)
     blocks = _rows_blocks(n, max_block_n)
     if blocks is not None:
         block_m, block_n = blocks
         elems = block_m * block_n
-        warps = _warps(elems, TUNING.wide_bwd_elems_per_thread if block_n > TUNING.max_bwd_block_n else None)
-        programs = min(_programs(device, TUNING.programs_per_sm), _cdiv(m, block_m))
+        warps = warp_count(elems, tuning().wide_bwd_elems_per_thread if block_n > tuning().max_bwd_block_n else None)
+        programs = min(persistent_programs(device, tuning().programs_per_sm), _cdiv(m, block_m))
         return (
             True,
             programs,
-            dict(flags, RELOAD_W=elems > TUNING.reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps),
+            dict(
+                flags, RELOAD_W=elems > tuning().reload_weight_above, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+            ),
         )
-    block_n = _loop_block(TUNING.max_bwd_block_n)
+    block_n = _loop_block(tuning().max_bwd_block_n)
     tiles = _cdiv(n, block_n)
-    groups = max(1, min(m, _cdiv(_programs(device, TUNING.looped_programs_per_sm), tiles)))
+    groups = max(1, min(m, _cdiv(persistent_programs(device, tuning().looped_programs_per_sm), tiles)))
     sums = dict(
         HAS_WEIGHT=has_weight,
         IS_RMS=is_rms,
         ZERO_CENTERED=zc,
         BLOCK_N=block_n,
-        num_warps=_warps(block_n),
+        num_warps=warp_count(block_n),
         enable_fp_fusion=FP_FUSION,
     )
-    return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=_warps(block_n))
+    return False, tiles, groups, sums, dict(flags, BLOCK_N=block_n, num_warps=warp_count(block_n))
 
 
 # Eager launches look their configuration up here instead of recomputing block sizes, warps and the flag dict on
 # every call (a few microseconds of Python per call, which a decode step on a GPU pays in full). Keyed on the
-# shape and flags; valid for one TUNING object (Tuning is frozen: tests and tune_triton.py replace it, so a new
+# shape and flags; valid for one Tuning object (Tuning is frozen: tests and tune_triton.py replace it, so a new
 # object empties the cache). Traced launches (torch.compile: the shape may be symbolic) compute it afresh.
 _configs: dict = {}
 
@@ -213,10 +233,10 @@ def _interned(config: tuple) -> tuple:
 
 
 def cached_config(make, key):
-    if _configs_tuning[0] is not TUNING:
+    if _configs_tuning[0] is not tuning():
         _configs.clear()
         _metas.clear()
-        _configs_tuning[0] = TUNING
+        _configs_tuning[0] = tuning()
     config = _configs.get(key)
     if config is None:
         if len(_configs) >= _CONFIGS_MAX:

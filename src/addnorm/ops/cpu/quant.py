@@ -30,17 +30,17 @@ from addnorm.ops.contract import stats_dtype
 from addnorm.ops.cpu.kernels import (
     IMPORT_ERROR,
     JIT,
-    _residual_row,
-    _sum,
-    _sum_sq_dev,
     cast_like,
     load,
     njit,
     prange,
+    residual_row,
     round_as,
+    row_sum,
+    row_sum_sq_dev,
     zero_of,
 )
-from addnorm.ops.cpu.launch import _np, _rows, _use_parallel
+from addnorm.ops.cpu.launch import as_numpy, row_view, use_parallel
 
 try:
     from llvmlite import ir
@@ -210,14 +210,14 @@ def _quant_row(
     # statistics dtype; H: residual_out rows (stride sh; may be R itself: the in-place form); Q: (M, N) codes as
     # uint8; S: (M, N // group) float32 scales (dynamic)
     h = H[i * sh : i * sh + n]
-    _residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, False, 0, 0, zero, zero)
+    residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, False, 0, 0, zero, zero)
     nf = cast_like(n, zero)
     if is_rms:
         mean = zero
-        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, zero, zero) / nf + eps)
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, zero, zero) / nf + eps)
     else:
-        mean = _sum(h, n, zero) / nf
-        rstd = 1 / np.sqrt(_sum_sq_dev(h, n, mean, zero) / nf + eps)
+        mean = row_sum(h, n, zero) / nf
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, mean, zero) / nf + eps)
     rstd = cast_like(rstd, zero)
     q = Q[i * n : i * n + n]
     y = np.empty(n, dtype=np.float32)  # the row's y: a few KB, in L1 for the two passes below
@@ -402,21 +402,21 @@ def quant_forward(
     m, n = x.shape
     sd = stats_dtype(x.dtype, h_out.dtype)
     zero = np.zeros(1, dtype=np.float64 if sd == torch.float64 else np.float32)
-    X, sx = _rows(x)
-    R, sr = _rows(residual) if residual is not None else (X, sx)
-    H, sh = _rows(h_out)
+    X, sx = row_view(x)
+    R, sr = row_view(residual) if residual is not None else (X, sx)
+    H, sh = row_view(h_out)
     if weight is not None and zero_centered_weight:
         weight = weight + 1
     W = weight.contiguous().numpy() if weight is not None else zero
     B = bias.contiguous().numpy() if bias is not None else zero
-    Q = _np(q.view(torch.uint8)).reshape(-1)
+    Q = as_numpy(q.view(torch.uint8)).reshape(-1)
     S = scales.numpy().reshape(-1) if scales is not None else np.zeros(1, dtype=np.float32)
     static = scale is not None
     # 1 / scale in float32, as the torch backend computes it (one division, then a multiplication per element)
     inv_static = float((1.0 / scale.reshape(())).item()) if static else 0.0
     ub = float(scale_ub.reshape(()).item()) if scale_ub is not None else 0.0
     kind = _KIND[q.dtype]
-    kernel = _quant_parallel if _use_parallel(m * n) else _quant_serial
+    kernel = _quant_parallel if use_parallel(m * n) else _quant_serial
     with torch.no_grad():
         kernel(
             X,

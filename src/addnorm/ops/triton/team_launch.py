@@ -1,8 +1,8 @@
-"""Wide rows: when a row is shared by a team of programs (:mod:`addnorm.ops.triton.team`), how many, how they are
-launched, and how many programs an SM holds (the grids of persistent kernels are sized from it).
+"""Wide rows: when a row is shared by a team of programs (:mod:`addnorm.ops.triton.team_kernels`), how many, how
+they are launched, and how many programs an SM holds (the grids of persistent kernels are sized from it).
 
-The team path is opt-in until a GPU run has measured it (issue 28): ``ADDNORM_TRITON_TEAM=1`` (read at import,
-:func:`refresh` reads it again) or ``WIDE = WideTuning(enabled=True)``; tests force a team size with
+The team path is opt-in until a GPU run has measured it: ``ADDNORM_TRITON_TEAM=1`` (read at import, :func:`refresh`
+reads it again) or ``set_wide_tuning(WideTuning(enabled=True))``; tests force a team size with
 ``WideTuning(team=K)``. With it on, rows wider than the forward's rows path (``Tuning.max_fwd_block_n``) are
 split into K = ceil(N / chunk) chunks in the forward, ceil(N / bwd_chunk) in the backward.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from addnorm.ops.triton import plan
-from addnorm.ops.triton.team import (
+from addnorm.ops.triton.team_kernels import (
     bwd_finish_kernel,
     bwd_partials_kernel,
     bwd_team_kernel,
@@ -35,14 +35,15 @@ __all__ = [
     "ENV",
     "ENV_SIZED_GRIDS",
     "SMLimits",
-    "WIDE",
     "WideTuning",
     "chunk_of",
     "looped_groups",
     "programs_per_sm",
     "refresh",
     "resident_programs",
+    "set_wide_tuning",
     "team_size",
+    "wide_tuning",
 ]
 
 ENV = "ADDNORM_TRITON_TEAM"
@@ -57,7 +58,7 @@ def _env_sized_grids() -> bool:
     return os.environ.get(ENV_SIZED_GRIDS) == "1"
 
 
-@dataclass(kw_only=True, frozen=True)  # frozen: plans are cached per WIDE object
+@dataclass(kw_only=True, frozen=True)  # frozen: plans are cached per WideTuning object
 class WideTuning:
     enabled: bool = field(default_factory=_env_enabled)  # off by default: no GPU has measured the team kernels yet
     team: int = 0  # > 0: every row of any width goes through teams of this many programs (tests: K = 1 ... 8)
@@ -86,30 +87,48 @@ class WideTuning:
                 raise ValueError(f"WideTuning.{name} must be a power of two, got {v}")
 
 
-WIDE = WideTuning()
+class _InForce:
+    """The WideTuning the launchers use: read through wide_tuning(), replaced through set_wide_tuning() only."""
+
+    tuning = WideTuning()
+
+
+def wide_tuning() -> WideTuning:
+    """The WideTuning in force (the environment's at import, unless replaced)."""
+    return _InForce.tuning
+
+
+def set_wide_tuning(tuning: WideTuning) -> WideTuning:
+    """Put ``tuning`` in force; returns the one it replaces, to put back. Plans are cached per WideTuning object,
+    so the next launch plans afresh."""
+    if not isinstance(tuning, WideTuning):
+        raise TypeError(f"tuning must be a WideTuning, got {type(tuning).__name__}")
+    previous, _InForce.tuning = _InForce.tuning, tuning
+    return previous
 
 
 def refresh() -> WideTuning:
-    """Read ``ADDNORM_TRITON_TEAM`` and ``ADDNORM_TRITON_SIZED_GRIDS`` again (read when this module is imported)."""
-    global WIDE
-    WIDE = dataclasses.replace(WIDE, enabled=_env_enabled(), sized_grids=_env_sized_grids())
-    return WIDE
+    """Read ``ADDNORM_TRITON_TEAM`` and ``ADDNORM_TRITON_SIZED_GRIDS`` again (read when this module is imported) into
+    the tuning in force, its other fields kept; returns the new tuning."""
+    tuning = dataclasses.replace(wide_tuning(), enabled=_env_enabled(), sized_grids=_env_sized_grids())
+    set_wide_tuning(tuning)
+    return tuning
 
 
 def team_size(n: int, backward: bool = False, wide: WideTuning | None = None) -> int:
     """K, the programs sharing a row of n elements in the forward (or the backward); 0: no team (the rows or looped
     path). From n and the tunings only."""
-    wide = wide or WIDE
+    wide = wide or wide_tuning()
     if wide.team:
         return wide.team
-    if not wide.enabled or n <= plan.TUNING.max_fwd_block_n:
+    if not wide.enabled or n <= plan.tuning().max_fwd_block_n:
         return 0
     return min(wide.max_team, -(-n // (wide.bwd_chunk if backward else wide.chunk)))
 
 
 def chunk_of(n: int, k: int) -> int:
     """Columns per program: the power of two that lets k of them cover n."""
-    return plan._pow2(-(-n // k))
+    return plan.pow2(-(-n // k))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -191,7 +210,7 @@ def looped_groups(tiles: int, resident: int, target: int, m: int) -> int:
 
 def _team_meta(base: dict, k: int, chunk: int) -> dict:
     meta = {key: v for key, v in base.items() if key not in ("BLOCK_M", "BLOCK_N", "RELOAD_W", "num_warps")}
-    return dict(meta, K=k, CHUNK=chunk, num_warps=plan._warps(chunk))
+    return dict(meta, K=k, CHUNK=chunk, num_warps=plan.warp_count(chunk))
 
 
 def fwd_plan(wide, k, m, n, *flags):
@@ -214,7 +233,7 @@ def bwd_plan(wide, k, m, n, narrow, *flags):
         ZERO_CENTERED=zc,
         K=k,
         CHUNK=chunk,
-        num_warps=plan._warps(chunk),
+        num_warps=plan.warp_count(chunk),
         enable_fp_fusion=plan.FP_FUSION,
     )
     return k, chunk, meta, dict(meta, launch_cooperative_grid=True), sums
@@ -223,7 +242,7 @@ def bwd_plan(wide, k, m, n, narrow, *flags):
 def _use_team_kernel(device: torch.device, two_kernels: bool) -> bool:
     """The team kernel, or the fallback's two kernels: those in Triton's interpreter, under torch.compile (traced
     launches: the grid is sized from a compiled kernel, which fake tensors cannot give) and when asked for."""
-    return device.type == "cuda" and not two_kernels and not WIDE.fallback
+    return device.type == "cuda" and not two_kernels and not wide_tuning().fallback
 
 
 def fwd_launch(config, args: tuple, m: int, device, acc, two_kernels: bool, run) -> None:
@@ -267,7 +286,7 @@ def bwd_launch(config, tensors: tuple, strides: tuple, drop: tuple, m: int, n: i
             return dw_part, db_part
     ws = torch.empty((m, k, 2), dtype=acc, device=device)
     run(bwd_partials_kernel, (m, k), (dout, h, weight, mean, rstd, strides[0], strides[2], n, ws), sums)
-    groups = max(1, min(m, -(-plan._programs(device, plan.TUNING.looped_programs_per_sm) // k)))
+    groups = max(1, min(m, -(-plan.persistent_programs(device, plan.tuning().looped_programs_per_sm) // k)))
     dw_part = torch.empty((groups, n), dtype=acc, device=device)
     db_part = torch.empty((groups, n), dtype=acc, device=device)
     run(bwd_finish_kernel, (k, groups), (*head, dw_part, db_part, *tail, ws), meta)

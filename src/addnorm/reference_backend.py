@@ -1,7 +1,10 @@
-"""The float oracle of :mod:`addnorm.reference` behind the kernel contract.
+"""The ``reference`` backend: the float oracle of :mod:`addnorm.reference` behind the kernel contract.
 
 Slow but exact to the contract; it lets the custom-op registration, autograd wiring and torch.compile support be
-tested on any machine, independently of the Triton and CPU kernels.
+tested on any machine, independently of the Triton and CPU kernels. It lives beside the oracle, not under
+``addnorm/ops/``: the registry (:mod:`addnorm.ops.backends`) names it by its import path and imports it only when
+the ``reference`` backend is asked for, so nothing on the runtime path of the ops imports the oracle that judges
+them (tests/test_house.py checks it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Wide rows by teams: K programs share one row, each holding a chunk of CHUNK columns in registers (the kernels;
-:mod:`addnorm.ops.triton.wide` chooses K and launches them).
+:mod:`addnorm.ops.triton.team_launch` chooses K and launches them).
 
 Per row, program k of the team computes its chunk's partial statistics and publishes them:
     forward   RMSNorm: s_k = sum(h^2);   LayerNorm: s_k = sum(h), m2_k = sum((h - s_k / n_k)^2)  (Chan's partials)
@@ -27,20 +27,20 @@ No atomics but the team counters (integers): dw/db are partial rows (one per tea
 
 from __future__ import annotations
 
-from addnorm.ops.triton.kernels import _dropout, _dweight_term, _jit, _round, _rsqrt, _weight, tl
+from addnorm.ops.triton.kernels import dropout, dweight_term, jit, load_weight, round_to, rsqrt, tl
 
 # --------------------------------------------------------------------------------------------------------------
 # Shared helpers: the math both ways run
 # --------------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def _chunk_count(k, N, CHUNK: tl.constexpr):
     """Columns of the row in chunk k (0 for chunks past the row's end: N = 96 at K = 8 leaves two empty)."""
     return tl.minimum(tl.maximum(N - k * CHUNK, 0), CHUNK)
 
 
-@_jit
+@jit
 def _fwd_h(
     X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
     acc_t: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, ROUND_TO_RES: tl.constexpr,
@@ -50,18 +50,18 @@ def _fwd_h(
     STORE: the value the statistics and the normalization see, as the rows kernel computes it."""
     h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(acc_t)
     if HAS_DROPOUT:
-        h = _dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+        h = dropout(h, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
     if HAS_RESIDUAL:
         h += tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(acc_t)
     if ROUND_TO_RES:
-        stored = _round(h, ResOut.dtype.element_ty)
+        stored = round_to(h, ResOut.dtype.element_ty)
         if STORE:
             tl.store(ResOut + row * N + cols, stored, mask=ok)
         h = stored.to(acc_t)
     return h
 
 
-@_jit
+@jit
 def _fwd_publish(WS, slot, k, h, ok, n_k, IS_RMS: tl.constexpr):
     """Write chunk k's partials into workspace slot ``slot`` (K pairs): (sum h^2, -) or (sum h, M2 about its mean)."""
     if IS_RMS:
@@ -73,7 +73,7 @@ def _fwd_publish(WS, slot, k, h, ok, n_k, IS_RMS: tl.constexpr):
         tl.store(WS + slot + 2 * k + 1, tl.sum(d * d, axis=0))
 
 
-@_jit
+@jit
 def _fwd_combine(
     WS, slot, N, eps, K: tl.constexpr, CHUNK: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr
 ):  # fmt: skip
@@ -92,10 +92,10 @@ def _fwd_combine(
             delta = tl.load(WS + slot + 2 * k, volatile=VOLATILE) / tl.maximum(n_k, 1.0) - mean
             m2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE) + n_k * delta * delta
         var = m2 / N
-    return mean, _rsqrt(var + eps)
+    return mean, rsqrt(var + eps)
 
 
-@_jit
+@jit
 def _fwd_finish(
     Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
@@ -109,15 +109,15 @@ def _fwd_finish(
                 tl.store(Mean + row, mean)
     y = (h - mean) * rstd
     if CAST_BEFORE_WEIGHT:
-        y = _round(y, Out.dtype.element_ty).to(acc_t)
+        y = round_to(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
-        y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-    tl.store(Out + row * N + cols, _round(y, Out.dtype.element_ty), mask=ok)
+    tl.store(Out + row * N + cols, round_to(y, Out.dtype.element_ty), mask=ok)
 
 
-@_jit
+@jit
 def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t: tl.constexpr,
                IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):  # fmt: skip
     """(dy, xhat, g = dy * w, rstd) of the chunk."""
@@ -134,14 +134,14 @@ def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc
     return dy, xhat, g, rstd
 
 
-@_jit
+@jit
 def _bwd_publish(WS, slot, k, g, xhat, IS_RMS: tl.constexpr):
     tl.store(WS + slot + 2 * k, tl.sum(g * xhat, axis=0))
     if not IS_RMS:
         tl.store(WS + slot + 2 * k + 1, tl.sum(g, axis=0))
 
 
-@_jit
+@jit
 def _bwd_combine(WS, slot, N, K: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr):
     """(mean_j(g * xhat), mean_j(g)) of the row from its K partials, in the fixed order 0, 1, ..., K - 1."""
     s1 = tl.load(WS + slot, volatile=VOLATILE)
@@ -155,7 +155,7 @@ def _bwd_combine(WS, slot, N, K: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: t
     return s1 / N, s2 / N
 
 
-@_jit
+@jit
 def _bwd_finish(
     DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo, acc_t: tl.constexpr, HAS_DRES_OUT: tl.constexpr, IS_RMS: tl.constexpr,
@@ -169,13 +169,13 @@ def _bwd_finish(
     if HAS_DRES_OUT:
         dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
     if STORE_DRES:
-        tl.store(DRes + row * N + cols, _round(dh, DRes.dtype.element_ty), mask=ok)
+        tl.store(DRes + row * N + cols, round_to(dh, DRes.dtype.element_ty), mask=ok)
     if HAS_DROPOUT:
-        dh = _dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
-    tl.store(DX + row * N + cols, _round(dh, DX.dtype.element_ty), mask=ok)
+        dh = dropout(dh, row * N + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
+    tl.store(DX + row * N + cols, round_to(dh, DX.dtype.element_ty), mask=ok)
 
 
-@_jit
+@jit
 def _team_meet(Flags, slot, target):
     """Arrive on the team's counter for this slot and wait until it reaches ``target`` (K arrivals per use of the
     slot: counters only grow, so a slot is reused without a reset). The barrier before the release makes every
@@ -193,7 +193,7 @@ def _team_meet(Flags, slot, target):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def fwd_team_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
@@ -230,7 +230,7 @@ def fwd_team_kernel(
         i += 1
 
 
-@_jit
+@jit
 def fwd_partials_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
@@ -251,7 +251,7 @@ def fwd_partials_kernel(
     _fwd_publish(WS, row * 2 * K, k, h, ok, _chunk_count(k, N, CHUNK), IS_RMS)
 
 
-@_jit
+@jit
 def fwd_finish_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
@@ -285,7 +285,7 @@ def fwd_finish_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def bwd_team_kernel(
     DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
     DWPart, DBPart,  # (teams, N) acc: each team's partial sums of dout * xhat and dout
@@ -305,7 +305,7 @@ def bwd_team_kernel(
     ok = cols < N
     w = tl.zeros([CHUNK], dtype=acc_t)
     if HAS_WEIGHT:
-        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([CHUNK], dtype=acc_t)
     db_acc = tl.zeros([CHUNK], dtype=acc_t)
     i = 0
@@ -315,7 +315,7 @@ def bwd_team_kernel(
         dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
                                        HAS_WEIGHT)  # fmt: skip
         if HAS_WEIGHT:
-            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+            dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         if HAS_DB:
             db_acc += dy
         _bwd_publish(WS, slot * 2 * K, k, g, xhat, IS_RMS)
@@ -331,7 +331,7 @@ def bwd_team_kernel(
         tl.store(DBPart + team * N + cols, db_acc, mask=ok)
 
 
-@_jit
+@jit
 def bwd_partials_kernel(
     DOut, H, W, Mean, Rstd, stride_dout, stride_h, N,
     WS,  # (M, K, 2) acc
@@ -346,13 +346,13 @@ def bwd_partials_kernel(
     ok = cols < N
     w = tl.zeros([CHUNK], dtype=acc_t)
     if HAS_WEIGHT:
-        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
                                    HAS_WEIGHT)  # fmt: skip
     _bwd_publish(WS, row * 2 * K, k, g, xhat, IS_RMS)
 
 
-@_jit
+@jit
 def bwd_finish_kernel(
     DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
     DWPart, DBPart,  # (groups, N) acc
@@ -370,7 +370,7 @@ def bwd_finish_kernel(
     ok = cols < N
     w = tl.zeros([CHUNK], dtype=acc_t)
     if HAS_WEIGHT:
-        w = _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     dw_acc = tl.zeros([CHUNK], dtype=acc_t)
     db_acc = tl.zeros([CHUNK], dtype=acc_t)
     for r in range(group, M, tl.num_programs(1)):
@@ -378,7 +378,7 @@ def bwd_finish_kernel(
         dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
                                        HAS_WEIGHT)  # fmt: skip
         if HAS_WEIGHT:
-            dw_acc += _dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
+            dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         if HAS_DB:
             db_acc += dy
         c1, c2 = _bwd_combine(WS, row * 2 * K, N, K, IS_RMS, False)

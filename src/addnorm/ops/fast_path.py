@@ -1,5 +1,5 @@
-"""The decode-size fast path of the add + norm ops (issue 25 item 2): calls where the host's Python, not memory,
-sets the time, as in a decode step (a few rows of a few thousand, every call the same).
+"""The host-overhead fast path of the add + norm ops: calls where the host's Python, not memory, sets the time, as
+in a decode step (a few rows of a few thousand, every call the same).
 
     add_rms_norm(x, r, w) at 1 x 4096 bf16: eager's ``x + r; F.rms_norm`` takes ~35 us on this CPU, the numba
     kernel 4; the general path spends ~20-60 us more in validation, backend resolution and numpy views.
@@ -19,89 +19,36 @@ so nothing goes stale between calls.
 What they run is the general path's computation with its bits (tests/ops/test_fast_path.py):
 - on the ``cpu`` backend (contiguous tensors, bf16/fp16/fp32, below the parallel threshold): the serial numba
   kernel through :mod:`addnorm.ops.cpu.fast_launch` (raw addresses, no numpy views, no weight conversion);
-- on the ``torch`` backend, RMSNorm only: eager's own ops, :func:`torch_rms_norm_one_dtype`. (LayerNorm has no
-  such shortcut: ``F.layer_norm`` on a half tensor differs from the contract's fp32 computation by an ulp in some
-  rows, so it stays on the general path.)
+- on the ``torch`` backend, RMSNorm only: eager's own ops, :func:`addnorm.ops.torch_backend.rms_norm_one_dtype`,
+  as that backend runs them. (LayerNorm has no such shortcut: ``F.layer_norm`` on a half tensor differs from the
+  contract's fp32 computation by an ulp in some rows, so it stays on the general path.)
 
-The backend is resolved by :func:`addnorm.ops.backends.resolve_backend` and remembered per ``backend`` argument
-(auto's choice reads no shape: batch invariance). ``ADDNORM_BACKEND`` is read on every call, as the general path
-reads it, and a set override is resolved every call, not remembered.
+The backend is resolved by :func:`addnorm.ops.backends.resolve_cpu_backend`: the general path's answer and errors,
+remembered per ``backend`` argument (auto's choice reads no shape: batch invariance); ``ADDNORM_BACKEND`` is read on
+every call, and a set override is resolved every call, not remembered.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from addnorm.ops import backends as _backends
-from addnorm.ops.contract import FLOAT_DTYPES
-from addnorm.reference import lone_wide_row
+from addnorm.ops.backends import kernel_module, resolve_cpu_backend
+from addnorm.ops.contract import MACHINE_EPS
+from addnorm.ops.torch_backend import rms_norm_one_dtype
 
-__all__ = ["batch_invariant_rms_norm", "torch_rms_norm_one_dtype", "try_add_norm", "try_add_norm_"]
+__all__ = ["try_add_norm", "try_add_norm_"]
 
-_CPU = torch.device("cpu")
 _STRIDED = torch.strided  # (sparse and mkldnn layouts: the general path)
 _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))  # a parameter passes; subclasses (FakeTensor, DTensor) don't
 _STATS_DTYPES = (torch.float32, torch.float64)  # x in one of these: the cast before the weight rounds nothing
-_MACHINE_EPS = {dt: torch.finfo(dt).eps for dt in FLOAT_DTYPES}
 _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
-# os.environ.get costs ~1 us (it encodes the key and decodes the value); os.environ's own table answers the same
-# question in ~0.1: it is what os.environ reads and writes (monkeypatch.setenv included)
-_ENV_TABLE = getattr(os.environ, "_data", None)
-_ENV_KEY = os.environ.encodekey(_backends.ENV_VAR) if _ENV_TABLE is not None else None
 
 
-def torch_rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
-    """The torch backend's RMSNorm when x, the residual, the weight and both outputs share one dtype and nothing is
-    differentiated (decode): the two ops eager code runs, which give the contract's bits. ``x + residual`` in a half
-    dtype is the fp32 sum rounded once, and F.rms_norm on a half tensor computes in fp32 and rounds once, as the
-    general path does explicitly (tests/ops/test_fast_path.py checks both bit for bit over awkward shapes). Not for
-    gradients: autograd through the half-dtype ops rounds intermediate values the contract's backward does not."""
-    h = x if residual is None else x + residual
-    n = (x.shape[-1],)
-    if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
-        out = batch_invariant_rms_norm(h, n, None, eps)
-        return (out if weight is None else out * weight), h
-    return batch_invariant_rms_norm(h, n, weight, eps), h
-
-
-def batch_invariant_rms_norm(h, n, weight, eps):
-    """F.rms_norm, with the bits a row gets in a batch of any size: ATen would sum a lone row of >= 32K elements in
-    two passes split across threads, so it is normalized as one of two identical rows (reference.lone_wide_row).
-    LayerNorm needs no such care: ATen's LayerNorm kernel reduces each row in one thread whatever the row count."""
-    if lone_wide_row(h):
-        return F.rms_norm(h.reshape(1, -1).expand(2, -1), n, weight, eps)[:1].reshape(h.shape)
-    return F.rms_norm(h, n, weight, eps)
-
-
-def _env_override() -> bool:
-    value = _ENV_TABLE.get(_ENV_KEY) if _ENV_TABLE is not None else os.environ.get(_backends.ENV_VAR)
-    return bool(value) and value.strip() not in (b"", b"auto", "", "auto")
-
-
-# backend argument -> (backend name, the module table it was resolved with): resolve_backend's own cache, without
-# its isinstance and environment lookups (the override is checked above through _ENV_TABLE). The choice depends on
-# neither M nor N: auto is batch invariant (docs/kernels.md, "Batch invariance").
-_routes: dict = {}
-
-
-def _backend(backend) -> str:
-    if type(backend) is not str or _env_override():  # (a bad value meets resolve_backend's error, not a hash's)
-        return _backends.resolve_backend(backend, _CPU)
-    hit = _routes.get(backend)
-    if hit is not None and hit[1] is _backends._modules:
-        return hit[0]
-    name = _backends.resolve_backend(backend, _CPU)  # raises for a bad or unavailable backend: not cached
-    _routes[backend] = (name, _backends._modules)
-    return name
-
-
-def _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
+def _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
     """(M, N, eps) when the call is the fast path's case (the module docstring), else None. Every test is a cheap
     attribute read; anything unusual (a bad argument included) answers None and goes to the general path."""
     if _is_compiling() or type(x) is not Tensor or zero_centered_weight or not x.is_cpu or not x.ndim:
@@ -129,12 +76,12 @@ def _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
             or p.shape[0] != n
         ):
             return None
-    if dt not in _MACHINE_EPS:  # not a float dtype
+    if dt not in MACHINE_EPS:  # not a float dtype
         return None
     if eps is None:
         if not is_rms:
             return None
-        eps = _MACHINE_EPS[dt]
+        eps = MACHINE_EPS[dt]
     elif not ((type(eps) is float or type(eps) is int) and 0 <= eps < math.inf):
         return None
     if not n or _functorch_active():
@@ -194,13 +141,13 @@ def try_add_norm(
         or (out_dtype is not None and out_dtype is not getattr(x, "dtype", None))
     ):
         return None
-    rows = _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
+    rows = _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
     if rows is None:
         return None
     m, n, eps = rows
-    name = _backend(backend)
+    name = resolve_cpu_backend(backend)
     if name == "cpu":
-        cpu = _backends.kernel_module("cpu")
+        cpu = kernel_module("cpu")
         if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
             return None
         out = torch.empty_like(x)
@@ -213,7 +160,7 @@ def try_add_norm(
         return out, (x if res_out is None else res_out)
     if name == "torch" and is_rms:
         cast = cast_before_weight and x.dtype not in _STATS_DTYPES
-        return torch_rms_norm_one_dtype(x, residual, weight, eps, cast)
+        return rms_norm_one_dtype(x, residual, weight, eps, cast)
     return None
 
 
@@ -222,7 +169,7 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
     (which also raises every refusal: tensors that require grad, aliasing, shared memory)."""
     if type(residual) is not Tensor or x is residual:
         return False
-    rows = _rows(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
+    rows = _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
     if rows is None or x.requires_grad or residual.requires_grad:
         return False
     if torch.is_grad_enabled() and (
@@ -235,9 +182,9 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
     if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         return False
     m, n, eps = rows
-    name = _backend(backend)
+    name = resolve_cpu_backend(backend)
     if name == "cpu":
-        cpu = _backends.kernel_module("cpu")
+        cpu = kernel_module("cpu")
         if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
             return False
         flags = _flags(cpu, residual, weight, bias, is_rms, cast_before_weight, x.dtype)
@@ -248,6 +195,6 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         # residual += x, then x = RMSNorm(residual) with the one-dtype ops: the out-of-place call's bits
         residual.add_(x)
         cast = cast_before_weight and x.dtype not in _STATS_DTYPES
-        x.copy_(torch_rms_norm_one_dtype(residual, None, weight, eps, cast)[0])
+        x.copy_(rms_norm_one_dtype(residual, None, weight, eps, cast)[0])
         return True
     return False

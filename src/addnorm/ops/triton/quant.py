@@ -2,7 +2,7 @@
 :mod:`addnorm.ops.quant.contract`).
 
 The row math (residual add rounded to residual_dtype and stored, two-pass statistics, the weight and bias) is the
-add + norm kernels' (their helpers ``_round``, ``_rsqrt`` and ``_weight`` of :mod:`addnorm.ops.triton.kernels`); a
+add + norm kernels' (their helpers ``round_to``, ``rsqrt`` and ``load_weight`` of :mod:`addnorm.ops.triton.kernels`); a
 quantization mode added here as kernels of its own, so the add + norm kernels stay as they are. Then:
 
     static     v = y * inv_scale
@@ -27,13 +27,13 @@ try:
     import triton
     import triton.language as tl
 
-    from addnorm.ops.triton.kernels import _round, _rsqrt, _weight
+    from addnorm.ops.triton.kernels import load_weight, round_to, rsqrt
 
-    _jit = triton.jit
+    jit = triton.jit
 except ImportError:
     triton = None
     tl = SimpleNamespace(constexpr=None)
-    _jit = lambda fn: fn  # noqa: E731
+    jit = lambda fn: fn  # noqa: E731
 
 __all__ = ["quant_forward", "unavailable_reason"]
 
@@ -59,7 +59,7 @@ def unavailable_reason(device: torch.device, quant_dtype: torch.dtype) -> str | 
     return None
 
 
-@_jit
+@jit
 def _encode(v, KIND: tl.constexpr, BITWISE: tl.constexpr):
     """Codes (uint8 bits) of float32 ``v``, already saturated (or NaN)."""
     if KIND == 2:
@@ -88,7 +88,7 @@ def _encode(v, KIND: tl.constexpr, BITWISE: tl.constexpr):
         return (code | sign).to(tl.uint8)
 
 
-@_jit
+@jit
 def _div(a, b, BITWISE: tl.constexpr):
     """a / b rounded once (the contract's divisions): a GPU's plain fp32 division is approximate."""
     if BITWISE:
@@ -97,14 +97,14 @@ def _div(a, b, BITWISE: tl.constexpr):
         return tl.math.div_rn(a, b)
 
 
-@_jit
+@jit
 def _codes(y, inv, qmax, KIND: tl.constexpr, BITWISE: tl.constexpr):
     v = y * inv
     v = tl.where(v > qmax, qmax, tl.where(v < -qmax, -qmax, v))  # saturate; NaN falls through both
     return _encode(v, KIND, BITWISE)
 
 
-@_jit
+@jit
 def _scale(amax, nans, ub, qmax, min_scale, HAS_UB: tl.constexpr, BITWISE: tl.constexpr):
     amax = tl.where(nans > 0, float("nan"), amax)
     if HAS_UB:
@@ -113,7 +113,7 @@ def _scale(amax, nans, ub, qmax, min_scale, HAS_UB: tl.constexpr, BITWISE: tl.co
     return tl.where(s < min_scale, min_scale, s)
 
 
-@_jit
+@jit
 def encode_kernel(V, Q, n, qmax, KIND: tl.constexpr, BITWISE: tl.constexpr, BLOCK: tl.constexpr):
     """Q = the codes of float32 V saturated: the encoder alone, for the tests."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -122,7 +122,7 @@ def encode_kernel(V, Q, n, qmax, KIND: tl.constexpr, BITWISE: tl.constexpr, BLOC
     tl.store(Q + offs, _codes(v, 1.0, qmax, KIND, BITWISE), mask=ok)
 
 
-@_jit
+@jit
 def quant_rows_kernel(
     X,  # (M, N) input, row stride stride_x
     R,  # (M, N) residual (when HAS_RESIDUAL), row stride stride_r
@@ -164,22 +164,22 @@ def quant_rows_kernel(
     h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(acc_t)
     if HAS_RESIDUAL:
         h += tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(acc_t)
-    stored = _round(h, H.dtype.element_ty)
+    stored = round_to(h, H.dtype.element_ty)
     tl.store(H + row * stride_h + cols, stored, mask=ok)
     h = stored.to(acc_t)  # normalize the sum exactly as stored
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = _rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        rstd = rsqrt(tl.sum(h * h, axis=0) / N + eps)
         y = h * rstd
     else:
         mean = tl.sum(h, axis=0) / N
         d = tl.where(ok, h - mean, 0.0)
-        rstd = _rsqrt(tl.sum(d * d, axis=0) / N + eps)
+        rstd = rsqrt(tl.sum(d * d, axis=0) / N + eps)
         y = d * rstd
     if CAST_BEFORE_WEIGHT:
-        y = _round(y, X_T).to(acc_t)
+        y = round_to(y, X_T).to(acc_t)
     if HAS_WEIGHT:
-        y = y * _weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
     y = y.to(tl.float32)
