@@ -127,3 +127,20 @@ def test_static_scaled_fp8_quant_divides():
     assert torch.equal(q.view(torch.uint8), (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
     with pytest.raises(TypeError, match="out must be float8"):
         vllm.static_scaled_fp8_quant(torch.empty(4, 64, dtype=torch.int8), x, scale)
+
+
+@pytest.mark.parametrize(
+    "scales",
+    [
+        torch.empty(33, 1, dtype=torch.int32),  # truncated to 0 before: every dequantized value 0
+        torch.empty(33, 1, dtype=torch.bfloat16),  # rounded before: not the scale q was made with
+        torch.empty(33),
+        torch.empty(3, 11),  # filled by reshape before
+    ],
+    ids=["int32", "bf16", "flat", "3x11"],
+)
+def test_dynamic_per_token_quant_refuses_scales_vllm_refuses(scales):
+    x, _, w = _inputs()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scales must be a float32 tensor of shape \(num_tokens, 1\) = \(33, 1\)"):
+        vllm.rms_norm_dynamic_per_token_quant(q, x, w, scales, EPS, None, None)

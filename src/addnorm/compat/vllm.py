@@ -74,12 +74,24 @@ def rms_norm_dynamic_per_token_quant(
 ) -> None:
     """``out`` (FP8 or int8) and ``scales`` (num_tokens, 1) float32 from RMSNorm(input) (of ``residual += input``,
     in place, when a residual is given), one scale per token: ``max(min(amax, scale_ub) / QMAX, floor)``."""
+    _check_scales(scales, input)
     kw = dict(quant_dtype=out.dtype, scale_ub=scale_ub, cast_before_weight=True, out=out)
     if residual is None:
         _, _, s = add_rms_norm_quant(input, None, weight, epsilon, **kw)
     else:
         _, _, s = add_rms_norm_quant_(input, residual, weight, epsilon, **kw)
     scales.copy_(s.reshape(scales.shape))
+
+
+def _check_scales(scales, input: Tensor) -> None:
+    """vLLM's kernel writes one float32 per token into ``scales`` (its op checks the dtype; its Python wrapper
+    allocates (num_tokens, 1)): anything else would truncate (int32), round (bf16) or reshape the scales."""
+    tokens = input.numel() // input.shape[-1] if input.dim() else 1
+    if not isinstance(scales, Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != (tokens, 1):
+        got = f"{scales.dtype} of shape {tuple(scales.shape)}" if isinstance(scales, Tensor) else type(scales).__name__
+        raise ValueError(f"scales must be a float32 tensor of shape (num_tokens, 1) = ({tokens}, 1), got {got}")
+    if scales.device != input.device:
+        raise ValueError(f"scales must be on input's device {input.device}, got {scales.device}")
 
 
 def static_scaled_fp8_quant(out: Tensor, input: Tensor, scale: Tensor) -> None:
