@@ -136,12 +136,11 @@ def test_norm_ops_are_vllms_order_bitwise(backend, dtype):
     assert torch.equal(xi, _xhat((x + r).float(), backend).to(dtype) * w)
 
 
-@pytest.mark.parametrize("qd", [FP8, torch.int8], ids=["e4m3", "int8"])
+@pytest.mark.parametrize(
+    "qd, ub", [(FP8, None), (FP8, 2.0), (torch.int8, None)], ids=["e4m3", "e4m3-ub", "int8"]
+)  # scale_ub is FP8 only: refused with int8 (test_refusals)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("ub", [None, 2.0])
 def test_dynamic_per_token_quant_is_vllms_order_bitwise(backend, qd, with_residual, ub):
-    if ub is not None and qd == torch.int8:
-        pytest.skip("scale_ub is FP8 only (refused with int8: test_refusals)")
     x, r, w = _inputs(shape=(64, 1024))
     ri = r.clone() if with_residual else None
     scale_ub = None if ub is None else torch.tensor(ub)
