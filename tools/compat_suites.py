@@ -1,4 +1,4 @@
-"""Run flash-attention's, Liger-Kernel's and FlashInfer's OWN test files against addnorm.compat (issues 18, 26).
+"""Run flash-attention's, Liger-Kernel's, FlashInfer's and vLLM's OWN test files against addnorm.compat.
 
     python tools/compat_suites.py liger --backend cpu                           # fetches liger-kernel's sdist
     python tools/compat_suites.py flash-attn --backend cpu --hidden 192         # one hidden size of the grid
@@ -6,6 +6,7 @@
     python tools/compat_suites.py all --device cuda --backend triton            # a GPU: full grid, full seqlen
     python tools/compat_suites.py flash-attn --source flash-attn=DIR            # offline: a folder of the files
     python tools/compat_suites.py flashinfer --backend cpu --subsample 4        # FlashInfer's tests/utils/test_norm.py
+    python tools/compat_suites.py vllm --backend cpu --subsample 8              # vLLM's two norm kernel test files
 
 What it does, per suite:
 
@@ -17,7 +18,11 @@ What it does, per suite:
    - flashinfer: ``tests/utils/test_norm.py`` from GitHub at the pinned commit (or ``--source flashinfer=DIR``);
      its tests that cannot run off a GPU by their own design are deselected, each with its reason in the summary;
      its one import of FlashInfer's tracing package (``flashinfer.trace.default_check``, a tolerance check) is
-     served by a shim written into the run folder (``FLASHINFER_TRACE_SHIM`` below).
+     served by a shim written into the run folder (``FLASHINFER_TRACE_SHIM`` below);
+   - vllm: ``tests/kernels/core/test_layernorm.py`` and ``test_fused_quant_layernorm.py`` from GitHub at the pinned
+     commit; ``tools/vllm_shim/`` is copied next to them (test-only stand-ins for their ``vllm`` and
+     ``tests.kernels`` imports: ``vllm._custom_ops`` is ``addnorm.compat.vllm``), and their ``torch.ops._C.<op>``
+     calls become ``torch.ops.addnorm_vllm.<op>``.
    Their files are never committed to this repository. The version/commit and each file's sha256 are printed.
 2. Copies them into a run folder and rewrites ONLY (each rule listed in the summary; a rule that no longer
    matches the upstream text is an error, not a silent no-op):
@@ -46,6 +51,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -79,6 +85,7 @@ class Suite:
     commit: str = ""
     # (test function, why, on CUDA too) not run: each is printed with its reason in the summary
     deselect: tuple[tuple[str, str, bool], ...] = ()
+    shim: str = ""  # a folder of this repository copied next to the files: test-only stand-ins for their imports
 
 
 SUITES = {
@@ -128,6 +135,14 @@ SUITES = {
             )
         )
         + (("test_norm_compilation_without_fp8", "builds FlashInfer's own CUDA sources with nvcc (its JIT)", True),),
+    ),
+    "vllm": Suite(
+        "vllm",
+        files=("tests/kernels/core/test_layernorm.py", "tests/kernels/core/test_fused_quant_layernorm.py"),
+        tests=("tests/kernels/core/test_layernorm.py", "tests/kernels/core/test_fused_quant_layernorm.py"),
+        github="vllm-project/vllm",
+        commit="0a88d969d25280ee389277b47c66b6362b45aebf",
+        shim="tools/vllm_shim",
     ),
 }
 
@@ -235,6 +250,30 @@ def rules_for(suite: str, path: str, device: str, seqlen: int | None, have_einop
             Rule(f'.to(0) -> .to("{device}")', r"\.to\(0\)", f'.to("{device}")'),
             Rule(f'device="cuda" -> "{device}"', r"device=" + dev, f'device="{device}"'),
         ]
+    if suite == "vllm":
+        rules = [
+            Rule(
+                "torch.ops._C.<op> -> torch.ops.addnorm_vllm.<op> (registered by addnorm.compat.vllm, _C's schemas)",
+                r"torch\.ops\._C\.",
+                "torch.ops.addnorm_vllm.",
+            ),
+            Rule(f'device="cuda" -> "{device}"', r"device=" + dev, f'device="{device}"'),
+        ]
+        if device != "cuda":
+            rules.append(
+                Rule(
+                    f"CUDA_DEVICES (cuda:0, cuda:1) -> [{device!r}]",
+                    r'^CUDA_DEVICES = \[\n    f"cuda:\{i\}" for i in range\(1 if torch\.accelerator\.device_count\(\) == 1 '
+                    r"else 2\)\n\]$",
+                    f"CUDA_DEVICES = [{device!r}]",
+                )
+            )
+            call = {
+                "test_layernorm.py": r"torch\.accelerator\.synchronize\(\)",
+                "test_fused_quant_layernorm.py": r"torch\.accelerator\.set_device_index\(device\)",
+            }[path.rpartition("/")[2]]
+            rules.append(Rule(f"{call.replace(chr(92), '')} -> pass (no accelerator on {device})", call, "pass"))
+        return rules
     raise ValueError(f"suite must be one of {sorted(SUITES)}, got {suite!r}")
 
 
@@ -496,6 +535,9 @@ def prepare_run(suite: Suite, src: Path, run_dir: Path, device: str, seqlen: int
     (run_dir / "_addnorm_compat_plugin.py").write_text(PLUGIN)
     if suite.name == "flashinfer":
         (run_dir / "_addnorm_flashinfer_trace.py").write_text(FLASHINFER_TRACE_SHIM)
+    if suite.shim:
+        shutil.copytree(ROOT / suite.shim, run_dir, dirs_exist_ok=True)
+        done.append(f"shim: {suite.shim}/ copied next to the files (their imports of vllm and tests.kernels)")
     return done
 
 
