@@ -66,8 +66,11 @@ def test_rmsnorm_family(backend):
 
 @pytest.mark.parametrize("gemma", [False, True])
 def test_fused_add_rmsnorm_in_place(backend, gemma):
+    """FlashInfer's kernels normalize the float32 sum before it is rounded into residual (as its reference does)."""
     x, r, w = _inputs()
-    out, res = addnorm.add_rms_norm(x, r, w, 1e-6, zero_centered_weight=gemma, backend=backend)
+    h = x.float() + r.float()
+    out = addnorm.add_rms_norm(h, None, w, 1e-6, zero_centered_weight=gemma, out_dtype=x.dtype, backend=backend)[0]
+    res = x + r
     xi, ri = x.clone(), r.clone()
     fn = fi.gemma_fused_add_rmsnorm if gemma else fi.fused_add_rmsnorm
     assert fn(xi, ri, w, 1e-6) is None
@@ -80,7 +83,7 @@ def test_layernorm_with_fp32_gamma_beta(backend):
     assert torch.equal(fi.layernorm(x, g, b), addnorm.layer_norm(x, g, b, 1e-6, backend=backend))
 
 
-@pytest.mark.parametrize("scale", [0.05, torch.tensor(0.05), torch.tensor([0.05], dtype=torch.float64)], ids=str)
+@pytest.mark.parametrize("scale", [torch.tensor(0.05), torch.tensor([0.05], dtype=torch.float64)], ids=str)
 def test_quant_ops(backend, scale):
     x, r, w = _inputs()
     s32 = torch.tensor([0.05])
@@ -92,18 +95,70 @@ def test_quant_ops(backend, scale):
     q = torch.empty(x.shape, dtype=torch.float8_e5m2)
     xi, ri = x.clone(), r.clone()
     fi.fused_add_rmsnorm_quant(q, xi, ri, w, scale)
-    want, res, _ = addnorm.add_rms_norm_quant(x, r, w, 1e-6, scale=s32, quant_dtype=torch.float8_e5m2, backend=backend)
-    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(ri, res) and torch.equal(xi, x)
+    h = x.float() + r.float()  # the float32 sum is normalized, its rounding stored (FlashInfer's kernels)
+    want = addnorm.add_rms_norm_quant(h, None, w, 1e-6, scale=s32, quant_dtype=torch.float8_e5m2, backend=backend)[0]
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(ri, x + r) and torch.equal(xi, x)
+    # layernorm_quant: FlashInfer's kernel rounds LayerNorm's output to bf16, then divides by the scale
     g, b = torch.randn(200), torch.randn(200)
     fi.layernorm_quant(q, x, g, b, scale)
-    want = addnorm.add_layer_norm_quant(x, None, g, b, 1e-6, scale=s32, quant_dtype=torch.float8_e5m2, backend=backend)
-    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))
+    y = addnorm.layer_norm(x, g, b, 1e-6, backend=backend).float()
+    want = (y / s32).clamp(-57344, 57344).to(torch.float8_e5m2)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_scale_of_more_than_one_element_is_refused():
+def test_float_scale_gives_flashinfers_future_warning():
+    x, _, w = _inputs()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    with pytest.warns(FutureWarning, match="float scale is deprecated"):
+        fi.rmsnorm_quant(q, x, w, 0.05)
+    want = torch.empty_like(q)
+    fi.rmsnorm_quant(want, x, w, torch.tensor([0.05]))
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale", [torch.ones(2), torch.ones(1, 1)], ids=["two", "1x1"])
+def test_scale_not_scalar_or_one_element_vector_is_refused(scale):
     x, _, w = _inputs()
     with pytest.raises(ValueError, match="scale must be a scalar tensor or shape"):
-        fi.rmsnorm_quant(torch.empty(x.shape, dtype=torch.float8_e4m3fn), x, w, torch.ones(2))
+        fi.rmsnorm_quant(torch.empty(x.shape, dtype=torch.float8_e4m3fn), x, w, scale)
+
+
+def test_refuses_what_flashinfer_refuses():
+    """Each call here runs on addnorm's own functions (which accept it) but fails on FlashInfer."""
+    x, r, w = _inputs()
+    g, b = torch.randn(200), torch.randn(200)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    s = torch.tensor([0.05])
+    with pytest.raises(RuntimeError, match="input must be bfloat16"):
+        fi.layernorm_quant(q, x.half(), g, b, s)
+    with pytest.raises(RuntimeError, match="input must be bfloat16"):
+        fi.layernorm(x.half(), g, b)
+    with pytest.raises(RuntimeError, match="gamma must be float32"):
+        fi.layernorm(x, g.bfloat16(), b)
+    with pytest.raises(RuntimeError, match="input must be contiguous"):
+        fi.layernorm_quant(q, torch.randn(5, 400).bfloat16()[:, :200], g, b, s)
+    with pytest.raises(RuntimeError, match="out must be float8_e4m3fn or float8_e5m2"):
+        fi.rmsnorm_quant(torch.empty(x.shape, dtype=torch.int8), x, w, s)
+    with pytest.raises(RuntimeError, match="out must have input's dtype"):
+        fi.rmsnorm(x, w, out=torch.empty(x.shape))  # silently cast to fp32 before
+    with pytest.raises(RuntimeError, match="input must be float16 or bfloat16"):
+        fi.rmsnorm(x.float(), w.float())
+    with pytest.raises(RuntimeError, match="residual must have input's dtype"):
+        fi.fused_add_rmsnorm(x, r.float(), w)
+    with pytest.raises(RuntimeError, match="Unsupported input dimension: 3"):
+        fi.rmsnorm_quant(q.view(5, 2, 100), x.view(5, 2, 100), w[:100], s)
+    # the core API keeps accepting them
+    assert addnorm.add_layer_norm_quant(x.half(), None, g, b, 1e-6, scale=s)[0].dtype == torch.float8_e4m3fn
+    assert addnorm.rms_norm(x.float(), w.float(), 1e-6).dtype == torch.float32
+
+
+def test_weightless_rmsnorm(backend):
+    x, r, _ = _inputs()
+    assert torch.equal(fi.rmsnorm(x, None), addnorm.rms_norm(x, None, 1e-6, backend=backend))
+    xi, ri = x.clone(), r.clone()
+    fi.fused_add_rmsnorm(xi, ri, None)
+    out = addnorm.add_rms_norm(x.float() + r.float(), None, None, 1e-6, out_dtype=x.dtype, backend=backend)[0]
+    assert torch.equal(xi, out) and torch.equal(ri, x + r)
 
 
 def test_device_support_pdl_is_false_off_hopper():
@@ -127,6 +182,7 @@ def test_norm():
     y = torch.randn(3, 4, device="cuda")
     other = "cuda"  # not a device argument: stays
     flashinfer.norm.rmsnorm(x, y)
+    from flashinfer.trace import default_check
 """
 
 
@@ -138,16 +194,43 @@ def test_compat_suites_flashinfer_rules():
     assert "import addnorm.compat.flashinfer as flashinfer" in text
     assert "from addnorm.compat.flashinfer import device_support_pdl" in text
     assert "jit_env = gen_jit_spec = None" in text and "flashinfer.jit" not in text
+    assert "    from _addnorm_flashinfer_trace import default_check" in text and "flashinfer.trace" not in text
     assert '.to("cpu")' in text and 'device="cpu"' in text and 'other = "cuda"' in text
-    assert len(done) == 5
+    assert len(done) == 6
     suite = cs.SUITES["flashinfer"]
+    big = {f"test_{op}_contiguous_overflow" for op in ("rmsnorm", "gemma_rmsnorm", "rmsnorm_quant", "layernorm")}
+    big |= {f"test_{op}_contiguous_overflow" for op in ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")}
+    big |= {"test_fused_add_rmsnorm_quant_contiguous_overflow", "test_qk_rmsnorm_contiguous_overflow"}
     assert {name for name, _ in cs._deselected(suite, "cpu")} == {
         "test_rmsnorm_int64_stride",
         "test_rmsnorm_quant_int64_stride",
         "test_fused_add_rmsnorm_int64_stride",
         "test_fused_add_rmsnorm_quant_int64_stride",
         "test_norm_compilation_without_fp8",
+        *big,
     }
     assert all(why for _, why, _ in suite.deselect)
     # on a GPU the 4 GB stride tests run; FlashInfer's nvcc build stays out
     assert [name for name, _ in cs._deselected(suite, "cuda")] == ["test_norm_compilation_without_fp8"]
+
+
+def test_compat_suites_flashinfer_trace_shim(tmp_path, monkeypatch):
+    """The shim of flashinfer.trace.default_check: FP8 tolerance 0.1, a budget of mismatching elements in per cent,
+    an optional cosine-similarity floor, exact comparison of other dtypes."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compat_suites as cs
+
+    (tmp_path / "fi_trace_shim.py").write_text(cs.FLASHINFER_TRACE_SHIM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from fi_trace_shim import default_check
+
+    ref = torch.linspace(-4, 4, 1000).to(torch.float8_e4m3fn)
+    off = ref.float().clone()
+    off[:5] += 1.0  # 0.5 % of the elements far off
+    off = off.to(torch.float8_e4m3fn)
+    assert default_check([ref], [off], max_mismatch_pct=1.0, min_cos_sim=None)
+    assert not default_check([ref], [off], max_mismatch_pct=0.1, min_cos_sim=None)
+    assert not default_check([ref], [-ref.float()], max_mismatch_pct=100.0)  # cosine -1
+    assert not default_check([ref], [ref[:10]])
+    i = torch.arange(10)
+    assert default_check(i, i) and not default_check(i, i + 1)

@@ -144,6 +144,23 @@ def test_in_place_aliasing():
         (dict(scale_ub=1.0, scale=torch.tensor([1.0])), ValueError, "scale_ub bounds dynamic"),
         (dict(scale_ub=-1.0), ValueError, "scale_ub must be"),
         (dict(scale_ub=torch.tensor([1.0, 2.0])), ValueError, "scale_ub must be a float32 tensor of one"),
+        (dict(scale_ub=True), ValueError, "scale_ub must be a number > 0"),  # as group_size=True is refused
+        (dict(scale_ub=torch.tensor([0.0])), ValueError, r"scale_ub must be > 0, got 0.0"),
+        (dict(scale_ub=torch.tensor([-1.0])), ValueError, r"scale_ub must be > 0, got -1.0"),
+        (dict(scale_ub=torch.tensor(float("nan"))), ValueError, r"scale_ub must be > 0, got nan"),
+        (
+            dict(scale=torch.tensor([0.0])),
+            ValueError,
+            r"scale must be > 0 and finite \(a dequantization scale\), got 0.0",
+        ),
+        (dict(scale=torch.tensor([-0.5])), ValueError, r"scale must be > 0 and finite .*, got -0.5"),
+        (dict(scale=torch.tensor([float("nan")])), ValueError, r"scale must be > 0 and finite .*, got nan"),
+        (dict(scale=torch.tensor([float("inf")])), ValueError, r"scale must be > 0 and finite .*, got inf"),
+        (
+            dict(out=torch.empty(1, 256, dtype=torch.float8_e4m3fn).expand(2, 256)),
+            ValueError,
+            "out must not be an expanded",
+        ),
         (dict(scale=0.5), TypeError, "scale must be a float32 tensor"),
         (dict(scale=torch.tensor([1.0], dtype=torch.float64)), ValueError, "scale must be a float32"),
         (dict(scale=torch.ones(2)), ValueError, "scale must be a float32"),

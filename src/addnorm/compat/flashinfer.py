@@ -8,31 +8,41 @@ What each function is in addnorm's terms (docs/compat.md lists where the numeric
 
 - ``rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None) -> out``: :func:`addnorm.rms_norm`, 2-D or 3-D input;
 - ``gemma_rmsnorm(...)``: the same with ``1 + weight`` (``zero_centered_weight``);
-- ``fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None) -> None``: :func:`addnorm.add_rms_norm_`
-  (residual += input in residual's dtype, then input = RMSNorm(residual)); ``gemma_fused_add_rmsnorm`` likewise;
+- ``fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None) -> None``: residual += input (rounded to
+  residual's dtype), input = RMSNorm of the float32 sum before that rounding (FlashInfer's kernels keep it and
+  normalize it; addnorm's own in-place op, :func:`addnorm.add_rms_norm_`, normalizes residual as stored);
+  ``gemma_fused_add_rmsnorm`` and ``fused_add_rmsnorm_quant`` likewise;
 - ``layernorm(input, gemma, beta, eps=1e-6) -> out``: :func:`addnorm.layer_norm` (gamma and beta may be fp32 with a
   bf16 input, as FlashInfer wants them);
 - ``rmsnorm_quant(out, input, weight, scale, eps=1e-6, enable_pdl=None) -> None``, ``fused_add_rmsnorm_quant(out,
   input, residual, weight, scale, eps=1e-6, enable_pdl=None) -> None`` (residual updated in place, input only read)
   and ``layernorm_quant(out, input, gemma, beta, scale, eps=1e-6, enable_pdl=None) -> None`` (the same convention):
-  :func:`addnorm.add_rms_norm_quant` / :func:`addnorm.add_layer_norm_quant` with a static scale, quantized to
-  ``out``'s dtype; ``q = saturate(y * (1 / scale))`` as FlashInfer's reference computes it.
+  :func:`addnorm.add_rms_norm_quant` with a static scale, quantized to ``out``'s dtype, ``q = saturate(y * (1 /
+  scale))`` as FlashInfer's reference computes it; ``layernorm_quant`` rounds LayerNorm's output to bf16 and divides
+  by the scale, as FlashInfer's kernel does.
 
 ``enable_pdl`` (programmatic dependent launch, a Hopper launch attribute) is accepted and has no effect: addnorm's
-launches do not use PDL. ``scale`` may be a float, a 0-dim or a (1,) tensor of any float dtype (FlashInfer
-normalizes it the same way).
+launches do not use PDL. ``scale`` may be a 0-dim or a (1,) tensor of any float dtype (FlashInfer normalizes it the
+same way), or a Python float with FlashInfer's FutureWarning (a float scale is deprecated there).
+
+They refuse what FlashInfer refuses (its ``flashinfer/norm`` wrappers and ``csrc/norm.cu`` at 09928cf3), so code
+developed here runs there: RMSNorm inputs of float16 or bfloat16 only, 2-D (3-D for ``rmsnorm``/``gemma_rmsnorm``),
+``out`` of the input's dtype; the quantized ops' ``out`` in FP8; LayerNorm (and ``layernorm_quant``) on bfloat16
+input with float32 gamma and beta, ``layernorm_quant`` on contiguous rows. addnorm's own functions
+(``addnorm.add_rms_norm`` and the rest) accept more: docs/compat.md lists it.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from torch import Tensor
 
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
-from addnorm.ops.add_norm_inplace import add_rms_norm_
-from addnorm.ops.quant import add_layer_norm_quant, add_rms_norm_quant, add_rms_norm_quant_
+from addnorm.ops.quant import add_rms_norm_quant
+from addnorm.ops.quant.contract import QMAX
 
 __all__ = [
     "device_support_pdl",
@@ -55,17 +65,57 @@ def device_support_pdl(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _into(out: Tensor | None, y: Tensor) -> Tensor:
+def _into(out: Tensor | None, y: Tensor, input: Tensor) -> Tensor:
     if out is None:
         return y
+    if out.dtype != input.dtype or out.shape != input.shape:
+        # FlashInfer's kernels write out in input's element type: another dtype is not converted there
+        raise RuntimeError(
+            f"out must have input's dtype {input.dtype} and shape {tuple(input.shape)}, got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
     return out.copy_(y)
+
+
+def _check_input(input: Tensor, dims=(2,)) -> None:
+    """FlashInfer's RMSNorm kernels are built for float16 and bfloat16, on (batch, hidden) rows (and, for
+    rmsnorm, (batch, heads, head_dim))."""
+    if input.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"input must be float16 or bfloat16 (FlashInfer's norm kernels), got {input.dtype}")
+    if input.dim() not in dims:
+        raise RuntimeError(f"Unsupported input dimension: {input.dim()}")
+
+
+def _check_fp8_out(out: Tensor, input: Tensor) -> None:
+    if out.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise RuntimeError(f"out must be float8_e4m3fn or float8_e5m2 (FlashInfer quantizes to FP8), got {out.dtype}")
+    if out.shape != input.shape:
+        raise RuntimeError(f"out must have input's shape {tuple(input.shape)}, got {tuple(out.shape)}")
+
+
+def _check_layernorm(input: Tensor, gemma: Tensor, beta: Tensor) -> None:
+    """FlashInfer's LayerNorm binding: bfloat16 input, float32 gamma and beta, (batch, hidden)."""
+    if input.dtype != torch.bfloat16:
+        raise RuntimeError(f"input must be bfloat16 (FlashInfer's layernorm), got {input.dtype}")
+    if gemma.dtype != torch.float32:
+        raise RuntimeError(f"gamma must be float32 (FlashInfer's layernorm), got {gemma.dtype}")
+    if beta.dtype != torch.float32:
+        raise RuntimeError(f"beta must be float32 (FlashInfer's layernorm), got {beta.dtype}")
+    if input.dim() != 2:
+        raise RuntimeError(f"Unsupported input dimension: {input.dim()}")
 
 
 def _scale(scale, ref: Tensor) -> Tensor:
     """FlashInfer's scale conventions -> addnorm's: a float32 tensor of one element on input's device."""
     if not isinstance(scale, Tensor):
+        warnings.warn(
+            "a Python float scale is deprecated by FlashInfer and will stop working there; pass a float32 "
+            "torch.Tensor of shape (1,)",
+            FutureWarning,
+            stacklevel=3,
+        )
         return torch.tensor([float(scale)], dtype=torch.float32, device=ref.device)
-    if scale.numel() != 1:
+    if scale.dim() > 1 or scale.numel() != 1:
         raise ValueError(f"scale must be a scalar tensor or shape (1,), got shape {tuple(scale.shape)}")
     return scale.to(device=ref.device, dtype=torch.float32).reshape(1)
 
@@ -73,33 +123,40 @@ def _scale(scale, ref: Tensor) -> Tensor:
 def rmsnorm(
     input: Tensor, weight: Tensor, eps: float = 1e-6, out: Tensor | None = None, enable_pdl: bool | None = None
 ) -> Tensor:
-    """``out = input / RMS(input) * weight`` over the last dim (2-D or 3-D input)."""
-    return _into(out, add_rms_norm(input, None, weight, eps)[0])
+    """``out = input / RMS(input) * weight`` over the last dim (2-D or 3-D input; ``weight=None``: no weight)."""
+    _check_input(input, (2, 3))
+    return _into(out, add_rms_norm(input, None, weight, eps)[0], input)
 
 
 def gemma_rmsnorm(
     input: Tensor, weight: Tensor, eps: float = 1e-6, out: Tensor | None = None, enable_pdl: bool | None = None
 ) -> Tensor:
     """``out = input / RMS(input) * (1 + weight)``."""
-    return _into(out, add_rms_norm(input, None, weight, eps, zero_centered_weight=True)[0])
+    _check_input(input, (2, 3))
+    return _into(out, add_rms_norm(input, None, weight, eps, zero_centered_weight=True)[0], input)
 
 
 def fused_add_rmsnorm(
     input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, enable_pdl: bool | None = None
 ) -> None:
-    """In place: ``residual += input``; ``input = residual / RMS(residual) * weight``."""
-    add_rms_norm_(input, residual, weight, eps)
+    """In place: ``residual += input``; ``input = residual / RMS(residual) * weight`` (``weight=None``: none)."""
+    _check_input(input)
+    _check_residual(input, residual)
+    _fused_add(input, residual, weight, eps, False)
 
 
 def gemma_fused_add_rmsnorm(
     input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, enable_pdl: bool | None = None
 ) -> None:
     """In place: ``residual += input``; ``input = residual / RMS(residual) * (1 + weight)``."""
-    add_rms_norm_(input, residual, weight, eps, zero_centered_weight=True)
+    _check_input(input)
+    _check_residual(input, residual)
+    _fused_add(input, residual, weight, eps, True)
 
 
 def layernorm(input: Tensor, gemma: Tensor, beta: Tensor, eps: float = 1e-6) -> Tensor:
     """LayerNorm over the last dim with weight ``gemma`` (FlashInfer's name for gamma) and bias ``beta``."""
+    _check_layernorm(input, gemma, beta)
     return add_layer_norm(input, None, gemma, beta, eps)[0]
 
 
@@ -107,6 +164,8 @@ def rmsnorm_quant(
     out: Tensor, input: Tensor, weight: Tensor, scale, eps: float = 1e-6, enable_pdl: bool | None = None
 ) -> None:
     """``out = quantize(input / RMS(input) * weight, scale)`` in ``out``'s dtype (static scale)."""
+    _check_input(input)
+    _check_fp8_out(out, input)
     add_rms_norm_quant(input, None, weight, eps, quant_dtype=out.dtype, scale=_scale(scale, input), out=out)
 
 
@@ -120,7 +179,12 @@ def fused_add_rmsnorm_quant(
     enable_pdl: bool | None = None,
 ) -> None:
     """In place: ``residual += input``; ``out = quantize(residual / RMS(residual) * weight, scale)``."""
-    add_rms_norm_quant_(input, residual, weight, eps, quant_dtype=out.dtype, scale=_scale(scale, input), out=out)
+    _check_input(input)
+    _check_residual(input, residual)
+    _check_fp8_out(out, input)
+    s = _scale(scale, input)
+    h = _sum_in_place(input, residual)
+    add_rms_norm_quant(h, None, weight, eps, quant_dtype=out.dtype, scale=s, out=out)
 
 
 def layernorm_quant(
@@ -132,8 +196,39 @@ def layernorm_quant(
     eps: float = 1e-6,
     enable_pdl: bool | None = None,
 ) -> None:
-    """``out = quantize(LayerNorm(input) * gemma + beta, scale)`` in ``out``'s dtype (rmsnorm_quant's convention)."""
-    add_layer_norm_quant(input, None, gemma, beta, eps, quant_dtype=out.dtype, scale=_scale(scale, input), out=out)
+    """``out = fp8(saturate(round_bf16(LayerNorm(input) * gemma + beta) / scale))`` in ``out``'s dtype: FlashInfer's
+    kernel rounds the normalized value to the input's dtype, then divides by the scale (its reference says so)."""
+    s = _scale(scale, input)  # FlashInfer normalizes the scale before its kernel checks the tensors
+    _check_layernorm(input, gemma, beta)
+    _check_fp8_out(out, input)
+    if input.stride(0) != input.shape[1]:
+        raise RuntimeError("input must be contiguous (FlashInfer's layernorm_quant takes no row stride)")
+    if not out.is_contiguous():
+        raise RuntimeError("output must be contiguous (FlashInfer's layernorm_quant takes no row stride)")
+    qmax = QMAX[out.dtype]
+    y = add_layer_norm(input, None, gemma, beta, eps)[0].float()
+    out.copy_((y / s).clamp(-qmax, qmax).to(out.dtype))
+
+
+def _sum_in_place(input: Tensor, residual: Tensor) -> Tensor:
+    """``residual += input`` rounded to its dtype; returns the float32 sum *before* that rounding, which FlashInfer's
+    fused-add kernels keep (in shared memory) and normalize, as its reference does."""
+    h = input.float() + residual.float()
+    residual.copy_(h)
+    return h
+
+
+def _fused_add(input: Tensor, residual: Tensor, weight, eps: float, gemma: bool) -> None:
+    h = _sum_in_place(input, residual)
+    input.copy_(add_rms_norm(h, None, weight, eps, zero_centered_weight=gemma, out_dtype=input.dtype)[0])
+
+
+def _check_residual(input: Tensor, residual: Tensor) -> None:
+    if residual.dtype != input.dtype or residual.shape != input.shape:
+        raise RuntimeError(
+            f"residual must have input's dtype {input.dtype} and shape {tuple(input.shape)}, got {residual.dtype} "
+            f"{tuple(residual.shape)}"
+        )
 
 
 # `flashinfer.norm.rmsnorm` and `flashinfer.rmsnorm` both resolve: this module stands for the package and for its

@@ -240,7 +240,7 @@ def _flush_c_stdio() -> None:
 
 def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
     """(findings, title); runs the user's code with its output sent to stderr."""
-    from addnorm.diagnostics.doctor.diagnosis import diagnose
+    from addnorm.diagnostics.doctor.diagnosis import diagnose, why_not_checkable
 
     with _stdout_to_stderr(), _no_hard_exit():  # stdout carries only the report
         if args.hf_config and args.target:
@@ -253,8 +253,14 @@ def _load_and_check(args: argparse.Namespace) -> tuple[list, str]:
             title = f"{type(model).__name__} from {args.target}"
         else:
             raise TargetError("give TARGET (FILE.py:FACTORY) or --hf-config CONFIG.json")
+        if why_not_checkable(model) is not None:  # a target the doctor cannot take: exit 2 with the reason
+            raise TargetError(why_not_checkable(model))
         try:
             findings = diagnose(model, batch)
+            if [f.code for f in findings] == ["values-not-checked"]:  # nothing was checked: not a clean pass
+                raise TargetError(f"{findings[0].message}; {findings[0].fix}")
+        except TargetError:
+            raise
         except SystemExit as e:  # the model's forward/backward exited: not a clean pass
             raise TargetError(
                 f"the model called {_exit_text(e)} during the example forward/backward: a target "

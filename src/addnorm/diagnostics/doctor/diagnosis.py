@@ -45,6 +45,7 @@ import copy
 import math
 from typing import Any
 
+import torch
 from torch import nn
 
 from addnorm.diagnostics.blocks import find_blocks
@@ -54,7 +55,46 @@ from addnorm.diagnostics.doctor.example_run import batch_shape, image_input, run
 from addnorm.diagnostics.doctor.findings import SEVERITIES, DoctorConfig, Finding, sort_findings
 from addnorm.diagnostics.doctor.norm_checks import check_norms
 
-__all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES"]
+__all__ = ["Finding", "DoctorConfig", "diagnose", "SEVERITIES", "why_not_checkable"]
+
+
+def why_not_checkable(model: nn.Module) -> str | None:
+    """Why the doctor cannot check ``model`` at all (None when it can): the checks hook and call submodules one by
+    one, which a compiled ScriptModule does not allow."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return (
+            f"the model is a {type(model).__name__} (torch.jit.script or torch.jit.trace output): the doctor needs "
+            "the eager nn.Module, whose submodules it hooks and calls one by one; pass the model before scripting "
+            "or tracing it"
+        )
+    return None
+
+
+def _meta_tensors(model: nn.Module, example_batch: Any) -> bool:
+    """Whether the model's weights or the example batch live on the meta device: shapes without values."""
+    tensors = [*model.parameters(), *model.buffers()]
+    stack = [example_batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def _meta_finding() -> Finding:
+    return Finding(
+        code="values-not-checked",
+        severity="warning",
+        module="<root>",
+        message="the model's weights or the example batch are on the meta device (shapes without values): every "
+        "check runs the model and reads values (a skip path's output, a norm's statistics), so none was run",
+        fix="materialize the model first (model.to_empty(device='cpu') and initialize it, or load its weights) and "
+        "give an example batch with values on the same device",
+    )
 
 
 def diagnose(
@@ -64,6 +104,11 @@ def diagnose(
     errors first. The model is deep-copied first, so its state (grads, BatchNorm statistics) is left untouched."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    reason = why_not_checkable(model)
+    if reason is not None:
+        raise TypeError(reason)
+    if _meta_tensors(model, example_batch):
+        return [_meta_finding()]
     cfg = config or DoctorConfig()
     try:
         model = copy.deepcopy(model)

@@ -246,6 +246,10 @@ def _check_out(out: Tensor, x: Tensor, residual: Tensor | None, quant_dtype) -> 
     if not isinstance(out, Tensor) or out.dtype != quant_dtype or out.shape != x.shape or out.device != x.device:
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"out must be a {quant_dtype} tensor of x's shape {tuple(x.shape)} on {x.device}, got {got}")
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+        raise ValueError(
+            f"out must not be an expanded view (stride 0 in {tuple(out.stride())}: its elements share memory)"
+        )
     # q written over x's or residual's bytes would corrupt inputs still to be read (kernels write row by row) or
     # be overwritten by residual's own update (in place): only disjoint bytes, as for the in-place ops
     check_disjoint("out", out, "x", x, "q is written while x is read")

@@ -30,7 +30,8 @@ Inf saturates to +-QMAX under a static scale (and under dynamic scaling with ``s
 ``scale_ub`` its amax and scale are Inf, inv is 0, the Inf element's q is NaN (Inf * 0) and its neighbours 0.
 
 Inference only: an input or weight that requires grad (with grad mode on) is an error: an 8-bit gradient would be
-meaningless. The scale's value is not checked (that would synchronize with the device): it must be > 0 and finite.
+meaningless. A static scale must be > 0 and finite, a ``scale_ub`` > 0 (not NaN): checked for numbers and CPU tensors,
+where reading the value is free; a CUDA tensor's value is not read (that would synchronize with the device).
 
 Kernel backends (``cpu``, ``triton``) are modules with
 
@@ -74,6 +75,8 @@ def validate_quant(x: Tensor, n: int, quant_dtype, scale, group_size, scale_ub) 
         raise TypeError(f"quant_dtype must be one of {names}, got {quant_dtype!r}")
     if scale is not None:
         _check_scalar_tensor("scale", scale, x)
+        if scale.device.type == "cpu" and not 0 < float(scale) < float("inf"):
+            raise ValueError(f"scale must be > 0 and finite (a dequantization scale), got {float(scale)}")
         if group_size is not None:
             raise ValueError("group_size is for dynamic scales (scale=None); a static scale covers the whole tensor")
         if scale_ub is not None:
@@ -82,7 +85,9 @@ def validate_quant(x: Tensor, n: int, quant_dtype, scale, group_size, scale_ub) 
     if scale_ub is not None:
         if isinstance(scale_ub, Tensor):
             _check_scalar_tensor("scale_ub", scale_ub, x)
-        elif not isinstance(scale_ub, numbers.Real) or not scale_ub > 0:
+            if scale_ub.device.type == "cpu" and not float(scale_ub) > 0:  # a 0 or NaN bound: every code saturates
+                raise ValueError(f"scale_ub must be > 0, got {float(scale_ub)}")
+        elif not isinstance(scale_ub, numbers.Real) or isinstance(scale_ub, bool) or not scale_ub > 0:
             raise ValueError(f"scale_ub must be a number > 0 or a float32 tensor of one element, got {scale_ub!r}")
     if group_size is None:
         return n
