@@ -26,7 +26,8 @@ KIND_TITLES = {
 ENGINE_NOTE = (
     "Batched engine (--engine batched): the training runs of one architecture trained as one stacked computation; "
     "their numbers equal the default (sequential) engine's up to float rounding, so a verdict at its criterion's "
-    "boundary can differ from the recorded results, which use the sequential engine."
+    "boundary can differ between the two engines. The recorded results (docs/lab-results.md) use this engine, which "
+    "pays for their three lab seeds; the default `addnorm lab` uses the sequential one."
 )
 
 
