@@ -34,6 +34,7 @@ _LAZY = {
     "add_norm_multi": "addnorm.ops",
     "add_norm_linear": "addnorm.ops",
     "norm_add": "addnorm.ops",
+    "norm_add_norm": "addnorm.ops",
     "available_backends": "addnorm.ops",
     "BackendUnavailableError": "addnorm.ops",
     "add_rms_norm_quant": "addnorm.ops",

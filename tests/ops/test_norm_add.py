@@ -156,3 +156,26 @@ def test_exported_from_addnorm():
     from addnorm import ops
 
     assert addnorm.norm_add is ops.norm_add is norm_add
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_norm_add_norm_is_norm_add_then_the_next_norm(backend):
+    """The sandwich chain's contract: h is norm_add's result bitwise, N2(h) is the second norm of h on h's dtype."""
+    _skip_unavailable(backend)
+    from addnorm.ops.add_norm import add_layer_norm
+    from addnorm.ops.norm_add import norm_add_norm
+
+    g = torch.Generator().manual_seed(0)
+    y, residual = (torch.randn(5, 48, generator=g).to(torch.bfloat16) for _ in range(2))
+    w1, w2, b2 = (torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(3))
+    out, h = norm_add_norm(
+        y, residual, w1, w2, None, b2, 1e-6, 1e-5, norm="rms", norm2="layer",
+        zero_centered_weight=(True, False), backend=backend,
+    )  # fmt: skip
+    h_expected = norm_add(y, residual, w1, None, 1e-6, zero_centered_weight=True, backend=backend)
+    assert torch.equal(h, h_expected)
+    assert torch.equal(out, add_layer_norm(h_expected, None, w2, b2, 1e-5, backend=backend)[0])
+    with pytest.raises(ValueError, match="norm2"):
+        norm_add_norm(y, residual, norm2="batch")
+    with pytest.raises(ValueError, match="bias2"):
+        norm_add_norm(y, residual, w1, w2, None, b2)

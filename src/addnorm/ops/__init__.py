@@ -5,7 +5,7 @@ from addnorm.ops.add_norm_inplace import add_layer_norm_, add_rms_norm_
 from addnorm.ops.add_norm_linear import add_norm_linear
 from addnorm.ops.add_norm_multi import AddNormOutputs, add_norm_multi
 from addnorm.ops.backends import BackendUnavailableError, available_backends, resolve_backend
-from addnorm.ops.norm_add import norm_add
+from addnorm.ops.norm_add import norm_add, norm_add_norm
 from addnorm.ops.quant import add_layer_norm_quant, add_layer_norm_quant_, add_rms_norm_quant, add_rms_norm_quant_
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "AddNormOutputs",
     "add_norm_linear",
     "norm_add",
+    "norm_add_norm",
     "BackendUnavailableError",
     "available_backends",
     "resolve_backend",

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 
-__all__ = ["norm_add"]
+__all__ = ["norm_add", "norm_add_norm"]
 
 _NORMS = ("rms", "layer")
 
@@ -60,3 +60,56 @@ def norm_add(
     else:
         out, _ = add_layer_norm(y, None, weight, bias, 1e-5 if eps is None else eps, **options)
     return residual + out
+
+
+def _pair(value, name: str) -> tuple:
+    """One option for both norms of :func:`norm_add_norm`, or a pair (first norm's, second norm's)."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be a bool or a pair of bools, got a tuple of {len(value)}")
+        return value
+    return value, value
+
+
+def norm_add_norm(
+    y: Tensor,
+    residual: Tensor,
+    weight1: Tensor | None = None,
+    weight2: Tensor | None = None,
+    bias1: Tensor | None = None,
+    bias2: Tensor | None = None,
+    eps1: float | None = None,
+    eps2: float | None = None,
+    *,
+    norm: str = "rms",
+    norm2: str | None = None,
+    zero_centered_weight: bool | tuple[bool, bool] = False,
+    cast_before_weight: bool | tuple[bool, bool] = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The sandwich chain (Gemma 2/3): ``h = residual + N1(y)``, returns ``(N2(h), h)``.
+
+    ``N1`` is the post-norm on a branch's output, ``N2`` the next sublayer's pre-norm; ``h`` is
+    :func:`norm_add`'s result (its roundings and dtype) and ``N2(h)`` is in h's dtype, as Hugging Face's layers
+    compute ``residual = residual + post_norm(y); y = pre_norm(residual)``. ``norm`` is the first norm's kind
+    (``"rms"`` or ``"layer"``), ``norm2`` the second's (None: the same); ``zero_centered_weight`` and
+    ``cast_before_weight`` are one bool for both norms or a pair (first, second); eps and bias as in
+    :func:`norm_add`, per norm. Gradients flow to y, residual, both weights and both biases, from both outputs.
+    """
+    norm2 = norm if norm2 is None else norm2
+    if norm2 not in _NORMS:
+        raise ValueError(f"norm2 must be one of {_NORMS}, got {norm2!r}")
+    zcw1, zcw2 = _pair(zero_centered_weight, "zero_centered_weight")
+    cbw1, cbw2 = _pair(cast_before_weight, "cast_before_weight")
+    h = norm_add(
+        y, residual, weight1, bias1, eps1,
+        norm=norm, zero_centered_weight=zcw1, cast_before_weight=cbw1, backend=backend,
+    )  # fmt: skip
+    options = dict(zero_centered_weight=zcw2, cast_before_weight=cbw2, backend=backend)
+    if norm2 == "rms":
+        if bias2 is not None:
+            raise ValueError("bias2 must be None with norm2='rms' (RMSNorm has no bias)")
+        out, _ = add_rms_norm(h, None, weight2, eps2, **options)
+    else:
+        out, _ = add_layer_norm(h, None, weight2, bias2, 1e-5 if eps2 is None else eps2, **options)
+    return out, h
