@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from addnorm.integrations.hf import layer_match, rewrite
-from addnorm.integrations.hf.handoff import add_handoff
+from addnorm.integrations.hf.chain import norm_add_handoff, norm_add_norm
+from addnorm.integrations.hf.handoff import add_handoff, count_fused_run
 
 __all__ = ["LayerRule", "Signature", "from_transformers", "layer_rule"]
 
@@ -94,6 +95,7 @@ def _pre_forward(self, hidden_states, *args, **kwargs):
     if scale is not None:
         hidden_states = hidden_states * getattr(self, scale)  # residual + h * m == h * m + residual, bit for bit
     hidden_states, residual = _role(self, "norm2")(hidden_states, residual)
+    count_fused_run("add_norm")
     hidden_states = _role(self, "mlp")(hidden_states)
     if scale is not None:
         hidden_states = hidden_states * getattr(self, scale)
@@ -101,21 +103,23 @@ def _pre_forward(self, hidden_states, *args, **kwargs):
 
 
 def _sandwich_forward(self, hidden_states, *args, **kwargs):
-    """Template "sandwich": x + norm2(attn(norm1(x))); then norm3 (before the MLP) fused with that add."""
+    """Template "sandwich": x + norm2(attn(norm1(x))), then norm3 (before the MLP) on the sum, and the same around
+    the MLP with norm4 and the next layer's input norm: each post-norm, add and next pre-norm one call (chain.py)."""
     attn_kwargs = _bound_arguments(self, hidden_states, args, kwargs)
     residual = hidden_states
     hidden_states = _role(self, "norm1")(hidden_states)
     hidden_states, _ = _role(self, "attn")(hidden_states=hidden_states, **attn_kwargs)
-    hidden_states = _role(self, "norm2")(hidden_states)
-    hidden_states, residual = _role(self, "norm3")(hidden_states, residual)
+    # norm2's output added to the stream, and norm3 on the sum: one norm_add_norm call
+    hidden_states, residual = norm_add_norm(_role(self, "norm2"), _role(self, "norm3"), hidden_states, residual)
     hidden_states = _role(self, "mlp")(hidden_states)
-    hidden_states = _role(self, "norm4")(hidden_states)
-    return add_handoff(self, residual, hidden_states)  # fused with the next layer's input norm once linked
+    # norm4's output added, and (once linked) the next layer's input norm on the sum: one norm_add_norm call
+    return norm_add_handoff(self, _role(self, "norm4"), hidden_states, residual)
 
 
 def _post_output_forward(self, hidden_states, input_tensor):
     """Template "post-output" (BERT's output sublayers): norm(dropout(dense(h)) + input) as one fused add + norm."""
     hidden_states = _role(self, "dropout")(_role(self, "dense")(hidden_states))
+    count_fused_run("add_norm")
     return _role(self, "norm")(hidden_states, input_tensor)[0]
 
 
@@ -134,6 +138,7 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
                 "cross-attention layers by setting `config.add_cross_attention=True`"
             )
         hidden_states, residual = self.ln_cross_attn(branch, residual)
+        count_fused_run("add_norm")
         branch, _ = self.crossattention(
             hidden_states,
             cache=cache,
@@ -142,6 +147,7 @@ def _gpt2_forward(self, hidden_states, *args, **kwargs):
             encoder_attention_mask=encoder_mask,
         )
     hidden_states, residual = self.ln_2(branch, residual)
+    count_fused_run("add_norm")
     return add_handoff(self, residual, self.mlp(hidden_states))
 
 

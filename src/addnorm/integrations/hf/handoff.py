@@ -37,26 +37,37 @@ from torch.nn.modules import module as _module
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["Link", "add_handoff", "count_fused_run", "fusable", "fused_runs", "rewrite_tail"]
+__all__ = ["Link", "add_handoff", "count_fused_run", "fusable", "fused_ops", "fused_runs", "rewrite_tail"]
 
 _NEXT = "_addnorm_next"  # on a producer (a layer, a child, a norm that is its own site): its Link
 _READY = "_addnorm_ready"  # on a consuming norm: (weakref to the sum, its state, the normalized sum)
 _HANDOFF = "_addnorm_add_handoff"  # the name rewritten forwards call add_handoff by
 
-# Fused calls made by rewritten forwards so far (rewrite.py's add_norm and norm_add count here too). A rewrite may
-# fuse a branch the model never takes (GPT-NeoX's use_parallel_residual=False, when its default is True): the
-# survey and the tests count a rewritten layer as fused only when this moved during its forward.
+# Fused calls made by patched forwards so far, in all and per op (rewrite.py's add_norm, chain.py's norm_add and
+# norm_add_norm, the templates' norm(a, b) count here too). A rewrite may fuse a branch the model never takes
+# (GPT-NeoX's use_parallel_residual=False, when its default is True): the survey and the tests count a rewritten
+# layer as fused only when this moved during its forward, and read which ops ran from the per-op counts.
 _FUSED_RUNS = [0]
+_FUSED_OPS = {"add_norm": 0, "norm_add": 0, "norm_add_norm": 0}
+FUSED_OPS = tuple(_FUSED_OPS)  # the op names, in the order the survey lists them
 
 
 def fused_runs() -> int:
-    """How many fused calls the rewritten forwards have made in this process (compare two readings)."""
+    """How many fused calls the patched forwards have made in this process (compare two readings)."""
     return _FUSED_RUNS[0]
 
 
-def count_fused_run() -> None:
-    """One more fused call made by a rewritten forward (the one writer of the count :func:`fused_runs` reads)."""
+def fused_ops() -> dict[str, int]:
+    """How many fused calls of each op (``add_norm``: norm(a + b); ``norm_add``: a + norm(y); ``norm_add_norm``:
+    the chain of :mod:`addnorm.integrations.hf.chain`) the patched forwards have made in this process."""
+    return dict(_FUSED_OPS)
+
+
+def count_fused_run(op: str = "add_norm") -> None:
+    """One more fused call of ``op`` (one of :data:`FUSED_OPS`) made by a patched forward (the one writer of the
+    counts :func:`fused_runs` and :func:`fused_ops` read)."""
     _FUSED_RUNS[0] += 1
+    _FUSED_OPS[op] += 1
 
 
 def fusable(norm: nn.Module, a: Tensor, b: Tensor) -> bool:

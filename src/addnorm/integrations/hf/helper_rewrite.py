@@ -31,9 +31,11 @@ import types
 
 from addnorm.integrations.hf.handoff import _HANDOFF, add_handoff, rewrite_tail
 
-__all__ = ["HelperCalls", "handoff_helper"]
+__all__ = ["HelperCalls", "TailCalls", "handoff_helper"]
 
 _SITE = "_addnorm_site"
+# the names rewrite.py's forwards call chain.py's norm_add and norm_add_handoff by
+_NORM_ADD, _NORM_ADD_HANDOFF = "_addnorm_norm_add", "_addnorm_norm_add_handoff"
 _HELPERS: dict[types.FunctionType, types.FunctionType | None] = {}
 
 
@@ -148,3 +150,19 @@ def _norm_of(node, norms: set[str], t: str) -> str | None:
     ):
         return node.func.attr
     return None
+
+
+class TailCalls:
+    """What :func:`rewrite_tail` does with a call the returned sum is bound to: ``norm_add(post, y, a)`` (the last
+    add of a branch-output or sandwich layer, rewritten by rewrite.py) becomes ``norm_add_handoff(site, post, y,
+    a)`` (:mod:`addnorm.integrations.hf.chain`); a helper that makes the add, as :class:`HelperCalls` does."""
+
+    def __init__(self, helpers: HelperCalls):
+        self.helpers = helpers
+
+    def __call__(self, call: ast.Call, site) -> int:
+        if isinstance(call.func, ast.Name) and call.func.id == _NORM_ADD:
+            call.func = ast.Name(_NORM_ADD_HANDOFF, ast.Load())
+            call.args = [ast.Name(site, ast.Load()) if isinstance(site, str) else site, *call.args]
+            return 1
+        return self.helpers(call, site)

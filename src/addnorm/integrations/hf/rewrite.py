@@ -11,6 +11,8 @@ This module rewrites the statements themselves, so whatever else the forward doe
                         ... self.norm(t) ...              ... n ...
     norm, then add      t = self.norm(y)             ->   t = norm_add(self.norm, y, a)       # a + norm(y)
                         t = a + t
+    ... then a norm     t = self.post(y); t = a + t  ->   n, t = norm_add_norm(self.post, self.pre, y, a)
+                        ... self.pre(t) ...               ... n ...    # the sandwich chain (hf/chain.py)
 
 Between the add and the norm may come aliases (``residual = t``), shape reads (``s = t.shape``) and the
 row-preserving reshape ``t = t.reshape(-1, t.size(-1))`` (a row-wise norm commutes with it: ``n`` is reshaped the
@@ -19,9 +21,10 @@ same way). An ``if c:`` without ``else`` right after them (GPT-BigCode's and XGL
 follow the ``if`` (``if c: X`` then ``R`` is ``if c: X; R else: R``), provided ``c`` calls nothing and reads
 nothing the moved statements bind; each branch is then rewritten on its own.
 
-``add_norm`` and ``norm_add`` run addnorm's fused op only when the norm is an addnorm module and both operands
-share a dtype and shape (else the original add and norm, unfused: HF's dtype promotion or broadcasting is kept).
-``a + b`` and ``b + a`` are the same IEEE sum, so which operand addnorm calls the residual changes no bit.
+The fused calls run addnorm's op only when the norms are addnorm modules and both operands share a dtype and shape
+(else the original add and norm: HF's dtype promotion or broadcasting is kept). ``a + b`` and ``b + a`` are the
+same IEEE sum, so which operand addnorm calls the residual changes no bit. A returned ``norm_add`` is handed off
+(``norm_add_handoff``) as a returned add is (``add_handoff``).
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ import types
 
 from torch import Tensor, nn
 
+from addnorm.integrations.hf.chain import norm_add, norm_add_handoff, norm_add_norm
 from addnorm.integrations.hf.handoff import _HANDOFF, add_handoff, count_fused_run, fused_runs, rewrite_tail
 from addnorm.integrations.hf.handoff import fusable as _fusable
-from addnorm.integrations.hf.helper_rewrite import HelperCalls
-from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm
+from addnorm.integrations.hf.helper_rewrite import _NORM_ADD, _NORM_ADD_HANDOFF, HelperCalls, TailCalls
 from addnorm.nn.norms import LayerNorm, RMSNorm
-from addnorm.ops.norm_add import norm_add as _norm_add_op
 
 __all__ = [
     "RewriteResult",
@@ -52,47 +54,22 @@ __all__ = [
     "rewrite_forward",
 ]
 
-_ADD_NORM, _NORM_ADD = "_addnorm_add_norm", "_addnorm_norm_add"
+_ADD_NORM, _NORM_ADD_NORM = "_addnorm_add_norm", "_addnorm_norm_add_norm"
 _MAX_SPLITS = 4  # ifs duplicated per forward: each copies the rest of the block once
-
-
-_PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)  # what norm_add's arguments describe
 
 
 def add_norm(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``: one fused call where :func:`_fusable`, else the add and the norm as written."""
     if _fusable(norm, a, b):
-        count_fused_run()
+        count_fused_run("add_norm")
         return norm(a, b)
     s = a + b
     return norm(s), s
 
 
-def norm_add(norm: nn.Module, y: Tensor, a: Tensor) -> Tensor:
-    """``a + norm(y)``: addnorm's :func:`addnorm.ops.norm_add` with the module's options where :func:`_fusable` (and
-    the weight shares y's dtype: HF's ``weight * x`` would promote), else as written."""
-    w = getattr(norm, "weight", None)
-    if (
-        # a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1); handoff.py's only consumes
-        getattr(type(norm), "_addnorm_base", type(norm)) in _PLAIN_NORMS
-        and _fusable(norm, y, a)
-        and len(norm.normalized_shape) == 1
-        and (w is None or w.dtype == y.dtype)
-        and getattr(norm, "residual_dtype", None) is None
-    ):
-        count_fused_run()
-        return _norm_add_op(
-            y,
-            a,
-            w,
-            getattr(norm, "bias", None),
-            norm.eps,
-            norm="rms" if isinstance(norm, RMSNorm) else "layer",
-            zero_centered_weight=norm.zero_centered_weight,
-            cast_before_weight=getattr(norm, "cast_before_weight", False),
-            backend=norm.backend,
-        )
-    return a + norm(y)
+# the names a rewritten forward calls the fused ops by
+_FUSED_CALLS = {_ADD_NORM: add_norm, _NORM_ADD: norm_add, _NORM_ADD_NORM: norm_add_norm, _HANDOFF: add_handoff}
+_FUSED_CALLS[_NORM_ADD_HANDOFF] = norm_add_handoff
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,22 +206,13 @@ class _Rewriter:
         if found is None or not (isinstance(found[1], ast.BinOp) and isinstance(found[1].op, ast.Add)):
             return None
         t, add = found
-        between, j, reshapes = [], i + 1, []
-        while j < len(stmts) and (kind := _passes_through(stmts[j], t)):
-            between.append(stmts[j])
-            if kind == "reshape":
-                reshapes.append(stmts[j])
-            j += 1
+        between, j = _passing(stmts, i + 1, t)
         if j == len(stmts):
             return None
         nxt = stmts[j]
         if isinstance(nxt, ast.If) and not nxt.orelse:
             return self._split(stmts, i, j)
-        if not isinstance(nxt, (ast.Assign, ast.Expr, ast.Return)) or any(
-            isinstance(n, _CONDITIONAL) for n in ast.walk(nxt)
-        ):
-            return None
-        call = next((n for n in ast.walk(nxt) if _norm_call(n, self.norms, t)), None)
+        call = self._norm_of(nxt, t)
         if call is None:
             return None
         attr, temp = call.func.attr, self._temp()
@@ -256,14 +224,18 @@ class _Rewriter:
                 keywords=[],
             ),
         )
-        moved = []
-        for stmt in between:
-            moved.append(stmt)
-            if stmt in reshapes:  # the normed rows follow the sum's reshape
-                moved.append(_renamed(stmt, t, temp))
         _replace(nxt, call, ast.Name(temp, ast.Load()))
         self.fused.append(attr)
-        return [fused, *moved, nxt], j + 1 - i
+        return [fused, *_moved(between, t, temp), nxt], j + 1 - i
+
+    def _norm_of(self, stmt, t: str):
+        """The call ``self.<norm>(t)`` in ``stmt`` (an assignment, expression or return, nothing in it conditional),
+        or None."""
+        if not isinstance(stmt, (ast.Assign, ast.Expr, ast.Return)) or any(
+            isinstance(n, _CONDITIONAL) for n in ast.walk(stmt)
+        ):
+            return None
+        return next((n for n in ast.walk(stmt) if _norm_call(n, self.norms, t)), None)
 
     def _split(self, stmts, i, j):
         """``add; between; if c: body`` then the rest -> ``if c: add; between; body; rest else: add; between;
@@ -302,16 +274,48 @@ class _Rewriter:
             other = add.right
         else:
             return None
+        post = ast.Attribute(ast.Name("self", ast.Load()), attr, ast.Load())
+        self.fused.append(attr)
+        # the sum normalized next (a sandwich layer's pre-norm of the next sublayer): the chain, in one call
+        between, j = _passing(stmts, i + 2, t)
+        call = self._norm_of(stmts[j], t) if j < len(stmts) else None
+        if call is None:
+            fused = ast.Assign(
+                targets=[ast.Name(t, ast.Store())],
+                value=ast.Call(func=ast.Name(_NORM_ADD, ast.Load()), args=[post, value.args[0], other], keywords=[]),
+            )
+            return [fused], 2
+        pre, temp, nxt = call.func, self._temp(), stmts[j]
         fused = ast.Assign(
-            targets=[ast.Name(t, ast.Store())],
+            targets=[ast.Tuple(elts=[ast.Name(temp, ast.Store()), ast.Name(t, ast.Store())], ctx=ast.Store())],
             value=ast.Call(
-                func=ast.Name(_NORM_ADD, ast.Load()),
-                args=[ast.Attribute(ast.Name("self", ast.Load()), attr, ast.Load()), value.args[0], other],
-                keywords=[],
+                func=ast.Name(_NORM_ADD_NORM, ast.Load()), args=[post, pre, value.args[0], other], keywords=[]
             ),
         )
-        self.fused.append(attr)
-        return [fused], 2
+        _replace(nxt, call, ast.Name(temp, ast.Load()))
+        self.fused.append(pre.attr)
+        return [fused, *_moved(between, t, temp), nxt], j + 1 - i
+
+
+def _passing(stmts, j: int, t: str) -> tuple[list, int]:
+    """The statements from ``stmts[j]`` on that the sum ``t`` passes through (:func:`_passes_through`), and the
+    index of the first that it does not."""
+    between = []
+    while j < len(stmts) and _passes_through(stmts[j], t):
+        between.append(stmts[j])
+        j += 1
+    return between, j
+
+
+def _moved(between, t: str, temp: str) -> list:
+    """``between``, each row-keeping reshape of the sum ``t`` followed by the same reshape of ``temp`` (the normed
+    rows follow the sum's)."""
+    moved = []
+    for stmt in between:
+        moved.append(stmt)
+        if _passes_through(stmt, t) == "reshape":
+            moved.append(_renamed(stmt, t, temp))
+    return moved
 
 
 def _copy(stmts):
@@ -410,14 +414,14 @@ def _rewrite(cls: type, norms: set[str], producer: bool) -> RewriteResult | None
     # the add it returns, fused with the next layer's input norm once linked: in a layer, one that calls its norms;
     # in a producer (a child whose sum its parent normalizes: links.producers), always
     calls_norm = any(_self_attr(n) in norms for n in ast.walk(fn))
-    handoffs = rewrite_tail(fn, call=helpers) if calls_norm or producer else 0
+    handoffs = rewrite_tail(fn, call=TailCalls(helpers)) if calls_norm or producer else 0
     if not rewriter.fused and not handoffs and not sites:
         return None
     factory = ast.FunctionDef(
         name="_addnorm_factory",
         args=ast.arguments(
             posonlyargs=[],
-            args=[ast.arg(a) for a in (_ADD_NORM, _NORM_ADD, _HANDOFF, *helpers.bound)],
+            args=[ast.arg(a) for a in (*_FUSED_CALLS, *helpers.bound)],
             kwonlyargs=[],
             kw_defaults=[],
             defaults=[],
@@ -431,7 +435,7 @@ def _rewrite(cls: type, norms: set[str], producer: bool) -> RewriteResult | None
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
     namespace: dict = {}
     exec(compile(source, filename, "exec", dont_inherit=True), inner.__globals__, namespace)  # noqa: S102
-    new_inner = namespace["_addnorm_factory"](add_norm, norm_add, add_handoff, *helpers.bound.values())
+    new_inner = namespace["_addnorm_factory"](*_FUSED_CALLS.values(), *helpers.bound.values())
     new_inner.__defaults__, new_inner.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
     new_inner.__qualname__, new_inner.__module__ = inner.__qualname__, inner.__module__
     forward = _rewrap(chain, new_inner)
