@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import addnorm.ops.add_norm as add_norm_ops  # noqa: E402
 from addnorm.integrations import hf  # noqa: E402
-from addnorm.integrations.hf import norm_probe, norms, patch  # noqa: E402
+from addnorm.integrations.hf import chain, norm_probe, norms, patch  # noqa: E402
 from addnorm.nn import LayerNorm, RMSNorm  # noqa: E402
 
 FAMILIES = hf.FAMILIES
@@ -213,16 +213,30 @@ def test_revert_restores_classes_parameters_and_outputs(family):
 
 
 def _count_fused_calls(monkeypatch) -> list[int]:
-    """Counts calls of addnorm's add + norm that come with a residual (every public function goes through
-    addnorm.ops.add_norm.run_add_norm)."""
-    calls = [0]
+    """Counts calls of addnorm's add + norm that come with a residual (every public add + norm function goes through
+    addnorm.ops.add_norm.run_add_norm), and of addnorm.norm_add / addnorm.norm_add_norm made by hf/chain.py (the
+    sandwich's post-norm, add and next norm: one call, whatever the op runs inside)."""
+    calls, inside = [0], [0]
     real = add_norm_ops.run_add_norm
 
     def counting(x, residual, *args):
-        calls[0] += residual is not None
+        calls[0] += residual is not None and not inside[0]
         return real(x, residual, *args)
 
+    def counting_op(op):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            inside[0] += 1
+            try:
+                return op(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        return run
+
     monkeypatch.setattr(add_norm_ops, "run_add_norm", counting)
+    for name in ("_norm_add_op", "_norm_add_norm_op"):
+        monkeypatch.setattr(chain, name, counting_op(getattr(chain, name)))
     return calls
 
 
