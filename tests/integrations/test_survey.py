@@ -266,6 +266,7 @@ PINNED = [
             residual_scale=None,
             role="decoder",
             hf_apply="fused",
+            hf_ops=["add_norm"],
         ),
     ),
     # residual = hidden_states; hidden_states = self.input_layernorm(...); ...; hidden_states = residual + hidden_states
@@ -283,12 +284,31 @@ PINNED = [
     (
         "gemma2",
         {},
-        dict(norm="rmsnorm", placement="sandwich", zero_centered_weight=True, final_norm=True, hf_apply="fused"),
+        dict(
+            norm="rmsnorm",
+            placement="sandwich",
+            zero_centered_weight=True,
+            final_norm=True,
+            hf_apply="fused",
+            hf_ops=["norm_add_norm"],
+        ),
     ),
-    # post_attention_layernorm on the attention output before "residual + hidden_states"; (1.0 + self.weight.float())
-    ("olmo2", {}, dict(norm="rmsnorm", placement="branch-output", qk_norm=True, final_norm=True, hf_apply="fused")),
+    # post_attention_layernorm on the attention output before "residual + hidden_states"; (1.0 + self.weight.float());
+    # each post-norm, its add and the next norm (pre_feedforward_layernorm, the next input_layernorm) one call
+    (
+        "olmo2",
+        {},
+        dict(
+            norm="rmsnorm",
+            placement="branch-output",
+            qk_norm=True,
+            final_norm=True,
+            hf_apply="fused",
+            hf_ops=["norm_add", "norm_add_norm"],
+        ),
+    ),
     # hidden_states = self.post_attention_layernorm(self_attn(...)); residual + hidden_states; q_norm/k_norm
-    # (fused by hf/rewrite.py as one addnorm.norm_add call)
+    # (fused by hf/rewrite.py as addnorm.norm_add calls; the last layer's last add chained with the final norm)
     ("olmo", {}, dict(norm="layernorm", placement="pre", eps=1e-5, bias=False, hf_apply="fused")),
     # OlmoLayerNorm: F.layer_norm(..., None, None, eps=1e-5): no weight, no bias, eps a literal
     ("cohere", {}, dict(norm="layernorm", placement="parallel", bias=False, hf_apply="fused")),
@@ -472,6 +492,7 @@ def test_report_json_round_trip_and_readme_blocks(tmp_path):
     assert "`a`, `b`." in fused and "`c`" not in fused and "norms in 1 more" in fused
     summary = " ".join(new.split("<!-- survey:summary -->\n")[1].split("<!-- /survey:summary -->")[0].split())
     assert "3 of 4 architectures analysed in about 2 minutes" in summary
+    assert summary.endswith("placement pre 2; fused by `hf.apply`: pre 2 of 2.")  # every decoder placement, counted
     assert new.startswith("# x\n") and "\nmiddle\n" in new and new.endswith("end\n")
     assert report.update_readme(new, result) == new  # rewriting is idempotent
     # a fused encoder is counted, not named (the README names the decoder LMs; docs/survey.md lists every one)
@@ -567,6 +588,7 @@ def test_report_summary_counts_and_page():
             "placement": "pre",
             "hf_apply": "fused",
             "hf_fused_layers": ["ALayer"],
+            "hf_ops": ["add_norm", "norm_add_norm"],
             "doctor": [{"code": "residual-growth", "severity": "warning", "module": "layers"}],
         },
         {
@@ -594,10 +616,14 @@ def test_report_summary_counts_and_page():
     assert s["doctor_crashes"] == ["f"] and s["doctor_timeouts"] == ["e"]  # a timeout is not reported as a crash
     assert s["decoder_placement"] == {"pre": 1} and s["all_norm"] == {"rmsnorm": 1, "layernorm": 1, "None": 2}
     assert s["fused_families"] == ["a"] and s["doctor_findings"] == {"residual-growth": 1}
+    assert s["hf_ops"] == {"add_norm": 1, "norm_add_norm": 1, "none": 3}  # a row without hf_ops calls none
+    assert s["decoder_fused_by_placement"] == {"pre": "1 of 1"}
     page = report.page(result)
     assert "c&lt;script&gt;" in page and "<script>document" not in page.split("<table")[1].split("</table>")[0]
     md = report.markdown(result)
     assert "| a | decoder | rmsnorm | pre |" in md and "fused (ALayer)" in md and "`c<script>`: needs" in md
+    assert "| fused (ALayer) | add_norm, norm_add_norm |" in md and "| norms | none |" in md
+    assert "| decoder LMs fused by hf.apply, per placement | pre 1 of 1 |" in md
     assert "| timed out | ok |" in md and "| crashed | ok |" in md and "ran past the time limit on: e." in md
 
 

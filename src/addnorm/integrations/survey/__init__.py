@@ -11,6 +11,8 @@ class (:mod:`~addnorm.integrations.tiny`, nothing downloaded), runs one forward 
     hf_apply              fused | norms | unsupported (what addnorm.integrations.hf.apply does; its output is
                           compared with the unpatched model's, and a difference is reported, not hidden;
                           hf_apply_reason: why, for norms, unsupported and mismatch)
+    hf_ops                the fused ops the patched layers called in that forward: add_norm (norm(a + b)),
+                          norm_add (a + norm(y)), norm_add_norm (the sandwich chain, next_norm(a + norm(y)))
     doctor                the findings of addnorm's doctor on the same model
     status                ok | skipped (with the reason)
 
@@ -160,7 +162,7 @@ def _hf_apply(model, batch) -> dict[str, Any]:
     not take (GPT-NeoX's non-parallel one), so those layers are listed apart (``hf_fused_not_run``) and do not make
     the row "fused"."""
     from addnorm.integrations import hf
-    from addnorm.integrations.hf import rewrite, unfused
+    from addnorm.integrations.hf import handoff, rewrite, unfused
 
     ref = _outputs(model, batch)
     try:
@@ -171,10 +173,13 @@ def _hf_apply(model, batch) -> dict[str, Any]:
         return {"hf_apply": "unsupported", "hf_apply_reason": str(e)}
     ran, handles = rewrite.record_fused_layers(model)  # layers that made a fused call, not only ran
     try:
+        before = handoff.fused_ops()
         got = _outputs(model, batch)
+        ops = [op for op, n in handoff.fused_ops().items() if n > before[op]]  # which fused ops the layers called
         err = (got.double() - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
         fused = hf.fused_layer_classes(model)
         out = {"hf_apply": "fused" if ran else "norms", "hf_apply_rel_err": err, "hf_fused_layers": sorted(ran)}
+        out["hf_ops"] = ops
         if set(fused) - ran:
             out["hf_fused_not_run"] = sorted(set(fused) - ran)
         if not ran:

@@ -43,6 +43,9 @@ each residual add; `src/addnorm/integrations/survey/trace.py`), not from class o
   every case the patched model's output was compared with the unpatched one: more than 1e-5 of its scale apart
   reads `mismatch` unless the patched output is as close to a float64 run of the model as the unpatched fp32
   output is (within 2x: a model that amplifies rounding, like VITS's vocoder, is not wrong for it).
+- `hf_ops`: the fused ops the patched layers called in that forward (`src/addnorm/integrations/hf/chain.py`):
+  `add_norm` norm(a + b), `norm_add` a + N(y) (the branch-output layers), `norm_add_norm` N'(a + N(y)) in one call
+  (a sandwich layer's post-norm, add and the next norm); `none` where no fused call was made.
 - `doctor`: the errors, warnings and notes `addnorm doctor` reports on the same tiny model.
 
 Tiny configs have 2 layers, so depth-dependent findings (`post-norm-deep`) do not fire here; run

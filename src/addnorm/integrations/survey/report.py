@@ -26,6 +26,7 @@ COLUMNS = (
     "qk_norm",
     "residual_scale",
     "hf_apply",
+    "hf_ops",
     "doctor",
     "status",
 )
@@ -68,6 +69,8 @@ def _cell(row: dict, key: str) -> str:
         return "fused (" + ", ".join(row.get("hf_fused_layers", [])) + ")"
     if key == "hf_apply" and row.get("hf_apply") == "norms" and row.get("hf_apply_reason"):
         return f"norms ({row['hf_apply_reason']})"  # why no add was fused
+    if key == "hf_ops":  # the fused ops its layers call; none for a model with no fused call (or none measured)
+        return ", ".join(value or ()) or ("none" if row.get("status") == "ok" else "")
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -96,6 +99,8 @@ def summary(result: dict) -> dict[str, Any]:
         "all_norm": count(ok, "norm"),
         "all_placement": count(ok, "placement"),
         "hf_apply": count(ok, "hf_apply"),
+        "hf_ops": dict(Counter(op for r in ok for op in r.get("hf_ops") or ["none"]).most_common()),
+        "decoder_fused_by_placement": _fused_by_placement(dec),
         "fused_families": sorted(r["model_type"] for r in ok if r.get("hf_apply") == "fused"),
         "doctor_findings": dict(findings.most_common()),
         "doctor_notes": dict(notes.most_common()),
@@ -105,6 +110,13 @@ def summary(result: dict) -> dict[str, Any]:
         "doctor_crashes": sorted(r["model_type"] for r in ok if r.get("doctor_error") and not _timed_out(r)),
         "doctor_timeouts": sorted(r["model_type"] for r in ok if _timed_out(r)),
     }
+
+
+def _fused_by_placement(rows: list[dict]) -> dict[str, str]:
+    """Per placement: "fused of all" ("9 of 9"), most common placement first."""
+    total = Counter(str(r.get("placement")) for r in rows)
+    fused = Counter(str(r.get("placement")) for r in rows if r.get("hf_apply") == "fused")
+    return {p: f"{fused[p]} of {n}" for p, n in total.most_common()}
 
 
 def _counts_md(counts: dict) -> str:
@@ -125,6 +137,8 @@ def summary_markdown(result: dict) -> str:
         f"| all analysed: norm | {_counts_md(s['all_norm'])} |",
         f"| all analysed: placement | {_counts_md(s['all_placement'])} |",
         f"| hf.apply | {_counts_md(s['hf_apply'])} |",
+        f"| hf.apply: fused ops called (architectures calling each) | {_counts_md(s['hf_ops'])} |",
+        f"| decoder LMs fused by hf.apply, per placement | {_counts_md(s['decoder_fused_by_placement'])} |",
         f"| doctor findings (errors, warnings) | {_counts_md(s['doctor_findings'])} |",
         f"| doctor notes (recognised designs, checks left out) | {_counts_md(s['doctor_notes'])} |",
         f"| doctor errors on | {', '.join(s['doctor_errors']) or 'none'} |",
@@ -197,7 +211,9 @@ architectures, {s["analysed"]} analysed, {s["skipped"]} skipped ({esc(str(result
 Placement and norm are measured from each tiny model's dataflow; click a column to sort.</p>
 <table>{counts("decoder LMs: norm", s["decoder_norm"])}{counts("decoder LMs: placement", s["decoder_placement"])}
 {counts("all analysed: norm", s["all_norm"])}{counts("all analysed: placement", s["all_placement"])}
-{counts("hf.apply", s["hf_apply"])}{counts("doctor findings", s["doctor_findings"])}</table>
+{counts("hf.apply", s["hf_apply"])}{counts("hf.apply: fused ops called", s["hf_ops"])}
+{counts("decoder LMs fused, per placement", s["decoder_fused_by_placement"])}
+{counts("doctor findings", s["doctor_findings"])}</table>
 <p>Fused by hf.apply ({len(s["fused_families"])}): {esc(", ".join(s["fused_families"]))}</p>
 <table id="survey"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 <script>{_SORT_JS}</script></body></html>
@@ -299,10 +315,11 @@ def _readme_summary(result: dict) -> str:
     top = lambda d: ", ".join(f"{k} {v}" for k, v in d.items() if v > 1 and k != "None")  # noqa: E731
     minutes = result.get("seconds")
     took = f" in about {round(minutes / 60)} minutes" if isinstance(minutes, (int, float)) else ""
+    fused = s["decoder_fused_by_placement"]
     return (
-        f"transformers {result['transformers']}: {s['analysed']} of {s['architectures']} architectures analysed{took} "
-        "(the rest are skipped with the reason: audio inputs, configs whose defaults do not build, ...); "
-        f"{s['decoder_lms']} decoder LMs: {top(s['decoder_norm'])}; placement {top(s['decoder_placement'])}."
+        f"transformers {result['transformers']}: {s['analysed']} of {s['architectures']} architectures analysed{took}"
+        f"; {s['decoder_lms']} decoder LMs: {top(s['decoder_norm'])}; placement {top(s['decoder_placement'])}; "
+        "fused by `hf.apply`: " + ", ".join(f"{p} {fused[p]}" for p in s["decoder_placement"] if p != "None") + "."
     )
 
 
