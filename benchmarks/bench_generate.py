@@ -1,7 +1,7 @@
 """generate() end to end: transformers causal LMs built from configs, unpatched vs hf.apply, prefill and decode.
 
-Each model (random weights, nothing downloaded: Llama with RMSNorm and Llama's cast order, GPT-2 with LayerNorm) is
-deep-copied three times and run as
+Each model (random weights, nothing downloaded: Llama with RMSNorm and Llama's cast order, GPT-2 with LayerNorm;
+with ``--family``, OLMo 2's branch-output layers and Gemma 2's sandwich layers) is deep-copied three times and run as
 
     unpatched   the transformers model as it is
     fused       addnorm.integrations.hf.apply(model): addnorm norms, residual add + norm fused where recognised
@@ -35,6 +35,8 @@ resolved", and says so when the measured share puts the target (or the seed's 5%
     python benchmarks/bench_generate.py --family llama --batch 1 --json
     python benchmarks/bench_generate.py --family llama --batch 1 --layers 6 --prompt 256 --new 24 --repeats 3 \\
         --rounds 3 --steps 96 --control                               # issue 25's setting, resolving ~2%
+    python benchmarks/bench_generate.py --family olmo2,gemma2 --batch 1 --hidden 512 --layers 4 --heads 8 \\
+        --control                                                     # norm_add / norm_add_norm layers
     python benchmarks/bench_generate.py --compile                     # + a torch.compile'd forward of each variant
     python benchmarks/bench_generate.py --device cuda --dtype bf16 --hidden 4096 --layers 8 --heads 32 \\
         --prompt 512 --new 64 --out benchmarks/results/gpu/generate.md    # static cache + compiled forward
@@ -62,6 +64,7 @@ from generate_report import CONTROL, paired_markdown, paired_rows
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "generate.md"
 VARIANTS = ("unpatched", "fused", "norms")
+FAMILIES = ("llama", "gpt2", "olmo2", "gemma2")
 
 
 def _positive(text: str) -> int:
@@ -102,18 +105,24 @@ def build_model(family: str, a, dtype, device):
         raise SystemExit("bench_generate.py needs transformers: pip install 'addnorm[hf]'") from None
     torch.manual_seed(0)
     positions = a.prompt + max(a.new, (a.steps or 0) + 1) + 8
+    decoder = dict(
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.heads,
+        vocab_size=a.vocab,
+        max_position_embeddings=positions,
+        tie_word_embeddings=False,
+    )
     if family == "llama":
-        cfg = transformers.LlamaConfig(
-            hidden_size=a.hidden,
-            intermediate_size=a.hidden * 8 // 3 // 64 * 64 or 64,
-            num_hidden_layers=a.layers,
-            num_attention_heads=a.heads,
-            num_key_value_heads=a.heads,
-            vocab_size=a.vocab,
-            max_position_embeddings=positions,
-            tie_word_embeddings=False,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
+    elif family == "olmo2":  # branch-output layers: x + N(F(x)), addnorm.norm_add
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**decoder))
+    elif family == "gemma2":  # sandwich layers: x + N_post(F(N_pre(x))), addnorm.norm_add_norm
+        head_dim = a.hidden // a.heads
+        cfg = transformers.Gemma2Config(**decoder, head_dim=head_dim, query_pre_attn_scalar=head_dim)
+        model = transformers.Gemma2ForCausalLM(cfg)
     else:
         cfg = transformers.GPT2Config(
             n_embd=a.hidden, n_layer=a.layers, n_head=a.heads, vocab_size=a.vocab, n_positions=positions
@@ -339,7 +348,12 @@ def verdict_clock(requested: str, device_type: str, threads: int) -> tuple[str, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--family", type=_choices(("llama", "gpt2")), default=["llama", "gpt2"], help="llama,gpt2")
+    p.add_argument(
+        "--family",
+        type=_choices(FAMILIES),
+        default=["llama", "gpt2"],
+        help="llama,gpt2 (default); olmo2 (branch-output layers), gemma2 (sandwich layers)",
+    )
     p.add_argument("--batch", type=_int_list, default=[1, 8], help="batch sizes (default 1,8)")
     p.add_argument("--dtype", type=_choices(("fp32", "bf16")), default=["fp32", "bf16"], help="fp32,bf16")
     p.add_argument("--hidden", type=_positive, default=1024, help="hidden size (default 1024)")

@@ -435,3 +435,28 @@ def test_control_and_blocks_in_a_tiny_run(tmp_path, capsys):
     text = out.read_text()
     assert "| llama | 1 | bf16 | decode | unpatched copy |" in text and "its interval should hold 1.000x" in text
     assert "weights moved to new memory every 1 steps" in text
+
+
+def test_branch_output_and_sandwich_families_in_a_tiny_run(capsys):
+    """OLMo 2 (norm_add) and Gemma 2 (norm_add_norm), issue 37: every variant generates the unpatched tokens and
+    gets its paired rows; the fused model makes the chain's calls (the profile's hooks make it step aside, so they
+    are counted here without hooks)."""
+    import torch
+
+    from addnorm.integrations import hf
+    from addnorm.integrations.hf.handoff import fused_ops
+
+    argv = [*TINY, "--family", "olmo2,gemma2", "--batch", "1", "--dtype", "fp32", "--repeats", "1", "--rounds", "1"]
+    assert bench_generate.main([*argv, "--json", "--out", ""]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {(r["family"], r["variant"]) for r in result["rows"]} == {
+        (f, v) for f in ("olmo2", "gemma2") for v in bench_generate.VARIANTS
+    }
+    assert all(r["same_tokens"] for r in result["rows"]) and all(r["same_tokens"] for r in result["paired"])
+    ops = {"olmo2": {"norm_add", "norm_add_norm"}, "gemma2": {"norm_add_norm"}}
+    for family, expected in ops.items():
+        model = hf.apply(bench_generate.build_model(family, _args(), torch.float32, torch.device("cpu")))
+        before = fused_ops()
+        with torch.inference_mode():
+            model(torch.randint(3, 128, (1, 6)))
+        assert {op for op, n in fused_ops().items() if n > before[op]} == expected
