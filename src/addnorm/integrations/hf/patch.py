@@ -29,11 +29,13 @@ Nothing here is keyed by a family's name. ``apply`` recognises what to patch fro
 
     pre          x + attn(N1(x)), then + mlp(N2(.)): the attention add fused with N2 (Llama, Mistral, Qwen, ...)
     pre-scaled   the same with each branch times a scalar attribute (Granite's residual_multiplier)
-    sandwich     x + N2(attn(N1(x))), then N3: the attention add fused with N3 (Gemma2, Gemma3)
+    sandwich     x + N2(attn(N1(x))), then N3: N2, the add and N3 one addnorm.norm_add_norm call; the same for
+                 the MLP's post-norm, its add and the next layer's input norm (Gemma2, Gemma3; hf/chain.py)
     post-output  N(dropout(dense(h)) + x) (BERT and the many families that copy its output sublayers)
     GPT-2 block  ln_2 (and ln_cross_attn) fused with the add before it (matched by its source lines)
     rewritten    any other forward with an add next to a norm: its own source with that add and norm made one
-                 call (add then norm; norm then add via addnorm.norm_add): OPT, MPT, StarCoder, OLMo 2, ...
+                 call (add then norm; norm then add via addnorm.norm_add, and addnorm.norm_add_norm when a
+                 norm of the sum follows): OPT, MPT, StarCoder, OLMo 2, EXAONE 4, GLM-4, ...
                  (:mod:`addnorm.integrations.hf.rewrite`)
 
 A fused layer (template or rewritten) also hands the add it returns to the norm that reads it next (the next layer's
