@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from addnorm.integrations.hf.handoff import fused_ops
 from addnorm.integrations.hf.norm_probe import randomize_norms
 from addnorm.integrations.survey import report
 
@@ -166,8 +167,12 @@ def test_fused_family_output_and_generate_unchanged(transformers, model_type):
         hf.apply(model)
     assert hf.apply_status(model) == "fused", f"{model_type}: no layer fused (the survey fused it)"
     ran = _fused_calls(model)
+    before = fused_ops()
     err = _rel_err(_forward(model, batch), ref)
+    ops = [op for op, n in fused_ops().items() if n > before[op]]
     assert ran, f"{model_type}: no fused layer made a fused call in the forward"
+    # the survey's hf_ops column: the fused ops its layers call (add_norm, norm_add, norm_add_norm)
+    assert ops == ROWS[model_type].get("hf_ops", ops), f"{model_type}: calls {ops}, the survey says otherwise"
     assert err <= 1e-5, f"{model_type}: fp32 output differs by {err:.3g} of its scale"
     if ref_tokens is not None:
         tokens = _generate(model, batch)
