@@ -5,6 +5,7 @@ with the norm after it; ``revert(model)`` undoes it exactly. How, in :mod:`addno
     norm_probe.py      which modules are norms, found by running them; norms.py: the norms swapped in
     layer_match.py     a layer recognised by the structure of its forward; forwards.py: the template forwards
     rewrite.py         a layer's own forward rewritten; helper_rewrite.py: adds made in a helper function
+    chain.py           a norm on a branch's output with its add (norm_add) and the next norm (norm_add_norm)
     handoff.py         the add a layer returns, fused with the next norm; links.py: which norm that is
     unfused.py         why a model's adds were left unfused (the survey's reason column)
     tiny_models.py     tiny random models for tests, benchmarks and docs
