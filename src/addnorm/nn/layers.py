@@ -14,12 +14,16 @@ once and writes the new stream and its normalized copy together:
     x = x + ffn(h)
 
 :func:`residual_chain` applies this to any sequence of Residuals: whenever a step ends with a plain add (pre,
-sandwich, none) and the next starts by normalizing the stream (pre, sandwich), the two run fused. Every other
-placement runs its own (already fused where it can be) forward. The numbers equal the unfused code's exactly.
+sandwich, none) and the next starts by normalizing the stream (pre, sandwich), the two run fused. A sandwich step's
+Norm_out joins them (``h, x = norm_add_norm(F(h), x, ...)``: x = x + Norm_out(F(h)), h = Norm_in(x), one op), and a
+sandwich or branch-output step whose sum feeds no norm adds through one ``norm_add`` (x + Norm_out(F(h))); see
+:meth:`Residual.add_branch`. Every other placement runs its own (already fused where it can be) forward. The
+numbers equal the unfused code's exactly.
 
 Fusion stops at layer boundaries: each layer returns the full residual stream, so a forward hook on a layer sees
 the stream after it. Inside a fused chain ``Residual.forward`` itself is not called (its norm, sublayer and dropout
-are), so hook the sublayer, the norm or the layer rather than the Residual; ``fuse_add_norm=False`` calls every
+are), so hook the sublayer, the norm or the layer rather than the Residual (a norm with hooks is called as a
+module, not folded into norm_add or norm_add_norm, so its hooks see it); ``fuse_add_norm=False`` calls every
 Residual's forward.
 """
 
@@ -46,24 +50,31 @@ def residual_chain(
     x: Tensor, steps: Sequence[Step], *, fused: bool = True, padding_mask: Tensor | None = None
 ) -> Tensor:
     """Run ``x`` through Residual steps ``(residual, args, kwargs)`` in order; adjacent add -> norm pairs fused.
+    A step's branch runs when the next step takes its sum (:meth:`Residual.add_branch_norm`) or the layer ends
+    (:meth:`Residual.add_branch`), so that a sandwich step's Norm_out joins the add.
 
     ``padding_mask`` (True at padded positions) reaches the norms that use one (batchnorm).
     """
-    pending: Tensor | None = None  # the previous step's branch output, not yet added to x
+    pending: Step | None = None  # the previous step, its branch input h in place of args: x + branch(h) not yet run
     for res, args, kwargs in steps:
         if pending is not None:
-            if fused and res.starts_with_norm:
-                h, x = call_norm(res.norm, pending, x, padding_mask)  # x = x + pending; h = Norm(x): one call
-                pending = res.branch(h, *args, **kwargs)
-                continue
-            x = x + pending
+            prev, (h, *pargs), pkwargs = pending
             pending = None
+            if fused and res.starts_with_norm:
+                # x = x + branch(h); h = Norm(x): one call (with the branch's Norm_out too, for sandwich)
+                h, x = prev.add_branch_norm(x, h, res.norm, *pargs, norm_padding_mask=padding_mask, **pkwargs)
+                pending = (res, (h, *args), kwargs)
+                continue
+            x = prev.add_branch(x, h, *pargs, **pkwargs)
         if fused and res.ends_with_add:
             h = x if res.norm is None else call_norm(res.norm, x, padding_mask=padding_mask)
-            pending = res.branch(h, *args, **kwargs)
+            pending = (res, (h, *args), kwargs)
         else:
             x = res(x, *args, norm_padding_mask=padding_mask, **kwargs)
-    return x if pending is None else x + pending
+    if pending is not None:
+        prev, (h, *pargs), pkwargs = pending
+        x = prev.add_branch(x, h, *pargs, **pkwargs)
+    return x
 
 
 def _residual(

@@ -108,15 +108,20 @@ def residual_forward(
     norm: Callable[[Tensor], Tensor],
     add_norm: Callable[[Tensor, Tensor], Tensor],
     alpha: float | None = None,
+    add_branch: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
     """One residual step of placement ``p`` on the stream ``x``, given its pieces as the caller holds them:
 
-    branch(h)       what is added to the stream (:func:`branch_forward`, and dropout)
-    norm(h)         the placement's norm (Norm_in for sandwich)
-    add_norm(y, r)  norm(y + r): one fused add+norm call where the norm can make one
-    alpha           deepnorm's scale on the skip path
+    branch(h)        what is added to the stream (:func:`branch_forward`, and dropout)
+    norm(h)          the placement's norm (Norm_in for sandwich)
+    add_norm(y, r)   norm(y + r): one fused add+norm call where the norm can make one
+    alpha            deepnorm's scale on the skip path
+    add_branch(x, h) x + branch(h) as the caller computes it, for the placements that end with the add (sandwich
+                     and branch-output make ``x + Norm_out(F(h))`` one norm-then-add call); None: ``x + branch(h)``
     """
     h = norm(x) if p.norm_in else x
+    if add_branch is not None and p.ends_with_add:
+        return add_branch(x, h)
     y = branch(h)
     if not p.skip:
         return norm(y) if p.norm_after else y

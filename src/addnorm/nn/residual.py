@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.nn.norm_kinds import call_norm, make_norm
+from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.nn.placements import PLACEMENTS, Placement, branch_forward, residual_forward
+from addnorm.ops.norm_add import norm_add, norm_add_norm
 
 __all__ = [
     "Residual",
@@ -36,6 +38,43 @@ __all__ = [
 ]
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks (its own or global ones) that a direct op call would skip."""
+    g = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )
+
+
+def _op_norm(norm: nn.Module | None) -> dict | None:
+    """``norm`` as the arguments of :func:`addnorm.ops.norm_add` (weight, bias, eps, kind, options), when the op
+    computes bit for bit what calling the module does; else None. That holds for addnorm's LayerNorm and RMSNorm
+    themselves (a subclass may compute otherwise) over one dimension without a ``residual_dtype`` (which would
+    change the dtype normalized, and with it RMSNorm's default eps). A norm with hooks runs as a module, so that
+    its hooks (the Monitor's, a user's) see every call."""
+    if type(norm) not in (LayerNorm, RMSNorm) or len(norm.normalized_shape) != 1 or _hooked(norm):
+        return None
+    w = norm.weight
+    if (w is not None and w.dim() != 1) or getattr(norm, "residual_dtype", None) is not None:
+        return None
+    return dict(
+        weight=w,
+        bias=getattr(norm, "bias", None),
+        eps=norm.eps,
+        norm="rms" if type(norm) is RMSNorm else "layer",
+        zero_centered_weight=norm.zero_centered_weight,
+        cast_before_weight=getattr(norm, "cast_before_weight", False),
+        backend=norm.backend,
+    )
+
+
 class Residual(nn.Module):
     """A sublayer F with its residual connection and norm(s) in one of :data:`PLACEMENTS`.
 
@@ -44,6 +83,9 @@ class Residual(nn.Module):
     ``norm`` is a kind for :func:`make_norm`; ``norm_kwargs`` go to it (bias, zero_centered_weight, backend, ...).
     ``norm_output_scale`` multiplies the branch's normalized input, ``F(s * Norm(x))`` (pre and sandwich only; 1 by
     default): LayerNorm Scaling (Sun et al. 2025) sets s = 1/sqrt(l) in layer l.
+    Sandwich and branch-output add ``x + Norm_out(F(h))`` as one :func:`addnorm.ops.norm_add` call where Norm_out
+    is a LayerNorm or RMSNorm without hooks and no dropout runs (:meth:`add_branch`; the same bits as the norm's
+    call and the add); the fused chains of addnorm.nn.layers also take the next sublayer's norm into that call.
     Attributes: ``sublayer``, ``norm`` (the placement's norm; Norm_in for sandwich; None for "none"),
     ``norm_out`` (sandwich's Norm_out; branch-output's only norm), ``alpha`` (deepnorm only), ``rezero_alpha``
     (rezero only: the learned scalar on the branch, 0 at init, so every block starts as the identity).
@@ -109,12 +151,65 @@ class Residual(nn.Module):
 
     def branch(self, h: Tensor, *args, **kwargs) -> Tensor:
         """Dropout(F(h)), Dropout(Norm_out(F(h))) for sandwich and branch-output, Dropout(a * F(h)) for rezero: what
-        is added to the stream. For pre and sandwich ``h`` is Norm(x), scaled here by ``norm_output_scale`` (here
-        rather than in forward, so the fused chains of addnorm.nn.layers, which call branch directly, scale too)."""
+        is added to the stream. For pre and sandwich ``h`` is Norm(x), scaled by ``norm_output_scale`` on the way into F
+        (not in forward, so the fused chains of addnorm.nn.layers, which call the branch directly, scale too)."""
+        y = branch_forward(self.parts, lambda h: self._f(h, args, kwargs), h, self.norm_out, self.rezero_alpha)
+        return self.dropout(y)
+
+    def _f(self, h: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        """F(s * h): the sublayer on its (scaled) input."""
         if self.norm_output_scale != 1.0:
             h = h * self.norm_output_scale
-        y = branch_forward(self.parts, lambda h: self.sublayer(h, *args, **kwargs), h, self.norm_out, self.rezero_alpha)
-        return self.dropout(y)
+        return self.sublayer(h, *args, **kwargs)
+
+    def _norm_out_op(self) -> dict | None:
+        """Norm_out as :func:`norm_add`'s arguments when ``x + branch(h)`` is ``x + Norm_out(F(h))`` with nothing
+        between the norm and the add (dropout off: p = 0 or eval) and the op computes what the module does."""
+        if not self.parts.norm_out or self.parts.gate or (self.dropout.training and self.dropout.p > 0):
+            return None
+        return _op_norm(self.norm_out)
+
+    def add_branch(self, x: Tensor, h: Tensor, /, *args, **kwargs) -> Tensor:
+        """``x + branch(h)``; for sandwich and branch-output one :func:`addnorm.ops.norm_add` call,
+        ``x + Norm_out(F(h))``, where Norm_out is a norm the op describes and no dropout runs (the same bits as the
+        norm's call and the add)."""
+        op = self._norm_out_op()
+        if op is None:
+            return x + self.branch(h, *args, **kwargs)
+        return norm_add(self._f(h, args, kwargs), x, **op)
+
+    def add_branch_norm(
+        self, x: Tensor, h: Tensor, norm: nn.Module, /, *args, norm_padding_mask: Tensor | None = None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        """``(norm(s), s)`` with ``s = x + branch(h)``: this step's add fused with the next sublayer's norm. For a
+        sandwich step into a norm the ops describe, one :func:`addnorm.ops.norm_add_norm` call (Norm_out, the add and
+        the next norm); else one fused add+norm call of ``norm``.
+
+        norm_add_norm's ``s`` has the promoted dtype of x and F(h), and ``norm(s)`` s's dtype, where the fused
+        add+norm call keeps x's and F(h)'s: the two agree when F(h) has x's dtype, so only then is it called."""
+        op1 = self._norm_out_op()
+        op2 = None if op1 is None else _op_norm(norm)
+        if op2 is None or op1["backend"] != op2["backend"]:
+            return call_norm(norm, self.branch(h, *args, **kwargs), x, norm_padding_mask)
+        y = self._f(h, args, kwargs)
+        if y.dtype != x.dtype:  # dropout is off here: Norm_out(y) is the branch
+            return call_norm(norm, self.norm_out(y), x, norm_padding_mask)
+        w1, w2, b1, b2, e1, e2 = op1["weight"], op2["weight"], op1["bias"], op2["bias"], op1["eps"], op2["eps"]
+        return norm_add_norm(
+            y,
+            x,
+            w1,
+            w2,
+            b1,
+            b2,
+            e1,
+            e2,
+            norm=op1["norm"],
+            norm2=op2["norm"],
+            zero_centered_weight=(op1["zero_centered_weight"], op2["zero_centered_weight"]),
+            cast_before_weight=(op1["cast_before_weight"], op2["cast_before_weight"]),
+            backend=op1["backend"],
+        )
 
     def forward(self, x: Tensor, *args, norm_padding_mask: Tensor | None = None, **kwargs) -> Tensor:
         return residual_forward(
@@ -124,6 +219,7 @@ class Residual(nn.Module):
             norm=lambda h: call_norm(self.norm, h, padding_mask=norm_padding_mask),
             add_norm=lambda y, r: call_norm(self.norm, y, r, norm_padding_mask)[0],  # Norm(y + r): one fused call
             alpha=self.alpha,
+            add_branch=lambda x, h: self.add_branch(x, h, *args, **kwargs),
         )
 
     def extra_repr(self) -> str:

@@ -236,7 +236,11 @@ class StackedLM:
 
     def _residual(self, prefix: str, placement: str, x: Tensor, sublayer) -> Tensor:
         """One residual step of :class:`addnorm.nn.Residual`'s forward (:func:`residual_forward`), on stacked
-        members: the same pieces, read from the stacked parameters."""
+        members: the same pieces, read from the stacked parameters. Sandwich and branch-output add their Norm_out
+        as the norm and then the add, not through :func:`addnorm.ops.norm_add` as Residual does: the op takes one
+        weight per feature, the members' weights are (K, d) (a loop over members would undo the batching), and the
+        stacked norms keep their own order of roundings (F.layer_norm / F.rms_norm, then the weight), which the
+        batched tests hold to the modules' within a tolerance."""
         p = Placement.named(placement)
         sub = f"{prefix}.sublayer"
         scale = self.input_scale.get(prefix, 1.0)
