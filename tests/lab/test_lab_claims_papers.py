@@ -235,6 +235,7 @@ def _reordered(**over):
         lowest_ref=[0.1] * 3,
         lowest_new=[0.12] * 3,
         hurt_ref=[0.3, 0.35, 0.45],
+        sens_worse=[0.25, 0.3, 0.38],  # Pre-LN without QK-norm: the known-worse arm
     )
     kw.update(over)
     return verdict(olmo2.RULES, olmo2.reordered_units(**kw), SEEDS3)
@@ -247,6 +248,8 @@ def test_reordered_reproduced_fails_and_refuses():
     assert v == "inconclusive" and "worst minus best" in reason
     v, reason, _ = _reordered(lowest_new=[0.4] * 3)
     assert v == "inconclusive" and "lowest LR" in reason
+    v, reason, _ = _reordered(sens_worse=[0.07, 0.11, 0.1])  # planted null: the known-worse arm is no worse
+    assert v == "inconclusive" and "negative control" in reason
 
 
 def test_reordered_spikes_are_not_a_rule():

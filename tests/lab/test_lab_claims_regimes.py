@@ -1,0 +1,92 @@
+"""The regimes and controls changed on 2026-12-02 (issue 35): reordered-norm's negative control (a known-worse arm
+the claim's margin must reject), fp16-layernorm's regime, z-loss's and layernorm-scaling's positive controls. Each
+control is shown to fail on a planted null: the experiment's own run function, its training tasks replaced by a
+fake mapper that returns planted per-run numbers (no training)."""
+
+from __future__ import annotations
+
+import pytest
+
+from addnorm.lab.core import Context
+from addnorm.lab.experiments import olmo2
+from addnorm.lab.runner import load_experiments
+
+
+def _context(name: str, mapper, tmp_path, seed: int = 0) -> Context:
+    exp = load_experiments()[name]
+    return Context(seed=seed, config=dict(exp.config), mapper=mapper, figure_dir=tmp_path, engine="sequential")
+
+
+# ---- reordered-norm: the negative control ------------------------------------------------------------------------
+def _grid_run(excess: float, lr: float) -> dict:
+    """A planted run: the loss a run of this excess ends at (optimum 1.0, initial loss 3.5)."""
+    return {
+        "initial_loss": 3.5,
+        "final_loss": 1.0 + excess,
+        "excess": excess,
+        "diverged": False,
+        "spikes": 0,
+        "lr": lr,
+    }
+
+
+def _reordered_mapper(worse_extra: dict[float, float]):
+    """Planted runs of reordered-norm: Pre-LN + QK-norm hurt by the top of the grid, reordered + QK-norm a little
+    less, and Pre-LN without QK-norm that plus ``worse_extra[lr]`` nats (0 everywhere: a null arm, no worse)."""
+
+    def mapper(fn, tasks):
+        out = []
+        for t in tasks:
+            lr, seed, model = t["train"]["lr"], t["train"]["seed"], t["model"]
+            base = 0.05 + 0.01 * (seed % 3) + (0.5 if lr >= 1.0 else 0.2 if lr >= 0.3 else 0.0)
+            if model["placement"] == "branch-output":
+                base -= 0.02 if lr >= 0.3 else 0.0
+            elif not model["qk_norm"]:
+                base += worse_extra.get(lr, 0.0)
+            out.append(_grid_run(base, lr))
+        return out
+
+    return mapper
+
+
+def test_reordered_norm_trains_the_known_worse_arm_on_the_same_grid_and_seeds(tmp_path):
+    seen = []
+
+    def mapper(fn, tasks):
+        seen.extend(tasks)
+        return _reordered_mapper({})(fn, tasks)
+
+    olmo2.reordered_norm(_context("reordered-norm", mapper, tmp_path))
+    grid = load_experiments()["reordered-norm"].config["grid"]
+    arms = {(t["model"]["placement"], t["model"]["qk_norm"]) for t in seen}
+    assert arms == {("pre", True), ("branch-output", True), ("pre", False)}
+    worse = [t for t in seen if not t["model"]["qk_norm"]]
+    assert sorted({t["train"]["lr"] for t in worse}) == sorted(grid) and len(worse) == 3 * len(grid)
+    assert all(t["model"]["norm"] == "rmsnorm" for t in worse)
+
+
+def test_reordered_norm_negative_control_rejects_a_planted_null_arm(tmp_path):
+    """Pre-LN without QK-norm planted as no worse than Pre-LN + QK-norm: the margin rejects nothing, so the
+    parity verdict is refused (inconclusive), though the claim's own rule holds."""
+    r = olmo2.reordered_norm(_context("reordered-norm", _reordered_mapper({}), tmp_path))
+    assert r.verdict == "inconclusive" and "negative control" in r.reason and "without QK-norm" in r.reason
+    assert r.metrics["rules"]["no-more-sensitive"]["verdict"] == "reproduced"
+    assert r.metrics["rules"]["margin-rejects-no-qk"]["verdict"] != "reproduced"
+
+
+def test_reordered_norm_negative_control_met_when_the_known_worse_arm_is_worse(tmp_path):
+    # without QK-norm the top two LRs hurt 1.5 nats more: its sensitivity is (2 x 1.5) / 6 = 0.5 nats higher
+    r = olmo2.reordered_norm(_context("reordered-norm", _reordered_mapper({0.3: 1.5, 1.0: 1.5}), tmp_path))
+    assert r.verdict == "reproduced", r.reason
+    est = r.metrics["rules"]["margin-rejects-no-qk"]["estimate"]
+    assert est == pytest.approx(0.5, abs=1e-9)
+    assert "negative control" in r.summary
+
+
+def test_reordered_units_pair_the_known_worse_arm():
+    with pytest.raises(ValueError, match="paired"):
+        olmo2.reordered_units([0.1] * 3, [0.1] * 3, [0.1] * 3, [0.1] * 3, [0.3] * 3, [0.5] * 2)
+    u = olmo2.reordered_units([0.1] * 3, [0.1] * 3, [0.1] * 3, [0.1] * 3, [0.3] * 3, [0.5, None, 0.4])
+    assert u["margin-rejects-no-qk"] == [pytest.approx(0.4), None, pytest.approx(0.3)]
+    rule = next(r for r in olmo2.RULES if r.name == "margin-rejects-no-qk")
+    assert rule.role == "negative" and rule.op == ">" and rule.threshold == olmo2.NO_WORSE
