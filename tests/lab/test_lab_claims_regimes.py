@@ -90,3 +90,53 @@ def test_reordered_units_pair_the_known_worse_arm():
     assert u["margin-rejects-no-qk"] == [pytest.approx(0.4), None, pytest.approx(0.3)]
     rule = next(r for r in olmo2.RULES if r.name == "margin-rejects-no-qk")
     assert rule.role == "negative" and rule.op == ">" and rule.threshold == olmo2.NO_WORSE
+
+
+# ---- fp16-layernorm: the regime (lr 2e-2) -------------------------------------------------------------------------
+def _fp16_mapper(sumsq: float, fp16_breaks: bool, seen: list | None = None):
+    """Planted fp16_task results: the fp32 arm's largest sum of squares ``sumsq``, trained (excess 0.1); the fp16
+    arm NaN or not."""
+
+    def mapper(fn, tasks):
+        assert fn.__name__ == "fp16_task"
+        if seen is not None:
+            seen.extend(tasks)
+        out = []
+        for t in tasks:
+            broke = t["stats"] == "fp16" and fp16_breaks
+            out.append(
+                {
+                    "initial_loss": 3.5,
+                    "final_loss": None if broke else 1.1,
+                    "excess": 0.1,
+                    "diverged": broke,
+                    "steps_done": 10,
+                    "loss_curve": [3.5, 1.1],
+                    "overflows": 5 if t["stats"] == "fp16" and sumsq > 65504 else 0,
+                    "first_overflow_step": None,
+                    "max_sumsq": sumsq,
+                }
+            )
+        return out
+
+    return mapper
+
+
+def test_fp16_layernorm_runs_in_the_chosen_regime(tmp_path):
+    from addnorm.lab.experiments import fp16_stats
+
+    seen: list = []
+    r = fp16_stats.fp16_layernorm(_context("fp16-layernorm", _fp16_mapper(2e5, True, seen), tmp_path))
+    assert {t["train"]["lr"] for t in seen} == {2e-2} and {t["model"]["n_layers"] for t in seen} == {6}
+    assert {t["stats"] for t in seen} == {"fp16", "fp32"} and r.verdict == "reproduced"
+
+
+def test_fp16_layernorm_control_refuses_a_stream_that_never_overflows(tmp_path):
+    """Planted null: the fp32 arm's sum of squares stays below 65504 (the lr 1e-2 regime at lab seeds 1-2), and
+    the fp16 arm 'breaks' anyway: without the overflow regime the verdict is refused."""
+    from addnorm.lab.experiments import fp16_stats
+
+    r = fp16_stats.fp16_layernorm(_context("fp16-layernorm", _fp16_mapper(3e4, True), tmp_path))
+    assert r.verdict == "inconclusive" and "overflow regime reached" in r.reason
+    r = fp16_stats.fp16_layernorm(_context("fp16-layernorm", _fp16_mapper(2e5, False), tmp_path))
+    assert r.verdict == "not reproduced"  # the regime reached, the fp16 arm trained on: the claim can fail
