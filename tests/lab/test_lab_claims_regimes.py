@@ -140,3 +140,78 @@ def test_fp16_layernorm_control_refuses_a_stream_that_never_overflows(tmp_path):
     assert r.verdict == "inconclusive" and "overflow regime reached" in r.reason
     r = fp16_stats.fp16_layernorm(_context("fp16-layernorm", _fp16_mapper(2e5, False), tmp_path))
     assert r.verdict == "not reproduced"  # the regime reached, the fp16 arm trained on: the claim can fail
+
+
+# ---- layernorm-scaling: no task where depth helps (what was tried is in the verdict's reason) ---------------------
+def _lns_mapper(shallow_excess: float):
+    """Planted language_task results: the deep arms end at excess 0.2 with a grown stream and a curse-of-depth skip
+    profile; the 2-layer arm at ``shallow_excess``."""
+
+    def mapper(fn, tasks):
+        assert fn.__name__ == "language_task"
+        out = []
+        for t in tasks:
+            layers = t["model"]["n_layers"]
+            ex = shallow_excess if layers == 2 else 0.2
+            skipped = [1.0 + (2.0 if i == 0 else 0.3 if i < layers // 2 else 0.1) for i in range(layers)]
+            probe = {"full": 1.0, "skipped": skipped, "rms_init": [1.0] * layers, "rms_final": [4.0] * layers}
+            out.append({"initial_loss": 3.5, "final_loss": 0.8 + ex, "excess": ex, "diverged": False, "probe": probe})
+            out[-1]["loss_curve"] = [3.5, 0.8 + ex]
+        return out
+
+    return mapper
+
+
+def test_layernorm_scaling_a_task_that_needs_no_depth_is_refused_with_what_was_tried(tmp_path):
+    from addnorm.lab.experiments import layernorm_scaling
+
+    r = layernorm_scaling.layernorm_scaling(_context("layernorm-scaling", _lns_mapper(0.18), tmp_path))
+    assert r.verdict == "inconclusive" and "depth helps" in r.reason
+    assert layernorm_scaling.DEPTH_TRIED in r.reason and r.metrics["tried"] == layernorm_scaling.DEPTH_TRIED
+    r = layernorm_scaling.layernorm_scaling(_context("layernorm-scaling", _lns_mapper(0.6), tmp_path))
+    # depth helps: the controls are met, and the planted LNS arm (no lower loss) is judged by the claim
+    assert r.verdict == "not reproduced" and "LNS lowers the loss" in r.reason
+    assert layernorm_scaling.DEPTH_TRIED not in r.reason
+
+
+# ---- z-loss: the regime was not found (what was tried is in the verdict's reason) ---------------------------------
+def _z_mapper(logz_without: float, logz_with: float):
+    def mapper(fn, tasks):
+        assert fn.__name__ == "train_task"
+        out = []
+        for t in tasks:
+            z = logz_with if t["train"]["z_loss"] else logz_without
+            out.append(
+                {
+                    "logz_min": z,
+                    "logz_late": z,
+                    "logz_init": 8.3,
+                    "diverged": False,
+                    "excess": 2.0,
+                    "mean_logit_late": -14.0,
+                    "mean_logit_min": -14.0,
+                    "logz_curve": [8.3, z],
+                    "mean_logit_curve": [0.0, -14.0],
+                    "loss_curve": [8.3, 3.0],
+                }
+            )
+        return out
+
+    return mapper
+
+
+def test_z_loss_no_instability_without_z_loss_is_refused_with_what_was_tried(tmp_path):
+    """Planted null: log Z stays positive in both arms (what every probe showed)."""
+    from addnorm.lab.experiments import z_loss
+
+    r = z_loss.z_loss_experiment(_context("z-loss", _z_mapper(4.8, 4.7), tmp_path))
+    assert r.verdict == "inconclusive" and "positive control" in r.reason and z_loss.Z_LOSS_TRIED in r.reason
+    r = z_loss.z_loss_experiment(_context("z-loss", _z_mapper(-30.0, 0.5), tmp_path))
+    assert r.verdict == "reproduced"  # the paper's picture: far negative without, near 0 with
+    r = z_loss.z_loss_experiment(_context("z-loss", _z_mapper(-30.0, -20.0), tmp_path))
+    assert r.verdict == "not reproduced" and z_loss.Z_LOSS_TRIED not in r.reason
+
+
+def test_z_loss_still_registered_after_lr_sensitivity():
+    names = list(load_experiments())
+    assert names.index("z-loss") == names.index("lr-sensitivity") + 1
