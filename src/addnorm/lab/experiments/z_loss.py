@@ -180,8 +180,8 @@ def z_loss_experiment(ctx: Context) -> Result:
     ev, verdict, reason, table = judged(Z_RULES, values, seeds, ctx.seed)
     if verdict == "inconclusive" and reason.startswith("positive control"):
         reason += (
-            f". The instability (log Z below {LOGZ_FAR:g} or divergence without z-loss) did not occur. Tried before "
-            f"choosing this setup: {Z_LOSS_TRIED}"
+            f". The instability (log Z below {LOGZ_FAR:g} or divergence without z-loss) did not occur. Tried (one model "
+            f"seed each; before choosing this setup, then around it): {Z_LOSS_TRIED}"
         )
     figures = []
     plt = pyplot()
