@@ -366,7 +366,7 @@ def test_a_tiny_run_returns_json_evidence_judged_by_its_rules(name, tmp_path):
     json.dumps(res.metrics)
     json.loads(json.dumps(res.evidence))
     verdict, reason, _ = judge_evidence(res.evidence)
-    assert (res.verdict, res.reason) == (verdict, reason)
+    assert res.verdict == verdict and res.reason.startswith(reason)  # (layernorm-scaling adds what was tried)
     assert [r["name"] for r in res.evidence["rules"]] == [r.name for r in NAMES[name].RULES]
     for us in res.evidence["units"].values():
         assert [u["seed"] for u in us] == [3000, 3001] and {u["lab_seed"] for u in us} == {3}

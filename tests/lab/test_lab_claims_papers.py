@@ -11,7 +11,7 @@ import pytest
 
 from addnorm.lab.core import Change, Context
 from addnorm.lab.evidence import judge_evidence, pool_evidence
-from addnorm.lab.experiments import admin, deepnet, olmo2, powernorm, wortsman, xiong
+from addnorm.lab.experiments import admin, deepnet, olmo2, powernorm, wortsman, xiong, z_loss
 from addnorm.lab.experiments.init_time import judged
 from addnorm.lab.runner import load_experiments
 
@@ -214,16 +214,16 @@ def test_lr_units_pair_the_seeds():
 # ---- z-loss -----------------------------------------------------------------------------------------------------
 def test_z_loss_reproduced_prevented_and_refused():
     no = [False] * 3
-    units = wortsman.z_units([-30.0, -12.0, 2.0], [False, False, True], [0.5, 0.2, 0.3], no)
-    assert verdict(wortsman.Z_RULES, units, SEEDS3)[0] == "reproduced"
-    units = wortsman.z_units([-30.0] * 3, no, [-8.0, -9.0, -7.0], no)  # z-loss did not prevent it
-    assert verdict(wortsman.Z_RULES, units, SEEDS3)[0] == "not reproduced"
+    units = z_loss.z_units([-30.0, -12.0, 2.0], [False, False, True], [0.5, 0.2, 0.3], no)
+    assert verdict(z_loss.Z_RULES, units, SEEDS3)[0] == "reproduced"
+    units = z_loss.z_units([-30.0] * 3, no, [-8.0, -9.0, -7.0], no)  # z-loss did not prevent it
+    assert verdict(z_loss.Z_RULES, units, SEEDS3)[0] == "not reproduced"
 
 
 def test_z_loss_planted_null_no_instability_is_inconclusive():
     """What the CPU runs show: log Z drifts up, never below -5, nothing diverges."""
-    units = wortsman.z_units([5.5, 5.4, 4.8], [False] * 3, [5.5, 5.4, 4.8], [False] * 3)
-    v, reason, _ = verdict(wortsman.Z_RULES, units, SEEDS3)
+    units = z_loss.z_units([5.5, 5.4, 4.8], [False] * 3, [5.5, 5.4, 4.8], [False] * 3)
+    v, reason, _ = verdict(z_loss.Z_RULES, units, SEEDS3)
     assert v == "inconclusive" and "positive control" in reason
 
 
@@ -235,6 +235,7 @@ def _reordered(**over):
         lowest_ref=[0.1] * 3,
         lowest_new=[0.12] * 3,
         hurt_ref=[0.3, 0.35, 0.45],
+        sens_worse=[0.25, 0.3, 0.38],  # Pre-LN without QK-norm: the known-worse arm
     )
     kw.update(over)
     return verdict(olmo2.RULES, olmo2.reordered_units(**kw), SEEDS3)
@@ -247,6 +248,8 @@ def test_reordered_reproduced_fails_and_refuses():
     assert v == "inconclusive" and "worst minus best" in reason
     v, reason, _ = _reordered(lowest_new=[0.4] * 3)
     assert v == "inconclusive" and "lowest LR" in reason
+    v, reason, _ = _reordered(sens_worse=[0.07, 0.11, 0.1])  # planted null: the known-worse arm is no worse
+    assert v == "inconclusive" and "negative control" in reason
 
 
 def test_reordered_spikes_are_not_a_rule():
@@ -304,7 +307,7 @@ MINE = {
     "deepnet-update-size": deepnet.RULES,
     "admin-output-change": admin.RULES,
     "lr-sensitivity": wortsman.LR_RULES,
-    "z-loss": wortsman.Z_RULES,
+    "z-loss": z_loss.Z_RULES,
     "reordered-norm": olmo2.RULES,
     "batchnorm-training": powernorm.RULES,
 }

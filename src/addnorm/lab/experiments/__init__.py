@@ -11,6 +11,7 @@ MODULES: list[str] = [
     "xiong_warmup",
     "deepnet_depth",
     "wortsman",
+    "z_loss",
     "placement_init",
     "rmsnorm",
     "peri_ln",

@@ -49,6 +49,13 @@ RULES = (
         role="positive",
     ),
     Rule(
+        name="margin-rejects-no-qk",
+        statistic="LR sensitivity of Pre-LN without QK-norm (the known-worse arm) minus that of Pre-LN + QK-norm",
+        op=">",
+        threshold=NO_WORSE,
+        role="negative",
+    ),
+    Rule(
         name="no-more-sensitive",
         statistic="LR sensitivity of reordered + QK-norm minus that of Pre-LN + QK-norm",
         op="<",
@@ -71,6 +78,9 @@ PRECONDITIONS = {
         f"Positive controls: the lowest LR of the grid converged (the larger of both arms' excess < "
         f"{CONVERGED_EXCESS} nats), and the grid reaches LRs that hurt Pre-LN + QK-norm (its worst excess minus its "
         f"best > {GRID_HURTS} nats): otherwise the score measures convergence speed, or the grid stresses nothing. "
+        "Negative control: the claim's margin rejects a known-worse arm, Pre-LN without QK-norm on the same grid "
+        f"(Wortsman et al.: QK-layernorm lowers LR sensitivity): its sensitivity minus Pre-LN + QK-norm's > "
+        f"{NO_WORSE} nats (interval above), else a margin that lets anything pass would read as parity. "
         "Else inconclusive."
     ),
 }
@@ -86,6 +96,16 @@ CHANGES = (
         "the loop's detector found 1 spike in 108 runs, so the spike half held as 0 <= 0 and could not fail",
         reason="a check that cannot fail is not evidence; one verdict per claim from all its evidence",
     ),
+    Change(
+        date="2026-12-02",
+        what="a negative control: a third arm, Pre-LN without QK-norm on the same grid and seeds (18 more runs of "
+        "400 steps); its sensitivity minus Pre-LN + QK-norm's must be > 0.05 nats (the claim's margin rejects it)",
+        showed="pooled over lab seeds 0-2: reproduced (sensitivity Pre-LN + QK-norm 0.046/0.100/0.099 at lab seed "
+        "0, reordered + QK-norm 0.008/0.029/0.038), with no arm known to be worse to show the 0.05-nat margin "
+        "could reject anything",
+        reason="a parity claim needs a known-worse arm that its margin rejects; the claim's margin and rule are "
+        "unchanged",
+    ),
 )
 
 register = registrar(CRITERIA, PRECONDITIONS, version=1)
@@ -98,14 +118,17 @@ def reordered_units(
     lowest_ref: Sequence[float | None],
     lowest_new: Sequence[float | None],
     hurt_ref: Sequence[float | None],
+    sens_worse: Sequence[float | None],
 ) -> dict[str, list[float | None]]:
     """One value per seed and rule of :data:`RULES`, paired by seed: both arms' sensitivity and excess at the lowest
-    LR; ``hurt_ref`` the reference arm's worst minus best excess over the grid."""
-    if not paired(sens_ref, sens_new, lowest_ref, lowest_new, hurt_ref):
+    LR; ``hurt_ref`` the reference arm's worst minus best excess over the grid; ``sens_worse`` the sensitivity of
+    the known-worse arm (Pre-LN without QK-norm)."""
+    if not paired(sens_ref, sens_new, lowest_ref, lowest_new, hurt_ref, sens_worse):
         raise ValueError("reordered_units: the arms' seeds are not paired")
     return {
         "lowest-lr-converged": [max(a, b) if finite(a) and finite(b) else None for a, b in zip(lowest_ref, lowest_new)],
         "grid-hurts-reference": [h if finite(h) else None for h in hurt_ref],
+        "margin-rejects-no-qk": [w - r if finite(w) and finite(r) else None for r, w in zip(sens_ref, sens_worse)],
         "no-more-sensitive": [n - r if finite(n) and finite(r) else None for r, n in zip(sens_ref, sens_new)],
     }
 
@@ -136,11 +159,19 @@ def reordered_norm(ctx: Context) -> Result:
     protocol: AdamW (0.9, 0.95), clip 1, warmup 10% then cosine, independent weight decay 1e-4, z-loss 1e-4), at 2
     layers, d = 32, RMSNorm (OLMo 2's norm, QK-norm included), 400 steps per LR, the grid 3e-3 .. 1 (a decade above
     lr-sensitivity's top, so that it reaches LRs that hurt Pre-LN + QK-norm), 3 seeds. Both arms have the final
-    norm. Spikes: the training loop's detector on each run's per-step loss."""
+    norm. The negative control trains a third arm, Pre-LN without QK-norm (known to be more LR-sensitive: Wortsman
+    et al.'s Fig. 1, and lr-sensitivity here), on the same grid and seeds: the claim's 0.05-nat margin must reject
+    it, else "no more sensitive" could pass for any arm. Spikes: the training loop's detector on each run's
+    per-step loss."""
     s = settings(ctx)
     steps, grid = s["steps"], list(s["grid"])
     seeds = seed_list(ctx, s["seeds"])
-    variants = {"pre+qk": "pre", "reordered+qk": "branch-output"}
+    # The two arms of the claim, and the known-worse arm of the negative control (Pre-LN without QK-norm).
+    variants = {
+        "pre+qk": {"placement": "pre", "qk_norm": True},
+        "reordered+qk": {"placement": "branch-output", "qk_norm": True},
+        "pre": {"placement": "pre", "qk_norm": False},
+    }
     train = {
         "steps": steps,
         "warmup": max(1, steps // 10),
@@ -149,8 +180,8 @@ def reordered_norm(ctx: Context) -> Result:
         "z_loss": s["z_loss"],
     }
     arms = {
-        (v, lr): ({"placement": p, "qk_norm": True, "norm": "rmsnorm", "n_layers": s["layers"]}, {"lr": lr})
-        for v, p in variants.items()
+        (v, lr): ({**kw, "norm": "rmsnorm", "n_layers": s["layers"]}, {"lr": lr})
+        for v, kw in variants.items()
         for lr in grid
     }
     ctx.progress(f"{len(arms) * len(seeds)} runs of {steps} steps")
@@ -171,9 +202,11 @@ def reordered_norm(ctx: Context) -> Result:
     hurt = [
         max(ex["pre+qk"][sd]) - min(ex["pre+qk"][sd]) if all(map(finite, ex["pre+qk"][sd])) else None for sd in seeds
     ]
-    values = reordered_units(sens["pre+qk"], sens["reordered+qk"], *lowest.values(), hurt)
+    values = reordered_units(
+        sens["pre+qk"], sens["reordered+qk"], lowest["pre+qk"], lowest["reordered+qk"], hurt, sens["pre"]
+    )
     ev, verdict, reason, table = judged(RULES, values, seeds, ctx.seed)
-    names = {"pre+qk": "Pre-LN + QK-norm", "reordered+qk": "reordered + QK-norm"}
+    names = {"pre+qk": "Pre-LN + QK-norm", "reordered+qk": "reordered + QK-norm", "pre": "Pre-LN (negative control)"}
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -217,7 +250,8 @@ def reordered_norm(ctx: Context) -> Result:
     }
     line = (
         f"LR sensitivity by seed ({len(seeds)}): Pre-LN + QK-norm {fmt_seeds(sens['pre+qk'])}, reordered + QK-norm "
-        f"{fmt_seeds(sens['reordered+qk'])}; loss spikes over the grid {'/'.join(map(str, spikes['pre+qk']))} vs "
+        f"{fmt_seeds(sens['reordered+qk'])}, Pre-LN without QK-norm (negative control) {fmt_seeds(sens['pre'])}; "
+        f"loss spikes over the grid {'/'.join(map(str, spikes['pre+qk']))} vs "
         f"{'/'.join(map(str, spikes['reordered+qk']))} (shown, not tested); excess at lr {grid[0]:g}: "
         f"{fmt_seeds(lowest['pre+qk'])} / {fmt_seeds(lowest['reordered+qk'])}."
     )
