@@ -35,7 +35,7 @@ from torch import Tensor
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import MACHINE_EPS, check_disjoint, check_float, stats_dtype
-from addnorm.ops.norm_add_ops import FUSED_MODULES, kernel_norm_add, kernel_norm_add_
+from addnorm.ops.norm_add_ops import FUSED_MODULES, fused_module, kernel_norm_add, kernel_norm_add_
 
 __all__ = ["norm_add", "norm_add_", "norm_add_norm", "norm_add_norm_"]
 
@@ -108,15 +108,15 @@ def _plan(y, residual, w1, b1, w2, b2, eps1, eps2, norm1, norm2, zc, cbw, has_no
 
 
 def _backend(backend: str, y: Tensor, opts: tuple) -> tuple[str, bool, bool]:
-    """(backend name, compiling, fused): fused when the backend has a fused kernel and both norms share one
-    statistics dtype (an fp64 residual under a lower-precision y does not)."""
+    """(backend name, compiling, fused): fused when the backend has a fused kernel for rows this wide and both
+    norms share one statistics dtype (an fp64 residual under a lower-precision y does not)."""
     compiling = torch.compiler.is_compiling()
     name = resolve_backend_for_trace(backend, y.device.type) if compiling else resolve_backend(backend, y.device)
     if not compiling and torch._C._are_functorch_transforms_active():
         return backend, compiling, False  # the composition's norms choose (torch for auto) or refuse
     h_dtype = opts[-1]
     fused = name in FUSED_MODULES and stats_dtype(y.dtype, y.dtype) == stats_dtype(h_dtype, h_dtype)
-    return name, compiling, fused
+    return name, compiling, fused and fused_module(name).fits(y.shape[-1])
 
 
 def _norm(x, w, b, eps, is_rms, zc, cbw, backend):

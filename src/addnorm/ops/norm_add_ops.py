@@ -3,7 +3,8 @@
 implementations and registered autograd (what compiled graphs call), the plain autograd.Function eager calls use
 instead (no dispatcher in the way), and :func:`kernel_norm_add`, which routes one call to either.
 
-A fused kernel backend is a module (:data:`FUSED_MODULES`) with
+A fused kernel backend is a module (:data:`FUSED_MODULES`) with ``fits(n)`` (whether its kernels take rows of n
+elements; the public ops compose the unfused kernels otherwise) and
 
     forward(y, residual, w1, b1, w2, b2, *, h_dtype, has_norm2, eps1, eps2, is_rms1, is_rms2, zc1, zc2, cast1,
             cast2) -> (h, out2 | None, stats)

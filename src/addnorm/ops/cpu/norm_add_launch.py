@@ -12,11 +12,16 @@ from addnorm.ops.contract import stats_dtype
 from addnorm.ops.cpu import norm_add_kernels as K
 from addnorm.ops.cpu.launch import _empty, _parallel_lock, as_numpy, row_view, unavailable_reason, use_parallel
 
-__all__ = ["backward", "forward", "forward_into", "unavailable_reason"]
+__all__ = ["backward", "fits", "forward", "forward_into", "unavailable_reason"]
 
 # Rows per dweight/dbias chunk (at least) and the most chunks: the chunking depends on M only (determinism).
 _CHUNK_ROWS = 32
 _MAX_CHUNKS = 64
+
+
+def fits(n: int) -> bool:
+    """Rows of any width run here (a row streams through cache)."""
+    return True
 
 
 def _vector(t: torch.Tensor | None, sd: torch.dtype, plus_one: bool) -> np.ndarray | None:
