@@ -35,7 +35,7 @@ from torch import Tensor
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import MACHINE_EPS, check_disjoint, check_float, stats_dtype
-from addnorm.ops.norm_add_ops import FUSED_MODULES, fused_module, kernel_norm_add, kernel_norm_add_
+from addnorm.ops.norm_add_ops import fits, kernel_norm_add, kernel_norm_add_
 
 __all__ = ["norm_add", "norm_add_", "norm_add_norm", "norm_add_norm_"]
 
@@ -115,8 +115,8 @@ def _backend(backend: str, y: Tensor, opts: tuple) -> tuple[str, bool, bool]:
     if not compiling and torch._C._are_functorch_transforms_active():
         return backend, compiling, False  # the composition's norms choose (torch for auto) or refuse
     h_dtype = opts[-1]
-    fused = name in FUSED_MODULES and stats_dtype(y.dtype, y.dtype) == stats_dtype(h_dtype, h_dtype)
-    return name, compiling, fused and fused_module(name).fits(y.shape[-1])
+    fused = fits(name, y.shape[-1]) and stats_dtype(y.dtype, y.dtype) == stats_dtype(h_dtype, h_dtype)
+    return name, compiling, fused
 
 
 def _norm(x, w, b, eps, is_rms, zc, cbw, backend):

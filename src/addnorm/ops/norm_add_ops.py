@@ -3,8 +3,8 @@
 implementations and registered autograd (what compiled graphs call), the plain autograd.Function eager calls use
 instead (no dispatcher in the way), and :func:`kernel_norm_add`, which routes one call to either.
 
-A fused kernel backend is a module (:data:`FUSED_MODULES`) with ``fits(n)`` (whether its kernels take rows of n
-elements; the public ops compose the unfused kernels otherwise) and
+A fused kernel backend is a module (:data:`FUSED_MODULES`; :data:`MAX_N` the widest row its kernels take, wider
+rows compose the unfused kernels) with
 
     forward(y, residual, w1, b1, w2, b2, *, h_dtype, has_norm2, eps1, eps2, is_rms1, is_rms2, zc1, zc2, cast1,
             cast2) -> (h, out2 | None, stats)
@@ -32,10 +32,22 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.contract import stats_dtype
+from addnorm.ops.kernel_ops import _NoSecondDerivative as NoSecondDerivative
 
-__all__ = ["FUSED_MODULES", "fused_module", "kernel_norm_add", "kernel_norm_add_"]
+__all__ = ["FUSED_MODULES", "MAX_N", "fits", "fused_module", "kernel_norm_add", "kernel_norm_add_"]
 
 FUSED_MODULES = {"cpu": "addnorm.ops.cpu.norm_add_launch", "triton": "addnorm.ops.triton.norm_add_launch"}
+# The widest row each backend's fused kernels take (None: any). Triton keeps a row in registers: wider rows would
+# spill (the chain's backward holds about six row-sized values), while the unfused kernels loop over a row.
+MAX_N: dict[str, int | None] = {"cpu": None, "triton": 16384}
+
+
+def fits(backend: str, n: int) -> bool:
+    """Whether ``backend`` has a fused kernel for rows of n elements (plain Python: torch.compile traces it)."""
+    if backend not in FUSED_MODULES:
+        return False
+    limit = MAX_N[backend]
+    return limit is None or n <= limit
 
 # the options of one call, flat (a schema takes no dataclass), in the custom ops' order after the tensors
 _OPTS = ("eps1", "eps2", "is_rms1", "is_rms2", "zc1", "zc2", "cast1", "cast2", "has_norm2")
@@ -121,7 +133,8 @@ def _bwd_impl(
     grads = fused_module(backend).backward(
         dh, dout2, y, h, w1, w2, stats, b1_dtype=b1_dtype, b2_dtype=b2_dtype, residual_dtype=residual_dtype, **opts
     )
-    return tuple(g if g is not None else y.new_empty(0) for g in grads)
+    # absent gradients as empty tensors, each its own (a custom op may return no tensor twice)
+    return tuple(g if g is not None else torch.empty(0, device=y.device) for g in grads)
 
 
 _norm_add_bwd = torch.library.custom_op("addnorm::norm_add_bwd", _bwd_impl, mutates_args=())
@@ -165,6 +178,9 @@ def _backward(ctx, saved, dh, dout2):
     residual_dtype, h_dtype, b1_dtype, b2_dtype = ctx.dtypes
     if dout2 is not None and dout2.numel() == 0:
         dout2 = None
+    # a gradient may arrive expanded (the backward of a sum: stride 0): the kernels read rows with unit stride
+    dh = dh if dh is None or dh.stride(-1) == 1 else dh.contiguous()
+    dout2 = dout2 if dout2 is None or dout2.stride(-1) == 1 else dout2.contiguous()
     if dh is None and (dout2 is None or not has_norm2):
         return (None,) * 6  # nothing flowed back
     # without N2 and with the residual in h's dtype, dresidual is dh itself: the kernel writes no copy of it
@@ -212,12 +228,14 @@ class _EagerNormAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, dout2):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"addnorm's {ctx.opts[-1]!r} backend has no second derivative of norm_add/norm_add_norm "
-                "(create_graph=True); pass backend='torch' (plain PyTorch, differentiable to any order)"
-            )
-        return (*_backward(ctx, ctx.saved_tensors, dh, dout2), None)
+        saved = ctx.saved_tensors  # once: non-reentrant activation checkpointing allows one unpack
+        with torch.no_grad():
+            grads = _backward(ctx, saved, dh, dout2)
+        # grad mode is on here only under create_graph=True: differentiating these gradients again raises
+        depends_on = [t for t in (dh, dout2, *saved) if t is not None and t.requires_grad]
+        if torch.is_grad_enabled() and depends_on:
+            grads = NoSecondDerivative.apply(ctx.opts[-1], grads, *depends_on)
+        return (*grads, None)
 
 
 def kernel_norm_add(y, residual, w1, b1, w2, b2, opts: tuple, compiling: bool) -> tuple[Tensor, Tensor | None]:

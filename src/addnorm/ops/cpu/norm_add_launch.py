@@ -12,16 +12,11 @@ from addnorm.ops.contract import stats_dtype
 from addnorm.ops.cpu import norm_add_kernels as K
 from addnorm.ops.cpu.launch import _empty, _parallel_lock, as_numpy, row_view, unavailable_reason, use_parallel
 
-__all__ = ["backward", "fits", "forward", "forward_into", "unavailable_reason"]
+__all__ = ["backward", "forward", "forward_into", "unavailable_reason"]
 
 # Rows per dweight/dbias chunk (at least) and the most chunks: the chunking depends on M only (determinism).
 _CHUNK_ROWS = 32
 _MAX_CHUNKS = 64
-
-
-def fits(n: int) -> bool:
-    """Rows of any width run here (a row streams through cache)."""
-    return True
 
 
 def _vector(t: torch.Tensor | None, sd: torch.dtype, plus_one: bool) -> np.ndarray | None:
@@ -54,7 +49,7 @@ def forward(y, residual, w1, b1, w2, b2, *, h_dtype, has_norm2, **opts):
     sd = stats_dtype(y.dtype, h_dtype)
     h = _empty((m, n), h_dtype)
     out2 = _empty((m, n), h_dtype) if has_norm2 else None
-    stats = torch.empty((4, m), dtype=sd)
+    stats = torch.zeros((4, m), dtype=sd)  # rows a call does not use (no N2) stay 0: a deterministic output
     forward_into(h, out2, stats, y, residual, w1, b1, w2, b2, has_norm2=has_norm2, **opts)
     return h, out2, stats
 
@@ -120,8 +115,8 @@ def backward(dh, dout2, y, h, w1, w2, stats, *, b1_dtype, b2_dtype, residual_dty
                 K.bwd_parallel(*args)
         else:
             K.bwd_serial(*args)
-    dw1 = red[0].to(w1.dtype) if w1 is not None else None
-    db1 = red[1].to(b1_dtype) if has_b1 else None
-    dw2 = red[2].to(w2.dtype) if (has_norm2 and w2 is not None) else None
-    db2 = red[3].to(b2_dtype) if (has_norm2 and has_b2) else None
+    dw1 = red[0].to(w1.dtype, copy=True) if w1 is not None else None
+    db1 = red[1].to(b1_dtype, copy=True) if has_b1 else None
+    dw2 = red[2].to(w2.dtype, copy=True) if (has_norm2 and w2 is not None) else None
+    db2 = red[3].to(b2_dtype, copy=True) if (has_norm2 and has_b2) else None
     return dy, dres, dw1, db1, dw2, db2

@@ -1,5 +1,5 @@
 """The ``triton`` backend of the fused norm-then-add ops (:mod:`addnorm.ops.norm_add`): the fused kernel contract
-(``forward``, ``forward_into``, ``backward``, ``fits``; :mod:`addnorm.ops.norm_add_ops` states it) around the kernels
+(``forward``, ``forward_into``, ``backward``; :mod:`addnorm.ops.norm_add_ops` states it) around the kernels
 of :mod:`addnorm.ops.triton.norm_add_kernels`: block sizes, allocation, the launch.
 """
 
@@ -14,16 +14,8 @@ from addnorm.ops.contract import stats_dtype
 from addnorm.ops.triton import norm_add_kernels as K
 from addnorm.ops.triton.launch import interpreted, unavailable_reason
 
-__all__ = ["MAX_N", "backward", "fits", "forward", "forward_into", "unavailable_reason"]
+__all__ = ["backward", "forward", "forward_into", "unavailable_reason"]
 
-# A row lives in registers: wider rows would spill (the chain's backward holds about six row-sized values). Wider
-# rows take the composition of the unfused kernels, which loop over a row.
-MAX_N = 16384
-
-
-def fits(n: int) -> bool:
-    """Whether rows of n elements run in these kernels."""
-    return n <= MAX_N
 
 
 def _blocks(n: int) -> tuple[int, int, int]:
@@ -55,7 +47,7 @@ def forward(y, residual, w1, b1, w2, b2, *, h_dtype, has_norm2, **opts):
     m, n = y.shape
     h = torch.empty((m, n), dtype=h_dtype, device=y.device)
     out2 = torch.empty((m, n), dtype=h_dtype, device=y.device) if has_norm2 else None
-    stats = torch.empty((4, m), dtype=stats_dtype(y.dtype, h_dtype), device=y.device)
+    stats = torch.zeros((4, m), dtype=stats_dtype(y.dtype, h_dtype), device=y.device)  # unused rows: 0
     forward_into(h, out2, stats, y, residual, w1, b1, w2, b2, has_norm2=has_norm2, **opts)
     return h, out2, stats
 
@@ -120,8 +112,8 @@ def backward(dh, dout2, y, h, w1, w2, stats, *, b1_dtype, b2_dtype, residual_dty
     return (
         dy,
         dres,
-        red[0].to(w1.dtype) if w1 is not None else None,
-        red[1].to(b1_dtype) if b1_dtype is not None else None,
-        red[2].to(w2.dtype) if (has_norm2 and w2 is not None) else None,
-        red[3].to(b2_dtype) if has_b2 else None,
+        red[0].to(w1.dtype, copy=True) if w1 is not None else None,
+        red[1].to(b1_dtype, copy=True) if b1_dtype is not None else None,
+        red[2].to(w2.dtype, copy=True) if (has_norm2 and w2 is not None) else None,
+        red[3].to(b2_dtype, copy=True) if has_b2 else None,
     )
