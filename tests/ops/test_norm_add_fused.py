@@ -384,3 +384,40 @@ def test_bad_input_names_the_argument():
         norm_add_norm(y, r, w.int(), w)
     with pytest.raises(ValueError, match="zero_centered_weight must be a bool or a pair"):
         norm_add_norm(y, r, zero_centered_weight=(True, False, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norms", ["rms-rms", "layer-layer"])
+@pytest.mark.parametrize("cast", [False, True])
+def test_decode_fast_path_gives_the_general_launchs_bits(dtype, norms, cast, monkeypatch):
+    """Inference calls at decode size take the raw-address launch (addnorm.ops.norm_add_fast); its bits are the
+    general launch's, out of place and in place, and it is really taken."""
+    _skip_unavailable("cpu")
+    from addnorm.ops.cpu import norm_add_fast_launch, norm_add_launch
+
+    rms1, rms2 = (k == "rms" for k in norms.split("-"))
+    t = {
+        k: (v.detach() if v is not None else None)
+        for k, v in _inputs((3, 72), dtype, 13, b1=not rms1, b2=not rms2).items()
+    }
+    opts = dict(eps1=1e-5, eps2=1e-6, is_rms1=rms1, is_rms2=rms2, zc1=False, zc2=False, cast1=cast, cast2=cast)
+    if dtype == torch.float32:
+        opts.update(cast1=False, cast2=False)  # (the cast rounds nothing in the statistics dtype: dropped)
+    want_h, want2, _ = norm_add_launch.forward(
+        t["y"], t["residual"], t["w1"], t["b1"], t["w2"], t["b2"], h_dtype=dtype, has_norm2=True, **opts
+    )
+    calls = []
+    real = norm_add_fast_launch.forward_ptr
+    monkeypatch.setattr(norm_add_fast_launch, "forward_ptr", lambda *a: calls.append(1) or real(*a))
+    kw = dict(norm="rms" if rms1 else "layer", norm2="rms" if rms2 else "layer", cast_before_weight=cast, backend="cpu")
+    args = (t["w1"], t["w2"], t["b1"], t["b2"], 1e-5, 1e-6)
+    out2, h = norm_add_norm(t["y"], t["residual"], *args, **kw)
+    assert torch.equal(h, want_h) and torch.equal(out2, want2)
+    y, r = t["y"].clone(), t["residual"].clone()
+    norm_add_norm_(y, r, *args, **kw)
+    assert torch.equal(r, want_h) and torch.equal(y, want2)
+    h1 = norm_add(
+        t["y"], t["residual"], t["w1"], t["b1"], 1e-5, norm=kw["norm"], cast_before_weight=cast, backend="cpu"
+    )
+    assert torch.equal(h1, want_h)
+    assert len(calls) == 3

@@ -35,6 +35,7 @@ from torch import Tensor
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import MACHINE_EPS, check_disjoint, check_float, stats_dtype
+from addnorm.ops.norm_add_fast import try_norm_add, try_norm_add_
 from addnorm.ops.norm_add_ops import fits, kernel_norm_add, kernel_norm_add_
 
 __all__ = ["norm_add", "norm_add_", "norm_add_norm", "norm_add_norm_"]
@@ -159,6 +160,10 @@ def norm_add(
     """``residual + Norm(y)`` (see the module docstring). ``norm`` is ``"rms"`` (``eps=None``: the machine epsilon
     of y's dtype; ``bias`` must be None) or ``"layer"`` (``eps=None``: 1e-5). ``residual`` has y's shape and device;
     the result has torch's promoted dtype of residual and y."""
+    zc, cbw = (zero_centered_weight, False), (cast_before_weight, False)
+    fast = try_norm_add(y, residual, (weight, bias, None, None), eps, None, (norm, "rms"), zc, cbw, False, backend)
+    if fast is not None:  # a decode-size inference call (addnorm.ops.norm_add_fast): the same kernel and bits
+        return fast[0]
     opts = _plan(
         y, residual, weight, bias, None, None, eps, None, norm, "rms",
         (zero_centered_weight, False), (cast_before_weight, False), False, _NAMES1,
@@ -195,6 +200,10 @@ def norm_add_norm(
     norm2 = norm if norm2 is None else norm2
     zc = _pair(zero_centered_weight, "zero_centered_weight")
     cbw = _pair(cast_before_weight, "cast_before_weight")
+    params = (weight1, bias1, weight2, bias2)
+    fast = try_norm_add(y, residual, params, eps1, eps2, (norm, norm2), zc, cbw, True, backend)
+    if fast is not None:
+        return fast[1], fast[0]
     opts = _plan(y, residual, weight1, bias1, weight2, bias2, eps1, eps2, norm, norm2, zc, cbw, True, _NAMES2)
     h, out2 = _run(y, residual, weight1, bias1, weight2, bias2, opts, backend)
     return out2, h
@@ -268,6 +277,9 @@ def norm_add_(
 ) -> Tensor:
     """In place: ``residual += Norm(y)`` with :func:`norm_add`'s roundings (residual must have the sum's dtype).
     Returns residual. Inference only: nothing is recorded for autograd."""
+    zc, cbw = (zero_centered_weight, False), (cast_before_weight, False)
+    if try_norm_add_(y, residual, (weight, bias, None, None), eps, None, (norm, "rms"), zc, cbw, False, backend):
+        return residual
     opts = _plan(
         y, residual, weight, bias, None, None, eps, None, norm, "rms",
         (zero_centered_weight, False), (cast_before_weight, False), False, _NAMES1,
@@ -298,6 +310,9 @@ def norm_add_norm_(
     norm2 = norm if norm2 is None else norm2
     zc = _pair(zero_centered_weight, "zero_centered_weight")
     cbw = _pair(cast_before_weight, "cast_before_weight")
+    params = (weight1, bias1, weight2, bias2)
+    if try_norm_add_(y, residual, params, eps1, eps2, (norm, norm2), zc, cbw, True, backend):
+        return y, residual
     opts = _plan(y, residual, weight1, bias1, weight2, bias2, eps1, eps2, norm, norm2, zc, cbw, True, _NAMES2)
     named = (("weight1", weight1), ("bias1", bias1), ("weight2", weight2), ("bias2", bias2))
     _check_inplace(y, residual, named, True, "norm_add_norm_")

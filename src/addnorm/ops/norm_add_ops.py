@@ -49,6 +49,7 @@ def fits(backend: str, n: int) -> bool:
     limit = MAX_N[backend]
     return limit is None or n <= limit
 
+
 # the options of one call, flat (a schema takes no dataclass), in the custom ops' order after the tensors
 _OPTS = ("eps1", "eps2", "is_rms1", "is_rms2", "zc1", "zc2", "cast1", "cast2", "has_norm2")
 

@@ -72,9 +72,9 @@ def _norm_add_loop(y, r, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
         if cast:
             v = round_as(y, v)
         if has_w:
-            v = v * W[j]
+            v = v * cast_like(load(W, j), zero)
         if has_b:
-            v = v + B[j]
+            v = v + cast_like(load(B, j), zero)
         store_rounded(h, j, round_as(y, v) + cast_like(load(r, j), zero))
 
 
@@ -105,9 +105,9 @@ def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
         if cast:
             v = round_as(out, v)
         if has_w:
-            v = v * W[j]
+            v = v * cast_like(load(W, j), zero)
         if has_b:
-            v = v + B[j]
+            v = v + cast_like(load(B, j), zero)
         store_rounded(out, j, v)
 
 
@@ -133,8 +133,9 @@ def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
 @njit(**JIT)
 def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, in_place, eps1, eps2, zero):
     # Y: y rows (stride sy); R: residual rows; H: h rows (may be R itself: in place); O2: N2(h) rows (may be Y
-    # itself: in place, written after the row of y is read); in_place: H is R; W*, B*: effective weights and biases in the
-    # statistics dtype; Stats: (4, M) mean1, rstd1, mean2, rstd2
+    # itself: in place, written after the row of y is read); in_place: H is R; W*, B*: effective weights and biases in
+    # the statistics dtype, or as stored in y's half dtype (the decode launch: a half value widens to fp32 exactly,
+    # so either gives the same bits); Stats: (4, M) mean1, rstd1, mean2, rstd2
     is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
     m = Stats.shape[0] // 4
     y = Y[i * sy : i * sy + n]

@@ -17,7 +17,6 @@ from addnorm.ops.triton.launch import interpreted, unavailable_reason
 __all__ = ["backward", "forward", "forward_into", "unavailable_reason"]
 
 
-
 def _blocks(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps), from N alone: a row's bits must not depend on M (batch invariance)."""
     block_n = 1 << max(0, (n - 1).bit_length())
