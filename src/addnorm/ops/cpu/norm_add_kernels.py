@@ -23,8 +23,10 @@ mean and rstd are computed. It sums with the forward kernels' :func:`~addnorm.op
 a row gets the bits of the unfused kernels. dweight and dbias are reduced in row chunks whose number depends on M
 only (as the unfused backward does): bitwise the same whatever the thread count.
 
-numba's cache keys a kernel on its own file's source: after editing :mod:`addnorm.ops.cpu.kernels` delete this
-module's ``__pycache__`` entries (*.nbi, *.nbc).
+numba's cache keys a kernel on its own file's source: after editing this module or :mod:`addnorm.ops.cpu.kernels`,
+delete the ``__pycache__`` entries (*.nbi, *.nbc) of this module and of
+:mod:`addnorm.ops.cpu.norm_add_fast_launch` (which compiles these kernels into itself), or they keep running the old
+code (tests/ops/test_norm_add_fused.py's fast-path test compares the two launches bit for bit).
 """
 
 from __future__ import annotations
@@ -98,6 +100,27 @@ def _norm_add_row(y, r, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
         _norm_add_loop(y, r, h, W, B, n, mean, rstd, False, False, False, zero)
 
 
+@njit(**JIT)
+def _norm_add_row_inplace(y, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    # h is the residual's row, read and written: one array, so that LLVM sees one pointer (passed as two arrays, it
+    # cannot prove them free of overlap and leaves the loop unvectorized)
+    if cast:
+        if has_w and has_b:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, True, True, zero)
+        elif has_w:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, False, True, zero)
+        else:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, True, True, zero)
+    elif has_w and has_b:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, True, False, zero)
+    elif has_w:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, False, False, zero)
+    elif has_b:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, True, False, zero)
+    else:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, False, False, zero)
+
+
 @njit(inline="always")
 def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
     for j in range(n):
@@ -144,11 +167,7 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, i
     mean1, rstd1 = row_stats(y, n, is_rms1, eps1, zero)
     Stats[i], Stats[m + i] = mean1, rstd1
     if in_place:
-        # h is the residual's row: a loop reading and writing one array is one LLVM cannot prove free of overlap,
-        # so it would run unvectorized. The sums go to a scratch row (in cache), copied back after.
-        hk = np.empty_like(h)
-        _norm_add_row(y, r, hk, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
-        h[:] = hk
+        _norm_add_row_inplace(y, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
     else:
         _norm_add_row(y, r, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
