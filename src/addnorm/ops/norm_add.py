@@ -28,6 +28,7 @@ In place (serving): :func:`norm_add_` writes h into the residual, :func:`norm_ad
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -66,7 +67,7 @@ def _check_affine(name: str, p: Tensor | None, y: Tensor) -> None:
 def _eps(eps, is_rms: bool, dtype: torch.dtype, name: str) -> float:
     if eps is None:
         return MACHINE_EPS[dtype] if is_rms else 1e-5  # RMSNorm: the machine epsilon of the dtype normalized
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{name} must be a finite number >= 0 or None, got {eps!r}")
     return float(eps)
 

@@ -37,9 +37,11 @@ from addnorm.ops.kernel_ops import _NoSecondDerivative as NoSecondDerivative
 __all__ = ["FUSED_MODULES", "MAX_N", "fits", "fused_module", "kernel_norm_add", "kernel_norm_add_"]
 
 FUSED_MODULES = {"cpu": "addnorm.ops.cpu.norm_add_launch", "triton": "addnorm.ops.triton.norm_add_launch"}
-# The widest row each backend's fused kernels take (None: any). Triton keeps a row in registers: wider rows would
-# spill (the chain's backward holds about six row-sized values), while the unfused kernels loop over a row.
-MAX_N: dict[str, int | None] = {"cpu": None, "triton": 16384}
+# The widest row each backend's fused kernels take (None: any). Triton keeps a row in registers: the chain's
+# backward holds about six row-sized values, and the unfused backward already keeps one-pass rows to 8192 for fp32
+# and LayerNorm (16 warps spill above, per benchmarks/results/README.md); wider rows compose the unfused kernels,
+# which loop over a row.
+MAX_N: dict[str, int | None] = {"cpu": None, "triton": 8192}
 
 
 def fits(backend: str, n: int) -> bool:
