@@ -314,25 +314,26 @@ def test_a_rows_bits_do_not_depend_on_the_batch(backend, dtype):
                                b.view(torch.int16 if b.element_size() == 2 else torch.int32)), name  # fmt: skip
 
 
-def _op_args(norm2: bool):
+def _op_args(norm2: bool, backend: str):
     g = torch.Generator().manual_seed(11)
     y, r = torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g)
     w1, b1, w2 = (torch.randn(24, generator=g) for _ in range(3))
-    return y, r, w1, b1, w2, None, 1e-5, 1e-6, False, True, True, False, False, False, norm2, torch.float32, "cpu"
+    return y, r, w1, b1, w2, None, 1e-5, 1e-6, False, True, True, False, False, False, norm2, torch.float32, backend
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("norm2", [False, True], ids=["norm_add", "norm_add_norm"])
-def test_opcheck_custom_ops(norm2):
-    _skip_unavailable("cpu")
-    args = _op_args(norm2)
+def test_opcheck_custom_ops(norm2, backend):
+    _skip_unavailable(backend)
+    args = _op_args(norm2, backend)
     fwd_args = tuple(a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(torch.ops.addnorm.norm_add_fwd.default, fwd_args)
     y, r, w1, b1, w2, b2, *opts = args
     h, out2, stats = torch.ops.addnorm.norm_add_fwd(*args)
     bwd = (torch.randn_like(h), torch.randn_like(h) if norm2 else None, y, h, w1, w2, stats)
-    bwd += (torch.float32, None, torch.float32, *opts[:9], "cpu")
+    bwd += (torch.float32, None, torch.float32, *opts[:9], backend)
     torch.library.opcheck(torch.ops.addnorm.norm_add_bwd.default, bwd)
-    inplace = (y.clone(), r.clone(), w1, b1, w2, b2, *opts[:9], "cpu")
+    inplace = (y.clone(), r.clone(), w1, b1, w2, b2, *opts[:9], backend)
     torch.library.opcheck(torch.ops.addnorm.norm_add_.default, inplace)
 
 

@@ -16,8 +16,8 @@ A fused kernel on the ``cpu`` and ``triton`` backends (:mod:`addnorm.ops.norm_ad
 and writes h (three row transfers, where the unfused norm then add moves five), and with norm2 also N2(h) (four,
 where the unfused chain moves seven). The ``torch`` backend is the same contract written as the composition of
 plain-PyTorch norms and the add (the readable one, the baseline), and so is the ``reference`` backend with its own
-norms; a call whose two statistics dtypes differ (an fp64 residual under a lower-precision y) takes the
-composition on any backend. The forward gives the composition's bits on the cpu and torch backends. Gradients flow
+norms; a call whose two statistics dtypes differ (an fp64 residual under a lower-precision y), or whose rows are
+wider than the backend's fused kernels take (Triton: 8192, ``norm_add_ops.MAX_N``), takes the composition. The forward gives the composition's bits on the cpu and torch backends. Gradients flow
 to y, residual, the weights and the biases, from both outputs; the kernels' backward passes both roundings
 straight through (the gradient reaching h is rounded only where it is stored).
 
