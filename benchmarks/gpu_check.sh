@@ -11,8 +11,9 @@
 #   5. the decode benchmark (benchmarks/bench_generate.py, when present) into generate.md,
 #   6. the Triton tests on CUDA (the bound launcher's bitwise check against the normal launch included) into
 #      tests.txt, then the graph-safety checks (tools/gpu_graph_check.py) into graph.txt,
-#   7. the add + RMSNorm table (bf16), the add + LayerNorm table with torch.compile beside it, the device kernels
-#      per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
+#   7. the add + RMSNorm table (bf16), the fused norm_add / norm_add_norm table (benchmarks/bench_norm_add.py,
+#      fp32 and bf16, beside the unfused ops), the add + LayerNorm table with torch.compile beside it, the device
+#      kernels per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
 #   8. with time left and asked for: ADDNORM_COMPAT=1 (flash-attention's and Liger's test files), ADDNORM_QUANT=1
 #      (the quantized ops' CUDA tests and table), ADDNORM_TUNE=1.
 # ADDNORM_WIDE=1 (issue 28, wide rows) runs its steps right after step 2, before everything else: the team kernels'
@@ -181,7 +182,7 @@ fi
 : >"$RESULTS/tests.txt"
 step "Triton tests on CUDA" 150 40 "$RESULTS/tests.txt" \
     python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_triton_add_norm.py tests/ops/test_triton_ops.py \
-    tests/ops/test_triton_fast_launch.py \
+    tests/ops/test_triton_fast_launch.py tests/ops/test_norm_add_cuda.py \
     tests/ops/test_batch_invariance.py::test_triton_on_the_gpu_row_does_not_depend_on_the_batch \
     tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5
 : >"$RESULTS/graph.txt"
@@ -192,6 +193,9 @@ step "graph-safety checks" 100 30 "$RESULTS/graph.txt" python tools/gpu_graph_ch
 step "add + RMSNorm table, bf16" 150 40 "$RESULTS/bench_rms.txt" \
     python benchmarks/bench_add_norm.py --norm rms --dtype bf16 --sizes 512,1024,4096,16384,65536,262144 \
     --reps 20 --out "$RESULTS"
+step "norm_add / norm_add_norm table, fused beside unfused" 60 20 "$RESULTS/bench_norm_add.txt" \
+    python benchmarks/bench_norm_add.py --device cuda --shapes 1x4096,8x4096,4096x4096,16384x4096 --reps 20 \
+    --out "$RESULTS/norm_add.json"
 step "add + LayerNorm table, bf16, with torch.compile" 90 30 "$RESULTS/bench_layer.txt" \
     python benchmarks/bench_add_norm.py --norm layer --dtype bf16 --modes fwd,fwd+bwd \
     --providers addnorm,eager,compile,flash_attn,apex,liger --sizes 4096,65536 --reps 20 --out "$RESULTS"

@@ -35,6 +35,8 @@ _LAZY = {
     "add_norm_linear": "addnorm.ops",
     "norm_add": "addnorm.ops",
     "norm_add_norm": "addnorm.ops",
+    "norm_add_": "addnorm.ops",
+    "norm_add_norm_": "addnorm.ops",
     "available_backends": "addnorm.ops",
     "BackendUnavailableError": "addnorm.ops",
     "add_rms_norm_quant": "addnorm.ops",

@@ -98,6 +98,14 @@ def test_a_decode_benchmark_in_the_tree_is_run(tree):
     assert done.returncode == 0, done.stdout
 
 
+def test_the_fused_norm_add_table_runs_after_the_add_rms_norm_table(tree):
+    """Issue 37: the fused norm_add / norm_add_norm rows, under the deadline like every step."""
+    done, _ = _run(tree, deadline=400, sleep=0)
+    out = done.stdout
+    assert "== norm_add / norm_add_norm table, fused beside unfused (at most 60 s" in out, out
+    assert out.find("== add + RMSNorm table") < out.find("== norm_add / norm_add_norm table"), out
+
+
 def test_refuses_a_torch_from_inside_the_tree(tree):
     carried = tree / "tree" / ".venv" / "lib" / "python3" / "site-packages" / "torch" / "__init__.py"
     done, _ = _run(tree, deadline=60, sleep=0, torch_file=str(carried))

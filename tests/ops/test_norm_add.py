@@ -156,6 +156,10 @@ def test_exported_from_addnorm():
     from addnorm import ops
 
     assert addnorm.norm_add is ops.norm_add is norm_add
+    from addnorm.ops.norm_add import norm_add_, norm_add_norm, norm_add_norm_
+
+    assert addnorm.norm_add_ is ops.norm_add_ is norm_add_
+    assert addnorm.norm_add_norm is norm_add_norm and addnorm.norm_add_norm_ is ops.norm_add_norm_ is norm_add_norm_
 
 
 @pytest.mark.parametrize("backend", ALL)

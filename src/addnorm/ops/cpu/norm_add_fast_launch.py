@@ -1,0 +1,95 @@
+"""The decode-size launch of the fused norm-then-add kernels: one numba call taking raw addresses, for calls where
+the host's Python, not memory, sets the time (a few rows of a few thousand), as :mod:`addnorm.ops.cpu.fast_launch`
+does for the add + norm ops. The common inference case only:
+
+    y, residual, h, out2: (M, N) contiguous, one dtype (bf16, fp16 or fp32); weights and biases (N,) contiguous in
+    that dtype; no zero-centered weight; M * N below the parallel threshold (the serial kernel)
+
+Each entry point (one per dtype: numba types the element type at compile time) turns the addresses into arrays and
+runs the serial kernel the general launch runs (:func:`addnorm.ops.cpu.norm_add_kernels.fwd_serial`), the weights
+read as stored (a half value widens to fp32 exactly: the general launch's conversion gives the same values), so the
+bits are the general launch's. The caller (:mod:`addnorm.ops.norm_add_fast`) checks that the tensors fit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from addnorm.ops.cpu.fast_launch import _address, carray
+from addnorm.ops.cpu.kernels import JIT, njit
+from addnorm.ops.cpu.norm_add_kernels import fwd_serial
+
+__all__ = ["DTYPES", "IN_PLACE", "forward_ptr"]
+
+# the flag word: bit k is the kernels' flag k (is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2,
+# cast2), and IN_PLACE (h is the residual, out2 is y)
+IN_PLACE = 1 << 9
+
+
+@njit(inline="always")
+def _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2):
+    stats = np.empty(4 * m, np.float32)  # the statistics nobody reads (inference)
+    bits = (
+        flags & 1 != 0, flags & 2 != 0, flags & 4 != 0, flags & 8 != 0, flags & 16 != 0,
+        flags & 32 != 0, flags & 64 != 0, flags & 128 != 0, flags & 256 != 0,
+    )  # fmt: skip
+    in_place = flags & IN_PLACE != 0
+    fwd_serial(Y, n, R, n, R if in_place else H, n, O2, n, W1, B1, W2, B2, stats, m, n, bits, in_place, eps1, eps2)
+
+
+# One entry point per storage type (bf16 as uint16 bits, fp16 as int16 bits, fp32): carray's element type is a
+# compile-time constant. Arguments: the addresses of y, residual, h, out2, w1, b1, w2, b2 (an absent one: any
+# address, never read), then M, N, the flag word and the two eps.
+@njit(**JIT)
+def _fwd_bf16(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
+    size = m * n
+    Y, R = carray(_address(py), size, np.uint16), carray(_address(pr), size, np.uint16)
+    H, O2 = carray(_address(ph), size, np.uint16), carray(_address(po2), size, np.uint16)
+    W1, B1 = carray(_address(pw1), n, np.uint16), carray(_address(pb1), n, np.uint16)
+    W2, B2 = carray(_address(pw2), n, np.uint16), carray(_address(pb2), n, np.uint16)
+    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+
+
+@njit(**JIT)
+def _fwd_f16(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
+    size = m * n
+    Y, R = carray(_address(py), size, np.int16), carray(_address(pr), size, np.int16)
+    H, O2 = carray(_address(ph), size, np.int16), carray(_address(po2), size, np.int16)
+    W1, B1 = carray(_address(pw1), n, np.int16), carray(_address(pb1), n, np.int16)
+    W2, B2 = carray(_address(pw2), n, np.int16), carray(_address(pb2), n, np.int16)
+    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+
+
+@njit(**JIT)
+def _fwd_f32(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
+    size = m * n
+    Y, R = carray(_address(py), size, np.float32), carray(_address(pr), size, np.float32)
+    H, O2 = carray(_address(ph), size, np.float32), carray(_address(po2), size, np.float32)
+    W1, B1 = carray(_address(pw1), n, np.float32), carray(_address(pb1), n, np.float32)
+    W2, B2 = carray(_address(pw2), n, np.float32), carray(_address(pb2), n, np.float32)
+    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+
+
+DTYPES = {torch.bfloat16: _fwd_bf16, torch.float16: _fwd_f16, torch.float32: _fwd_f32}
+
+
+def forward_ptr(y, residual, h, out2, w1, b1, w2, b2, m: int, n: int, flags: int, eps1: float, eps2: float) -> None:
+    """The serial fused forward on the given tensors (absent ones None: their flags clear). In place (IN_PLACE):
+    h is the residual and out2 is y."""
+    py = y.data_ptr()
+    DTYPES[y.dtype](
+        py,
+        residual.data_ptr(),
+        h.data_ptr(),
+        py if out2 is None else out2.data_ptr(),
+        py if w1 is None else w1.data_ptr(),
+        py if b1 is None else b1.data_ptr(),
+        py if w2 is None else w2.data_ptr(),
+        py if b2 is None else b2.data_ptr(),
+        m,
+        n,
+        flags,
+        eps1,
+        eps2,
+    )

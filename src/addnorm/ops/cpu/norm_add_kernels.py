@@ -1,0 +1,309 @@
+"""The numba kernels of the fused norm-then-add ops (:mod:`addnorm.ops.norm_add`) on the ``cpu`` backend:
+``h = residual + N1(y)`` and, optionally, ``out2 = N2(h)``, forward and backward, one pass over each row.
+
+The math (one row of length N; statistics in the statistics dtype s: fp32, fp64 for fp64):
+
+    forward     mean1, rstd1 = row_stats(y)                     (RMSNorm: mean1 = 0)
+                n1    = round_y((y - mean1) * rstd1 * w1 + b1)  (w1 is 1 + weight1 when zero-centered; cast1
+                                                                 rounds (y - mean1) * rstd1 to y's dtype first)
+                h     = round_h(n1 + residual)                  (the add in s, rounded once to h's dtype: what
+                                                                 torch's ``residual + n1`` computes)
+                mean2, rstd2 = row_stats(h);  out2 = round_h((h - mean2) * rstd2 * w2 + b2)   (only with N2)
+
+    backward    t   = dh + rstd2 * (g2 - mean(g2) - xhat2 * mean(g2 * xhat2)),   g2 = dout2 * w2   (t = dh without N2)
+                dy  = rstd1 * (g1 - mean(g1) - xhat1 * mean(g1 * xhat1)),       g1 = t * w1
+                dresidual = t;   dw1 = sum_rows t * xhat1,  db1 = sum_rows t;  dw2 = sum_rows dout2 * xhat2, ...
+
+Both roundings of the forward (n1 to y's dtype, h to its own) pass the gradient straight through: t is rounded
+only where it is stored (dresidual). Each row is read from DRAM once and stays in cache for the passes over it:
+the forward reads y and residual and writes h (and out2), the fewest bytes the op can move.
+
+Statistics are one function, :func:`row_stats`, shared by both norms: the place for any change to how a row's
+mean and rstd are computed. It sums with the forward kernels' :func:`~addnorm.ops.cpu.kernels.row_sum` helpers, so
+a row gets the bits of the unfused kernels. dweight and dbias are reduced in row chunks whose number depends on M
+only (as the unfused backward does): bitwise the same whatever the thread count.
+
+numba's cache keys a kernel on its own file's source: after editing this module or :mod:`addnorm.ops.cpu.kernels`,
+delete the ``__pycache__`` entries (*.nbi, *.nbc) of this module and of
+:mod:`addnorm.ops.cpu.norm_add_fast_launch` (which compiles these kernels into itself), or they keep running the old
+code (tests/ops/test_norm_add_fused.py's fast-path test compares the two launches bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from addnorm.ops.cpu.kernels import (
+    FAST,
+    JIT,
+    cast_like,
+    load,
+    njit,
+    prange,
+    round_as,
+    row_sum,
+    row_sum_sq_dev,
+    store_rounded,
+    zero_of,
+)
+
+__all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial", "row_stats"]
+
+# Flags arrive as one tuple of bools (numba types it once), in this order:
+#   (is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2)
+
+
+@njit(**JIT)
+def row_stats(h, n, is_rms, eps, zero):
+    """(mean, rstd) of one row in the statistics dtype (``zero``'s type): two passes (the mean, then squared
+    deviations: no E[h^2] - E[h]^2 cancellation); RMSNorm's mean is 0. The same arithmetic as the unfused forward."""
+    nf = cast_like(n, zero)
+    if is_rms:
+        mean = zero
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, zero, zero) / nf + eps)
+    else:
+        mean = row_sum(h, n, zero) / nf
+        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, mean, zero) / nf + eps)
+    return mean, cast_like(rstd, zero)
+
+
+@njit(inline="always")
+def _norm_add_loop(y, r, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    for j in range(n):
+        v = (cast_like(load(y, j), zero) - mean) * rstd
+        if cast:
+            v = round_as(y, v)
+        if has_w:
+            v = v * cast_like(load(W, j), zero)
+        if has_b:
+            v = v + cast_like(load(B, j), zero)
+        store_rounded(h, j, round_as(y, v) + cast_like(load(r, j), zero))
+
+
+@njit(**JIT)
+def _norm_add_row(y, r, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    # the flags as constants in each branch: LLVM vectorizes a loop without branches inside, not one with them
+    if cast:
+        if has_w and has_b:
+            _norm_add_loop(y, r, h, W, B, n, mean, rstd, True, True, True, zero)
+        elif has_w:
+            _norm_add_loop(y, r, h, W, B, n, mean, rstd, True, False, True, zero)
+        else:
+            _norm_add_loop(y, r, h, W, B, n, mean, rstd, False, True, True, zero)
+    elif has_w and has_b:
+        _norm_add_loop(y, r, h, W, B, n, mean, rstd, True, True, False, zero)
+    elif has_w:
+        _norm_add_loop(y, r, h, W, B, n, mean, rstd, True, False, False, zero)
+    elif has_b:
+        _norm_add_loop(y, r, h, W, B, n, mean, rstd, False, True, False, zero)
+    else:
+        _norm_add_loop(y, r, h, W, B, n, mean, rstd, False, False, False, zero)
+
+
+@njit(**JIT)
+def _norm_add_row_inplace(y, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    # h is the residual's row, read and written: one array, so that LLVM sees one pointer (passed as two arrays, it
+    # cannot prove them free of overlap and leaves the loop unvectorized)
+    if cast:
+        if has_w and has_b:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, True, True, zero)
+        elif has_w:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, False, True, zero)
+        else:
+            _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, True, True, zero)
+    elif has_w and has_b:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, True, False, zero)
+    elif has_w:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, True, False, False, zero)
+    elif has_b:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, True, False, zero)
+    else:
+        _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, False, False, zero)
+
+
+@njit(inline="always")
+def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    for j in range(n):
+        v = (cast_like(load(h, j), zero) - mean) * rstd
+        if cast:
+            v = round_as(out, v)
+        if has_w:
+            v = v * cast_like(load(W, j), zero)
+        if has_b:
+            v = v + cast_like(load(B, j), zero)
+        store_rounded(out, j, v)
+
+
+@njit(**JIT)
+def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+    if cast:
+        if has_w and has_b:
+            _normalize_loop(h, out, W, B, n, mean, rstd, True, True, True, zero)
+        elif has_w:
+            _normalize_loop(h, out, W, B, n, mean, rstd, True, False, True, zero)
+        else:
+            _normalize_loop(h, out, W, B, n, mean, rstd, False, True, True, zero)
+    elif has_w and has_b:
+        _normalize_loop(h, out, W, B, n, mean, rstd, True, True, False, zero)
+    elif has_w:
+        _normalize_loop(h, out, W, B, n, mean, rstd, True, False, False, zero)
+    elif has_b:
+        _normalize_loop(h, out, W, B, n, mean, rstd, False, True, False, zero)
+    else:
+        _normalize_loop(h, out, W, B, n, mean, rstd, False, False, False, zero)
+
+
+@njit(**JIT)
+def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, in_place, eps1, eps2, zero):
+    # Y: y rows (stride sy); R: residual rows; H: h rows (may be R itself: in place); O2: N2(h) rows (may be Y
+    # itself: in place, written after the row of y is read); in_place: H is R; W*, B*: effective weights and biases in
+    # the statistics dtype, or as stored in y's half dtype (the decode launch: a half value widens to fp32 exactly,
+    # so either gives the same bits); Stats: (4, M) mean1, rstd1, mean2, rstd2
+    is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
+    m = Stats.shape[0] // 4
+    y = Y[i * sy : i * sy + n]
+    r = R[i * sr : i * sr + n]
+    h = H[i * sh : i * sh + n]
+    mean1, rstd1 = row_stats(y, n, is_rms1, eps1, zero)
+    Stats[i], Stats[m + i] = mean1, rstd1
+    if in_place:
+        _norm_add_row_inplace(y, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
+    else:
+        _norm_add_row(y, r, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
+    if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
+        mean2, rstd2 = row_stats(h, n, is_rms2, eps2, zero)
+        Stats[2 * m + i], Stats[3 * m + i] = mean2, rstd2
+        _normalize_row(h, O2[i * so2 : i * so2 + n], W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
+
+
+# Two drivers over one row function: prange for large inputs, a plain loop where waking the pool costs more.
+@njit(parallel=True, **JIT)
+def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, m, n, flags, in_place, eps1, eps2):
+    zero = zero_of(Stats)
+    eps1, eps2 = cast_like(eps1, zero), cast_like(eps2, zero)
+    for i in prange(m):
+        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, in_place, eps1, eps2, zero)
+
+
+@njit(**JIT)
+def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, m, n, flags, in_place, eps1, eps2):
+    zero = zero_of(Stats)
+    eps1, eps2 = cast_like(eps1, zero), cast_like(eps2, zero)
+    for i in range(m):
+        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, in_place, eps1, eps2, zero)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(fastmath=FAST, **JIT)
+def _sums(g_src, x, W, has_w, mean, rstd, n, zero):
+    """sum(g) and sum(g * xhat) over one row, g = g_src * w, xhat = (x - mean) * rstd."""
+    sg = zero
+    sgx = zero
+    for j in range(n):
+        g = cast_like(load(g_src, j), zero)
+        if has_w:
+            g = g * W[j]
+        sg += g
+        sgx += g * ((cast_like(load(x, j), zero) - mean) * rstd)
+    return sg, sgx
+
+
+@njit(**JIT)
+def _n2_grad_row(do2, dh, h, t, W2, dw2, db2, n, mean, rstd, mean_g, proj, has_dh, has_w, has_b, cast, zero):
+    """t = N2's backward of dout2 (+ dh): the gradient reaching h; this row's share of dw2 and db2."""
+    for j in range(n):
+        d = cast_like(load(do2, j), zero)
+        xhat = (cast_like(load(h, j), zero) - mean) * rstd
+        g = d * W2[j] if has_w else d
+        v = rstd * (g - mean_g - xhat * proj)
+        if has_dh:
+            v = v + cast_like(load(dh, j), zero)
+        t[j] = v
+        if has_w:
+            dw2[j] += d * (round_as(do2, xhat) if cast else xhat)  # dout2 is stored in out2's (h's) dtype
+        if has_b:
+            db2[j] += d
+
+
+@njit(**JIT)
+def _n1_grad_row(t, y, dy, dres, W1, dw1, db1, n, mean, rstd, mean_g, proj, has_dres, has_w, has_b, cast, zero):
+    """dy from t (the gradient of N1's output: it reached h through the add), dresidual = t; dw1, db1 shares."""
+    for j in range(n):
+        d = t[j]
+        xhat = (cast_like(load(y, j), zero) - mean) * rstd
+        g = d * W1[j] if has_w else d
+        store_rounded(dy, j, rstd * (g - mean_g - xhat * proj))
+        if has_dres:
+            store_rounded(dres, j, d)
+        if has_w:
+            dw1[j] += d * (round_as(y, xhat) if cast else xhat)  # the forward rounded xhat to y's dtype
+        if has_b:
+            db1[j] += d
+
+
+@njit(**JIT)
+def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, n, flags, grads):
+    # DH: gradient of h (rows, stride sdh); DO2: gradient of out2; Y, H: y and h as stored; Stats: (4, M);
+    # DY, DRes: (M, N) outputs; Part: (4, chunks, N) partial sums of dw1, db1, dw2, db2, this chunk's row c
+    is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
+    has_dh, has_do2, has_dres = grads
+    zero = zero_of(Stats)
+    nf = cast_like(n, zero)
+    t = np.zeros(n, dtype=Stats.dtype)  # the row's gradient of h, in the statistics dtype
+    dw1, db1 = Part[(0 * chunks + c) * n :][:n], Part[(1 * chunks + c) * n :][:n]
+    dw2, db2 = Part[(2 * chunks + c) * n :][:n], Part[(3 * chunks + c) * n :][:n]
+    for i in range(c * m // chunks, (c + 1) * m // chunks):
+        y = Y[i * sy : i * sy + n]
+        dh = DH[i * sdh : i * sdh + n]
+        if has_norm2 and has_do2:
+            do2 = DO2[i * sdo2 : i * sdo2 + n]
+            h = H[i * sh : i * sh + n]
+            mean2, rstd2 = Stats[2 * m + i], Stats[3 * m + i]
+            sg, sgx = _sums(do2, h, W2, has_w2, mean2, rstd2, n, zero)
+            mean_g = zero if is_rms2 else sg / nf
+            _n2_grad_row(do2, dh, h, t, W2, dw2, db2, n, mean2, rstd2, mean_g, sgx / nf, has_dh, has_w2, has_b2, cast2, zero)  # fmt: skip
+        elif has_dh:
+            for j in range(n):
+                t[j] = cast_like(load(dh, j), zero)
+        mean1, rstd1 = Stats[i], Stats[m + i]
+        sg, sgx = _sums(t, y, W1, has_w1, mean1, rstd1, n, zero)
+        mean_g = zero if is_rms1 else sg / nf
+        dy, dres = DY[i * n : i * n + n], DRes[i * n : i * n + n]
+        _n1_grad_row(t, y, dy, dres, W1, dw1, db1, n, mean1, rstd1, mean_g, sgx / nf, has_dres, has_w1, has_b1, cast1, zero)  # fmt: skip
+
+
+@njit(**JIT)
+def _sum_chunks(Part, k, chunks, n, Out):
+    """Out = the sum over chunks, in order, of Part[k] (deterministic: a fixed order)."""
+    for j in range(n):
+        Out[j] = Part[k * chunks * n + j]
+    for c in range(1, chunks):
+        base = (k * chunks + c) * n
+        for j in range(n):
+            Out[j] += Part[base + j]
+
+
+@njit(**JIT)
+def _reduce(Part, Red, chunks, n, flags):
+    is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
+    for k, on in enumerate((has_w1, has_b1, has_w2 and has_norm2, has_b2 and has_norm2)):
+        if on:
+            _sum_chunks(Part, k, chunks, n, Red[k * n : k * n + n])
+
+
+@njit(parallel=True, **JIT)
+def bwd_parallel(chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, Red, n, flags, grads):
+    for c in prange(chunks):
+        _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, n, flags, grads)
+    _reduce(Part, Red, chunks, n, flags)
+
+
+@njit(**JIT)
+def bwd_serial(chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, Red, n, flags, grads):
+    for c in range(chunks):
+        _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, n, flags, grads)
+    _reduce(Part, Red, chunks, n, flags)
