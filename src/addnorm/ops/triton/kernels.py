@@ -108,20 +108,14 @@ def fwd_rows_kernel(
         d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
     v = tl.sum(d * d, axis=1) / N + eps
     rstd = rsqrt(v)
-    rstd_saved = rstd
-    bad = plain_stats_fail(v) & row_ok
-    if tl.max(bad.to(tl.int32), axis=0) > 0:  # a row beyond the plain statistics' range (row_stats): rare
-        if not IS_RMS:  # h again, as normalized (not kept live through the plain path)
-            if STORE_RESIDUAL_OUT:
-                tl.debug_barrier()  # residual_out was written by other threads of this program
-                h = tl.load(ResOut + rows64 * N + cols[None, :], mask=mask, other=0.0).to(acc_t)
-            else:
-                h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_t)
-        d, rstd, mean, rstd_saved = scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS)
     if STORE_STATS:
         if not IS_RMS:
             tl.store(Mean + rows, mean, mask=row_ok)
-        tl.store(Rstd + rows, rstd_saved, mask=row_ok)
+        tl.store(Rstd + rows, rstd, mask=row_ok)
+    bad = plain_stats_fail(v) & row_ok
+    out_ok = mask
+    if not STORE_RESIDUAL_OUT:  # out may be x (in place): leave the rows to redo unwritten, x still holds them
+        out_ok = mask & (bad.to(tl.int32) == 0)[:, None]
     y = d * rstd[:, None]
     if CAST_BEFORE_WEIGHT:
         y = round_to(y, Out.dtype.element_ty).to(acc_t)
@@ -129,7 +123,23 @@ def fwd_rows_kernel(
         y = y * load_weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-    tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=mask)
+    tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=out_ok)
+    # rows beyond the plain statistics' range (row_stats): redone one by one through memory in small tiles, last,
+    # where nothing of the plain path is live, so that they add no registers to it (rare)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.debug_barrier()  # residual_out, out and the statistics were written by other threads of this program
+        TILE: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512
+        for i in range(BLOCK_M):
+            if tl.max(tl.where(tl.arange(0, BLOCK_M) == i, bad.to(tl.int32), 0), axis=0) > 0:
+                row = tl.program_id(0).to(tl.int64) * BLOCK_M + i
+                src = ResOut + row * N if STORE_RESIDUAL_OUT else X + row * stride_x
+                sc, mean_s, rstd_s, mean_saved, rstd_saved = scaled_looped_stats(src, N, eps, IS_RMS, TILE)
+                if STORE_STATS:
+                    if not IS_RMS:
+                        tl.store(Mean + row, mean_saved)
+                    tl.store(Rstd + row, rstd_saved)
+                normalize_row(src, Out + row * N, W, B, N, sc, mean_s, rstd_s, acc_t, HAS_WEIGHT, HAS_BIAS,
+                              ZERO_CENTERED, CAST_BEFORE_WEIGHT, TILE)  # fmt: skip
 
 
 @jit
@@ -215,21 +225,28 @@ def fwd_looped_kernel(
             tl.store(Mean + row, mean_saved)
         tl.store(Rstd + row, rstd_saved)
     # pass 2: normalize
+    normalize_row(res_row if STORE_RESIDUAL_OUT else x_row, Out + row * N, W, B, N, sc, mean_s, rstd, acc_t,
+                  HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, BLOCK_N)  # fmt: skip
+
+
+@jit
+def normalize_row(H, O, W, B, N, sc, mean_s, rstd, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """out[j] = ((h[j] * sc - mean_s) * rstd) (* w[j] + b[j]) over the row at H into the row at O, tile by tile
+    (sc = 1 but for a row beyond the plain statistics' range: row_stats)."""
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
-        if STORE_RESIDUAL_OUT:
-            h = tl.load(res_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        else:
-            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        y = (h * sc - mean_s) * rstd  # sc = 1 but for a scaled row
+        h = tl.load(H + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        y = (h * sc - mean_s) * rstd
         if CAST_BEFORE_WEIGHT:
-            y = round_to(y, Out.dtype.element_ty).to(acc_t)
+            y = round_to(y, O.dtype.element_ty).to(acc_t)
         if HAS_WEIGHT:
             y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
         if HAS_BIAS:
             y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-        tl.store(Out + row * N + cols, round_to(y, Out.dtype.element_ty), mask=ok)
+        tl.store(O + cols, round_to(y, O.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------------
