@@ -15,7 +15,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from addnorm import add_layer_norm, add_layer_norm_quant, add_rms_norm, add_rms_norm_quant  # noqa: E402
+from addnorm import (  # noqa: E402
+    add_layer_norm,
+    add_layer_norm_,
+    add_layer_norm_quant,
+    add_rms_norm,
+    add_rms_norm_,
+    add_rms_norm_quant,
+)
 from addnorm.ops.quant.contract import QMAX, min_scale  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
@@ -209,3 +216,27 @@ def test_quantized_rows(device, dtype, is_rms, eps, qd):
     rel = 0.0 if qd == torch.int8 else 2.0**-3
     assert ((codes - v).abs() <= step + rel * v.abs() + 1e-9).all()
     assert not math.isnan(float(codes.abs().max()))
+
+
+@pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
+@pytest.mark.parametrize("path", ["rows", "looped"])
+def test_in_place_rows_beyond_range(device, monkeypatch, path, is_rms):
+    """out written over x (no residual_out) and the in-place add + norm (residual_out over the residual): the rows
+    redone through the scaled pass still read their own h, not the output written over it."""
+    if path == "looped":
+        monkeypatch.setattr(P, "tuning", lambda: TINY)
+    n = 100 if path == "looped" else 40
+    x, r, w, b = (t.detach() for t in _rows(4, n, torch.float32, [1.0, 1e37, 1e-41, 3e38], device))
+    ref = oracle(x, None, w, None if is_rms else b, eps=0.0, is_rms=is_rms)
+    x1 = x.clone()
+    T.forward_into(x1, None, None, None, x1, None, w, None if is_rms else b, eps=0.0, is_rms=is_rms, dropout_p=0.0,
+                   seed=None, zero_centered_weight=False)  # fmt: skip
+    check(x1, ref["out"], "out over x")
+    ref = oracle(x, r, w, None if is_rms else b, eps=0.0, is_rms=is_rms)
+    x2, r2 = x.clone(), r.clone()
+    if is_rms:
+        add_rms_norm_(x2, r2, w, 0.0, backend="triton")
+    else:
+        add_layer_norm_(x2, r2, w, b, 0.0, backend="triton")
+    check(x2, ref["out"], "out over x, residual_out over the residual")
+    assert torch.equal(r2.double(), ref["residual_out"])
