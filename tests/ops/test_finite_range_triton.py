@@ -41,9 +41,7 @@ BF16_TINY = 1e-33 if INTERPRETED else 1e-39
 F32 = [1e-45 * 64, 1e-41, 1e-38, 1e-30, 1e-20, 1e20, 1e30, 1e37, 3e38]
 BF16 = [1e-28, 1e20, 1e30, 1e37, 3e38] + ([1e-33] if INTERPRETED else [1e-40, 1e-38])
 F16 = [6e-8 * 16, 1e-5, 1e3, 65504.0]
-CASES = (
-    [(torch.float32, s) for s in F32] + [(torch.bfloat16, s) for s in BF16] + [(torch.float16, s) for s in F16]
-)
+CASES = [(torch.float32, s) for s in F32] + [(torch.bfloat16, s) for s in BF16] + [(torch.float16, s) for s in F16]
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +163,9 @@ def looped(monkeypatch):
 @pytest.mark.parametrize("is_rms", [LN, RMS], ids=["ln", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_looped_path(device, looped, dtype, is_rms, eps):
-    scales = {torch.float16: [65504.0, 1e-6, 1.0]}.get(dtype, [1e37, 1e-41 if dtype == torch.float32 else BF16_TINY, 1.0])
+    scales = {torch.float16: [65504.0, 1e-6, 1.0]}.get(
+        dtype, [1e37, 1e-41 if dtype == torch.float32 else BF16_TINY, 1.0]
+    )
     run_and_check(is_rms, *_rows(3, 100, dtype, scales, device), eps)
 
 

@@ -37,9 +37,9 @@ except ImportError:  # pragma: no cover - older Triton
     pass
 from addnorm.ops.triton import elementwise as E  # noqa: E402
 from addnorm.ops.triton import kernels as K  # noqa: E402
-from addnorm.ops.triton import row_stats as R  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
+from addnorm.ops.triton import row_stats as R  # noqa: E402
 
 KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
 OUTPUTS = {"Out", "ResOut", "Mean", "Rstd", "DX", "DRes", "DWPart", "DBPart", "C1", "C2"}

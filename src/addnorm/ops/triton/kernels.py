@@ -19,6 +19,10 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
+Rows whose plain statistics leave the accumulation type's range (sum(h^2) overflowing, or underflowing where eps
+does not dominate) are redone with h scaled by a power of two: the guard and the scaled pass are
+:mod:`addnorm.ops.triton.row_stats`, whose docstring also says what the saved mean and rstd hold for such rows.
+
 No atomics anywhere, so gradients are bitwise reproducible. Inputs may have strided rows (last-dim stride 1).
 """
 
@@ -41,7 +45,6 @@ from addnorm.ops.triton.row_stats import (
     scaled_looped_bwd_stats,
     scaled_looped_stats,
     scaled_rows_bwd,
-    scaled_rows_fwd,
 )
 
 __all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
@@ -49,6 +52,7 @@ __all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt",
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
 # --------------------------------------------------------------------------------------------------------------
+
 
 @jit
 def fwd_rows_kernel(
@@ -382,7 +386,8 @@ def bwd_row_sums_kernel(
         mean = tl.load(Mean + row)
     sc = tl.full([], 1.0, acc_t)
     if saved_rstd_fail(rstd):  # a row the forward normalized with the scaled pass (row_stats): rare
-        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, BLOCK_N)
+        TILE: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512  # small tiles: few registers for the rare path
+        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, TILE)
     tl.store(Eff + row, mean)
     tl.store(Eff + M + row, rstd)
     tl.store(Eff + 2 * M + row, sc)

@@ -195,7 +195,8 @@ def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, 
         mean = tl.load(Mean + row)
     sc = rstd * 0.0 + 1.0
     if saved_rstd_fail(rstd):  # rare
-        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, CHUNK)
+        TILE: tl.constexpr = CHUNK if CHUNK < 512 else 512  # small tiles: few registers for the rare path
+        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, TILE)
         h = h * sc
     if IS_RMS:
         xhat = h * rstd
