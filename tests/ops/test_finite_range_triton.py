@@ -41,7 +41,13 @@ BF16_TINY = 1e-33 if INTERPRETED else 1e-39
 F32 = [1e-45 * 64, 1e-41, 1e-38, 1e-30, 1e-20, 1e20, 1e30, 1e37, 3e38]
 BF16 = [1e-28, 1e20, 1e30, 1e37, 3e38] + ([1e-33] if INTERPRETED else [1e-40, 1e-38])
 F16 = [6e-8 * 16, 1e-5, 1e3, 65504.0]
-CASES = [(torch.float32, s) for s in F32] + [(torch.bfloat16, s) for s in BF16] + [(torch.float16, s) for s in F16]
+F64 = [1e-320, 1e-200, 1e200, 1e307]  # fp64 statistics: the same guard at fp64's range
+CASES = (
+    [(torch.float32, s) for s in F32]
+    + [(torch.bfloat16, s) for s in BF16]
+    + [(torch.float16, s) for s in F16]
+    + [(torch.float64, s) for s in F64]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +106,27 @@ def check(actual, expected, what, *, grad=False, reduced_rows=1):
     assert worst <= 0, f"{what}: off by {float((diff / allowed).amax()):.3g} times the tolerance"
 
 
+def _oracle(x, r, w, b, *, eps, is_rms, dout, dresidual_out):
+    """The float64 oracle; for fp64 rows beyond its own range (sum(h^2) overflowing fp64, or underflowing with
+    eps = 0) fed h * s, s = 2^-floor(log2 max |h|) (exact), and eps * s^2: out is the same, dx and dresidual are s
+    times the scaled ones (dresidual_out passed as dresidual_out / s), dweight and dbias the same."""
+    h = x.detach().double() + r.detach().double()
+    amax = float(h.abs().max())
+    if x.dtype != torch.float64 or not (amax > 1e150 or (amax < 1e-150 and eps == 0)):
+        return oracle(x, r, w, b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dresidual_out)
+    k = -math.floor(math.log2(amax))
+
+    def times_2_to(t, e):  # t * 2^e in two exact steps: 2^e alone may be beyond fp64's range
+        return t * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+
+    xs, rs = times_2_to(x.detach(), k).requires_grad_(True), times_2_to(r.detach(), k).requires_grad_(True)
+    eps_s = eps * 2.0 ** (2 * k) if k < 0 else 0.0  # a tiny row is scaled only when eps = 0
+    ref = oracle(xs, rs, w, b, eps=eps_s, is_rms=is_rms, dout=dout, dresidual_out=times_2_to(dresidual_out, -k))
+    ref["residual_out"] = times_2_to(ref["residual_out"], -k)
+    ref["dx"], ref["dresidual"] = times_2_to(ref["dx"], k), times_2_to(ref["dresidual"], k)
+    return ref
+
+
 def run_and_check(is_rms, x, r, w, b, eps):
     if is_rms:
         out, res = add_rms_norm(x, r, w, eps, backend="triton")
@@ -109,7 +136,7 @@ def run_and_check(is_rms, x, r, w, b, eps):
     dout = torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device)
     dres = torch.randn(res.shape, generator=gen).to(res.dtype).to(res.device)
     torch.autograd.backward((out, res), (dout, dres))
-    ref = oracle(x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres)
+    ref = _oracle(x, r, w, None if is_rms else b, eps=eps, is_rms=is_rms, dout=dout, dresidual_out=dres)
     m = x.shape[0]
     check(out, ref["out"], "out")
     assert torch.equal(res.detach().cpu().double(), ref["residual_out"].cpu()), "residual_out"
