@@ -367,10 +367,10 @@ def bwd_row_sums_kernel(
     Rstd,  # (M,)
     C1,  # (M,) out: mean_j(g * xhat)
     C2,  # (M,) out: mean_j(g) (LayerNorm)
-    Eff,  # (3, M) out: the (mean, rstd, sc) bwd_tiles_kernel normalizes with (row_stats: sc = 1 but for scaled rows)
+    Eff,  # (3, stride_eff) out: the (mean, rstd, sc) bwd_tiles_kernel normalizes with (sc = 1 but for scaled rows)
     stride_dout,
     stride_h,
-    M,
+    stride_eff,
     N,
     HAS_WEIGHT: tl.constexpr,
     IS_RMS: tl.constexpr,
@@ -389,8 +389,8 @@ def bwd_row_sums_kernel(
         TILE: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512  # small tiles: few registers for the rare path
         sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, TILE)
     tl.store(Eff + row, mean)
-    tl.store(Eff + M + row, rstd)
-    tl.store(Eff + 2 * M + row, sc)
+    tl.store(Eff + stride_eff + row, rstd)
+    tl.store(Eff + 2 * stride_eff + row, sc)
     s1 = tl.zeros([BLOCK_N], dtype=acc_t)
     s2 = tl.zeros([BLOCK_N], dtype=acc_t)
     for start in range(0, N, BLOCK_N):

@@ -220,11 +220,13 @@ def _bwd_launch(
         _, tiles, groups, sums, meta = chosen
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        eff = torch.empty((3, m), dtype=acc, device=h.device)  # (mean, rstd, sc) per row, for the tiles kernel
+        # (mean, rstd, sc) per row for the tiles kernel; rows of a multiple of 16 elements keep each one aligned
+        stride_eff = -(-m // 16) * 16
+        eff = torch.empty((3, stride_eff), dtype=acc, device=h.device)
         _launch(
             bwd_row_sums_kernel,
             (m,),
-            (dout, h, weight_, mean_, rstd, c1, c2, eff, dout.stride(0), h.stride(0), m, n),
+            (dout, h, weight_, mean_, rstd, c1, c2, eff, dout.stride(0), h.stride(0), stride_eff, n),
             sums,
             traceable,
         )

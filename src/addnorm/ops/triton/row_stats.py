@@ -17,6 +17,12 @@ scaled space the same formulas run (mean_s = sc * mean, var_s = sc^2 * var, rstd
 with the last product carrying the result's true size (inf where it is beyond the output's range, 0 where the
 bracket is 0: never inf * 0). Rows that pass take the plain arithmetic and their bits do not change.
 
+Where the scaled pass runs: the rows forward redoes its failing rows last, one by one through memory in tiles
+(``scaled_looped_stats``; in registers it would add registers to every launch); the looped kernels and the
+quantized one in place of their plain statistics; the team kernels chunk by chunk: a chunk whose plain partials
+are out of range publishes them for h * 2^e with its e, and the K partials are combined at the team's smallest e
+(addnorm.ops.triton.team_kernels). The backward recomputes a failing row's statistics from h (below).
+
 The saved statistics (what the backward receives): mean and rstd are the row's true statistics rounded to the
 statistics dtype, rstd = inf where it is beyond that dtype's range (fp32: eps = 0 and the row's std below
 ~2.9e-39, i.e. a row of subnormals) and subnormal where the std is above ~8.5e37. The backward re-checks the saved
