@@ -40,6 +40,7 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
 from addnorm.ops.triton.row_stats import (
     merge_tile,
     plain_stats_fail,
+    rare_path,
     rsqrt,
     saved_rstd_fail,
     scaled_looped_bwd_stats,
@@ -137,13 +138,23 @@ def fwd_rows_kernel(
             if tl.max(tl.where(tl.arange(0, BLOCK_M) == i, bad.to(tl.int32), 0), axis=0) > 0:
                 row = tl.program_id(0).to(tl.int64) * BLOCK_M + i
                 src = ResOut + row * N if STORE_RESIDUAL_OUT else X + row * stride_x
-                sc, mean_s, rstd_s, mean_saved, rstd_saved = scaled_looped_stats(src, N, eps, IS_RMS, TILE)
-                if STORE_STATS:
-                    if not IS_RMS:
-                        tl.store(Mean + row, mean_saved)
-                    tl.store(Rstd + row, rstd_saved)
-                normalize_row(src, Out + row * N, W, B, N, sc, mean_s, rstd_s, acc_t, HAS_WEIGHT, HAS_BIAS,
-                              ZERO_CENTERED, CAST_BEFORE_WEIGHT, TILE)  # fmt: skip
+                redo_row(src, Out + row * N, W, B, Mean + row, Rstd + row, N, eps, acc_t, IS_RMS, STORE_STATS,
+                         HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, TILE)  # fmt: skip
+
+
+@rare_path
+def redo_row(H, O, W, B, MeanRow, RstdRow, N, eps, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
+             STORE_STATS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+             CAST_BEFORE_WEIGHT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """One row beyond the plain statistics' range, from its h at H to its output at O, through the scaled pass
+    (row_stats; not inlined, so it adds no registers to the plain path)."""
+    sc, mean_s, rstd_s, mean, rstd = scaled_looped_stats(H, N, eps, IS_RMS, TILE)
+    if STORE_STATS:
+        if not IS_RMS:
+            tl.store(MeanRow, mean)
+        tl.store(RstdRow, rstd)
+    normalize_row(H, O, W, B, N, sc, mean_s, rstd_s, acc_t, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT,
+                  TILE)  # fmt: skip
 
 
 @jit

@@ -41,10 +41,13 @@ try:
     import triton.language as tl
 
     jit = triton.jit
+    # the scaled passes are called, not inlined: a rare path inlined would add its registers to every launch (ptxas
+    # sizes a kernel for its worst path), where a call spills what the caller holds, on that path only
+    rare_path = triton.jit(noinline=True)
 except ImportError:  # the module still imports, so the backend can say what to install
     triton = None
     tl = SimpleNamespace(constexpr=None)
-    jit = lambda fn: fn  # noqa: E731
+    jit = rare_path = lambda fn: fn  # noqa: E731
 
 
 @jit
@@ -110,7 +113,7 @@ def scale_exponent(amax, eps):
     return tl.minimum(tl.maximum(e, -LIM), LIM)
 
 
-@jit
+@rare_path
 def scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS: tl.constexpr):
     """The scaled pass over a (rows, BLOCK_N) tile, for the rows ``bad`` (the others get sc = 1: the plain
     arithmetic, the same bits). Returns (x_s, rstd_s, mean, rstd): xhat = x_s * rstd_s; mean and rstd are the
@@ -137,7 +140,7 @@ def scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS: tl.constexpr):
     return x_s, rstd_s, mean_s * pow2(-e, acc_t), rstd
 
 
-@jit
+@rare_path
 def scaled_rows_bwd(h, mask, N, mean, rstd, bad, IS_RMS: tl.constexpr):
     """The backward's scaled pass over a (rows, BLOCK_N) tile from the saved (mean, rstd) of each row: for the rows
     ``bad``, (xhat, rstd_s, sc) recomputed (module docstring); for the others xhat from the saved statistics,
@@ -179,7 +182,7 @@ def merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS: tl.constexpr, BL
     return mean, m2, count, sumsq
 
 
-@jit
+@rare_path
 def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The scaled pass over one row at H (contiguous, N long) read tile by tile: max |h|, then the statistics of
     h * sc. Returns (sc, mean_s, rstd_s, mean, rstd): xhat = (h * sc - mean_s) * rstd_s; mean and rstd to save."""
@@ -212,7 +215,7 @@ def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     return sc, mean_s, rstd_s, mean_s * pow2(-e, acc_t), rstd
 
 
-@jit
+@rare_path
 def scaled_looped_bwd_stats(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's scaled pass over one row at H from its saved (mean, rstd) (scaled_rows_bwd's rule, tile by
     tile). Returns (sc, mean_s, rstd_s): xhat = (h * sc - mean_s) * rstd_s, dh = (... * rstd_s) * sc."""

@@ -28,7 +28,14 @@ No atomics but the team counters (integers): dw/db are partial rows (one per tea
 from __future__ import annotations
 
 from addnorm.ops.triton.elementwise import dropout, dweight_term, jit, load_weight, round_to, tl
-from addnorm.ops.triton.row_stats import pow2, rsqrt, saved_rstd_fail, scale_exponent, scaled_looped_bwd_stats
+from addnorm.ops.triton.row_stats import (
+    pow2,
+    rare_path,
+    rsqrt,
+    saved_rstd_fail,
+    scale_exponent,
+    scaled_looped_bwd_stats,
+)
 
 # --------------------------------------------------------------------------------------------------------------
 # Shared helpers: the math both ways run
@@ -99,13 +106,20 @@ def _fwd_publish(WS, slot, k, h, ok, n_k, eps, IS_RMS: tl.constexpr):
     s, m2 = _chunk_partials(h, ok, n_k, IS_RMS)
     e = tl.full([], 0, tl.int32)
     if _chunk_fails(s, m2, n_k, eps, IS_RMS):  # rare
-        amax = tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0)
-        e = scale_exponent(tl.where(amax > 0, amax, pow2(tl.full([], -126, tl.int32), h.dtype)), eps)
-        s, m2 = _chunk_partials(h * pow2(e, h.dtype), ok, n_k, IS_RMS)
+        s, m2, e = _scaled_chunk_partials(h, ok, n_k, eps, IS_RMS)
     tl.store(WS + slot + 3 * k, s)
     if not IS_RMS:
         tl.store(WS + slot + 3 * k + 1, m2)
     tl.store(WS + slot + 3 * k + 2, e.to(s.dtype))
+
+
+@rare_path
+def _scaled_chunk_partials(h, ok, n_k, eps, IS_RMS: tl.constexpr):
+    """(s, m2, e): the chunk's partials of h * 2^e, e from its largest |h| (a chunk of zeros: the largest e)."""
+    amax = tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0)
+    e = scale_exponent(tl.where(amax > 0, amax, pow2(tl.full([], -126, tl.int32), h.dtype)), eps)
+    s, m2 = _chunk_partials(h * pow2(e, h.dtype), ok, n_k, IS_RMS)
+    return s, m2, e
 
 
 @jit
