@@ -18,7 +18,7 @@ with the last product carrying the result's true size (inf where it is beyond th
 bracket is 0: never inf * 0). Rows that pass take the plain arithmetic and their bits do not change.
 
 Where the scaled pass runs: the rows forward redoes its failing rows last, one by one through memory in tiles
-(``scaled_looped_stats``; in registers it would add registers to every launch); the looped kernels and the
+(``scaled_looped_stats``); the looped kernels and the
 quantized one in place of their plain statistics; the team kernels chunk by chunk: a chunk whose plain partials
 are out of range publishes them for h * 2^e with its e, and the K partials are combined at the team's smallest e
 (addnorm.ops.triton.team_kernels). The backward recomputes a failing row's statistics from h (below).
