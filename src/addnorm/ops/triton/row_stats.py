@@ -113,7 +113,7 @@ def scale_exponent(amax, eps):
     return tl.minimum(tl.maximum(e, -LIM), LIM)
 
 
-@rare_path
+@jit
 def scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS: tl.constexpr):
     """The scaled pass over a (rows, BLOCK_N) tile, for the rows ``bad`` (the others get sc = 1: the plain
     arithmetic, the same bits). Returns (x_s, rstd_s, mean, rstd): xhat = x_s * rstd_s; mean and rstd are the
@@ -138,29 +138,6 @@ def scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS: tl.constexpr):
     rstd = tl.where(flat, rsqrt(eps + tl.zeros_like(v_s)), rstd_s * sc)
     rstd_s = tl.where(flat, 0.0, rstd_s)
     return x_s, rstd_s, mean_s * pow2(-e, acc_t), rstd
-
-
-@rare_path
-def scaled_rows_bwd(h, mask, N, mean, rstd, bad, IS_RMS: tl.constexpr):
-    """The backward's scaled pass over a (rows, BLOCK_N) tile from the saved (mean, rstd) of each row: for the rows
-    ``bad``, (xhat, rstd_s, sc) recomputed (module docstring); for the others xhat from the saved statistics,
-    rstd_s = rstd and sc = 1, the plain arithmetic."""
-    acc_t: tl.constexpr = h.dtype
-    amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1)
-    e = tl.where(bad, scale_exponent(amax, tl.zeros_like(amax)), 0)
-    sc = pow2(e, acc_t)
-    h_s = h * sc[:, None]
-    if IS_RMS:
-        x_s = h_s
-        var_s = tl.sum(h_s * h_s, axis=1) / N
-    else:
-        mean_s = tl.where(bad, tl.sum(h_s, axis=1) / N, mean)
-        x_s = tl.where(mask, h_s - mean_s[:, None], 0.0)
-        var_s = tl.sum(x_s * x_s, axis=1) / N
-    LOWEST: tl.constexpr = -1022 if acc_t == tl.float64 else -126
-    normal = (rstd >= pow2(tl.full([], LOWEST, tl.int32), acc_t)) & (rstd < float("inf"))
-    rstd_s = tl.where(normal, rstd * pow2(-e, acc_t), rsqrt(var_s))
-    return x_s * rstd_s[:, None], rstd_s, sc
 
 
 @jit
@@ -217,8 +194,8 @@ def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @rare_path
 def scaled_looped_bwd_stats(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The backward's scaled pass over one row at H from its saved (mean, rstd) (scaled_rows_bwd's rule, tile by
-    tile). Returns (sc, mean_s, rstd_s): xhat = (h * sc - mean_s) * rstd_s, dh = (... * rstd_s) * sc."""
+    """The backward's scaled pass over one row at H from its saved (mean, rstd) (the module docstring's rule, tile
+    by tile). Returns (sc, mean_s, rstd_s): xhat = (h * sc - mean_s) * rstd_s, dh = (... * rstd_s) * sc."""
     acc_t: tl.constexpr = rstd.dtype
     amax = tl.zeros([BLOCK_N], dtype=acc_t)
     for start in range(0, N, BLOCK_N):

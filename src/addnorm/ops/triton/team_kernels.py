@@ -30,7 +30,6 @@ from __future__ import annotations
 from addnorm.ops.triton.elementwise import dropout, dweight_term, jit, load_weight, round_to, tl
 from addnorm.ops.triton.row_stats import (
     pow2,
-    rare_path,
     rsqrt,
     saved_rstd_fail,
     scale_exponent,
@@ -113,7 +112,7 @@ def _fwd_publish(WS, slot, k, h, ok, n_k, eps, IS_RMS: tl.constexpr):
     tl.store(WS + slot + 3 * k + 2, e.to(s.dtype))
 
 
-@rare_path
+@jit
 def _scaled_chunk_partials(h, ok, n_k, eps, IS_RMS: tl.constexpr):
     """(s, m2, e): the chunk's partials of h * 2^e, e from its largest |h| (a chunk of zeros: the largest e)."""
     amax = tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0)
