@@ -39,8 +39,9 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
 )
 from addnorm.ops.triton.row_stats import (
     merge_tile,
+    normalize_row,
     plain_stats_fail,
-    rare_path,
+    redo_row,
     rsqrt,
     saved_rstd_fail,
     scaled_looped_bwd_stats,
@@ -141,21 +142,6 @@ def fwd_rows_kernel(
                          HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, TILE)  # fmt: skip
 
 
-@rare_path
-def redo_row(H, O, W, B, MeanRow, RstdRow, N, eps, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
-             STORE_STATS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-             CAST_BEFORE_WEIGHT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
-    """One row beyond the plain statistics' range, from its h at H to its output at O, through the scaled pass
-    (row_stats; not inlined, so it adds no registers to the plain path)."""
-    sc, mean_s, rstd_s, mean, rstd = scaled_looped_stats(H, N, eps, IS_RMS, TILE)
-    if STORE_STATS:
-        if not IS_RMS:
-            tl.store(MeanRow, mean)
-        tl.store(RstdRow, rstd)
-    normalize_row(H, O, W, B, N, sc, mean_s, rstd_s, acc_t, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT,
-                  TILE)  # fmt: skip
-
-
 @jit
 def fwd_looped_kernel(
     X,  # (M, N) input, row stride stride_x
@@ -241,26 +227,6 @@ def fwd_looped_kernel(
     # pass 2: normalize
     normalize_row(res_row if STORE_RESIDUAL_OUT else x_row, Out + row * N, W, B, N, sc, mean_s, rstd, acc_t,
                   HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, BLOCK_N)  # fmt: skip
-
-
-@jit
-def normalize_row(H, O, W, B, N, sc, mean_s, rstd, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
-    """out[j] = ((h[j] * sc - mean_s) * rstd) (* w[j] + b[j]) over the row at H into the row at O, tile by tile
-    (sc = 1 but for a row beyond the plain statistics' range: row_stats)."""
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        h = tl.load(H + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        y = (h * sc - mean_s) * rstd
-        if CAST_BEFORE_WEIGHT:
-            y = round_to(y, O.dtype.element_ty).to(acc_t)
-        if HAS_WEIGHT:
-            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-        tl.store(O + cols, round_to(y, O.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------------

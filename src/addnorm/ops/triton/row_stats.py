@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from addnorm.ops.triton.elementwise import load_weight, round_to
+
 try:
     import triton
     import triton.language as tl
@@ -223,3 +225,38 @@ def scaled_looped_bwd_stats(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl.conste
     normal = (rstd >= pow2(tl.full([], LOWEST, tl.int32), acc_t)) & (rstd < float("inf"))
     rstd_s = tl.where(normal, rstd * pow2(-e, acc_t), rsqrt(var_s))
     return sc, mean_s, rstd_s
+
+
+@jit
+def normalize_row(H, O, W, B, N, sc, mean_s, rstd, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """out[j] = ((h[j] * sc - mean_s) * rstd) (* w[j] + b[j]) over the row at H into the row at O, tile by tile
+    (sc = 1 but for a row beyond the plain statistics' range: row_stats)."""
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        h = tl.load(H + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
+        y = (h * sc - mean_s) * rstd
+        if CAST_BEFORE_WEIGHT:
+            y = round_to(y, O.dtype.element_ty).to(acc_t)
+        if HAS_WEIGHT:
+            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+        tl.store(O + cols, round_to(y, O.dtype.element_ty), mask=ok)
+
+
+@rare_path
+def redo_row(H, O, W, B, MeanRow, RstdRow, N, eps, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
+             STORE_STATS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+             CAST_BEFORE_WEIGHT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """One row beyond the plain statistics' range, from its h at H to its output at O, through the scaled pass
+    (row_stats; not inlined, so it adds no registers to the plain path)."""
+    sc, mean_s, rstd_s, mean, rstd = scaled_looped_stats(H, N, eps, IS_RMS, TILE)
+    if STORE_STATS:
+        if not IS_RMS:
+            tl.store(MeanRow, mean)
+        tl.store(RstdRow, rstd)
+    normalize_row(H, O, W, B, N, sc, mean_s, rstd_s, acc_t, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT,
+                  TILE)  # fmt: skip
