@@ -46,6 +46,7 @@ from addnorm.ops.triton.row_stats import (
     saved_rstd_fail,
     scaled_looped_bwd_stats,
     scaled_looped_stats,
+    scaled_rows_bwd,
 )
 
 __all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
@@ -294,20 +295,7 @@ def bwd_rows_kernel(
         rescale = tl.max(bad.to(tl.int32), axis=0) > 0
         sc = tl.full([BLOCK_M, 1], 1.0, acc_t)
         if rescale:  # a row the forward normalized with the scaled pass (row_stats): rare
-            # its statistics again from h, row by row through memory (a call: no registers added to the plain path)
-            sc_m = tl.full([BLOCK_M], 1.0, acc_t)
-            each = tl.arange(0, BLOCK_M)
-            for i in range(BLOCK_M):
-                if tl.max(tl.where(each == i, bad.to(tl.int32), 0), axis=0) > 0:
-                    saved = tl.sum(tl.where(each == i, rstd, 0.0), axis=0)
-                    row_h = H + tl.cast(row_start + i, tl.int64) * stride_h
-                    sc_i, mean_i, rstd_i = scaled_looped_bwd_stats(
-                        row_h, N, saved, IS_RMS, BLOCK_N if BLOCK_N < 512 else 512
-                    )
-                    sc_m = tl.where(each == i, sc_i, sc_m)
-                    mean = tl.where(each == i, mean_i, mean)
-                    rstd = tl.where(each == i, rstd_i, rstd)
-            xhat = tl.where(mask, (h * sc_m[:, None] - mean[:, None]) * rstd[:, None], 0.0)
+            xhat, rstd, sc_m = scaled_rows_bwd(h, mask, N, mean, rstd, bad, IS_RMS)
             sc = sc_m[:, None]
         elif IS_RMS:
             xhat = h * rstd[:, None]

@@ -143,6 +143,29 @@ def scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS: tl.constexpr):
 
 
 @jit
+def scaled_rows_bwd(h, mask, N, mean, rstd, bad, IS_RMS: tl.constexpr):
+    """The backward's scaled pass over a (rows, BLOCK_N) tile from the saved (mean, rstd) of each row: for the rows
+    ``bad``, (xhat, rstd_s, sc) recomputed (module docstring); for the others xhat from the saved statistics,
+    rstd_s = rstd and sc = 1, the plain arithmetic."""
+    acc_t: tl.constexpr = h.dtype
+    amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1)
+    e = tl.where(bad, scale_exponent(amax, tl.zeros_like(amax)), 0)
+    sc = pow2(e, acc_t)
+    h_s = h * sc[:, None]
+    if IS_RMS:
+        x_s = h_s
+        var_s = tl.sum(h_s * h_s, axis=1) / N
+    else:
+        mean_s = tl.where(bad, tl.sum(h_s, axis=1) / N, mean)
+        x_s = tl.where(mask, h_s - mean_s[:, None], 0.0)
+        var_s = tl.sum(x_s * x_s, axis=1) / N
+    LOWEST: tl.constexpr = -1022 if acc_t == tl.float64 else -126
+    normal = (rstd >= pow2(tl.full([], LOWEST, tl.int32), acc_t)) & (rstd < float("inf"))
+    rstd_s = tl.where(normal, rstd * pow2(-e, acc_t), rsqrt(var_s))
+    return x_s * rstd_s[:, None], rstd_s, sc
+
+
+@jit
 def merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of a looped row into its running statistics: sumsq += h^2 (RMSNorm), or the tile's exact two-pass
     (mean, M2) merged into (mean, m2, count) by Chan et al.'s pairwise update (LayerNorm)."""
@@ -196,6 +219,12 @@ def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @rare_path
 def scaled_looped_bwd_stats(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """scaled_looped_bwd_stats_inline as a call (the rows and looped backward kernels)."""
+    return scaled_looped_bwd_stats_inline(H, N, rstd, IS_RMS, BLOCK_N)
+
+
+@jit
+def scaled_looped_bwd_stats_inline(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's scaled pass over one row at H from its saved (mean, rstd) (the module docstring's rule, tile
     by tile). Returns (sc, mean_s, rstd_s): xhat = (h * sc - mean_s) * rstd_s, dh = (... * rstd_s) * sc."""
     acc_t: tl.constexpr = rstd.dtype

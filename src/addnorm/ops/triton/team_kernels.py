@@ -33,7 +33,7 @@ from addnorm.ops.triton.row_stats import (
     rsqrt,
     saved_rstd_fail,
     scale_exponent,
-    scaled_looped_bwd_stats,
+    scaled_looped_bwd_stats_inline,
 )
 
 # --------------------------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, 
     sc = rstd * 0.0 + 1.0
     if saved_rstd_fail(rstd):  # rare
         TILE: tl.constexpr = CHUNK if CHUNK < 512 else 512  # small tiles: few registers for the rare path
-        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, TILE)
+        sc, mean, rstd = scaled_looped_bwd_stats_inline(H + row * stride_h, N, rstd, IS_RMS, TILE)
         h = h * sc
     if IS_RMS:
         xhat = h * rstd
