@@ -9,8 +9,9 @@
 #   4. the per-call host overhead (benchmarks/bench_overhead.py), with bound launches (the default) and with
 #      ADDNORM_TRITON_FAST_LAUNCH=0 (Triton's normal launch), into overhead.txt,
 #   5. the decode benchmark (benchmarks/bench_generate.py, when present) into generate.md,
-#   6. the Triton tests on CUDA (the bound launcher's bitwise check against the normal launch included) into
-#      tests.txt, then the graph-safety checks (tools/gpu_graph_check.py) into graph.txt,
+#   6. the Triton tests on CUDA (the bound launcher's bitwise check against the normal launch included), then the
+#      rows beyond fp32's range (tests/ops/test_finite_range_triton.py), into tests.txt, then the graph-safety
+#      checks (tools/gpu_graph_check.py) into graph.txt,
 #   7. the add + RMSNorm table (bf16), the fused norm_add / norm_add_norm table (benchmarks/bench_norm_add.py,
 #      fp32 and bf16, beside the unfused ops), the add + LayerNorm table with torch.compile beside it, the device
 #      kernels per call (tools/profile_kernels.py) and a transformers Llama training step, as time allows,
@@ -185,6 +186,10 @@ step "Triton tests on CUDA" 150 40 "$RESULTS/tests.txt" \
     tests/ops/test_triton_fast_launch.py tests/ops/test_norm_add_cuda.py \
     tests/ops/test_batch_invariance.py::test_triton_on_the_gpu_row_does_not_depend_on_the_batch \
     tests/integrations/test_hf_integration.py::test_apply_to_a_model_already_on_the_gpu --durations=5
+# rows beyond fp32's range (1e37, subnormal, eps = 0; bf16 subnormals, which the interpreter converts wrongly):
+# forward and every gradient against float64, the scaled pass of addnorm.ops.triton.row_stats compiled
+step "Triton finite-range tests on CUDA" 120 30 "$RESULTS/tests.txt" \
+    python -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_finite_range_triton.py --durations=5
 : >"$RESULTS/graph.txt"
 # ~45 s: a few JITs, three Inductor compiles (reduce-overhead), CUDA-graph capture with dropout
 step "graph-safety checks" 100 30 "$RESULTS/graph.txt" python tools/gpu_graph_check.py

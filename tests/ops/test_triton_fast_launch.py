@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import sys
 import warnings
 
 import pytest
@@ -34,9 +35,11 @@ try:  # imported now, as the kernels were: Triton's binder imports it lazily and
     import triton.experimental.gluon  # noqa: E402, F401
 except ImportError:  # pragma: no cover - older Triton
     pass
+from addnorm.ops.triton import elementwise as E  # noqa: E402
 from addnorm.ops.triton import kernels as K  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
+from addnorm.ops.triton import row_stats as R  # noqa: E402
 
 KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
 OUTPUTS = {"Out", "ResOut", "Mean", "Rstd", "DX", "DRes", "DWPart", "DBPart", "C1", "C2"}
@@ -124,9 +127,12 @@ class StubDriver:
 def stub(monkeypatch):
     """The launchers' kernels as JITFunctions, Triton's driver and compiler stubbed, bound launches on."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spec = importlib.util.spec_from_file_location("_addnorm_compiled_kernels", K.__file__)
-    compiled_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compiled_kernels)
+    # the modules of the kernels' helpers first, compiled too: kernels.py imports its helpers from them
+    for helpers in (E, R, K):
+        spec = importlib.util.spec_from_file_location(helpers.__name__, helpers.__file__)
+        compiled_kernels = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, helpers.__name__, compiled_kernels)
+        spec.loader.exec_module(compiled_kernels)
     for name in KERNELS:
         kernel = getattr(compiled_kernels, name)
         assert isinstance(kernel, JITFunction), type(kernel)

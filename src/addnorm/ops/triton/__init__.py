@@ -1,7 +1,9 @@
 """The ``triton`` backend: fused Triton kernels (CUDA GPUs; CPU tensors only under ``TRITON_INTERPRET=1``).
 
-- :mod:`addnorm.ops.triton.kernels`: the ``@triton.jit`` kernels, where the math is written out, and the device
-  functions the other kernel files share (``round_to``, ``rsqrt``, ``load_weight``, ``dropout``, ...).
+- :mod:`addnorm.ops.triton.kernels`: the ``@triton.jit`` kernels, where the math is written out; the device
+  functions every kernel file shares are in :mod:`addnorm.ops.triton.elementwise` (``round_to``, ``load_weight``,
+  ``dropout``, ...) and :mod:`addnorm.ops.triton.row_stats` (``rsqrt``, and the guard and scaled pass that keep
+  the statistics right for every finite row).
 - :mod:`addnorm.ops.triton.plan`: block sizes, warps and grids for one shape, within the limits of the
   ``Tuning`` in force (:func:`~addnorm.ops.triton.plan.tuning`).
 - :mod:`addnorm.ops.triton.launch`: the launchers and the kernel contract around them (``forward``,

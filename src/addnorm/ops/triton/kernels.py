@@ -19,96 +19,41 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
+Rows whose plain statistics leave the accumulation type's range (sum(h^2) overflowing, or underflowing where eps
+does not dominate) are redone with h scaled by a power of two: the guard and the scaled pass are
+:mod:`addnorm.ops.triton.row_stats`, whose docstring also says what the saved mean and rstd hold for such rows.
+
 No atomics anywhere, so gradients are bitwise reproducible. Inputs may have strided rows (last-dim stride 1).
 """
 
 from __future__ import annotations
 
-import os
-from types import SimpleNamespace
+from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and quant import them from here
+    dropout,
+    dweight_term,
+    jit,
+    load_weight,
+    round_to,
+    tl,
+    triton,
+)
+from addnorm.ops.triton.row_stats import (
+    merge_tile,
+    normalize_row,
+    plain_stats_fail,
+    redo_row,
+    rsqrt,
+    saved_rstd_fail,
+    scaled_looped_bwd_stats,
+    scaled_looped_stats,
+    scaled_rows_bwd,
+)
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # the module still imports, so unavailable_reason() can say what to install
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
-    jit = lambda fn: fn  # noqa: E731
+__all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
 
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
 # --------------------------------------------------------------------------------------------------------------
-
-# round_to(v, dtype): v in dtype, rounded to nearest even. Triton's interpreter truncates fp32 -> bf16 (the GPU
-# rounds), so there it rounds on the bits: chosen at import (Triton re-checks a tl.constexpr global per launch).
-if os.environ.get("TRITON_INTERPRET") == "1":
-
-    @jit
-    def round_to(v, dtype: tl.constexpr):
-        if dtype != tl.bfloat16:  # (the interpreter runs this as plain Python)
-            return v.to(dtype)
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)  # add half an ulp of bf16, ties to even
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-else:
-
-    @jit
-    def round_to(v, dtype: tl.constexpr):
-        return v.to(dtype)
-
-
-@jit
-def rsqrt(v):
-    # correctly rounded sqrt then a division: tl.math.rsqrt is approximate, and sqrt_rn has no fp64 form
-    if v.dtype == tl.float64:
-        return 1.0 / tl.sqrt(v)
-    else:
-        return 1.0 / tl.sqrt_rn(v)
-
-
-@jit
-def load_weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """The effective weight of columns ``cols``: w, or 1 + w (Gemma); 0 outside the row, where dout is 0 too."""
-    w = tl.load(W + cols, mask=ok, other=0.0).to(acc_t)
-    if ZERO_CENTERED:
-        w += 1.0
-    return w
-
-
-@jit
-def _mix32(z):
-    """lowbias32 on uint32, products wrapping mod 2^32: the contract's hash (addnorm.ops.contract)."""
-    z ^= z >> 16
-    z *= 0x7FEB352D
-    z ^= z >> 15
-    z *= 0x846CA68B
-    return z ^ (z >> 16)
-
-
-@jit
-def dropout(v, idx, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET: tl.constexpr):
-    """v times the contract's scale where element ``idx`` (= i * N + j, int64) is kept, else 0: the keep-function
-    of addnorm.ops.contract (SEED_OFFSET is its DROPOUT_SEED_OFFSET), so the forward, the backward and every backend
-    draw the same mask."""
-    key = _mix32((tl.load(Seed) + SEED_OFFSET).to(tl.uint32))
-    z = _mix32(idx.to(tl.uint32) ^ _mix32((idx >> 32).to(tl.uint32) ^ key))
-    keep = (z >> 8).to(tl.int32) >= keep_threshold
-    if v.dtype == tl.float64:
-        scale = tl.cast(scale_hi, tl.float64) + tl.cast(scale_mid, tl.float64) + tl.cast(scale_lo, tl.float64)
-    else:
-        scale = tl.cast(scale_hi, tl.float32)  # the scale rounded to fp32
-    return tl.where(keep, v * scale, 0.0)
-
-
-@jit
-def dweight_term(dy, xhat, CAST_BEFORE_WEIGHT: tl.constexpr, out_t: tl.constexpr):
-    """dout * (the value the weight multiplied): xhat, or xhat rounded to out's dtype (cast_before_weight)."""
-    if CAST_BEFORE_WEIGHT:
-        return dy * round_to(xhat, out_t).to(dy.dtype)
-    else:
-        return dy * xhat
 
 
 @jit
@@ -162,25 +107,40 @@ def fwd_rows_kernel(
         h = stored.to(acc_t)  # normalize the sum exactly as stored
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = rsqrt(tl.sum(h * h, axis=1) / N + eps)
-        xhat = h * rstd[:, None]
+        d = h
+        mean = tl.zeros([BLOCK_M], dtype=acc_t)
     else:
         mean = tl.sum(h, axis=1) / N
         d = tl.where(mask, h - mean[:, None], 0.0)  # second pass over registers: no cancellation
-        rstd = rsqrt(tl.sum(d * d, axis=1) / N + eps)
-        if STORE_STATS:
-            tl.store(Mean + rows, mean, mask=row_ok)
-        xhat = d * rstd[:, None]
+    v = tl.sum(d * d, axis=1) / N + eps
+    rstd = rsqrt(v)
     if STORE_STATS:
+        if not IS_RMS:
+            tl.store(Mean + rows, mean, mask=row_ok)
         tl.store(Rstd + rows, rstd, mask=row_ok)
-    y = xhat
+    bad = plain_stats_fail(v) & row_ok
+    out_ok = mask
+    if not STORE_RESIDUAL_OUT:  # out may be x (in place): leave the rows to redo unwritten, x still holds them
+        out_ok = mask & (bad.to(tl.int32) == 0)[:, None]
+    y = d * rstd[:, None]
     if CAST_BEFORE_WEIGHT:
         y = round_to(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
         y = y * load_weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
-    tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=mask)
+    tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=out_ok)
+    # rows beyond the plain statistics' range (row_stats): redone one by one through memory in small tiles, last,
+    # where nothing of the plain path is live, so that they add no registers to it (rare)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.debug_barrier()  # residual_out, out and the statistics were written by other threads of this program
+        TILE: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512
+        for i in range(BLOCK_M):
+            if tl.max(tl.where(tl.arange(0, BLOCK_M) == i, bad.to(tl.int32), 0), axis=0) > 0:
+                row = tl.program_id(0).to(tl.int64) * BLOCK_M + i
+                src = ResOut + row * N if STORE_RESIDUAL_OUT else X + row * stride_x
+                redo_row(src, Out + row * N, W, B, Mean + row, Rstd + row, N, eps, acc_t, IS_RMS, STORE_STATS,
+                         HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, TILE)  # fmt: skip
 
 
 @jit
@@ -243,47 +203,31 @@ def fwd_looped_kernel(
             stored = round_to(h, ResOut.dtype.element_ty)
             tl.store(res_row + cols, stored, mask=ok, eviction_policy="evict_last")
             h = stored.to(acc_t)
-        if IS_RMS:
-            sumsq += h * h
-        else:
-            n_b = tl.minimum(N - start, BLOCK_N).to(acc_t)
-            mean_b = tl.sum(h, axis=0) / n_b
-            d = tl.where(ok, h - mean_b, 0.0)
-            m2_b = tl.sum(d * d, axis=0)
-            n_ab = count + n_b
-            delta = mean_b - mean
-            mean += delta * (n_b / n_ab)
-            m2 += m2_b + delta * delta * (count * (n_b / n_ab))
-            count = n_ab
+        mean, m2, count, sumsq = merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS, BLOCK_N)
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = rsqrt(tl.sum(sumsq, axis=0) / N + eps)
-        mean_s = 0.0
+        v = tl.sum(sumsq, axis=0) / N + eps
+        mean_s = tl.zeros_like(v)
     else:
-        rstd = tl.sum(rsqrt(m2 / N + eps), axis=0)  # (1,) -> scalar
+        v = tl.sum(m2 / N + eps, axis=0)  # (1,) -> scalar
         mean_s = tl.sum(mean, axis=0)
-        if STORE_STATS:
-            tl.store(Mean + row, mean_s)
-    if STORE_STATS:
-        tl.store(Rstd + row, rstd)
+    rstd = rsqrt(v)
+    sc = tl.full([], 1.0, acc_t)
+    mean_saved = mean_s
+    rstd_saved = rstd
     # residual_out was written by other threads of this program; make it visible before reading it back
     tl.debug_barrier()
+    if plain_stats_fail(v):  # beyond the plain statistics' range (row_stats): a scaled pass, rare
+        sc, mean_s, rstd, mean_saved, rstd_saved = scaled_looped_stats(
+            res_row if STORE_RESIDUAL_OUT else x_row, N, eps, IS_RMS, BLOCK_N
+        )
+    if STORE_STATS:
+        if not IS_RMS:
+            tl.store(Mean + row, mean_saved)
+        tl.store(Rstd + row, rstd_saved)
     # pass 2: normalize
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        if STORE_RESIDUAL_OUT:
-            h = tl.load(res_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        else:
-            h = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        y = (h - mean_s) * rstd
-        if CAST_BEFORE_WEIGHT:
-            y = round_to(y, Out.dtype.element_ty).to(acc_t)
-        if HAS_WEIGHT:
-            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
-        tl.store(Out + row * N + cols, round_to(y, Out.dtype.element_ty), mask=ok)
+    normalize_row(res_row if STORE_RESIDUAL_OUT else x_row, Out + row * N, W, B, N, sc, mean_s, rstd, acc_t,
+                  HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT, BLOCK_N)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -342,12 +286,22 @@ def bwd_rows_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         h = tl.load(H + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(acc_t)
         dy = tl.load(DOut + rows64 * stride_dout + cols[None, :], mask=mask, other=0.0).to(acc_t)
-        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=1.0)
         if IS_RMS:
-            xhat = h * rstd
+            mean = rstd * 0.0
         else:
-            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
-            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+        bad = saved_rstd_fail(rstd) & row_ok
+        rescale = tl.max(bad.to(tl.int32), axis=0) > 0
+        sc = tl.full([BLOCK_M, 1], 1.0, acc_t)
+        if rescale:  # a row the forward normalized with the scaled pass (row_stats): rare
+            xhat, rstd, sc_m = scaled_rows_bwd(h, mask, N, mean, rstd, bad, IS_RMS)
+            sc = sc_m[:, None]
+        elif IS_RMS:
+            xhat = h * rstd[:, None]
+        else:
+            xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        rstd = rstd[:, None]
         if HAS_WEIGHT:
             if RELOAD_W:  # fewer live registers in wide rows (see Tuning.reload_weight_above)
                 w = load_weight(W, cols, col_ok, acc_t, ZERO_CENTERED)
@@ -363,6 +317,8 @@ def bwd_rows_kernel(
         else:
             c2 = tl.sum(g, axis=1)[:, None] / N
             dh = (g - c2 - xhat * c1) * rstd
+        if rescale:
+            dh = dh * sc  # the true size last: inf only where dh is beyond range, never inf * 0
         # this tail repeats in bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
         # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
         if HAS_DRES_OUT:
@@ -389,8 +345,10 @@ def bwd_row_sums_kernel(
     Rstd,  # (M,)
     C1,  # (M,) out: mean_j(g * xhat)
     C2,  # (M,) out: mean_j(g) (LayerNorm)
+    Eff,  # (3, stride_eff) out: the (mean, rstd, sc) bwd_tiles_kernel normalizes with (sc = 1 but for scaled rows)
     stride_dout,
     stride_h,
+    stride_eff,
     N,
     HAS_WEIGHT: tl.constexpr,
     IS_RMS: tl.constexpr,
@@ -400,8 +358,17 @@ def bwd_row_sums_kernel(
     acc_t = Rstd.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     rstd = tl.load(Rstd + row)
-    if not IS_RMS:
+    if IS_RMS:
+        mean = tl.zeros_like(rstd)
+    else:
         mean = tl.load(Mean + row)
+    sc = tl.full([], 1.0, acc_t)
+    if saved_rstd_fail(rstd):  # a row the forward normalized with the scaled pass (row_stats): rare
+        TILE: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512  # small tiles: few registers for the rare path
+        sc, mean, rstd = scaled_looped_bwd_stats(H + row * stride_h, N, rstd, IS_RMS, TILE)
+    tl.store(Eff + row, mean)
+    tl.store(Eff + stride_eff + row, rstd)
+    tl.store(Eff + 2 * stride_eff + row, sc)
     s1 = tl.zeros([BLOCK_N], dtype=acc_t)
     s2 = tl.zeros([BLOCK_N], dtype=acc_t)
     for start in range(0, N, BLOCK_N):
@@ -411,6 +378,7 @@ def bwd_row_sums_kernel(
         g = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
         if HAS_WEIGHT:
             g = g * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)  # 1 + 0 outside the row, but g is 0 there
+        h = h * sc
         if IS_RMS:
             xhat = h * rstd
         else:
@@ -428,10 +396,11 @@ def bwd_tiles_kernel(
     DResOut,  # (M, N) gradient of residual_out (when HAS_DRES_OUT)
     H,  # (M, N) residual_out as stored (or x)
     W,  # (N,) weight
-    Mean,  # (M,)
+    Mean,  # (M,) the mean, rstd and sc to normalize with, from bwd_row_sums_kernel (its Eff)
     Rstd,  # (M,)
     C1,  # (M,) mean_j(g * xhat) from bwd_row_sums_kernel
     C2,  # (M,) mean_j(g)
+    Sc,  # (M,) the power of two h is scaled by (1 but for rows beyond the plain statistics' range: row_stats)
     DX,  # (M, N) contiguous
     DRes,  # (M, N) contiguous (when STORE_DRES)
     DWPart,  # (row groups, N)
@@ -472,6 +441,9 @@ def bwd_tiles_kernel(
         dy = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
         rstd = tl.load(Rstd + row)
         c1 = tl.load(C1 + row)
+        sc = tl.load(Sc + row)
+        if sc != 1.0:
+            h = h * sc
         if IS_RMS:
             xhat = h * rstd
         else:
@@ -487,6 +459,8 @@ def bwd_tiles_kernel(
             dh = (g - xhat * c1) * rstd
         else:
             dh = (g - tl.load(C2 + row) - xhat * c1) * rstd
+        if sc != 1.0:
+            dh = dh * sc  # the true size last (row_stats)
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
         if STORE_DRES:

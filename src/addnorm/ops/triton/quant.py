@@ -2,8 +2,9 @@
 :mod:`addnorm.ops.quant.contract`).
 
 The row math (residual add rounded to residual_dtype and stored, two-pass statistics, the weight and bias) is the
-add + norm kernels' (their helpers ``round_to``, ``rsqrt`` and ``load_weight`` of :mod:`addnorm.ops.triton.kernels`); a
-quantization mode added here as kernels of its own, so the add + norm kernels stay as they are. Then:
+add + norm kernels' (``round_to`` and ``load_weight`` of :mod:`addnorm.ops.triton.elementwise`; the statistics with
+the guard and scaled pass of :mod:`addnorm.ops.triton.row_stats` for rows beyond fp32's range); a quantization mode
+added here as kernels of its own, so the add + norm kernels stay as they are. Then:
 
     static     v = y * inv_scale
     dynamic    amax per group (the whole row for per token; a power-of-two group by a reshape of the row, any
@@ -27,7 +28,8 @@ try:
     import triton
     import triton.language as tl
 
-    from addnorm.ops.triton.kernels import load_weight, round_to, rsqrt
+    from addnorm.ops.triton.elementwise import load_weight, round_to
+    from addnorm.ops.triton.row_stats import plain_stats_fail, rsqrt, scaled_rows_fwd
 
     jit = triton.jit
 except ImportError:
@@ -169,13 +171,17 @@ def quant_rows_kernel(
     h = stored.to(acc_t)  # normalize the sum exactly as stored
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
     if IS_RMS:
-        rstd = rsqrt(tl.sum(h * h, axis=0) / N + eps)
-        y = h * rstd
+        d = h
     else:
         mean = tl.sum(h, axis=0) / N
         d = tl.where(ok, h - mean, 0.0)
-        rstd = rsqrt(tl.sum(d * d, axis=0) / N + eps)
-        y = d * rstd
+    v = tl.sum(d * d, axis=0) / N + eps
+    rstd = rsqrt(v)
+    if plain_stats_fail(v):  # beyond the plain statistics' range: the scaled pass of row_stats, rare
+        d2, rstd2, _, _ = scaled_rows_fwd(h[None, :], ok[None, :], N, eps, plain_stats_fail(v)[None], IS_RMS)
+        d = tl.reshape(d2, (BLOCK_N,))
+        rstd = tl.sum(rstd2, axis=0)
+    y = d * rstd
     if CAST_BEFORE_WEIGHT:
         y = round_to(y, X_T).to(acc_t)
     if HAS_WEIGHT:

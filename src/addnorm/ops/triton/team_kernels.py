@@ -27,7 +27,14 @@ No atomics but the team counters (integers): dw/db are partial rows (one per tea
 
 from __future__ import annotations
 
-from addnorm.ops.triton.kernels import dropout, dweight_term, jit, load_weight, round_to, rsqrt, tl
+from addnorm.ops.triton.elementwise import dropout, dweight_term, jit, load_weight, round_to, tl
+from addnorm.ops.triton.row_stats import (
+    pow2,
+    rsqrt,
+    saved_rstd_fail,
+    scale_exponent,
+    scaled_looped_bwd_stats_inline,
+)
 
 # --------------------------------------------------------------------------------------------------------------
 # Shared helpers: the math both ways run
@@ -62,25 +69,84 @@ def _fwd_h(
 
 
 @jit
-def _fwd_publish(WS, slot, k, h, ok, n_k, IS_RMS: tl.constexpr):
-    """Write chunk k's partials into workspace slot ``slot`` (K pairs): (sum h^2, -) or (sum h, M2 about its mean)."""
+def _chunk_partials(h, ok, n_k, IS_RMS: tl.constexpr):
+    """(sum h^2, 0) or (sum h, M2 about the chunk's mean) of a chunk."""
     if IS_RMS:
-        tl.store(WS + slot + 2 * k, tl.sum(h * h, axis=0))
+        s = tl.sum(h * h, axis=0)
+        m2 = s * 0.0
     else:
         s = tl.sum(h, axis=0)
         d = tl.where(ok, h - s / tl.maximum(n_k, 1).to(h.dtype), 0.0)
-        tl.store(WS + slot + 2 * k, s)
-        tl.store(WS + slot + 2 * k + 1, tl.sum(d * d, axis=0))
+        m2 = tl.sum(d * d, axis=0)
+    return s, m2
+
+
+@jit
+def _chunk_fails(s, m2, n_k, eps, IS_RMS: tl.constexpr):
+    """Whether a chunk's plain partials are out of range: its mean square beyond 2^100 (the K-way sums could
+    overflow), NaN, or below TINY when eps does not dominate (row_stats' bound, chunk by chunk)."""
+    n = tl.maximum(n_k, 1).to(s.dtype)
+    if IS_RMS:
+        q = s / n
+    else:
+        q = (s / n) * (s / n) + m2 / n
+    big = pow2(tl.full([], 900 if s.dtype == tl.float64 else 100, tl.int32), s.dtype)
+    tiny = pow2(tl.full([], -968 if s.dtype == tl.float64 else -102, tl.int32), s.dtype)
+    lo = tl.where(eps < tiny, tiny, 0.0)
+    return ((q < lo) | (q > big) | (q != q)) & (n_k > 0)
+
+
+@jit
+def _fwd_publish(WS, slot, k, h, ok, n_k, eps, IS_RMS: tl.constexpr):
+    """Write chunk k's partials of h * 2^e and e into workspace slot ``slot`` (K triples: (sum h^2, -, e) or
+    (sum h, M2 about its mean, e)); e = 0 unless the chunk's plain partials are out of range, when e brings its
+    largest |h| to [1, 2) (row_stats.scale_exponent; a chunk of zeros takes the largest e, so it never sets the
+    row's scale)."""
+    s, m2 = _chunk_partials(h, ok, n_k, IS_RMS)
+    e = tl.full([], 0, tl.int32)
+    if _chunk_fails(s, m2, n_k, eps, IS_RMS):  # rare
+        s, m2, e = _scaled_chunk_partials(h, ok, n_k, eps, IS_RMS)
+    tl.store(WS + slot + 3 * k, s)
+    if not IS_RMS:
+        tl.store(WS + slot + 3 * k + 1, m2)
+    tl.store(WS + slot + 3 * k + 2, e.to(s.dtype))
+
+
+@jit
+def _scaled_chunk_partials(h, ok, n_k, eps, IS_RMS: tl.constexpr):
+    """(s, m2, e): the chunk's partials of h * 2^e, e from its largest |h| (a chunk of zeros: the largest e)."""
+    amax = tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0)
+    e = scale_exponent(tl.where(amax > 0, amax, pow2(tl.full([], -126, tl.int32), h.dtype)), eps)
+    s, m2 = _chunk_partials(h * pow2(e, h.dtype), ok, n_k, IS_RMS)
+    return s, m2, e
+
+
+@jit
+def _align(d, acc_t: tl.constexpr):
+    """2^d for an exponent difference d <= 0 (as two factors: d may pass the normal range; it then underflows)."""
+    LIM: tl.constexpr = 1022 if acc_t == tl.float64 else 126
+    d1 = tl.maximum(d, -LIM)
+    return pow2(d1, acc_t) * pow2(tl.maximum(d - d1, -LIM), acc_t)
 
 
 @jit
 def _fwd_combine(
     WS, slot, N, eps, K: tl.constexpr, CHUNK: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: tl.constexpr
 ):  # fmt: skip
-    """(mean, rstd) of the row from its K partials, combined in the fixed order 0, 1, ..., K - 1."""
-    total = tl.load(WS + slot, volatile=VOLATILE)
+    """(mean_s, rstd_s, sc, mean, rstd) of the row from its K partials, each brought to the team's smallest e
+    (sc = 2^e), combined in the fixed order 0, 1, ..., K - 1: xhat = (h * sc - mean_s) * rstd_s; mean and rstd are
+    the row's statistics to save (row_stats). When every e is 0 (ordinary rows) every factor is 1: the plain sums."""
+    acc_t: tl.constexpr = eps.dtype
+    e_min = tl.load(WS + slot + 2, volatile=VOLATILE).to(tl.int32)
     for k in range(1, K):  # a loop, not unrolled: K loads in flight would hold K registers
-        total += tl.load(WS + slot + 2 * k, volatile=VOLATILE)
+        e_min = tl.minimum(e_min, tl.load(WS + slot + 3 * k + 2, volatile=VOLATILE).to(tl.int32))
+    total = eps * 0.0
+    for k in range(K):
+        f = _align(e_min - tl.load(WS + slot + 3 * k + 2, volatile=VOLATILE).to(tl.int32), acc_t)
+        if IS_RMS:
+            total += tl.load(WS + slot + 3 * k, volatile=VOLATILE) * f * f
+        else:
+            total += tl.load(WS + slot + 3 * k, volatile=VOLATILE) * f
     mean = total / N
     if IS_RMS:
         var = mean
@@ -88,26 +154,36 @@ def _fwd_combine(
     else:
         m2 = mean * 0.0
         for k in range(K):
-            n_k = _chunk_count(k, N, CHUNK).to(mean.dtype)
-            delta = tl.load(WS + slot + 2 * k, volatile=VOLATILE) / tl.maximum(n_k, 1.0) - mean
-            m2 += tl.load(WS + slot + 2 * k + 1, volatile=VOLATILE) + n_k * delta * delta
+            f = _align(e_min - tl.load(WS + slot + 3 * k + 2, volatile=VOLATILE).to(tl.int32), acc_t)
+            n_k = _chunk_count(k, N, CHUNK).to(acc_t)
+            delta = tl.load(WS + slot + 3 * k, volatile=VOLATILE) * f / tl.maximum(n_k, 1.0) - mean
+            m2 += tl.load(WS + slot + 3 * k + 1, volatile=VOLATILE) * f * f + n_k * delta * delta
         var = m2 / N
-    return mean, rsqrt(var + eps)
+    sc = pow2(e_min, acc_t)
+    v = var + eps * sc * sc
+    rstd = rsqrt(v)
+    flat = (v == 0) & (eps > 0.0 * v)  # as in row_stats.scaled_rows_fwd
+    rstd_saved = tl.where(flat, rsqrt(eps), rstd * sc)
+    return mean, tl.where(flat, 0.0, rstd), sc, mean * pow2(-e_min, acc_t), rstd_saved
 
 
 @jit
 def _fwd_finish(
-    Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
+    Out, W, B, Mean, Rstd, row, k, cols, ok, h, stats, N, acc_t: tl.constexpr, IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     STORE_STATS: tl.constexpr,
 ):  # fmt: skip
-    """out = (h - mean) * rstd (* w + b) for the chunk; the team's first program stores the row's statistics."""
+    """out = (h * sc - mean_s) * rstd_s (* w + b) for the chunk, ``stats`` being _fwd_combine's; the team's first
+    program stores the row's statistics."""
+    mean_s, rstd_s, sc, mean, rstd = stats
     if STORE_STATS:
         if k == 0:
             tl.store(Rstd + row, rstd)
             if not IS_RMS:
                 tl.store(Mean + row, mean)
-    y = (h - mean) * rstd
+    if sc != 1.0:  # a row beyond the plain statistics' range (row_stats): rare
+        h = h * sc
+    y = (h - mean_s) * rstd_s
     if CAST_BEFORE_WEIGHT:
         y = round_to(y, Out.dtype.element_ty).to(acc_t)
     if HAS_WEIGHT:
@@ -118,20 +194,31 @@ def _fwd_finish(
 
 
 @jit
-def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t: tl.constexpr,
-               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):  # fmt: skip
-    """(dy, xhat, g = dy * w, rstd) of the chunk."""
+def _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, acc_t: tl.constexpr,
+               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """(dy, xhat, g = dy * w, rstd_s, sc) of the chunk: xhat = (h * sc - mean_s) * rstd_s. sc = 1 but for a row the
+    forward normalized with the scaled pass, whose statistics every program of the team recomputes from the whole
+    row (row_stats; h is an input of the backward, so rereading it is safe)."""
     h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0).to(acc_t)
     dy = tl.load(DOut + row * stride_dout + cols, mask=ok, other=0.0).to(acc_t)
     rstd = tl.load(Rstd + row)
     if IS_RMS:
+        mean = rstd * 0.0
+    else:
+        mean = tl.load(Mean + row)
+    sc = rstd * 0.0 + 1.0
+    if saved_rstd_fail(rstd):  # rare
+        TILE: tl.constexpr = CHUNK if CHUNK < 512 else 512  # small tiles: few registers for the rare path
+        sc, mean, rstd = scaled_looped_bwd_stats_inline(H + row * stride_h, N, rstd, IS_RMS, TILE)
+        h = h * sc
+    if IS_RMS:
         xhat = h * rstd
     else:
-        xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
+        xhat = tl.where(ok, (h - mean) * rstd, 0.0)
     g = dy
     if HAS_WEIGHT:
         g = dy * w
-    return dy, xhat, g, rstd
+    return dy, xhat, g, rstd, sc
 
 
 @jit
@@ -157,15 +244,18 @@ def _bwd_combine(WS, slot, N, K: tl.constexpr, IS_RMS: tl.constexpr, VOLATILE: t
 
 @jit
 def _bwd_finish(
-    DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed, keep_threshold, scale_hi,
+    DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, sc, c1, c2, stride_dres_out, N, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo, acc_t: tl.constexpr, HAS_DRES_OUT: tl.constexpr, IS_RMS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, SEED_OFFSET: tl.constexpr,
 ):  # fmt: skip
-    """dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dresidual_out): dresidual, then dx through dropout."""
+    """dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dresidual_out): dresidual, then dx through dropout
+    (rstd_s, then sc: the true size last, row_stats)."""
     if IS_RMS:
         dh = (g - xhat * c1) * rstd
     else:
         dh = (g - c2 - xhat * c1) * rstd
+    if sc != 1.0:
+        dh = dh * sc
     if HAS_DRES_OUT:
         dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)
     if STORE_DRES:
@@ -197,7 +287,7 @@ def _team_meet(Flags, slot, target):
 def fwd_team_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
-    WS,  # (teams, 2, K, 2) acc: each team's two slots of K partial pairs (double-buffered by row parity)
+    WS,  # (teams, 2, K, 3) acc: each team's two slots of K partial triples (double-buffered by row parity)
     Flags,  # (teams, 2) int32, zeroed: arrivals per slot
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
@@ -222,10 +312,10 @@ def fwd_team_kernel(
         slot = team * 2 + i % 2
         h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
                    scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, STORE_RESIDUAL_OUT, True, SEED_OFFSET)  # fmt: skip
-        _fwd_publish(WS, slot * 2 * K, k, h, ok, n_k, IS_RMS)
+        _fwd_publish(WS, slot * 3 * K, k, h, ok, n_k, eps, IS_RMS)
         _team_meet(Flags, slot, K * (i // 2 + 1))
-        mean, rstd = _fwd_combine(WS, slot * 2 * K, N, eps, K, CHUNK, IS_RMS, True)
-        _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+        stats = _fwd_combine(WS, slot * 3 * K, N, eps, K, CHUNK, IS_RMS, True)
+        _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, stats, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
                     ZERO_CENTERED, CAST_BEFORE_WEIGHT, STORE_STATS)  # fmt: skip
         i += 1
 
@@ -234,7 +324,7 @@ def fwd_team_kernel(
 def fwd_partials_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
-    WS,  # (M, K, 2) acc: the partials of every row
+    WS,  # (M, K, 3) acc: the partials of every row
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -248,14 +338,15 @@ def fwd_partials_kernel(
     ok = cols < N
     h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
                scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, STORE_RESIDUAL_OUT, True, SEED_OFFSET)  # fmt: skip
-    _fwd_publish(WS, row * 2 * K, k, h, ok, _chunk_count(k, N, CHUNK), IS_RMS)
+    eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
+    _fwd_publish(WS, row * 3 * K, k, h, ok, _chunk_count(k, N, CHUNK), eps, IS_RMS)
 
 
 @jit
 def fwd_finish_kernel(
     X, R, W, B, Out, ResOut, Mean, Rstd, stride_x, stride_r, M, N, eps_hi, eps_lo, Seed, keep_threshold, scale_hi,
     scale_mid, scale_lo,
-    WS,  # (M, K, 2) acc: fwd_partials_kernel's partials
+    WS,  # (M, K, 3) acc: fwd_partials_kernel's partials
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, SEED_OFFSET: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -275,8 +366,8 @@ def fwd_finish_kernel(
         h = _fwd_h(X, R, ResOut, row, cols, ok, stride_x, stride_r, N, Seed, keep_threshold, scale_hi, scale_mid,
                    scale_lo, acc_t, HAS_RESIDUAL, HAS_DROPOUT, False, False, SEED_OFFSET)  # fmt: skip
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
-    mean, rstd = _fwd_combine(WS, row * 2 * K, N, eps, K, CHUNK, IS_RMS, False)
-    _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, mean, rstd, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+    stats = _fwd_combine(WS, row * 3 * K, N, eps, K, CHUNK, IS_RMS, False)
+    _fwd_finish(Out, W, B, Mean, Rstd, row, k, cols, ok, h, stats, N, acc_t, IS_RMS, HAS_WEIGHT, HAS_BIAS,
                 ZERO_CENTERED, CAST_BEFORE_WEIGHT, STORE_STATS)  # fmt: skip
 
 
@@ -312,8 +403,8 @@ def bwd_team_kernel(
     for r in range(team, M, teams):
         row = tl.cast(r, tl.int64)
         slot = team * 2 + i % 2
-        dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
-                                       HAS_WEIGHT)  # fmt: skip
+        dy, xhat, g, rstd, sc = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, acc_t,
+                                           IS_RMS, HAS_WEIGHT, CHUNK)  # fmt: skip
         if HAS_WEIGHT:
             dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         if HAS_DB:
@@ -321,7 +412,7 @@ def bwd_team_kernel(
         _bwd_publish(WS, slot * 2 * K, k, g, xhat, IS_RMS)
         _team_meet(Flags, slot, K * (i // 2 + 1))
         c1, c2 = _bwd_combine(WS, slot * 2 * K, N, K, IS_RMS, True)
-        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed,
+        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, sc, c1, c2, stride_dres_out, N, Seed,
                     keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
                     STORE_DRES, SEED_OFFSET)  # fmt: skip
         i += 1
@@ -347,8 +438,8 @@ def bwd_partials_kernel(
     w = tl.zeros([CHUNK], dtype=acc_t)
     if HAS_WEIGHT:
         w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-    dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
-                                   HAS_WEIGHT)  # fmt: skip
+    dy, xhat, g, rstd, sc = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, acc_t,
+                                       IS_RMS, HAS_WEIGHT, CHUNK)  # fmt: skip
     _bwd_publish(WS, row * 2 * K, k, g, xhat, IS_RMS)
 
 
@@ -375,14 +466,14 @@ def bwd_finish_kernel(
     db_acc = tl.zeros([CHUNK], dtype=acc_t)
     for r in range(group, M, tl.num_programs(1)):
         row = tl.cast(r, tl.int64)
-        dy, xhat, g, rstd = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, acc_t, IS_RMS,
-                                       HAS_WEIGHT)  # fmt: skip
+        dy, xhat, g, rstd, sc = _bwd_terms(DOut, H, Mean, Rstd, w, row, cols, ok, stride_dout, stride_h, N, acc_t,
+                                           IS_RMS, HAS_WEIGHT, CHUNK)  # fmt: skip
         if HAS_WEIGHT:
             dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
         if HAS_DB:
             db_acc += dy
         c1, c2 = _bwd_combine(WS, row * 2 * K, N, K, IS_RMS, False)
-        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, c1, c2, stride_dres_out, N, Seed,
+        _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, sc, c1, c2, stride_dres_out, N, Seed,
                     keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
                     STORE_DRES, SEED_OFFSET)  # fmt: skip
     if HAS_WEIGHT:

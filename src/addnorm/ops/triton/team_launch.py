@@ -252,14 +252,14 @@ def fwd_launch(config, args: tuple, m: int, device, acc, two_kernels: bool, run)
     k, _, meta, team_meta = config
     if _use_team_kernel(device, two_kernels):
         flags = torch.zeros(1, dtype=torch.int32, device=device)  # placeholder for the occupancy query
-        ws = torch.empty(2 * 2 * k, dtype=acc, device=device)
+        ws = torch.empty(2 * 3 * k, dtype=acc, device=device)
         teams = min(m, resident_programs(fwd_team_kernel, (*args, ws, flags), team_meta, device) // k)
         if teams >= 1:
             flags = torch.zeros((teams, 2), dtype=torch.int32, device=device)
-            ws = torch.empty((teams, 2, k, 2), dtype=acc, device=device)
+            ws = torch.empty((teams, 2, k, 3), dtype=acc, device=device)
             run(fwd_team_kernel, (teams * k,), (*args, ws, flags), team_meta)
             return
-    ws = torch.empty((m, k, 2), dtype=acc, device=device)
+    ws = torch.empty((m, k, 3), dtype=acc, device=device)
     run(fwd_partials_kernel, (m, k), (*args, ws), meta)
     run(fwd_finish_kernel, (m, k), (*args, ws), meta)
 
