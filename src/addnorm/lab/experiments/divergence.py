@@ -102,7 +102,9 @@ CRITERION = (
     f"bootstrap 95% intervals of the means lie above the thresholds: harmful faulted runs flagged (> {DETECT_RATE:.0%}"
     f"), the faulted block named no later than the harm shows in the loss (> {DETECT_RATE:.0%}), clean runs quiet "
     f"(> 0.5), the natural divergence's first jump flagged in the {WARN} steps up to its blow-up (> 0.5). Detection by fault size, including "
-    "the harmless sizes, and the naming of the faulted block (fixed by the construction) are shown."
+    "the harmless sizes, and the naming of the faulted block (fixed by the construction) are shown. Two stages: 3 "
+    "model seeds, then 3 more, once, when a rule's interval (claim or control) straddles its threshold at this run; "
+    "the verdict rests on every model seed run."
 )
 PRECONDITION = (
     f"The largest planted faults harm (late loss above the clean run's by > {FAULT_HARM:g} nats: share > 0.5) and the "
@@ -136,7 +138,20 @@ CHANGES = (
         reason="high-LR runs that never diverge flag jumps at steps 3-5 too (probes), so a flag in the first steps "
         "warns of nothing; counting it made the natural-divergence rule easier to pass, not harder",
     ),
+    Change(
+        date="2026-12-02",
+        what="a pre-registered second stage: 3 model seeds, then 3 more (once) when a rule's 95% interval "
+        "straddles its threshold at this run",
+        showed="the pooled record (lab seeds 0-2, 3 model seeds each): inconclusive, 'named in time' 0.667 "
+        "[0.5, 0.833] against 0.8; at every lab seed a rule's interval straddled its threshold (named in time at "
+        "0 and 2, natural divergence flagged at 0 and 1, harmful faults detected at 1, the largest faults harm at 2)",
+        reason="with 3 units of shares in steps of 0.5 an interval rarely clears 0.8; more model seeds where the "
+        "spread asks for them, by a rule fixed before the runs (never a third stage), instead of more lab seeds "
+        "chosen after seeing the verdict",
+    ),
 )
+# Model seeds added once when the first stage leaves a rule undecided (addnorm.lab.stages).
+SECOND_STAGE = 3
 
 register = registrar({"localize-divergence": CRITERION}, {"localize-divergence": PRECONDITION}, version=2)
 
@@ -283,13 +298,14 @@ def localize_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]
     rules=RULES,
     fixed=FIXED,
     changes=CHANGES,
+    second_stage=SECOND_STAGE,
 )
 def localize_divergence(ctx: Context) -> Result:
     """Planted faults: from the fault's step, one block's learning rate is 30x or 100x the others' (a
     misconfigured parameter group, the kind of local fault the seed's bisection is for) in a 6-layer Pre-LN model
     (d = 32, Adam lr 3e-3 constant after a 20-step warmup, 150 steps, fault at step 75) at blocks 1 and 4, 3 model
-    seeds, plus a clean run per seed. Pre-LN because its block outputs are the residual stream itself. The natural
-    divergence: the unnormalized x + F(x) (its block outputs are the stream too) at 12 layers and lr 1e-2, nothing
+    seeds (3 more when the first 3 leave a rule undecided: addnorm.lab.stages), plus a clean run per seed. Pre-LN
+    because its block outputs are the residual stream itself. The natural divergence: the unnormalized x + F(x) (its block outputs are the stream too) at 12 layers and lr 1e-2, nothing
     planted: in a probe its loss blew up at step 18 (2.9 -> 14 nats) and recovered; Post-LN at lr 3e-2 and 1e-1
     and Pre-LN at lr 0.1 and 0.3 (6 layers) never blew up. Every series is recorded at every step by addnorm.diagnostics.Monitor and
     handed to localize_jump unchanged."""
