@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Change, Context, Result
-from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.evidence import Rule
+from addnorm.lab.experiments.rules_common import judge_values
 from addnorm.lab.experiments.seeds_tasks import fault_task
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -249,10 +250,8 @@ def _share(flags: Sequence[bool]) -> float | None:
     return sum(map(bool, flags)) / len(flags) if flags else None
 
 
-def localize_units(outcomes: Sequence[dict], seeds: Sequence[int], lab_seed: int) -> dict[str, list[dict]]:
-    """The units of :data:`RULES` from each seed's :func:`seed_outcome`, paired by ``seeds``."""
-    if len(outcomes) != len(seeds):
-        raise ValueError("localize_units: one outcome per seed")
+def localize_values(outcomes: Sequence[dict]) -> dict[str, list]:
+    """The per-seed values of :data:`RULES` from each seed's :func:`seed_outcome`."""
     vals: dict[str, list] = {r.name: [] for r in RULES}
     for o in outcomes:
         largest = max((r["size"] for r in o["faults"]), default=None)
@@ -267,14 +266,7 @@ def localize_units(outcomes: Sequence[dict], seeds: Sequence[int], lab_seed: int
         vals["natural divergence flagged"].append(
             (1.0 if jn is not None and bl - WARN <= jn <= bl else 0.0) if blew else None
         )
-    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}
-
-
-def localize_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
-    """(evidence, verdict, reason) of the units."""
-    ev = evidence(RULES, unit_map)
-    verdict, reason, _ = judge_evidence(ev)
-    return ev, verdict, reason
+    return vals
 
 
 @register(
@@ -339,8 +331,7 @@ def localize_divergence(ctx: Context) -> Result:
         seed_outcome(runs[("clean", sd)], {k: runs[(k, sd)] for k in planted}, runs[("natural", sd)], fault_step)
         for sd in seeds
     ]
-    unit_map = localize_units(outcomes, seeds, ctx.seed)
-    ev, verdict, reason = localize_judgement(unit_map)
+    ev, verdict, reason = judge_values(RULES, localize_values(outcomes), seeds, ctx.seed)
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -399,7 +390,7 @@ def localize_divergence(ctx: Context) -> Result:
         f"natural: {s['natural']['placement']}, {s['natural']['layers']} layers, lr {s['natural']['lr']:g}; {len(seeds)} model seeds, one clean run "
         "each",
     }
-    shares = {n: [u["value"] for u in us] for n, us in unit_map.items()}
+    shares = {n: [u["value"] for u in us] for n, us in ev["units"].items()}
     line = (
         f"Detection by fault size: {'; '.join(f'{k} {v}' for k, v in by_size.items())}; harmful runs flagged by seed "
         f"{fmt_seeds(shares['harmful faults detected'])}, named in time {fmt_seeds(shares['named in time'])}; clean "
