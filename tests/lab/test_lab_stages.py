@@ -232,3 +232,13 @@ def test_localize_divergence_declares_a_second_stage_and_takes_its_seeds_from_th
     assert check_second_stage(first.evidence, second.evidence, 1) == [3002]
     assert memo.served == len(memo.results) - 3  # the 3 runs of seed 3002 (clean, fault, natural) are new
     assert second.metrics["seeds"] == [3000, 3001, 3002]
+
+
+def test_criteria_and_list_show_the_declared_second_stage():
+    from addnorm.lab.registry import criteria_json, criteria_text
+
+    staged, plain = make_staged(UNDECIDED, []), make_staged(UNDECIDED, [], second_stage=0, name="plain")
+    reg = {staged.name: staged, plain.name: plain}
+    assert [i["second_stage"] for i in criteria_json(reg)] == [3, 0]
+    text = criteria_text(reg)
+    assert text.count("second stage: 3 more model seeds") == 1
