@@ -47,7 +47,7 @@ def test_an_undecided_rule_takes_the_second_stage_once_and_the_evidence_pools_bo
     assert st["taken"] and st["declared"] == {"first": 3, "second": 3}
     assert st["first_stage"] == {"verdict": "inconclusive", "seeds": [0, 1, 2]}
     assert st["second_stage_seeds"] == [3, 4, 5]
-    assert len(st["why"]) == 1 and st["why"][0].startswith("x (claim): ") and "straddles > 0.5" in st["why"][0]
+    assert st["why"] == ["x (claim): 0.633 [0.2, 0.9] over 3 units straddles > 0.5"]
     assert r["figures"] == [f"runs/{r['figures'][0].split('/')[1]}/fig6.png"]  # the first stage's figure is gone
     assert not any(p.name == "fig3.png" for p in (tmp_path / "out0" / "runs").rglob("*.png"))
 

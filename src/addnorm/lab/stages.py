@@ -69,7 +69,10 @@ def second_stage_reasons(evidence: dict[str, Any] | None) -> list[str]:
     """Why the second stage is needed: each undecided rule with its role and interval (empty: every rule decided)."""
     if evidence is None:
         return []
-    return [f"{r.name} ({r.role}): {j.text()} straddles {_bar(r, j)}" for r, j in undecided(evidence)]
+    return [
+        f"{r.name} ({r.role}): {j.estimate:.3g} [{j.low:.3g}, {j.high:.3g}] over {j.n} units straddles {_bar(r, j)}"
+        for r, j in undecided(evidence)
+    ]
 
 
 def _bar(rule, judgement) -> str:
