@@ -43,3 +43,57 @@ def make_registry(calls: dict[str, int], *, fail: set[str] = frozenset(), n: int
 
 def opts(out: Path, **kw) -> RunOptions:
     return RunOptions(out=out, progress=False, device="cpu", **kw)
+
+
+# ---- a fake experiment with a pre-registered second stage (stages.py) ------------------------------------------
+TASK_CALLS: list[int] = []  # the model seeds echo_task ran for (jobs=1: in this process)
+
+
+def echo_task(*, seed: int, value: float | None) -> dict:
+    """A stand-in for a training run: returns the value planted for its model seed."""
+    TASK_CALLS.append(seed)
+    return {"value": value}
+
+
+def make_staged(
+    values: list[float | None],
+    calls: list[int],
+    *,
+    second_stage: int = 3,
+    first: int = 3,
+    role: str = "claim",
+    own_seeds: bool = True,
+    name: str = "staged",
+) -> Experiment:
+    """An experiment whose rule ("x" > 0.5, of ``role``, beside a claim that always holds when ``role`` is a
+    control) is judged on ``values[k]`` for model seed k of the lab seed; ``calls`` gets each call's
+    ``ctx.extra_seeds``. ``own_seeds=False``: it takes its seeds without ``ctx.model_seeds`` (a bug the runner
+    must catch)."""
+    from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+    from addnorm.lab.seeds import STRIDE, model_seeds
+
+    rules = [Rule(name="x", statistic="planted value", op=">", threshold=0.5, role=role)]
+    if role != "claim":
+        rules.append(Rule(name="holds", statistic="1", op=">", threshold=0.5))
+
+    def fn(ctx: Context) -> Result:
+        calls.append(ctx.extra_seeds)
+        seeds = ctx.model_seeds(first) if own_seeds else model_seeds(ctx.seed, first)
+        got = ctx.map(echo_task, [{"seed": s, "value": values[s % STRIDE]} for s in seeds])
+        unit_map = {"x": units([g["value"] for g in got], seeds, ctx.seed)}
+        if role != "claim":
+            unit_map["holds"] = units([1.0] * len(seeds), seeds, ctx.seed)
+        ev = evidence(rules, unit_map)
+        verdict, reason, _ = judge_evidence(ev)
+        ctx.figure_path(f"fig{len(seeds)}.png").write_bytes(PNG)
+        return Result(
+            verdict=verdict,
+            reason=reason,
+            metrics={"seeds": seeds},
+            figures=[f"fig{len(seeds)}.png"],
+            evidence=ev,
+        )
+
+    return Experiment(
+        name=name, claim="planted", source="test", run=fn, config={"values": values}, second_stage=second_stage
+    )

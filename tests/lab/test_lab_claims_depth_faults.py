@@ -19,6 +19,7 @@ from addnorm.lab.experiments import layernorm_scaling as L
 from addnorm.lab.experiments import mix_ln as M
 from addnorm.lab.experiments import rezero as R
 from addnorm.lab.experiments import training_setup as C
+from addnorm.lab.experiments.rules_common import judge_values
 
 SEEDS = [0, 1, 2]
 NAMES = {
@@ -77,8 +78,8 @@ REZERO_OK = dict(
 
 
 def _rezero(**kw):
-    unit_map, shown = R.rezero_units(**{**REZERO_OK, **kw}, seeds=SEEDS, lab_seed=0)
-    return (*R.rezero_judgement(unit_map), shown)
+    values, shown = R.rezero_values(**{**REZERO_OK, **kw})
+    return (*judge_values(R.RULES, values, SEEDS, 0), shown)
 
 
 def test_rezero_reproduced_on_a_clear_effect():
@@ -119,7 +120,7 @@ MIX_OK = dict(share_pre=[0.5, 0.6, 0.55], share_mix=[0.9, 1.0, 0.8], ex_pre=[0.3
 
 
 def _mix(**kw):
-    return M.mix_judgement(M.mix_units(**{**MIX_OK, **kw}, seeds=SEEDS, lab_seed=0))
+    return judge_values(M.RULES, M.mix_values(**{**MIX_OK, **kw}), SEEDS, 0)
 
 
 def test_mix_ln_reproduced_on_a_clear_effect():
@@ -189,7 +190,7 @@ def test_layernorm_scaling_claims_can_fail():
 
 # ---- branch-scaling ---------------------------------------------------------------------------------------------
 def _branch(div_un, div_sc):
-    return B.branch_judgement(B.branch_units(div_un, div_sc, SEEDS, 0))
+    return judge_values(B.RULES, B.branch_values(div_un, div_sc), SEEDS, 0)
 
 
 def test_branch_scaling_verdicts_and_planted_null():
@@ -255,7 +256,7 @@ def _outcome(fault_jump=22, harm=24, natural_jump=20, natural_blow=22, clean_jum
 
 
 def _localize(outcomes):
-    return V.localize_judgement(V.localize_units(outcomes, SEEDS, 0))
+    return judge_values(V.RULES, V.localize_values(outcomes), SEEDS, 0)
 
 
 def test_localize_reproduced_when_flagged_named_in_time_and_quiet():

@@ -202,7 +202,7 @@ def _list(as_json: bool = False) -> int:
     if as_json:
         from addnorm.lab.registry import preregistration
 
-        fields = ("name", "suite", "kind", "claim", "source", "criterion", "precondition")
+        fields = ("name", "suite", "kind", "claim", "source", "criterion", "precondition", "second_stage")
         items = [{**{f: getattr(exp, f, None) for f in fields}, **preregistration(exp)} for exp in registry.values()]
         print(json.dumps(items, indent=2))
         return 0

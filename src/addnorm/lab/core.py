@@ -25,6 +25,11 @@ its own generators, and runs with one torch thread), and must return JSON-serial
 numbers, strings, None; non-finite floats allowed), so the lab's executor can run tasks on worker processes or
 torchrun ranks, cache them for resuming, and give results bitwise identical to running them here in order.
 
+Two stages of model seeds. An experiment may pre-register a ``second_stage``: a fixed number of model seeds the
+runner adds, once, when the first stage's evidence leaves a rule undecided (stages.py). The experiment takes its
+model seeds from ``ctx.model_seeds(n)``: the first ``n`` of its lab seed in the first stage, those and
+``ctx.extra_seeds`` more in the second.
+
 Suites. ``suite="core"`` (the default) puts an experiment in the default run; ``suite="extended"`` only in
 ``addnorm lab --suite all`` (and ``--only``), so new experiments do not lengthen the default run past its budget.
 
@@ -40,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from addnorm.lab.seeds import STRIDE
+from addnorm.lab.seeds import model_seeds as _model_seeds
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 KINDS = ("empirical", "sanity", "demonstration")
@@ -95,10 +103,24 @@ class Context:
     mapper: Callable[[Callable[..., Any], Sequence[dict[str, Any]]], list[Any]] = serial_map
     # How training runs train (see ENGINES); the runner puts it into the experiment's cache key.
     engine: str = "sequential"
+    # The model seeds the second stage adds (Experiment.second_stage), 0 in the first stage (stages.py).
+    extra_seeds: int = 0
+    # The seeds model_seeds handed out as the second stage's: the batched engine groups them apart from the first
+    # stage's, so the first stage's tasks are the same tasks in both calls and are not trained again.
+    second_stage_seeds: set[int] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine (--engine) must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if isinstance(self.extra_seeds, bool) or not isinstance(self.extra_seeds, int) or self.extra_seeds < 0:
+            raise ValueError(f"extra_seeds must be an int >= 0, got {self.extra_seeds!r}")
+
+    def model_seeds(self, n: int) -> list[int]:
+        """The experiment's model seeds (seeds.model_seeds of the lab seed): the first ``n``, and in the second
+        stage the ``extra_seeds`` after them."""
+        seeds = _model_seeds(self.seed, n + self.extra_seeds)
+        self.second_stage_seeds.update(seeds[n:])
+        return seeds
 
     def map(self, fn: Callable[..., Any], tasks: Sequence[dict[str, Any]]) -> list[Any]:
         """``[fn(**t) for t in tasks]``, possibly in parallel; results in task order (see the module docstring)."""
@@ -157,12 +179,17 @@ class Experiment:
     rules: tuple = ()
     fixed: str = ""
     changes: tuple[Change, ...] = ()
+    # Model seeds added once when the first stage leaves a rule undecided (0: one stage); see stages.py.
+    second_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.suite not in SUITES:
             raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
+        n = self.second_stage
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < STRIDE:
+            raise ValueError(f"experiment {self.name!r}: second_stage must be an int in [0, {STRIDE}), got {n!r}")
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -181,10 +208,11 @@ def experiment(
     rules: Sequence[Any] = (),
     fixed: str = "",
     changes: Sequence[Change] = (),
+    second_stage: int = 0,
 ):
     """Register ``fn(ctx) -> Result`` as the experiment ``name``; ``criterion`` states the verdict's rule,
-    ``precondition`` the control, ``kind`` whether it is evidence, ``suite`` which run includes it (see the module
-    docstring)."""
+    ``precondition`` the control, ``kind`` whether it is evidence, ``suite`` which run includes it,
+    ``second_stage`` the model seeds a second stage adds (see the module docstring)."""
 
     def register(fn: Callable[[Context], Result]) -> Callable[[Context], Result]:
         if name in EXPERIMENTS:
@@ -202,6 +230,7 @@ def experiment(
             rules=tuple(rules),
             fixed=fixed,
             changes=tuple(changes),
+            second_stage=second_stage,
         )
         return fn
 

@@ -38,7 +38,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Rule", "Unit", "Judgement", "judge", "judge_evidence", "units", "pool_evidence", "BOOTSTRAP"]
+__all__ = [
+    "Rule",
+    "Unit",
+    "Judgement",
+    "judge",
+    "judge_evidence",
+    "undecided",
+    "units",
+    "pool_evidence",
+    "BOOTSTRAP",
+]
 
 OPS = (">", "<", "within", "outside")
 ROLES = ("claim", "positive", "negative")
@@ -48,6 +58,9 @@ BOOTSTRAP = 4000
 # A rule whose units are mostly missing (runs that gave no finite number) cannot be judged: at least this share
 # of its units must be finite.
 MIN_FINITE_SHARE = 2 / 3
+# The reason of a rule whose interval straddles its threshold: undecided by these units, where more units could
+# decide it (unlike a rule that had too few finite units or no spread to derive a margin from).
+STRADDLES = "the 95% interval straddles the threshold"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +209,7 @@ def judge(rule: Rule, unit_list: Iterable[dict]) -> Judgement:
         verdict = _side(-margin < low and high < margin, low >= margin or high <= -margin)
     else:  # outside
         verdict = _side(low >= margin or high <= -margin, -margin < low and high < margin)
-    reason = "" if verdict != "inconclusive" else "the 95% interval straddles the threshold"
+    reason = "" if verdict != "inconclusive" else STRADDLES
     return Judgement(verdict=verdict, estimate=mean, low=low, high=high, margin=margin, reason=reason, **base)
 
 
@@ -226,6 +239,14 @@ def judge_evidence(evidence: dict[str, Any]) -> tuple[str, str, list[Judgement]]
         return "not reproduced", "; ".join(f"{r.text()} fails: {j.text()}" for r, j in failed), judged
     open_ = [(r, j) for r, j in claims if not j.holds()]
     return "inconclusive", "; ".join(f"{r.text()} undecided: {j.text()}" for r, j in open_), judged
+
+
+def undecided(evidence: dict[str, Any]) -> list[tuple[Rule, Judgement]]:
+    """The rules of ``evidence`` (claim and controls) whose 95% interval straddles their threshold, each with its
+    judgement, in rule order: the rules these units leave undecided."""
+    rules = [Rule(**r) for r in evidence["rules"]]
+    judged = [(r, judge(r, evidence["units"].get(r.name, []))) for r in rules]
+    return [(r, j) for r, j in judged if j.verdict == "inconclusive" and j.reason == STRADDLES]
 
 
 def evidence(rules: Sequence[Rule], unit_map: dict[str, list[dict]]) -> dict[str, Any]:

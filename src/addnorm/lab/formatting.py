@@ -42,6 +42,25 @@ QUICK_NOTE = (
 )
 
 
+def stages_text(record: dict) -> str:
+    """What a record's two-stage seed design did at its run (stages.py), or "" for an experiment of one stage."""
+    st = record.get("stages")
+    if not isinstance(st, dict):
+        return ""
+    first, second = st["declared"]["first"], st["declared"]["second"]
+    design = (
+        f"Two stages of model seeds (pre-registered): {first} model seeds, then {second} more, once, when a rule's "
+        "95% interval straddles its threshold."
+    )
+    if not st["taken"]:
+        return f"{design} Second stage not needed at this run: every rule was decided by the first {first}."
+    return (
+        f"{design} Second stage taken at this run (model seeds {', '.join(map(str, st['second_stage_seeds']))}): "
+        f"after the first {first} (verdict {st['first_stage']['verdict']}) {'; '.join(st['why'])}. This run's "
+        f"verdict rests on both stages ({first + second} model seeds)."
+    )
+
+
 def kind_of(record: dict) -> str:
     kind = record.get("kind") or "empirical"
     return kind if kind in KINDS else "empirical"

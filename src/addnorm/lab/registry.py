@@ -99,6 +99,7 @@ def criteria_json(registry: dict[str, Experiment]) -> list[dict[str, Any]]:
             "criterion": exp.criterion,
             "precondition": exp.precondition,
             "config": exp.config,
+            "second_stage": exp.second_stage,
             **preregistration(exp),
         }
         for exp in registry.values()
@@ -119,6 +120,11 @@ def criteria_text(registry: dict[str, Experiment]) -> str:
                 out.append(f"  control: {item['precondition']}")
         if item["config"]:
             out.append(f"  config: {json.dumps(item['config'], sort_keys=True, default=json_default)}")
+        if item["second_stage"]:
+            out.append(
+                f"  second stage: {item['second_stage']} more model seeds, once, when the first stage leaves a "
+                "rule's 95% interval straddling its threshold"
+            )
         out += [f"  - {change_text(c)}" for c in item["changes"]] or (["  changes: none recorded"])
         out.append("")
     return "\n".join(out)

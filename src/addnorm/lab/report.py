@@ -12,7 +12,8 @@ results.json::
      "counts_by_kind": {"empirical": {...}, "sanity": {...}, "demonstration": {...}}}
 
 Each record also carries ``evidence`` (the units and rules its verdict was judged by, or null), ``code`` (the
-experiment's code identity) and its pre-registration (``rules``, ``fixed``, ``changes``; registry.py).
+experiment's code identity) and its pre-registration (``rules``, ``fixed``, ``changes``; registry.py); one that
+declares a second stage of model seeds carries ``stages`` (stages.py: whether this run took it, and why).
 
 Which verdicts a report shows: a plain run's report judges each experiment on this run alone (one lab seed) and
 says so; ``addnorm lab --seed-record FILE`` (or ``addnorm lab doc --seed-record FILE``) shows the pooled verdict
@@ -46,6 +47,7 @@ from addnorm.lab.formatting import (
     kind_of,
     other_metrics,
     per_seed_table,
+    stages_text,
     timing_text,
 )
 from addnorm.lab.pooled import pooled_headline, verdict_basis
@@ -81,6 +83,7 @@ _PUBLIC_FIELDS = (
     "rules",
     "fixed",
     "changes",
+    "stages",
 )
 
 
@@ -186,6 +189,8 @@ def md_experiment_body(r: dict, *, figures: bool = True, pooled: dict | None = N
         lines += [f"Control (precondition): {r['precondition']}", ""]
     if r.get("reason"):
         lines += [f"Why {r['verdict']}: {r['reason']}", ""]
+    if stages_text(r):
+        lines += [stages_text(r), ""]
     if r.get("summary"):
         lines += [r["summary"], ""]
     if r.get("error"):
@@ -389,6 +394,8 @@ def render_html(doc: dict[str, Any], out: Path, pooled: dict | None = None) -> s
                 parts.append(f'<p class="crit"><b>Control (precondition).</b> {e(r["precondition"])}</p>')
             if r.get("reason"):
                 parts.append(f"<p><b>Why {e(r['verdict'])}.</b> {e(r['reason'])}</p>")
+            if stages_text(r):
+                parts.append(f"<p><b>Seeds.</b> {e(stages_text(r))}</p>")
             if r.get("summary"):
                 parts.append(f"<p><b>Finding.</b> {e(r['summary'])}</p>")
             if r.get("error"):

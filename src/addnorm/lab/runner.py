@@ -11,7 +11,9 @@ Layout of an output directory::
 A finished experiment is reused while its cache key matches (cache.py says what the key covers and which stored
 records count). An experiment that raises is recorded as "inconclusive" with the error, and is not cached (so the
 next run retries it; its finished tasks are); Ctrl-C (and SIGTERM, which raises a KeyboardInterrupt here),
-KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what finished. The outputs of ``--shard`` runs are combined by merge.py.
+KeyboardInterrupt and SystemExit are not caught: the run stops, keeping what finished. The outputs of ``--shard``
+runs are combined by merge.py. An experiment that declares a second stage of model seeds runs twice when its first
+stage leaves a rule undecided (stages.py).
 
 Experiments run through the executor (``--jobs``, torchrun; see executor.py): their tasks on worker processes or
 ranks, their drivers overlapped while they wait for tasks. The records, figures and report are the same for any
@@ -46,6 +48,7 @@ from addnorm.lab.executor import Executor, default_jobs, init_group
 from addnorm.lab.interrupt import sigterm_interrupts
 from addnorm.lab.outdir import out_lock, prepare_out_dir
 from addnorm.lab.registry import record_fields
+from addnorm.lab.stages import run_stages
 from addnorm.train.distributed import DistInfo
 
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
@@ -244,20 +247,10 @@ def run_one(
     )
     if mapper is not None:
         ctx.mapper = mapper
-    torch.manual_seed(seed)
     start = time.perf_counter()
-    try:
-        result = exp.run(ctx)
-        if not isinstance(result, Result):
-            raise TypeError(f"experiment {exp.name!r} must return a Result, got {type(result).__name__}")
-        missing = [f for f in result.figures if not (d / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"experiment {exp.name!r} listed figures it did not write: {missing}")
-        if not isinstance(result.metrics, dict) or not isinstance(result.timings, dict):
-            raise TypeError(f"experiment {exp.name!r}: Result.metrics and Result.timings must be dicts")
-        json.dumps(
-            [result.metrics, result.timings, result.evidence], default=_json_default
-        )  # fail here, not in the report
+    try:  # once, or twice when a declared second stage is needed (stages.py)
+        call = functools.partial(_checked_run, exp, d)
+        result, stages = run_stages(exp, ctx, call, between=lambda: shutil.rmtree(d, ignore_errors=True))
     except Exception as err:  # noqa: BLE001 - any failure of one experiment is recorded, the run goes on
         record.update(
             verdict="inconclusive",
@@ -270,6 +263,8 @@ def run_one(
             cached=False,
         )
         return record
+    if stages is not None:
+        record["stages"] = stages
     record.update(
         verdict=result.verdict,
         metrics=result.metrics,
@@ -282,6 +277,21 @@ def run_one(
     )
     atomic_write_json(d / cache.RECORD_FILE, record)  # last: its presence means "complete"
     return dict(record, cached=False)
+
+
+def _checked_run(exp: Experiment, d: Path, ctx: Context) -> Result:
+    """``exp.run(ctx)`` from the seeded global RNG, its Result checked (figures written, JSON-able numbers)."""
+    torch.manual_seed(ctx.seed)
+    result = exp.run(ctx)
+    if not isinstance(result, Result):
+        raise TypeError(f"experiment {exp.name!r} must return a Result, got {type(result).__name__}")
+    missing = [f for f in result.figures if not (d / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"experiment {exp.name!r} listed figures it did not write: {missing}")
+    if not isinstance(result.metrics, dict) or not isinstance(result.timings, dict):
+        raise TypeError(f"experiment {exp.name!r}: Result.metrics and Result.timings must be dicts")
+    json.dumps([result.metrics, result.timings, result.evidence], default=_json_default)  # fail here, not in the report
+    return result
 
 
 def cpu_model() -> str:

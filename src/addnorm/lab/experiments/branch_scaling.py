@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from addnorm.lab.core import Change, Context, Result
-from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.evidence import Rule
+from addnorm.lab.experiments.rules_common import judge_values, loss_panel
 from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -24,7 +25,6 @@ from addnorm.lab.experiments.training_setup import (
     fmt_seeds,
     grid_tasks,
     nan,
-    plot_curves,
     pyplot,
     registrar,
     save,
@@ -129,30 +129,20 @@ def early_loss(losses: Sequence[float | None], steps: int) -> float | None:
     return sum(vals) / half
 
 
-def branch_units(
-    div_unscaled: Sequence[bool], div_scaled: Sequence[bool], seeds: Sequence[int], lab_seed: int
-) -> dict[str, list[dict]]:
-    """The units of :data:`RULES`, paired by ``seeds``."""
-    if not len(seeds) == len(div_unscaled) == len(div_scaled):
-        raise ValueError("branch_units: the arms' per-seed lists must be paired with the seeds")
-    vals = {
+def branch_values(div_unscaled: Sequence[bool], div_scaled: Sequence[bool]) -> dict[str, list[float]]:
+    """The per-seed values of :data:`RULES` (paired by seed)."""
+    if len(div_unscaled) != len(div_scaled):
+        raise ValueError("branch_values: the arms' per-seed lists must be paired by seed")
+    return {
         "unscaled x + F(x) diverges": [1.0 if d else 0.0 for d in div_unscaled],
         "scaled x + F(x) does not diverge": [0.0 if d else 1.0 for d in div_scaled],
     }
-    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}
 
 
 def branch_sanity(swell_unscaled: Sequence[float | None], swell_scaled: Sequence[float | None]) -> dict:
     """The init's identity, per seed: the unscaled stream swells (S > SWELL), the scaled one does not."""
     ok = [finite(u) and finite(s) and u > SWELL >= s for u, s in zip(swell_unscaled, swell_scaled)]
     return {"holds_by_seed": ok, "holds": bool(ok) and all(ok)}
-
-
-def branch_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
-    """(evidence, verdict, reason) of the units."""
-    ev = evidence(RULES, unit_map)
-    verdict, reason, _ = judge_evidence(ev)
-    return ev, verdict, reason
 
 
 @register(
@@ -195,8 +185,7 @@ def branch_scaling(ctx: Context) -> Result:
     early = {a: [early_loss(runs[(a, sd)]["loss_curve"], steps) for sd in seeds] for a in arms}
     div = {a: seed_values(runs, a, seeds, "diverged") for a in arms}
     ex = {a: seed_values(runs, a, seeds, "excess") for a in arms}
-    unit_map = branch_units(div[False], div[True], seeds, ctx.seed)
-    ev, verdict, reason = branch_judgement(unit_map)
+    ev, verdict, reason = judge_values(RULES, branch_values(div[False], div[True]), seeds, ctx.seed)
     sanity = branch_sanity(swell[False], swell[True])
     names = {False: "x + F(x)", True: "x + F(x), 1/sqrt(2L)"}
     figures = []
@@ -213,11 +202,7 @@ def branch_scaling(ctx: Context) -> Result:
         axes[0].set_xlabel("block (0: embeddings; line style: seed)")
         axes[0].set_ylabel("residual stream RMS at init")
         axes[0].legend(fontsize=7)
-        plot_curves(axes[1], runs, list(arms), seeds, steps, names)
-        axes[1].set_yscale("log")
-        axes[1].set_xlabel("step (line style: seed)")
-        axes[1].set_ylabel("train loss")
-        axes[1].legend(fontsize=7)
+        loss_panel(axes[1], runs, arms, seeds, steps, names, log=True, fontsize=7)
         figures = save(plt, fig, ctx, "branch_scaling.png")
     metrics = {
         "criterion": CRITERION,

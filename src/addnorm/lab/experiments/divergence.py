@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Change, Context, Result
-from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.evidence import Rule
+from addnorm.lab.experiments.rules_common import judge_values
 from addnorm.lab.experiments.seeds_tasks import fault_task
 from addnorm.lab.experiments.training_setup import (
     SEED_STYLES,
@@ -102,7 +103,9 @@ CRITERION = (
     f"bootstrap 95% intervals of the means lie above the thresholds: harmful faulted runs flagged (> {DETECT_RATE:.0%}"
     f"), the faulted block named no later than the harm shows in the loss (> {DETECT_RATE:.0%}), clean runs quiet "
     f"(> 0.5), the natural divergence's first jump flagged in the {WARN} steps up to its blow-up (> 0.5). Detection by fault size, including "
-    "the harmless sizes, and the naming of the faulted block (fixed by the construction) are shown."
+    "the harmless sizes, and the naming of the faulted block (fixed by the construction) are shown. Two stages: 3 "
+    "model seeds, then 3 more, once, when a rule's interval (claim or control) straddles its threshold at this run; "
+    "the verdict rests on every model seed run."
 )
 PRECONDITION = (
     f"The largest planted faults harm (late loss above the clean run's by > {FAULT_HARM:g} nats: share > 0.5) and the "
@@ -136,7 +139,20 @@ CHANGES = (
         reason="high-LR runs that never diverge flag jumps at steps 3-5 too (probes), so a flag in the first steps "
         "warns of nothing; counting it made the natural-divergence rule easier to pass, not harder",
     ),
+    Change(
+        date="2026-12-02",
+        what="a pre-registered second stage: 3 model seeds, then 3 more (once) when a rule's 95% interval "
+        "straddles its threshold at this run",
+        showed="the pooled record (lab seeds 0-2, 3 model seeds each): inconclusive, 'named in time' 0.667 "
+        "[0.5, 0.833] against 0.8; at every lab seed a rule's interval straddled its threshold (named in time at "
+        "0 and 2, natural divergence flagged at 0 and 1, harmful faults detected at 1, the largest faults harm at 2)",
+        reason="with 3 units of shares in steps of 0.5 an interval rarely clears 0.8; more model seeds where the "
+        "spread asks for them, by a rule fixed before the runs (never a third stage), instead of more lab seeds "
+        "chosen after seeing the verdict",
+    ),
 )
+# Model seeds added once when the first stage leaves a rule undecided (addnorm.lab.stages).
+SECOND_STAGE = 3
 
 register = registrar({"localize-divergence": CRITERION}, {"localize-divergence": PRECONDITION}, version=2)
 
@@ -234,10 +250,8 @@ def _share(flags: Sequence[bool]) -> float | None:
     return sum(map(bool, flags)) / len(flags) if flags else None
 
 
-def localize_units(outcomes: Sequence[dict], seeds: Sequence[int], lab_seed: int) -> dict[str, list[dict]]:
-    """The units of :data:`RULES` from each seed's :func:`seed_outcome`, paired by ``seeds``."""
-    if len(outcomes) != len(seeds):
-        raise ValueError("localize_units: one outcome per seed")
+def localize_values(outcomes: Sequence[dict]) -> dict[str, list]:
+    """The per-seed values of :data:`RULES` from each seed's :func:`seed_outcome`."""
     vals: dict[str, list] = {r.name: [] for r in RULES}
     for o in outcomes:
         largest = max((r["size"] for r in o["faults"]), default=None)
@@ -252,14 +266,7 @@ def localize_units(outcomes: Sequence[dict], seeds: Sequence[int], lab_seed: int
         vals["natural divergence flagged"].append(
             (1.0 if jn is not None and bl - WARN <= jn <= bl else 0.0) if blew else None
         )
-    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}
-
-
-def localize_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
-    """(evidence, verdict, reason) of the units."""
-    ev = evidence(RULES, unit_map)
-    verdict, reason, _ = judge_evidence(ev)
-    return ev, verdict, reason
+    return vals
 
 
 @register(
@@ -283,13 +290,14 @@ def localize_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]
     rules=RULES,
     fixed=FIXED,
     changes=CHANGES,
+    second_stage=SECOND_STAGE,
 )
 def localize_divergence(ctx: Context) -> Result:
     """Planted faults: from the fault's step, one block's learning rate is 30x or 100x the others' (a
     misconfigured parameter group, the kind of local fault the seed's bisection is for) in a 6-layer Pre-LN model
     (d = 32, Adam lr 3e-3 constant after a 20-step warmup, 150 steps, fault at step 75) at blocks 1 and 4, 3 model
-    seeds, plus a clean run per seed. Pre-LN because its block outputs are the residual stream itself. The natural
-    divergence: the unnormalized x + F(x) (its block outputs are the stream too) at 12 layers and lr 1e-2, nothing
+    seeds (3 more when the first 3 leave a rule undecided: addnorm.lab.stages), plus a clean run per seed. Pre-LN
+    because its block outputs are the residual stream itself. The natural divergence: the unnormalized x + F(x) (its block outputs are the stream too) at 12 layers and lr 1e-2, nothing
     planted: in a probe its loss blew up at step 18 (2.9 -> 14 nats) and recovered; Post-LN at lr 3e-2 and 1e-1
     and Pre-LN at lr 0.1 and 0.3 (6 layers) never blew up. Every series is recorded at every step by addnorm.diagnostics.Monitor and
     handed to localize_jump unchanged."""
@@ -323,8 +331,7 @@ def localize_divergence(ctx: Context) -> Result:
         seed_outcome(runs[("clean", sd)], {k: runs[(k, sd)] for k in planted}, runs[("natural", sd)], fault_step)
         for sd in seeds
     ]
-    unit_map = localize_units(outcomes, seeds, ctx.seed)
-    ev, verdict, reason = localize_judgement(unit_map)
+    ev, verdict, reason = judge_values(RULES, localize_values(outcomes), seeds, ctx.seed)
     figures = []
     plt = pyplot()
     if plt is not None:
@@ -383,7 +390,7 @@ def localize_divergence(ctx: Context) -> Result:
         f"natural: {s['natural']['placement']}, {s['natural']['layers']} layers, lr {s['natural']['lr']:g}; {len(seeds)} model seeds, one clean run "
         "each",
     }
-    shares = {n: [u["value"] for u in us] for n, us in unit_map.items()}
+    shares = {n: [u["value"] for u in us] for n, us in ev["units"].items()}
     line = (
         f"Detection by fault size: {'; '.join(f'{k} {v}' for k, v in by_size.items())}; harmful runs flagged by seed "
         f"{fmt_seeds(shares['harmful faults detected'])}, named in time {fmt_seeds(shares['named in time'])}; clean "

@@ -168,8 +168,9 @@ def judged(rules: Sequence[Rule], values: dict[str, Sequence], seeds: Sequence[i
 
 
 def init_seeds(ctx: Context, n: int) -> list[int]:
-    """The seeds of an experiment's ``n`` inits: :func:`addnorm.lab.seeds.model_seeds` (seed * 1000 + k)."""
-    return model_seeds(ctx.seed, n)
+    """The seeds of an experiment's ``n`` inits: :func:`addnorm.lab.seeds.model_seeds` (seed * 1000 + k), and in a
+    second stage the ones it adds (``Context.model_seeds``)."""
+    return ctx.model_seeds(n)
 
 
 def average(xs: Sequence[float]) -> float:

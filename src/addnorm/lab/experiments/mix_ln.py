@@ -14,14 +14,14 @@ import math
 from collections.abc import Sequence
 
 from addnorm.lab.core import Change, Context, Result
-from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.evidence import Rule
+from addnorm.lab.experiments.rules_common import judge_values, loss_panel
 from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     TRAINED_EXCESS,
     finite,
     fmt_seeds,
     grid_tasks,
-    plot_curves,
     plot_seed_profiles,
     pyplot,
     registrar,
@@ -105,35 +105,25 @@ def deep_mean(profile: Sequence[float | None] | None) -> float | None:
     return sum(deep) / len(deep)
 
 
-def mix_units(
+def mix_values(
     share_pre: Sequence[float | None],
     share_mix: Sequence[float | None],
     ex_pre: Sequence[float | None],
     ex_mix: Sequence[float | None],
-    seeds: Sequence[int],
-    lab_seed: int,
-) -> dict[str, list[dict]]:
-    """The units of :data:`RULES`, paired by ``seeds``."""
-    if not len(seeds) == len(share_pre) == len(share_mix) == len(ex_pre) == len(ex_mix):
-        raise ValueError("mix_units: the arms' per-seed lists must be paired with the seeds")
+) -> dict[str, list]:
+    """The per-seed values of :data:`RULES` (paired by seed)."""
+    if not len(share_pre) == len(share_mix) == len(ex_pre) == len(ex_mix):
+        raise ValueError("mix_values: the arms' per-seed lists must be paired by seed")
     log_ratio = [
         math.log(m / p) if finite(m) and finite(p) and m > 0 and p > 0 else None for p, m in zip(share_pre, share_mix)
     ]
     diff = [m - p if finite(m) and finite(p) else None for p, m in zip(ex_pre, ex_mix)]
-    vals = {
+    return {
         "Pre-LN trains": list(ex_pre),
         "Pre-LN's deep share is small": list(share_pre),
         "Mix-LN raises the deep share": log_ratio,
         "Mix-LN's loss is lower": diff,
     }
-    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}
-
-
-def mix_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
-    """(evidence, verdict, reason) of the units."""
-    ev = evidence(RULES, unit_map)
-    verdict, reason, _ = judge_evidence(ev)
-    return ev, verdict, reason
 
 
 @register(
@@ -173,8 +163,8 @@ def mix_ln_training(ctx: Context) -> Result:
         b / a if finite(a) and finite(b) and a > 0 else None
         for a, b in zip(*([deep_mean(v) for v in prof[p]] for p in ("pre", "mix")))
     ]
-    unit_map = mix_units(share["pre"], share["mix"], ex["pre"], ex["mix"], seeds, ctx.seed)
-    ev, verdict, reason = mix_judgement(unit_map)
+    values = mix_values(share["pre"], share["mix"], ex["pre"], ex["mix"])
+    ev, verdict, reason = judge_values(RULES, values, seeds, ctx.seed)
     names = {"pre": "Pre-LN", "mix": "Mix-LN"}
     figures = []
     plt = pyplot()
@@ -185,10 +175,7 @@ def mix_ln_training(ctx: Context) -> Result:
         axes[0].set_xlabel("layer (line style: seed)")
         axes[0].set_ylabel("gradient norm, mean over training")
         axes[0].legend(fontsize=8)
-        plot_curves(axes[1], runs, list(arms), seeds, steps, names)
-        axes[1].set_xlabel("step (line style: seed)")
-        axes[1].set_ylabel("train loss")
-        axes[1].legend(fontsize=8)
+        loss_panel(axes[1], runs, arms, seeds, steps, names)
         figures = save(plt, fig, ctx, "mix_ln_training.png")
     metrics = {
         "criterion": CRITERION,

@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.core import Change, Context, Result
-from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
+from addnorm.lab.evidence import Rule
+from addnorm.lab.experiments.rules_common import judge_values, loss_panel
 from addnorm.lab.experiments.training_batch import train_runs
 from addnorm.lab.experiments.training_setup import (
     TRAINED_EXCESS,
     finite,
     fmt_seeds,
     grid_tasks,
-    plot_curves,
     pyplot,
     registrar,
     save,
@@ -115,20 +115,18 @@ def final_level(losses: Sequence[float | None], window: int = SMOOTH) -> float |
     return sum(tail) / len(tail) if len(tail) == window and all(map(finite, tail)) else None
 
 
-def rezero_units(
+def rezero_values(
     ex_none: Sequence[float | None],
     div_none: Sequence[bool],
     ex_rezero: Sequence[float | None],
     curve_rezero: Sequence[Sequence[float | None]],
     curve_pre: Sequence[Sequence[float | None]],
     budget: int,
-    seeds: Sequence[int],
-    lab_seed: int,
-) -> tuple[dict[str, list[dict]], dict[str, list]]:
-    """The units of :data:`RULES` from the per-seed numbers and per-step training losses (paired by ``seeds``);
-    ``budget``: the run's length. Also the per-seed steps to the target, shown beside them."""
-    if not len(seeds) == len(ex_none) == len(div_none) == len(ex_rezero) == len(curve_rezero) == len(curve_pre):
-        raise ValueError("rezero_units: the arms' per-seed lists must be paired with the seeds")
+) -> tuple[dict[str, list], dict[str, list]]:
+    """The per-seed values of :data:`RULES` from the per-seed numbers and per-step training losses (paired by
+    seed); ``budget``: the run's length. Also the per-seed steps to the target, shown beside them."""
+    if not len(ex_none) == len(div_none) == len(ex_rezero) == len(curve_rezero) == len(curve_pre):
+        raise ValueError("rezero_values: the arms' per-seed lists must be paired by seed")
     fails = [1.0 if d or not finite(e) or e >= TRAINED_EXCESS else 0.0 for e, d in zip(ex_none, div_none)]
     target = [final_level(c) for c in curve_pre]
     learned = [c[0] - t if t is not None and c and finite(c[0]) else None for c, t in zip(curve_pre, target)]
@@ -142,14 +140,7 @@ def rezero_units(
         "ReZero is faster": ratio,
     }
     shown = {"target": target, "ReZero steps": steps_rez, "Pre-LN steps": steps_pre, "ratio": ratio}
-    return {name: units(v, seeds, lab_seed) for name, v in vals.items()}, shown
-
-
-def rezero_judgement(unit_map: dict[str, list[dict]]) -> tuple[dict, str, str]:
-    """(evidence, verdict, reason) of the units."""
-    ev = evidence(RULES, unit_map)
-    verdict, reason, _ = judge_evidence(ev)
-    return ev, verdict, reason
+    return vals, shown
 
 
 @register(
@@ -187,21 +178,15 @@ def rezero_experiment(ctx: Context) -> Result:
     ex = {p: seed_values(runs, p, seeds, "excess") for p in arms}
     div = seed_values(runs, "none", seeds, "diverged")
     curves = {p: [runs[(p, sd)]["loss_curve"] for sd in seeds] for p in ("rezero", "pre")}
-    unit_map, shown = rezero_units(
-        ex["none"], div, ex["rezero"], curves["rezero"], curves["pre"], steps, seeds, ctx.seed
-    )
-    ev, verdict, reason = rezero_judgement(unit_map)
+    values, shown = rezero_values(ex["none"], div, ex["rezero"], curves["rezero"], curves["pre"], steps)
+    ev, verdict, reason = judge_values(RULES, values, seeds, ctx.seed)
     names = {"none": "x + F(x), no norm", "rezero": "ReZero", "pre": "Pre-LN"}
     figures = []
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(1, 1, figsize=(6, 3.5))
-        plot_curves(ax, runs, list(arms), seeds, steps, names)
-        ax.set_yscale("log")
-        ax.set_xlabel("step (line style: seed)")
-        ax.set_ylabel("train loss")
+        loss_panel(ax, runs, arms, seeds, steps, names, log=True)
         ax.set_title(f"{layers} layers, Adam lr {s['lr']:g}", fontsize=9)
-        ax.legend(fontsize=8)
         figures = save(plt, fig, ctx, "rezero.png")
     metrics = {
         "criterion": CRITERION,

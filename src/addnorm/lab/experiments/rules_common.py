@@ -9,6 +9,9 @@ regime, not a fixed number of nats). Its negative control is a known-worse arm: 
 falling at the end of the run (the excess losses are 0.02-0.4 nats, the optimum is 0), so half the budget is
 genuinely worse; if it is not, the control fails and the verdict says the margin could not be shown to reject
 anything (inconclusive), instead of calling a too-wide margin parity.
+
+Also the tail the experiments share after their runs: the evidence and verdict of one value per seed and rule
+(:func:`judge_values`), and their figures' training-loss panel (:func:`loss_panel`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from addnorm.lab.evidence import Rule, evidence, judge_evidence, units
-from addnorm.lab.experiments.training_setup import TRAINED_EXCESS, finite
+from addnorm.lab.experiments.training_setup import TRAINED_EXCESS, finite, plot_curves
 
 # Parity margin: one standard deviation of the baseline arm's excess across seeds. A difference between two arms
 # smaller than the difference between two seeds of one arm is parity at this regime's noise; the old fixed floor
@@ -49,6 +52,26 @@ def half_budget(steps: int) -> int:
 
 def trains_text(what: str) -> str:
     return f"{what} (nats; < {TRAINED_EXCESS} means it trained)"
+
+
+def judge_values(rules: Sequence[Rule], values: dict[str, Sequence], seeds: Sequence[int], lab_seed: int) -> tuple:
+    """(evidence, verdict, reason) of one value per model seed and rule (``values[rule.name][k]`` came from
+    ``seeds[k]``, paired across rules), judged by ``rules``: the evidence an experiment returns in ``Result.evidence``
+    and the verdict read off it (the reason names the rule that decided an inconclusive or failed verdict)."""
+    ev = evidence(rules, {name: units(v, seeds, lab_seed) for name, v in values.items()})
+    verdict, reason, _ = judge_evidence(ev)
+    return ev, verdict, reason
+
+
+def loss_panel(ax, runs: dict, arms, seeds: list[int], steps: int, names: dict, *, log=False, fontsize=8) -> None:
+    """A figure's training-loss panel: each arm's curve at every seed (one colour per arm, the seed's line style),
+    labelled, with a legend; ``log``: a log scale (curves that diverge)."""
+    plot_curves(ax, runs, list(arms), seeds, steps, names)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("step (line style: seed)")
+    ax.set_ylabel("train loss")
+    ax.legend(fontsize=fontsize)
 
 
 def verdict_of(ev: dict) -> tuple[str, str, dict]:

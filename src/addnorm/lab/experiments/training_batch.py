@@ -95,14 +95,19 @@ def group_key(task: dict[str, Any]) -> str | None:
         return None
 
 
-def plan(tasks: Sequence[dict[str, Any]], max_members: int = MAX_MEMBERS) -> list[list[int]]:
+def plan(
+    tasks: Sequence[dict[str, Any]], max_members: int = MAX_MEMBERS, apart: frozenset[int] = frozenset()
+) -> list[list[int]]:
     """The task indices of each unit of work: a group of >= 2 batchable tasks (split into near-equal chunks of at
     most ``max_members``), or a single task that trains alone. Units are ordered by their first task, members keep
-    their task order."""
+    their task order. Tasks whose model seed is in ``apart`` (a second stage's) never share a group with the others,
+    so the other tasks' groups are the same with or without them."""
     groups: dict[str, list[int]] = {}
     units: list[list[int]] = []
     for i, task in enumerate(tasks):
         key = group_key(task)
+        if key is not None and task.get("train", {}).get("seed") in apart:
+            key += " second stage"
         if key is None:
             units.append([i])
         elif key in groups:
@@ -129,7 +134,7 @@ def train_runs(ctx: Context, tasks: Sequence[dict[str, Any]]) -> list[dict]:
     tasks = list(tasks)
     if ctx.engine == "sequential":
         return ctx.map(train_task, tasks)
-    units = plan(tasks)
+    units = plan(tasks, apart=frozenset(ctx.second_stage_seeds))
     outs = ctx.map(train_group_task, [{"tasks": [tasks[i] for i in unit]} for unit in units])
     results: list[Any] = [None] * len(tasks)
     for unit, out in zip(units, outs):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from addnorm.lab.core import Context, experiment
-from addnorm.lab.seeds import model_seeds
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH = 32, 32, 2, 32, 8
 # A run "trains" when its excess loss is below this. The runs that fail to train here sit at about 1.03 nats of
@@ -46,8 +45,9 @@ def settings(ctx: Context) -> dict:
 
 
 def seed_list(ctx: Context, n: int) -> list[int]:
-    """The run's ``n`` model seeds: disjoint across lab seeds (:func:`addnorm.lab.seeds.model_seeds`)."""
-    return model_seeds(ctx.seed, n)
+    """The run's ``n`` model seeds: disjoint across lab seeds (:func:`addnorm.lab.seeds.model_seeds`), and in a
+    second stage the ones it adds (``Context.model_seeds``)."""
+    return ctx.model_seeds(n)
 
 
 def finite(x) -> bool:
