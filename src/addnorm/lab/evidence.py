@@ -19,8 +19,12 @@ without warmup fails; 8 layers beat 2); a *negative* control shows a parity marg
 A control that is not clearly met makes the verdict *inconclusive*, never *not reproduced*: a missing regime is
 not a failed claim.
 
-Pooling: the units of several runs (lab seeds) are concatenated; the bootstrap resamples units within each lab
-seed (stratified), so each lab seed keeps its weight. The resampling generator is seeded from the data, so the same
+Pooling: the units of several runs (lab seeds) are concatenated and the estimate is their mean. The interval comes
+from a two-stage bootstrap: each resample draws the lab seeds with replacement, then units within each drawn lab
+seed. A lab seed is more than a draw of inits: it draws its own task data (a language, a corpus), so units of one lab
+seed are not independent of each other, and an interval that resampled units only within each lab seed would
+ignore the spread between lab seeds (too narrow where the lab seeds disagree). With one lab seed (one run's own
+verdict) this is the plain bootstrap over its units. The resampling generator is seeded from the data, so the same
 units always give the same interval.
 
 Everything here is plain data in and out (JSON-able dicts), so the seed record can store a run's evidence and
@@ -158,18 +162,28 @@ def _generator(values: Sequence[float], lab_seeds: Sequence[int]) -> np.random.G
 
 
 def bootstrap_interval(values: Sequence[float], strata: Sequence[int], level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean, resampling within each stratum (lab seed)."""
+    """Percentile bootstrap interval of the mean of ``values``: with one stratum (lab seed) the plain bootstrap of
+    its units; with several, two stages per resample: the strata drawn with replacement, then units within each
+    drawn stratum (see the module docstring for why)."""
     x = np.asarray(values, dtype=np.float64)
     strata = np.asarray(strata)
     if x.size == 0:
         raise ValueError("bootstrap_interval needs at least one value")
     rng = _generator(x, strata)
-    means = np.zeros(BOOTSTRAP)
-    for s in np.unique(strata):
-        group = x[strata == s]
-        picks = rng.integers(0, group.size, size=(BOOTSTRAP, group.size))
-        means += group[picks].sum(axis=1)
-    means /= x.size
+    groups = [x[strata == s] for s in np.unique(strata)]
+    if len(groups) == 1:
+        picks = rng.integers(0, x.size, size=(BOOTSTRAP, x.size))
+        means = x[picks].mean(axis=1)
+    else:
+        drawn = rng.integers(0, len(groups), size=(BOOTSTRAP, len(groups)))
+        sums, counts = np.zeros(BOOTSTRAP), np.zeros(BOOTSTRAP)
+        for slot in range(len(groups)):
+            for g, group in enumerate(groups):
+                rows = np.flatnonzero(drawn[:, slot] == g)
+                picks = rng.integers(0, group.size, size=(rows.size, group.size))
+                sums[rows] += group[picks].sum(axis=1)
+                counts[rows] += group.size
+        means = sums / counts
     a = (1 - level) / 2
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 

@@ -5,7 +5,7 @@ For each experiment, the entries of the record whose code identity (registry.cod
 code's are *current*; the others ran older code and are listed, never pooled. Then, in this order:
 
 * **pooled**: the current entries that carry evidence are pooled (evidence.pool_evidence: units concatenated,
-  bootstrap resampling within each lab seed) and judged once (evidence.judge_evidence): the verdict, each rule's
+  a two-stage bootstrap: lab seeds drawn with replacement, then units within each) and judged once (evidence.judge_evidence): the verdict, each rule's
   estimate and 95% interval, over N lab seeds x M units (model seeds or inits) each;
 * **not pooled** (majority): current entries without evidence (an experiment not yet expressed as rules, or a
   version 1 record): the verdict most lab seeds gave (more than half of them, else inconclusive);
