@@ -371,9 +371,10 @@ def backward(
         elif use_parallel(m * n):  # too few rows to split: split the columns
             block = max(COLS_BLOCK_MIN, -(-n // (4 * _threads())))
             sg, sgx = np.empty(m, Rstd.dtype), np.empty(m, Rstd.dtype)
+            ks, params = np.empty(m, np.int64), np.empty(4 * m, np.float64)  # the guard's rescaled rows
             with _parallel_lock:
                 bwd_cols_parallel(
-                    block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, DW, DB, *args[17:]
+                    block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, ks, params, DW, DB, *args[17:]
                 )
         else:
             bwd_serial(*args)
