@@ -43,7 +43,7 @@ def _rows(dtype, seed=0, residual=True):
     for s in SCALES[dtype]:
         for offset in (0.0, 0.5):
             u = torch.rand(N, generator=g, dtype=torch.float64) * 2 - 1
-            xs.append(((offset + (0.4 if offset else 0.9) * u) * s))
+            xs.append((offset + (0.4 if offset else 0.9) * u) * s)
             rs.append((torch.rand(N, generator=g, dtype=torch.float64) * 0.1 - 0.05) * s)
     x = torch.stack(xs).to(dtype)
     r = torch.stack(rs).to(dtype) if residual else None
@@ -158,7 +158,13 @@ def _check(backend, x, r, w, b, *, eps, is_rms, g, **opts):
     od = opts.get("out_dtype") or x.dtype
     cast_to = od if opts.get("cast_before_weight") else None
     (hd, wd, bd), want = _oracle(
-        res, w, None if is_rms else b, eps=eps, is_rms=is_rms, zc=opts.get("zero_centered_weight", False), cast_to=cast_to
+        res,
+        w,
+        None if is_rms else b,
+        eps=eps,
+        is_rms=is_rms,
+        zc=opts.get("zero_centered_weight", False),
+        cast_to=cast_to,
     )
     assert_close64(out, want, od, f"{backend} out")
     dout = torch.randn(out.shape, generator=g).to(od)

@@ -9,7 +9,7 @@ The finite-range guard (:mod:`addnorm.ops.contract`): the norms run as ATen's op
 statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.layer_norm and F.rms_norm, the same
 bits), the guard's test reads them, and only a call with a row that fails it (eagerly: one ``all()`` on the (M,)
 test) runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
-branch on a value: there the scaled pass runs for every row and a ``where`` picks.
+branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a ``where`` picks.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.contract import (
+    GUARD_LIMITS,
     AddNormSpec,
     as_dtype,
     draw_seed,
@@ -131,8 +132,9 @@ def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
     the guard's test recomputed by :func:`scaled_norm`. The plain norm of such a row is run again on a harmless
     stand-in row, so that no inf or NaN of its own backward reaches the gradient."""
     out, mean, rstd = norm(h)
-    compiling = torch.compiler.is_compiling()
-    if not compiling and bool(ordinary_rows(mean, rstd).all()):
+    # compiled graphs and torch.func transforms cannot branch on a value: the branch-free form (both passes, where)
+    compiling = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if not compiling and _all_ordinary(mean, rstd):
         return out
     a = h.detach().abs().amax(dim=-1, keepdim=True)
     rescue = ~ordinary_rows(mean, rstd) & torch.isfinite(a) & (a > 0)  # non-finite and zero rows stay as they are
@@ -142,6 +144,17 @@ def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
     plain = norm(torch.where(rescue, standin, h))[0]
     fixed = scaled_norm(torch.where(rescue, h, standin), w, b, eps, is_rms, cast_to)
     return torch.where(rescue, fixed.to(plain.dtype), plain)
+
+
+def _all_ordinary(mean, rstd) -> bool:
+    """ordinary_rows(mean, rstd).all(), in as few ops as possible: every call pays it (a decode step too)."""
+    if not rstd.numel():
+        return True
+    lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
+    least, most = torch.aminmax(rstd)  # (NaN propagates into both, and fails the test)
+    if not (lo <= float(least) and float(most) <= hi):
+        return False
+    return mean is None or bool(ordinary_rows(mean, rstd).all())
 
 
 def scaled_norm(h, w, b, eps, is_rms, cast_to=None) -> Tensor:

@@ -17,6 +17,10 @@ The math (one row h of length N; statistics in fp32, fp64 when x or the residual
                 dresidual = dh,   dx = dh * keep * scale   (scale: 1/(1-p) rounded to the stats dtype)
                 dweight = sum over rows of dout * xhat (* round(xhat) with cast_before_weight),   dbias = sum of dout
 
+    guard       a row whose mean and rstd fail the contract's test (:mod:`addnorm.ops.contract`: rstd outside
+                [2^-50, 2^50] in fp32, or a subnormal mean) is normalized again from h * 2^k in float64
+                (:func:`addnorm.ops.cpu.stats.guarded_row_stats`); its backward is :mod:`addnorm.ops.cpu.guard_bwd`
+
 A row is at most a few hundred KB, so it stays in L1/L2 while it is read several times: the forward streams x
 and residual in once, writes residual_out, then reads that row back from cache for the statistics (two passes,
 mean then squared deviations: no E[h^2] - E[h]^2 cancellation) and for the output. Everything in between lives in

@@ -38,8 +38,8 @@ from addnorm.ops.cpu.kernels import (
     round_as,
     zero_of,
 )
-from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves
 from addnorm.ops.cpu.launch import as_numpy, row_view, use_parallel
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves
 
 try:
     from llvmlite import ir
