@@ -257,3 +257,46 @@ def test_quantized_ops_on_extreme_rows(backend, is_rms, quant_dtype, dtype):
         qv = q.to(torch.float64)
         step = 2.0 ** (torch.floor(torch.log2(v.abs().clamp(min=2.0**-6))) - 3)  # e4m3: 3 mantissa bits
         assert ((qv - v).abs() <= step).all(), f"{backend} fp8 codes"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_dropout_on_extreme_rows(backend, is_rms):
+    """Dropout before the norm: the gradient of a rescaled row goes through the regenerated mask. Without a residual,
+    residual_out is dropout(x), so the kept elements are its nonzero ones (x has no zeros here)."""
+    _skip_unavailable(backend)
+    p = 0.25
+    x = _rows(torch.float32)[0][4:-2]  # 1e-38 .. 1e37: no element rounds to 0, none overflows once scaled by 4/3
+    assert (x != 0).all()
+    xg = x.clone().requires_grad_(True)
+    fn = add_rms_norm if is_rms else add_layer_norm
+    out, res = fn(xg, None, None, eps=0.0, dropout_p=p, backend=backend)
+    keep = res.detach() != 0
+    assert 0 < keep.float().mean() < 1
+    (hd, _, _), want = _oracle(res, None, None, eps=0.0, is_rms=is_rms)
+    assert_close64(out, want, torch.float32, f"{backend} out")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    out.backward(dout)
+    want.backward(dout.double())
+    scale = float(torch.tensor(1 / (1 - p), dtype=torch.float32))
+    assert_close64(xg.grad, hd.grad * keep * scale, torch.float32, f"{backend} dx")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_inference_calls_on_extreme_rows(backend, dtype, is_rms):
+    """The calls nothing differentiates (the decode fast path: one row, and a few rows; one dtype) take the guard
+    too."""
+    _skip_unavailable(backend)
+    x, r = _rows(dtype, seed=9)
+    g = torch.Generator().manual_seed(10)
+    w, b = _affine(N, dtype, g, bias=not is_rms)
+    for rows in (slice(16, 17), slice(None)):  # one row (1e20 in fp32, 1e38 in bf16), then all of them
+        with torch.no_grad():
+            if is_rms:
+                out, res = add_rms_norm(x[rows], r[rows], w, 0.0, backend=backend)
+            else:
+                out, res = add_layer_norm(x[rows], r[rows], w, b, 0.0, backend=backend)
+        _, want = _oracle(res, w, None if is_rms else b, eps=0.0, is_rms=is_rms)
+        assert_close64(out, want, dtype, f"{backend} out, rows {rows}")

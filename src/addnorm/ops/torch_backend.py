@@ -148,9 +148,12 @@ def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
 
 def _all_ordinary(mean, rstd) -> bool:
     """ordinary_rows(mean, rstd).all(), in as few ops as possible: every call pays it (a decode step too)."""
+    lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
+    if rstd.numel() == 1:  # one row (decode): read the values, no reduction
+        a = 0.0 if mean is None else abs(float(mean))
+        return lo <= float(rstd) <= hi and not 0 < a < tiny
     if not rstd.numel():
         return True
-    lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
     least, most = torch.aminmax(rstd)  # (NaN propagates into both, and fails the test)
     if not (lo <= float(least) and float(most) <= hi):
         return False
@@ -159,8 +162,8 @@ def _all_ordinary(mean, rstd) -> bool:
 
 def scaled_norm(h, w, b, eps, is_rms, cast_to=None) -> Tensor:
     """The guard's scaled pass in plain PyTorch, differentiable: each row of h (finite, not all zero) multiplied by
-    2^k, k from its max |value| (exact), its moments and the normalized value in float64, eps taken in h's dtype as
-    the plain norm does. Returns the float64 result (the caller rounds it)."""
+    2^k, k from its max |value| (exact), its moments and the normalized value in float64, eps rounded to the
+    statistics dtype as the plain norm takes it. Returns the float64 result (the caller rounds it)."""
     hd = h.double()
     a = hd.detach().abs().amax(dim=-1, keepdim=True)
     k = 1 - torch.frexp(a).exponent.to(torch.int64)
@@ -169,7 +172,7 @@ def scaled_norm(h, w, b, eps, is_rms, cast_to=None) -> Tensor:
     hs = hd * s1 * s2
     d = hs if is_rms else hs - hs.mean(dim=-1, keepdim=True)
     var_s = d.square().mean(dim=-1, keepdim=True)
-    eps_c = float(torch.tensor(eps, dtype=h.dtype)) if h.dtype != torch.float64 else float(eps)
+    eps_c = float(eps) if h.dtype == torch.float64 else float(torch.tensor(eps, dtype=torch.float32))
     e = eps_c * s1 * s1 * s2 * s2
     # eps * 4^k beyond 2^60 leaves var_s (< 4) nothing to add: r = 2^-k / sqrt(eps) (float64 could overflow e)
     big = e > 2.0**60
