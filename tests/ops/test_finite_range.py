@@ -300,3 +300,19 @@ def test_inference_calls_on_extreme_rows(backend, dtype, is_rms):
                 out, res = add_layer_norm(x[rows], r[rows], w, b, 0.0, backend=backend)
         _, want = _oracle(res, w, None if is_rms else b, eps=0.0, is_rms=is_rms)
         assert_close64(out, want, dtype, f"{backend} out, rows {rows}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_few_wide_rows(backend, is_rms):
+    """Two rows of 2^17 (1e30 and 1e-40, fp32): the cpu backward's column-split path (few rows, many elements, more
+    than one thread) carries the rescaled rows' statistics to every column block."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 17
+    x = (torch.rand(2, n, generator=g, dtype=torch.float64) * 2 - 1) * torch.tensor(
+        [[1e30], [1e-40]], dtype=torch.float64
+    )
+    x = x.float()
+    w, b = _affine(n, torch.float32, g, bias=not is_rms)
+    _check(backend, x, torch.zeros_like(x), w, b, eps=0.0, is_rms=is_rms, g=g)
