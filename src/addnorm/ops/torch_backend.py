@@ -150,12 +150,12 @@ def _all_ordinary(mean, rstd) -> bool:
     """ordinary_rows(mean, rstd).all(), in as few ops as possible: every call pays it (a decode step too)."""
     lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
     if rstd.numel() == 1:  # one row (decode): read the values, no reduction
-        a = 0.0 if mean is None else abs(float(mean))
-        return lo <= float(rstd) <= hi and not 0 < a < tiny
+        a = 0.0 if mean is None else abs(mean.item())
+        return lo <= rstd.item() <= hi and not 0 < a < tiny
     if not rstd.numel():
         return True
     least, most = torch.aminmax(rstd)  # (NaN propagates into both, and fails the test)
-    if not (lo <= float(least) and float(most) <= hi):
+    if not (lo <= least.item() and most.item() <= hi):
         return False
     return mean is None or bool(ordinary_rows(mean, rstd).all())
 
