@@ -72,6 +72,7 @@ class Config:
     threads: int | None = None
     out: Path | None = Path(__file__).parent / "results"
     json: bool = False
+    contenders: list[str] | None = None  # None: all; the streaming limit is always measured
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -143,11 +144,15 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             compiled[key] = torch.compile(eager, dynamic=True)
         return compiled[key]
 
+    def wanted(name: str) -> bool:
+        return cfg.contenders is None or name in cfg.contenders
+
     contenders = {
         "addnorm cpu": api("cpu"),
         "addnorm torch": api("torch"),
         "eager": eager,
     }
+    contenders = {name: fn for name, fn in contenders.items() if wanted(name)}
     rows = []
     for dname in cfg.dtypes:
         dtype = getattr(torch, DTYPES[dname])
@@ -202,10 +207,12 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
                     zero_centered_weight=False,
                 )
 
-            add("addnorm kernel", "fwd", _time(kernel, cfg.reps), fwd_bytes)
+            if wanted("addnorm kernel"):
+                add("addnorm kernel", "fwd", _time(kernel, cfg.reps), fwd_bytes)
             xi, ri = x.clone(), r.clone()  # overwritten at every call (r grows by a normalized row each time)
             with torch.no_grad():
-                add("addnorm in-place", "fwd", _time(lambda: inplace(xi, ri, w, b), cfg.reps), fwd_bytes)
+                if wanted("addnorm in-place"):
+                    add("addnorm in-place", "fwd", _time(lambda: inplace(xi, ri, w, b), cfg.reps), fwd_bytes)
             xi = ri = None  # freed before the next shape (a `del` would leave the timing lambda a dangling name)
             with torch.no_grad():
                 for name, fn in contenders.items():
@@ -370,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         help="directory for cpu.csv/cpu.json (default benchmarks/results; '' writes nothing)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a markdown table")
+    p.add_argument(
+        "--contenders",
+        default=None,
+        help="comma-separated contender names to time (default all; `stream` is always timed)",
+    )
     a = p.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
@@ -386,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=a.threads,
         out=Path(a.out) if a.out else None,
         json=a.json,
+        contenders=[c.strip() for c in a.contenders.split(",")] if a.contenders else None,
     )
     rows, env = run(cfg)
     if cfg.out is not None:

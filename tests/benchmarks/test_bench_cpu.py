@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_cpu  # noqa: E402
 import bench_overhead  # noqa: E402
+import compare_sources  # noqa: E402
 
 
 def test_bench_cpu_has_in_place_rows_and_out_empty_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -40,6 +41,28 @@ def test_bench_cpu_writes_csv_and_json_with_the_allocator_settings(tmp_path, mon
     fb = next(r for r in data["rows"] if r["mode"] == "fwd+bwd" and r["contender"] == "eager")
     assert fb["gbps"] == pytest.approx(8 * 4 * 64 * 4 / (fb["ms"] / 1e3) / 1e9, rel=1e-6)  # 8 passes of M x N
     assert (tmp_path / "cpu.csv").read_text().startswith("dtype,m,n,norm,mode,contender")
+
+
+def test_bench_cpu_times_only_the_named_contenders_and_the_stream(capsys):
+    args = ["--shapes", "2x32", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--out", "", "--json"]
+    assert bench_cpu.main([*args, "--contenders", "addnorm kernel,eager"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["mode"], r["contender"]) for r in rows} == {
+        ("fwd", "stream"),
+        ("fwd", "addnorm kernel"),
+        ("fwd", "eager"),
+        ("fwd+bwd", "eager"),
+    }
+
+
+def test_compare_sources_runs_both_trees_and_tabulates_the_ratio(capsys):
+    src = str(ROOT / "src")
+    bench = ["--shapes", "2x32", "--dtypes", "fp32", "--reps", "1", "--no-compile", "--contenders", "addnorm kernel"]
+    assert compare_sources.main(["--a", src, "--b", src, "--rounds", "1", "--", *bench]) == 0
+    table = capsys.readouterr().out
+    assert "| dtype | M x N | norm | mode | contender | A best ms | B best ms | B / A |" in table
+    assert "| fp32 | 2x32 | rms | fwd | addnorm kernel |" in table
+    assert "| fp32 | 2x32 | rms | fwd | stream |" in table and "eager" not in table
 
 
 def test_bench_overhead_rows_and_files(tmp_path, capsys):

@@ -15,6 +15,17 @@ gradient ``dout * w`` is not rounded to out_dtype before the norm's backward); d
 (dout arrives in out_dtype, which is how the backward knows it). ``eps=None`` (RMSNorm) is the machine epsilon of
 the dtype normalized, residual_dtype.
 
+Every finite input is in the contract: a row whose plain statistics overflow or underflow (fp32 sums of squares
+of values beyond ~1e19 or below ~1e-23, a subnormal row with eps=0) gets the float64 answer rounded to out_dtype,
+on every backend, at the cost of one scalar test per row for all others. The test, on the row's mean and rstd as
+computed: ``2^-50 <= rstd <= 2^50`` (fp32 statistics; 2^-400, 2^400 for fp64) and the mean not subnormal; a row
+that fails it is recomputed from ``h * 2^k`` (k from the row's max |value|: exact) in float64. Its saved mean and
+rstd are the true values rounded to the statistics dtype, rstd possibly inf (eps=0 on a subnormal row: ~1e40) or
+subnormal; the backward applies the same test to them and recomputes such a row's scaled statistics from h, so its
+gradients are float64's rounded to their dtypes: inf where they lie beyond the range, never NaN where float64 is
+finite. Rows holding inf or NaN, and zero rows, keep the plain result (NaN). The rule, its constants and why:
+:mod:`addnorm.ops.contract` (``GUARD_LIMITS``, ``guard_scale_exponent``, ``ordinary_rows``).
+
 Kernel backends (``triton``, ``cpu``, ``reference``) are modules with
 
     forward(x, residual, weight, bias, *, eps, is_rms, dropout_p, seed, residual_dtype, zero_centered_weight,

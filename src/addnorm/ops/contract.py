@@ -22,6 +22,7 @@ __all__ = [
     "AddNormSpec",
     "DROPOUT_SEED_OFFSET",
     "FLOAT_DTYPES",
+    "GUARD_LIMITS",
     "MACHINE_EPS",
     "MIX_M1",
     "MIX_M2",
@@ -36,8 +37,10 @@ __all__ = [
     "dropout_scale",
     "dropout_seed_key",
     "dropout_threshold",
+    "guard_scale_exponent",
     "lone_wide_row",
     "mix32",
+    "ordinary_rows",
     "row_mean",
     "stats_dtype",
     "validate",
@@ -148,6 +151,58 @@ def row_mean(t: Tensor, keepdim: bool = False) -> Tensor:
         m = t.reshape(1, -1).expand(2, -1).mean(dim=-1)[:1]
         return m.reshape(*t.shape[:-1], 1) if keepdim else m.reshape(t.shape[:-1])
     return t.mean(dim=-1, keepdim=keepdim)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The finite-range guard: every finite row gets the float64-correct answer rounded to the output dtype
+#
+# The plain statistics (fp32: sums of squares of values near 1e20 overflow, of values near 1e-23 underflow) hold for
+# ordinary rows only. Every backend computes them as always, then checks one scalar per row on what it computed,
+# the row's rstd and (LayerNorm) mean, in the statistics dtype:
+#
+#   ordinary  iff  RSTD_MIN <= rstd <= RSTD_MAX  and not 0 < |mean| < TINY
+#
+# (fp32: rstd in [2^-50, 2^50], i.e. var + eps in [2^-100, 2^100], where the squares' underflow and overflow are
+# far below fp32 rounding; TINY the smallest normal, below which a mean has lost bits that rstd would magnify.
+# NaN fails the test: a non-finite rstd or mean always does.) A row that is not ordinary is recomputed by a second,
+# scaled pass: with a = max |h| over the row, h is multiplied by 2^k, k = guard_scale_exponent(a) (a * 2^k in
+# [1, 2): exact, a power of two), the moments of the scaled row are taken in float64 (fp32 values and their
+# squares are far inside its range), and
+#
+#   xhat = (h * 2^k - mean_s) * r,   r = rstd * 2^-k = 1 / sqrt(var_s + eps * 4^k)
+#
+# so no intermediate leaves the range whatever the row's scale. Rows with a non-finite value (or all zero) keep the
+# plain pass's result: NaN in, NaN out, and a zero row with eps = 0 is 0/0 in float64 too.
+#
+# Saved statistics of a recomputed row are its true mean and rstd rounded to the statistics dtype: rstd may round
+# to inf (eps = 0 on a subnormal row: rstd ~ 1e40) or to a subnormal. The backward applies the same test to the
+# saved values; a row that is not ordinary has its scaled moments recomputed from h (which the backward has) and
+# takes r = 1/sqrt(var_s) when that reproduces the saved rstd (eps negligible; an inf rstd means eps = 0), else the
+# saved rstd * 2^-k. The gradient is then computed in the scaled units and multiplied by 2^k once, at the end: inf
+# exactly where the float64 gradient is beyond the output dtype's range.
+# --------------------------------------------------------------------------------------------------------------
+
+# (RSTD_MIN, RSTD_MAX, TINY) per statistics dtype
+GUARD_LIMITS = {
+    torch.float32: (2.0**-50, 2.0**50, 2.0**-126),
+    torch.float64: (2.0**-400, 2.0**400, 2.0**-1022),
+}
+
+
+def guard_scale_exponent(amax: float) -> int:
+    """k with amax * 2^k in [1, 2), for a finite amax > 0: the power of two the scaled pass multiplies a row by."""
+    return 1 - math.frexp(amax)[1]
+
+
+def ordinary_rows(mean: Tensor | None, rstd: Tensor) -> Tensor:
+    """Which rows the plain statistics serve (the test above), elementwise over rstd's shape; mean None (RMSNorm)
+    counts as 0."""
+    lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
+    ok = (rstd >= lo) & (rstd <= hi)
+    if mean is not None:
+        am = mean.abs()
+        ok &= ~((am > 0) & (am < tiny))
+    return ok
 
 
 # --------------------------------------------------------------------------------------------------------------

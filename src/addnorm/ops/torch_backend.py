@@ -4,25 +4,43 @@ order, traced natively by torch.compile, seen through by torch.func transforms.
 
 Unlike the kernel backends it needs no custom op around it: :func:`add_norm` takes the tensors and the call's
 :class:`~addnorm.ops.contract.AddNormSpec` and returns ``(out, residual_out)`` with the autograd graph attached.
+
+The finite-range guard (:mod:`addnorm.ops.contract`): the norms run as ATen's ops that also return the row
+statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.layer_norm and F.rms_norm, the same
+bits), the guard's test reads them, and only a call with a row that fails it (eagerly: one ``all()`` on the (M,)
+test) runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
+branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a ``where`` picks.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.contract import (
+    GUARD_LIMITS,
     AddNormSpec,
     as_dtype,
     draw_seed,
     dropout_keep_mask,
     dropout_scale,
     lone_wide_row,
+    ordinary_rows,
     stats_dtype,
 )
 
-__all__ = ["add_norm", "add_norm_general", "batch_invariant_rms_norm", "rms_norm_one_dtype", "unavailable_reason"]
+__all__ = [
+    "add_norm",
+    "add_norm_general",
+    "batch_invariant_rms_norm",
+    "guard_rows",
+    "rms_norm_one_dtype",
+    "scaled_norm",
+    "unavailable_reason",
+]
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -73,23 +91,100 @@ def add_norm_general(x: Tensor, residual, weight, bias, spec: AddNormSpec) -> tu
     if w is not None and spec.zero_centered_weight:
         w = w + 1
     b = None if bias is None or is_rms else as_dtype(bias, cd)
-    n = (x.shape[-1],)
-    if spec.cast_before_weight:
+    cast_to = out_dtype if spec.cast_before_weight else None
+
+    def norm(h):
+        n = (h.shape[-1],)
+        if cast_to is None:
+            return _norm_stats(h, n, w, b, eps, is_rms)
         # Llama's order: round the normalized value to x's dtype, then apply the weight (and bias) and round again
-        xhat = batch_invariant_rms_norm(h, n, None, eps) if is_rms else F.layer_norm(h, n, None, None, eps)
+        xhat, mean, rstd = _norm_stats(h, n, None, None, eps, is_rms)
+        return _affine(xhat, w, b, cast_to), mean, rstd
+
+    out = guard_rows(norm, h, w, b, eps, is_rms, cast_to)
+    return as_dtype(out, out_dtype), residual_out
+
+
+def _affine(xhat, w, b, cast_to):
+    if cast_to is not None and (w is not None or b is not None):
         # the rounding's gradient is the identity, as in the kernels: autograd through .to(out_dtype) would round
         # dout * w to out's dtype before the norm's backward (up to one bf16 ulp more error in dx). xhat + (r -
         # xhat) is r exactly: r is xhat's nearest out_dtype value, so the difference is exact (Sterbenz)
-        out = xhat + (xhat.to(out_dtype).to(cd) - xhat).detach()
-        if w is not None:
-            out = out * w
-        if b is not None:
-            out = out + b
-    elif is_rms:
-        out = batch_invariant_rms_norm(h, n, w, eps)
-    else:
-        out = F.layer_norm(h, n, w, b, eps)
-    return as_dtype(out, out_dtype), residual_out
+        xhat = xhat + (xhat.to(cast_to).to(xhat.dtype) - xhat).detach()
+    if w is not None:
+        xhat = xhat * w
+    if b is not None:
+        xhat = xhat + b
+    return xhat
+
+
+def _norm_stats(h, n, w, b, eps, is_rms):
+    """(out, mean | None, rstd) of the plain norm: ATen's kernels that F.layer_norm and F.rms_norm run."""
+    if not is_rms:
+        return torch.native_layer_norm(h, n, w, b, eps)
+    if lone_wide_row(h):  # (see batch_invariant_rms_norm)
+        out, rstd = torch.ops.aten._fused_rms_norm(h.reshape(1, -1).expand(2, -1), n, w, eps)
+        return out[:1].reshape(h.shape), None, rstd[:1].reshape(*h.shape[:-1], 1)
+    out, rstd = torch.ops.aten._fused_rms_norm(h, n, w, eps)
+    return out, None, rstd
+
+
+def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
+    """``norm(h)`` (a function returning (out, mean | None, rstd) of the plain computation), with the rows that fail
+    the guard's test recomputed by :func:`scaled_norm`. The plain norm of such a row is run again on a harmless
+    stand-in row, so that no inf or NaN of its own backward reaches the gradient."""
+    out, mean, rstd = norm(h)
+    # compiled graphs and torch.func transforms cannot branch on a value: the branch-free form (both passes, where)
+    compiling = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if not compiling and _all_ordinary(mean, rstd):
+        return out
+    a = h.detach().abs().amax(dim=-1, keepdim=True)
+    rescue = ~ordinary_rows(mean, rstd) & torch.isfinite(a) & (a > 0)  # non-finite and zero rows stay as they are
+    if not compiling and not bool(rescue.any()):
+        return out
+    standin = (torch.arange(h.shape[-1], device=h.device) % 2 * 2 - 1).to(h.dtype)  # +-1: mean 0, var 1
+    plain = norm(torch.where(rescue, standin, h))[0]
+    fixed = scaled_norm(torch.where(rescue, h, standin), w, b, eps, is_rms, cast_to)
+    return torch.where(rescue, fixed.to(plain.dtype), plain)
+
+
+def _all_ordinary(mean, rstd) -> bool:
+    """ordinary_rows(mean, rstd).all(), in as few ops as possible: every call pays it (a decode step too)."""
+    lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
+    if rstd.numel() == 1:  # one row (decode): read the values, no reduction
+        a = 0.0 if mean is None else abs(mean.item())
+        return lo <= rstd.item() <= hi and not 0 < a < tiny
+    if not rstd.numel():
+        return True
+    least, most = torch.aminmax(rstd)  # (NaN propagates into both, and fails the test)
+    if not (lo <= least.item() and most.item() <= hi):
+        return False
+    if mean is None:
+        return True
+    am = mean.abs()
+    return not torch.where(am == 0, math.inf, am).amin().item() < tiny  # no subnormal mean (0 is exact)
+
+
+def scaled_norm(h, w, b, eps, is_rms, cast_to=None) -> Tensor:
+    """The guard's scaled pass in plain PyTorch, differentiable: each row of h (finite, not all zero) multiplied by
+    2^k, k from its max |value| (exact), its moments and the normalized value in float64, eps rounded to the
+    statistics dtype as the plain norm takes it. Returns the float64 result (the caller rounds it)."""
+    hd = h.double()
+    a = hd.detach().abs().amax(dim=-1, keepdim=True)
+    k = 1 - torch.frexp(a).exponent.to(torch.int64)
+    one = torch.ones_like(a)
+    s1, s2 = torch.ldexp(one, k // 2), torch.ldexp(one, k - k // 2)  # 2^k in two factors: each in range
+    hs = hd * s1 * s2
+    d = hs if is_rms else hs - hs.mean(dim=-1, keepdim=True)
+    var_s = d.square().mean(dim=-1, keepdim=True)
+    eps_c = float(eps) if h.dtype == torch.float64 else float(torch.tensor(eps, dtype=torch.float32))
+    e = eps_c * s1 * s1 * s2 * s2
+    # eps * 4^k beyond 2^60 leaves var_s (< 4) nothing to add: r = 2^-k / sqrt(eps) (float64 could overflow e)
+    big = e > 2.0**60
+    r = torch.where(big, (eps_c**-0.5 if eps_c > 0 else 0.0) / s1 / s2, torch.rsqrt(torch.where(big, 1.0, var_s + e)))
+    wd = None if w is None else w.double()
+    bd = None if b is None else b.double()
+    return _affine(d * r, wd, bd, cast_to)
 
 
 def rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
@@ -101,10 +196,15 @@ def rms_norm_one_dtype(x, residual, weight, eps, cast_before_weight):
     backward does not."""
     h = x if residual is None else x + residual
     n = (x.shape[-1],)
-    if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the statistics one)
-        out = batch_invariant_rms_norm(h, n, None, eps)
-        return (out if weight is None else out * weight), h
-    return batch_invariant_rms_norm(h, n, weight, eps), h
+    cast_to = h.dtype if cast_before_weight else None
+
+    def norm(h):
+        if cast_before_weight:  # (only a half dtype gets here: the cast is dropped when x's dtype is the stats one)
+            out, _, rstd = _norm_stats(h, n, None, None, eps, True)
+            return (out if weight is None else out * weight), None, rstd
+        return _norm_stats(h, n, weight, None, eps, True)
+
+    return guard_rows(norm, h, weight, None, eps, True, cast_to), h
 
 
 def batch_invariant_rms_norm(h, n, weight, eps):

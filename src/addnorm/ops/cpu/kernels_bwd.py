@@ -6,12 +6,16 @@ the result is bitwise the same whatever the thread count.
 numba's cache (``cache=True``) checks only the source of a kernel's own file: these kernels inline the helpers of
 :mod:`addnorm.ops.cpu.kernels`, so after editing those, delete this module's entries in ``__pycache__``
 (``kernels_bwd.*.nbi``/``.nbc``).
+
+Rows whose saved statistics fail the finite-range guard's test (:func:`addnorm.ops.cpu.stats.saved_row_scaling`)
+take the scaled backward of :mod:`addnorm.ops.cpu.guard_bwd`; the test is one comparison per row on the others.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
 from addnorm.ops.cpu.kernels import (
     FAST,
     JIT,
@@ -24,6 +28,7 @@ from addnorm.ops.cpu.kernels import (
     store_rounded,
     zero_of,
 )
+from addnorm.ops.cpu.stats import NOT_SCALED, saved_row_scaling
 
 __all__ = ["bwd_cols_parallel", "bwd_parallel", "bwd_serial"]
 
@@ -146,6 +151,35 @@ def _bwd_chunk(
         dres = DRes[i * n : i * n + n]
         rstd = Rstd[i]
         mean = zero if is_rms else Mean[i]
+        k, mean_s, r = saved_row_scaling(h, n, is_rms, mean, rstd)
+        if k != NOT_SCALED:  # a row the forward's guard rescaled
+            sg, sgx = scaled_bwd_sums(dy, h, W, has_w, n, k, mean_s, r)
+            mg = 0.0 if is_rms else sg / n
+            scaled_dx_row(
+                i * n,
+                dy,
+                h,
+                dro,
+                dx,
+                dres,
+                W,
+                n,
+                k,
+                mean_s,
+                r,
+                mg,
+                sgx / n,
+                has_dro,
+                has_w,
+                has_dres,
+                dropout,
+                seed_key,
+                threshold,
+                scale,
+            )
+            if has_w or has_db:
+                scaled_dw_row(dy, h, dwp, dbp, n, k, mean_s, r, has_w, has_db, cast)
+            continue
         sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
         _bwd_dx_row(
@@ -341,6 +375,8 @@ def bwd_cols_parallel(
     DRes,
     SG,
     SGX,
+    K,
+    P,
     DW,
     DB,
     n,
@@ -361,9 +397,16 @@ def bwd_cols_parallel(
     zero = zero_of(Rstd)
     seed_key, threshold, scale = np.uint64(seed_key), np.uint64(threshold), cast_like(scale, zero)
     nf = cast_like(n, zero)
+    # K, P: (M,) int64 and (4 * M,) float64 scratch, a rescaled row's k and (mean_s, r, mean(g), mean(g * xhat))
     for i in prange(m):
         mean = zero if is_rms else Mean[i]
-        SG[i], SGX[i] = _bwd_sums(DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n], W, has_w, mean, Rstd[i], n, zero)
+        dy, h = DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n]
+        K[i], P[4 * i], P[4 * i + 1] = saved_row_scaling(h, n, is_rms, mean, Rstd[i])
+        if K[i] != NOT_SCALED:
+            sg, sgx = scaled_bwd_sums(dy, h, W, has_w, n, K[i], P[4 * i], P[4 * i + 1])
+            P[4 * i + 2], P[4 * i + 3] = (0.0 if is_rms else sg / n), sgx / n
+        else:
+            SG[i], SGX[i] = _bwd_sums(dy, h, W, has_w, mean, Rstd[i], n, zero)
     for c in prange((n + block - 1) // block):
         j0 = c * block
         k = min(n, j0 + block) - j0
@@ -373,6 +416,36 @@ def bwd_cols_parallel(
             h = H[i * sh + j0 : i * sh + j0 + k]
             dro = DRO[i * sdro + j0 : i * sdro + j0 + k] if has_dro else DRO
             dres = DRes[i * n + j0 : i * n + j0 + k] if has_dres else DRes
+            if K[i] != NOT_SCALED:
+                dwr = DW[j0 : j0 + k] if has_w else DW
+                dbr = DB[j0 : j0 + k] if has_db else DB
+                q = P[4 * i : 4 * i + 4]
+                dxr = DX[i * n + j0 : i * n + j0 + k]
+                scaled_dx_row(
+                    i * n + j0,
+                    dy,
+                    h,
+                    dro,
+                    dxr,
+                    dres,
+                    w,
+                    k,
+                    K[i],
+                    q[0],
+                    q[1],
+                    q[2],
+                    q[3],
+                    has_dro,
+                    has_w,
+                    has_dres,
+                    dropout,
+                    seed_key,
+                    threshold,
+                    scale,
+                )
+                if has_w or has_db:
+                    scaled_dw_row(dy, h, dwr, dbr, k, K[i], q[0], q[1], has_w, has_db, cast)
+                continue
             rstd = Rstd[i]
             mean = zero if is_rms else Mean[i]
             mean_g = zero if is_rms else SG[i] / nf

@@ -371,10 +371,10 @@ def backward(
         elif use_parallel(m * n):  # too few rows to split: split the columns
             block = max(COLS_BLOCK_MIN, -(-n // (4 * _threads())))
             sg, sgx = np.empty(m, Rstd.dtype), np.empty(m, Rstd.dtype)
+            ks, params = np.empty(m, np.int64), np.empty(4 * m, np.float64)  # the guard's rescaled rows
             with _parallel_lock:
-                bwd_cols_parallel(
-                    block, m, DY, sdy, DRO, sdro, H, sh, W, Mean, Rstd, DX, DRes, sg, sgx, DW, DB, *args[17:]
-                )
+                # (args[2:13]: DY .. DRes; args[15:]: DW, DB and the flags)
+                bwd_cols_parallel(block, m, *args[2:13], sg, sgx, ks, params, *args[15:])
         else:
             bwd_serial(*args)
     dweight = dw.to(weight.dtype) if dw is not None else None

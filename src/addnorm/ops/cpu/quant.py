@@ -1,8 +1,8 @@
 """The ``cpu`` backend of add + norm + quantize: one numba pass per row (the contract is in
 :mod:`addnorm.ops.quant.contract`).
 
-Per row: the residual add and the statistics are the add + norm kernels' own row functions
-(:mod:`addnorm.ops.cpu.kernels`), so residual_out, mean and rstd are bitwise those of ``add_rms_norm(backend='cpu')``.
+Per row: the residual add and the statistics (finite-range guard included) are the add + norm kernels' own row
+functions (:mod:`addnorm.ops.cpu.kernels`, :mod:`addnorm.ops.cpu.stats`), so residual_out, mean and rstd are bitwise those of ``add_rms_norm(backend='cpu')``.
 Then y is written once into a float32 row buffer (a few KB, which stays in L1/L2) that the amax pass and the
 codes pass read.
 
@@ -36,11 +36,10 @@ from addnorm.ops.cpu.kernels import (
     prange,
     residual_row,
     round_as,
-    row_sum,
-    row_sum_sq_dev,
     zero_of,
 )
 from addnorm.ops.cpu.launch import as_numpy, row_view, use_parallel
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves
 
 try:
     from llvmlite import ir
@@ -135,6 +134,22 @@ def _y_row(h, X, W, B, Y, n, mean, rstd, has_w, has_b, cast):
         Y[j] = np.float32(y)
 
 
+@njit(**JIT)
+def _y_row_scaled(h, X, W, B, Y, n, k, mean_s, r, has_w, has_b, cast):
+    """:func:`_y_row` for a row the finite-range guard rescaled: xhat = (h * 2^k - mean_s) * r in float64
+    (:func:`addnorm.ops.cpu.stats.guarded_row_stats`)."""
+    s1, s2 = pow2_halves(k)
+    for j in range(n):
+        y = (np.float64(load(h, j)) * s1 * s2 - mean_s) * r
+        if cast:
+            y = round_as(X, y)
+        if has_w:
+            y = y * np.float64(W[j])
+        if has_b:
+            y = y + np.float64(B[j])
+        Y[j] = np.float32(y)
+
+
 @njit(inline="always", **JIT)
 def _saturated(y, j, inv, qmax):
     v = np.float32(y[j] * inv)
@@ -211,17 +226,13 @@ def _quant_row(
     # uint8; S: (M, N // group) float32 scales (dynamic)
     h = H[i * sh : i * sh + n]
     residual_row(X[i * sx : i * sx + n], R[i * sr : i * sr + n], h, i, n, has_res, False, 0, 0, zero, zero)
-    nf = cast_like(n, zero)
-    if is_rms:
-        mean = zero
-        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, zero, zero) / nf + eps)
-    else:
-        mean = row_sum(h, n, zero) / nf
-        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, mean, zero) / nf + eps)
-    rstd = cast_like(rstd, zero)
+    mean, rstd, k, mean_s, r = guarded_row_stats(h, n, is_rms, eps, zero)
     q = Q[i * n : i * n + n]
     y = np.empty(n, dtype=np.float32)  # the row's y: a few KB, in L1 for the two passes below
-    _y_row(h, X[i * sx : i * sx + n], W, B, y, n, mean, rstd, has_w, has_b, cast)
+    if k == NOT_SCALED:
+        _y_row(h, X[i * sx : i * sx + n], W, B, y, n, mean, rstd, has_w, has_b, cast)
+    else:  # the finite-range guard rescaled the row
+        _y_row_scaled(h, X[i * sx : i * sx + n], W, B, y, n, k, mean_s, r, has_w, has_b, cast)
     for g in range(n // group):
         lo = g * group
         inv = inv_static
