@@ -33,19 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from addnorm.ops.cpu.kernels import (
-    FAST,
-    JIT,
-    cast_like,
-    load,
-    njit,
-    prange,
-    round_as,
-    row_sum,
-    row_sum_sq_dev,
-    store_rounded,
-    zero_of,
-)
+from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, prange, round_as, store_rounded, zero_of
+from addnorm.ops.cpu.stats import row_sum, row_sum_sq_dev
 
 __all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial", "row_stats"]
 
