@@ -173,6 +173,10 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
     cast = cast and x.dtype != stats_dtype(x.dtype, residual.dtype)
     args = (x, residual, weight, bias, float(eps), is_rms, bool(zero_centered_weight), cast)
     if torch.compiler.is_compiling():
+        if x is residual:
+            # _check_inplace put the refusing op in the graph: it raises when the graph runs, so nothing after it
+            # would run; tracing the norm on one tensor as both operands only gives Inductor an aliased graph
+            return x, residual
         name = resolve_backend_for_trace(backend, x.device.type)
         if name == "torch":
             _inplace_impl(*args, name)  # plain PyTorch: traced as it is
