@@ -34,7 +34,9 @@ from __future__ import annotations
 import numpy as np
 
 from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, prange, round_as, store_rounded, zero_of
-from addnorm.ops.cpu.stats import row_sum, row_sum_sq_dev
+from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
+from addnorm.ops.cpu.kernels import normalize_row_scaled
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves, row_sum, row_sum_sq_dev, saved_row_scaling
 
 __all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial", "row_stats"]
 
@@ -110,6 +112,23 @@ def _norm_add_row_inplace(y, h, W, B, n, mean, rstd, has_w, has_b, cast, zero):
         _norm_add_loop(y, h, h, W, B, n, mean, rstd, False, False, False, zero)
 
 
+@njit(**JIT)
+def _norm_add_row_scaled(y, r, h, W, B, n, k, mean_s, rs, has_w, has_b, cast, zero):
+    """The norm-add loop of a row the guard rescaled (:func:`addnorm.ops.cpu.stats.guarded_row_stats`): N1 in
+    float64 as xhat = (y * 2^k - mean_s) * rs, rounded to y's dtype, then the add as on ordinary rows (r may be h:
+    each element is read before it is written). Rare rows: no unswitching for speed here."""
+    s1, s2 = pow2_halves(k)
+    for j in range(n):
+        v = (np.float64(load(y, j)) * s1 * s2 - mean_s) * rs
+        if cast:
+            v = round_as(y, v)
+        if has_w:
+            v = v * np.float64(load(W, j))
+        if has_b:
+            v = v + np.float64(load(B, j))
+        store_rounded(h, j, cast_like(round_as(y, v), zero) + cast_like(load(r, j), zero))
+
+
 @njit(inline="always")
 def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
     for j in range(n):
@@ -153,16 +172,22 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, i
     y = Y[i * sy : i * sy + n]
     r = R[i * sr : i * sr + n]
     h = H[i * sh : i * sh + n]
-    mean1, rstd1 = row_stats(y, n, is_rms1, eps1, zero)
+    mean1, rstd1, k1, mean_s1, r1 = guarded_row_stats(y, n, is_rms1, eps1, zero)
     Stats[i], Stats[m + i] = mean1, rstd1
-    if in_place:
+    if k1 != NOT_SCALED:  # a row the finite-range guard rescaled
+        _norm_add_row_scaled(y, r, h, W1, B1, n, k1, mean_s1, r1, has_w1, has_b1, cast1, zero)
+    elif in_place:
         _norm_add_row_inplace(y, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
     else:
         _norm_add_row(y, r, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
-        mean2, rstd2 = row_stats(h, n, is_rms2, eps2, zero)
+        mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
         Stats[2 * m + i], Stats[3 * m + i] = mean2, rstd2
-        _normalize_row(h, O2[i * so2 : i * so2 + n], W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
+        o2 = O2[i * so2 : i * so2 + n]
+        if k2 != NOT_SCALED:
+            normalize_row_scaled(h, o2, W2, B2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
+        else:
+            _normalize_row(h, o2, W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
 
 # Two drivers over one row function: prange for large inputs, a plain loop where waking the pool costs more.
@@ -235,6 +260,24 @@ def _n1_grad_row(t, y, dy, dres, W1, dw1, db1, n, mean, rstd, mean_g, proj, has_
 
 
 @njit(**JIT)
+def _n1_grad_row_scaled(t, y, dres, dw1, db1, n, k, mean_s, r, has_dres, has_w, has_b, cast):
+    """dresidual = t and the dw1, db1 shares of a row the guard rescaled (dy is the guard's scaled_dx_row): xhat
+    in float64 in the scaled units, rounded to y's dtype where the forward rounded it."""
+    s1, s2 = pow2_halves(k)
+    for j in range(n):
+        d = t[j]
+        if has_dres:
+            store_rounded(dres, j, d)
+        if has_w:
+            xhat = (np.float64(load(y, j)) * s1 * s2 - mean_s) * r
+            if cast:
+                xhat = round_as(y, xhat)
+            dw1[j] += cast_like(d * xhat, dw1[j])
+        if has_b:
+            db1[j] += d
+
+
+@njit(**JIT)
 def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY, DRes, Part, n, flags, grads):
     # DH: gradient of h (rows, stride sdh); DO2: gradient of out2; Y, H: y and h as stored; Stats: (4, M);
     # DY, DRes: (M, N) outputs; Part: (4, chunks, N) partial sums of dw1, db1, dw2, db2, this chunk's row c
@@ -252,16 +295,31 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
             do2 = DO2[i * sdo2 : i * sdo2 + n]
             h = H[i * sh : i * sh + n]
             mean2, rstd2 = Stats[2 * m + i], Stats[3 * m + i]
-            sg, sgx = _sums(do2, h, W2, has_w2, mean2, rstd2, n, zero)
-            mean_g = zero if is_rms2 else sg / nf
-            _n2_grad_row(do2, dh, h, t, W2, dw2, db2, n, mean2, rstd2, mean_g, sgx / nf, has_dh, has_w2, has_b2, cast2, zero)  # fmt: skip
+            k2, mean_s2, r2 = saved_row_scaling(h, n, is_rms2, zero if is_rms2 else mean2, rstd2)
+            if k2 != NOT_SCALED:  # a row the forward's guard rescaled: t in float64, rounded to t's dtype
+                sg, sgx = scaled_bwd_sums(do2, h, W2, has_w2, n, k2, mean_s2, r2)
+                mg = 0.0 if is_rms2 else sg / n
+                scaled_dx_row(0, do2, h, dh, t, t, W2, n, k2, mean_s2, r2, mg, sgx / n, has_dh, has_w2, False, False, np.uint64(0), np.uint64(0), 1.0)  # fmt: skip
+                if has_w2 or has_b2:
+                    scaled_dw_row(do2, h, dw2, db2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
+            else:
+                sg, sgx = _sums(do2, h, W2, has_w2, mean2, rstd2, n, zero)
+                mean_g = zero if is_rms2 else sg / nf
+                _n2_grad_row(do2, dh, h, t, W2, dw2, db2, n, mean2, rstd2, mean_g, sgx / nf, has_dh, has_w2, has_b2, cast2, zero)  # fmt: skip
         elif has_dh:
             for j in range(n):
                 t[j] = cast_like(load(dh, j), zero)
         mean1, rstd1 = Stats[i], Stats[m + i]
+        dy, dres = DY[i * n : i * n + n], DRes[i * n : i * n + n]
+        k1, mean_s1, r1 = saved_row_scaling(y, n, is_rms1, zero if is_rms1 else mean1, rstd1)
+        if k1 != NOT_SCALED:
+            sg, sgx = scaled_bwd_sums(t, y, W1, has_w1, n, k1, mean_s1, r1)
+            mg = 0.0 if is_rms1 else sg / n
+            scaled_dx_row(0, t, y, t, dy, dy, W1, n, k1, mean_s1, r1, mg, sgx / n, False, has_w1, False, False, np.uint64(0), np.uint64(0), 1.0)  # fmt: skip
+            _n1_grad_row_scaled(t, y, dres, dw1, db1, n, k1, mean_s1, r1, has_dres, has_w1, has_b1, cast1)
+            continue
         sg, sgx = _sums(t, y, W1, has_w1, mean1, rstd1, n, zero)
         mean_g = zero if is_rms1 else sg / nf
-        dy, dres = DY[i * n : i * n + n], DRes[i * n : i * n + n]
         _n1_grad_row(t, y, dy, dres, W1, dw1, db1, n, mean1, rstd1, mean_g, sgx / nf, has_dres, has_w1, has_b1, cast1, zero)  # fmt: skip
 
 
