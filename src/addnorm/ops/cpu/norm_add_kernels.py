@@ -3,12 +3,12 @@
 
 The math (one row of length N; statistics in the statistics dtype s: fp32, fp64 for fp64):
 
-    forward     mean1, rstd1 = row_stats(y)                     (RMSNorm: mean1 = 0)
+    forward     mean1, rstd1 = guarded_row_stats(y)             (RMSNorm: mean1 = 0)
                 n1    = round_y((y - mean1) * rstd1 * w1 + b1)  (w1 is 1 + weight1 when zero-centered; cast1
                                                                  rounds (y - mean1) * rstd1 to y's dtype first)
                 h     = round_h(n1 + residual)                  (the add in s, rounded once to h's dtype: what
                                                                  torch's ``residual + n1`` computes)
-                mean2, rstd2 = row_stats(h);  out2 = round_h((h - mean2) * rstd2 * w2 + b2)   (only with N2)
+                mean2, rstd2 = guarded_row_stats(h);  out2 = round_h((h - mean2) * rstd2 * w2 + b2)   (only with N2)
 
     backward    t   = dh + rstd2 * (g2 - mean(g2) - xhat2 * mean(g2 * xhat2)),   g2 = dout2 * w2   (t = dh without N2)
                 dy  = rstd1 * (g1 - mean(g1) - xhat1 * mean(g1 * xhat1)),       g1 = t * w1
@@ -18,13 +18,15 @@ Both roundings of the forward (n1 to y's dtype, h to its own) pass the gradient 
 only where it is stored (dresidual). Each row is read from DRAM once and stays in cache for the passes over it:
 the forward reads y and residual and writes h (and out2), the fewest bytes the op can move.
 
-Statistics are one function, :func:`row_stats`, shared by both norms: the place for any change to how a row's
-mean and rstd are computed. It sums with the forward kernels' :func:`~addnorm.ops.cpu.kernels.row_sum` helpers, so
-a row gets the bits of the unfused kernels. dweight and dbias are reduced in row chunks whose number depends on M
-only (as the unfused backward does): bitwise the same whatever the thread count.
+Statistics are the unfused kernels' :func:`~addnorm.ops.cpu.stats.guarded_row_stats` for both norms, so a row
+gets the unfused kernels' bits, and a row beyond the plain statistics' range the finite-range guard's scaled pass
+(:func:`~addnorm.ops.cpu.kernels.normalize_row_scaled`; backward: :mod:`addnorm.ops.cpu.guard_bwd`). dweight and
+dbias are reduced in row chunks whose number depends on M only (as the unfused backward does): bitwise the same
+whatever the thread count.
 
-numba's cache keys a kernel on its own file's source: after editing this module or :mod:`addnorm.ops.cpu.kernels`,
-delete the ``__pycache__`` entries (*.nbi, *.nbc) of this module and of
+numba's cache keys a kernel on its own file's source: after editing this module or :mod:`addnorm.ops.cpu.kernels`
+(or :mod:`~addnorm.ops.cpu.stats`, :mod:`~addnorm.ops.cpu.guard_bwd`), delete the ``__pycache__`` entries
+(*.nbi, *.nbc) of this module and of
 :mod:`addnorm.ops.cpu.norm_add_fast_launch` (which compiles these kernels into itself), or they keep running the old
 code (tests/ops/test_norm_add_fused.py's fast-path test compares the two launches bit for bit).
 """
@@ -36,26 +38,12 @@ import numpy as np
 from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, prange, round_as, store_rounded, zero_of
 from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
 from addnorm.ops.cpu.kernels import normalize_row_scaled
-from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves, row_sum, row_sum_sq_dev, saved_row_scaling
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves, saved_row_scaling
 
-__all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial", "row_stats"]
+__all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial"]
 
 # Flags arrive as one tuple of bools (numba types it once), in this order:
 #   (is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2)
-
-
-@njit(**JIT)
-def row_stats(h, n, is_rms, eps, zero):
-    """(mean, rstd) of one row in the statistics dtype (``zero``'s type): two passes (the mean, then squared
-    deviations: no E[h^2] - E[h]^2 cancellation); RMSNorm's mean is 0. The same arithmetic as the unfused forward."""
-    nf = cast_like(n, zero)
-    if is_rms:
-        mean = zero
-        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, zero, zero) / nf + eps)
-    else:
-        mean = row_sum(h, n, zero) / nf
-        rstd = 1 / np.sqrt(row_sum_sq_dev(h, n, mean, zero) / nf + eps)
-    return mean, cast_like(rstd, zero)
 
 
 @njit(inline="always")
@@ -299,7 +287,29 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
             if k2 != NOT_SCALED:  # a row the forward's guard rescaled: t in float64, rounded to t's dtype
                 sg, sgx = scaled_bwd_sums(do2, h, W2, has_w2, n, k2, mean_s2, r2)
                 mg = 0.0 if is_rms2 else sg / n
-                scaled_dx_row(0, do2, h, dh, t, t, W2, n, k2, mean_s2, r2, mg, sgx / n, has_dh, has_w2, False, False, np.uint64(0), np.uint64(0), 1.0)  # fmt: skip
+                # the guard's dx row with t as dx and dh as the added gradient; no dresidual here, no dropout
+                scaled_dx_row(
+                    0,
+                    do2,
+                    h,
+                    dh,
+                    t,
+                    t,
+                    W2,
+                    n,
+                    k2,
+                    mean_s2,
+                    r2,
+                    mg,
+                    sgx / n,
+                    has_dh,
+                    has_w2,
+                    False,
+                    False,
+                    np.uint64(0),
+                    np.uint64(0),
+                    1.0,
+                )
                 if has_w2 or has_b2:
                     scaled_dw_row(do2, h, dw2, db2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
             else:
@@ -315,7 +325,29 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
         if k1 != NOT_SCALED:
             sg, sgx = scaled_bwd_sums(t, y, W1, has_w1, n, k1, mean_s1, r1)
             mg = 0.0 if is_rms1 else sg / n
-            scaled_dx_row(0, t, y, t, dy, dy, W1, n, k1, mean_s1, r1, mg, sgx / n, False, has_w1, False, False, np.uint64(0), np.uint64(0), 1.0)  # fmt: skip
+            # dy only (dresidual = t and the weight shares: _n1_grad_row_scaled), no dropout
+            scaled_dx_row(
+                0,
+                t,
+                y,
+                t,
+                dy,
+                dy,
+                W1,
+                n,
+                k1,
+                mean_s1,
+                r1,
+                mg,
+                sgx / n,
+                False,
+                has_w1,
+                False,
+                False,
+                np.uint64(0),
+                np.uint64(0),
+                1.0,
+            )
             _n1_grad_row_scaled(t, y, dres, dw1, db1, n, k1, mean_s1, r1, has_dres, has_w1, has_b1, cast1)
             continue
         sg, sgx = _sums(t, y, W1, has_w1, mean1, rstd1, n, zero)

@@ -13,7 +13,9 @@ from memory once and written once:
               dw1 = sum_rows t * xhat1, db1 = sum_rows t, dw2, db2 likewise: per-program partial rows, then summed
 
 The statistics are one function, :func:`row_stats` (the place for any change to how a row's mean and rstd are
-computed), with the arithmetic of the unfused kernels. A program's rows are a block of ``BLOCK_M`` rows chosen from
+computed), with the arithmetic of the unfused kernels and their finite-range guard (the scaled passes of
+:mod:`addnorm.ops.triton.row_stats`, forward and backward, for rows beyond the plain statistics' range only). A
+program's rows are a block of ``BLOCK_M`` rows chosen from
 N alone, so a row's bits do not depend on the batch. No atomics: the gradients are reproducible bit for bit.
 """
 
