@@ -19,7 +19,9 @@ plain-PyTorch norms and the add (the readable one, the baseline), and so is the 
 norms; a call whose two statistics dtypes differ (an fp64 residual under a lower-precision y), or whose rows are
 wider than the backend's fused kernels take (Triton: 8192, ``norm_add_ops.MAX_N``), takes the composition. The forward gives the composition's bits on the cpu and torch backends. Gradients flow
 to y, residual, the weights and the biases, from both outputs; the kernels' backward passes both roundings
-straight through (the gradient reaching h is rounded only where it is stored).
+straight through (the gradient reaching h is rounded only where it is stored). Both norms follow the contract's
+finite-range guard (:mod:`addnorm.ops.contract`): a row of y or h whose plain statistics overflow or underflow is
+normalized by the scaled pass, forward and backward, so every finite input gets the float64 answer rounded.
 
 In place (serving): :func:`norm_add_` writes h into the residual, :func:`norm_add_norm_` also writes N2(h) into y
 (the refusals of :mod:`addnorm.ops.add_norm_inplace`: no autograd, no aliasing, nothing written before a refusal).

@@ -13,30 +13,40 @@ from memory once and written once:
               dw1 = sum_rows t * xhat1, db1 = sum_rows t, dw2, db2 likewise: per-program partial rows, then summed
 
 The statistics are one function, :func:`row_stats` (the place for any change to how a row's mean and rstd are
-computed), with the arithmetic of the unfused kernels. A program's rows are a block of ``BLOCK_M`` rows chosen from
+computed), with the arithmetic of the unfused kernels and their finite-range guard (the scaled passes of
+:mod:`addnorm.ops.triton.row_stats`, forward and backward, for rows beyond the plain statistics' range only). A
+program's rows are a block of ``BLOCK_M`` rows chosen from
 N alone, so a row's bits do not depend on the batch. No atomics: the gradients are reproducible bit for bit.
 """
 
 from __future__ import annotations
 
 from addnorm.ops.triton.kernels import dweight_term, jit, load_weight, round_to, rsqrt, tl
+from addnorm.ops.triton.row_stats import plain_stats_fail, saved_rstd_fail, scaled_rows_bwd, scaled_rows_fwd
 
 __all__ = ["norm_add_bwd_kernel", "norm_add_fwd_kernel", "row_stats"]
 
 
 @jit
-def row_stats(h, mask, N, eps, IS_RMS: tl.constexpr):
-    """(mean, d, rstd) of a block of rows h (zero outside ``mask``): d = h - mean (0 outside the row), two passes
-    over registers (no E[h^2] - E[h]^2 cancellation); RMSNorm's mean is 0 and d is h."""
+def row_stats(h, mask, row_ok, N, eps, IS_RMS: tl.constexpr):
+    """(mean, d, rstd_x, rstd) of a block of rows h (zero outside ``mask``): xhat = d * rstd_x; mean and rstd are
+    the statistics to save. Two passes over registers (no E[h^2] - E[h]^2 cancellation); RMSNorm's mean is 0. A row
+    beyond the plain statistics' range takes the finite-range guard's scaled pass (addnorm.ops.triton.row_stats:
+    d and rstd_x in the scaled units); the other rows keep the plain arithmetic and its bits."""
     if IS_RMS:
         d = h
-        rstd = rsqrt(tl.sum(h * h, axis=1) / N + eps)
-        mean = tl.zeros_like(rstd)
+        v = tl.sum(h * h, axis=1) / N + eps
+        mean = tl.zeros_like(v)
     else:
         mean = tl.sum(h, axis=1) / N
         d = tl.where(mask, h - mean[:, None], 0.0)
-        rstd = rsqrt(tl.sum(d * d, axis=1) / N + eps)
-    return mean, d, rstd
+        v = tl.sum(d * d, axis=1) / N + eps
+    rstd = rsqrt(v)
+    rstd_x = rstd
+    bad = plain_stats_fail(v) & row_ok
+    if tl.max(bad.to(tl.int32), axis=0) > 0:  # rare
+        d, rstd_x, mean, rstd = scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS)
+    return mean, d, rstd_x, rstd
 
 
 @jit
@@ -110,8 +120,8 @@ def norm_add_fwd_kernel(
     y = tl.load(Y + rows64 * stride_y + cols[None, :], mask=mask, other=0.0).to(acc_t)
     r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     eps1 = tl.cast(eps1_hi, acc_t) + tl.cast(eps1_lo, acc_t)
-    mean1, d1, rstd1 = row_stats(y, mask, N, eps1, IS_RMS1)
-    n1 = _affine(d1 * rstd1[:, None], W1, B1, cols, col_ok, acc_t, y_t, HAS_W1, HAS_B1, ZC1, CAST1)
+    mean1, d1, rstd_x1, rstd1 = row_stats(y, mask, row_ok, N, eps1, IS_RMS1)
+    n1 = _affine(d1 * rstd_x1[:, None], W1, B1, cols, col_ok, acc_t, y_t, HAS_W1, HAS_B1, ZC1, CAST1)
     hs = round_to(round_to(n1, y_t).to(acc_t) + r, h_t)  # Hugging Face's two roundings
     tl.store(H + rows64 * stride_h + cols[None, :], hs, mask=mask)
     tl.store(Stats + rows, mean1, mask=row_ok)
@@ -119,8 +129,8 @@ def norm_add_fwd_kernel(
     if HAS_NORM2:
         h = tl.where(mask, hs.to(acc_t), 0.0)
         eps2 = tl.cast(eps2_hi, acc_t) + tl.cast(eps2_lo, acc_t)
-        mean2, d2, rstd2 = row_stats(h, mask, N, eps2, IS_RMS2)
-        o2 = _affine(d2 * rstd2[:, None], W2, B2, cols, col_ok, acc_t, h_t, HAS_W2, HAS_B2, ZC2, CAST2)
+        mean2, d2, rstd_x2, rstd2 = row_stats(h, mask, row_ok, N, eps2, IS_RMS2)
+        o2 = _affine(d2 * rstd_x2[:, None], W2, B2, cols, col_ok, acc_t, h_t, HAS_W2, HAS_B2, ZC2, CAST2)
         tl.store(O2 + rows64 * stride_o2 + cols[None, :], round_to(o2, h_t), mask=mask)
         tl.store(Stats + 2 * M + rows, mean2, mask=row_ok)
         tl.store(Stats + 3 * M + rows, rstd2, mask=row_ok)
@@ -136,14 +146,23 @@ def _norm_grad(
     mean,
     rstd,
     mask,
+    row_ok,
     N,
     acc_t: tl.constexpr,
     HAS_W: tl.constexpr,
     ZC: tl.constexpr,
     IS_RMS: tl.constexpr,
 ):
-    """(d input, xhat) of one norm's backward for a block of rows: rstd * (g - mean(g) - xhat * mean(g * xhat))."""
-    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    """(d input, xhat) of one norm's backward for a block of rows: rstd * (g - mean(g) - xhat * mean(g * xhat)).
+    A row the forward's guard rescaled (its saved rstd out of range) takes the guard's scaled pass: xhat and rstd
+    in the scaled units, times the scale last (addnorm.ops.triton.row_stats)."""
+    bad = saved_rstd_fail(rstd) & row_ok
+    rescale = tl.max(bad.to(tl.int32), axis=0) > 0
+    sc = tl.zeros_like(rstd) + 1.0
+    if rescale:  # rare
+        xhat, rstd, sc = scaled_rows_bwd(x, mask, N, mean, rstd, bad, IS_RMS)
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     if HAS_W:
         g = dout * load_weight(W, cols, col_ok, acc_t, ZC)[None, :]
     else:
@@ -153,6 +172,8 @@ def _norm_grad(
         dx = (g - xhat * c1) * rstd[:, None]
     else:
         dx = (g - tl.sum(g, axis=1)[:, None] / N - xhat * c1) * rstd[:, None]
+    if rescale:
+        dx = dx * sc[:, None]  # the true size last: inf only where dx is beyond range, never inf * 0
     return dx, xhat
 
 
@@ -210,8 +231,8 @@ def norm_add_bwd_kernel(
             do2 = tl.load(DO2 + rows64 * stride_do2 + cols[None, :], mask=mask, other=0.0).to(acc_t)
             h = tl.load(H + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(acc_t)
             mean2 = tl.load(Stats + 2 * M + rows, mask=row_ok, other=0.0)
-            rstd2 = tl.load(Stats + 3 * M + rows, mask=row_ok, other=0.0)
-            t, xhat2 = _norm_grad(do2, h, W2, cols, col_ok, mean2, rstd2, mask, N, acc_t, HAS_W2, ZC2, IS_RMS2)
+            rstd2 = tl.load(Stats + 3 * M + rows, mask=row_ok, other=1.0)  # 1: no NaN from masked rows
+            t, xhat2 = _norm_grad(do2, h, W2, cols, col_ok, mean2, rstd2, mask, row_ok, N, acc_t, HAS_W2, ZC2, IS_RMS2)
             if HAS_W2:
                 dw2 += dweight_term(do2, xhat2, CAST2, DO2.dtype.element_ty)  # dout2 is in out2's (h's) dtype
             if HAS_B2:
@@ -220,8 +241,8 @@ def norm_add_bwd_kernel(
             t += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(acc_t)
         y = tl.load(Y + rows64 * stride_y + cols[None, :], mask=mask, other=0.0).to(acc_t)
         mean1 = tl.load(Stats + rows, mask=row_ok, other=0.0)
-        rstd1 = tl.load(Stats + M + rows, mask=row_ok, other=0.0)
-        dy, xhat1 = _norm_grad(t, y, W1, cols, col_ok, mean1, rstd1, mask, N, acc_t, HAS_W1, ZC1, IS_RMS1)
+        rstd1 = tl.load(Stats + M + rows, mask=row_ok, other=1.0)  # 1: no NaN from masked rows
+        dy, xhat1 = _norm_grad(t, y, W1, cols, col_ok, mean1, rstd1, mask, row_ok, N, acc_t, HAS_W1, ZC1, IS_RMS1)
         if HAS_W1:
             dw1 += dweight_term(t, xhat1, CAST1, Y.dtype.element_ty)  # the forward rounded xhat1 to y's dtype
         if HAS_B1:
