@@ -53,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--suite",
         choices=("core", "all"),
         default="core",
-        help="core (the default): the core suite, 3 min 45 s with --jobs 2 on an idle 2-core machine; all: every "
-        "experiment, the extended suite included, about 6 min 20 s there (docs/lab.md); --list shows each experiment's "
+        help="core (the default): the core suite, 6 min with --jobs 2 on an idle 2-core machine; all: every "
+        "experiment, the extended suite included, about 9 min there (docs/lab.md); --list shows each experiment's "
         "suite",
     )
     p.add_argument(
