@@ -18,15 +18,8 @@ from torch import nn
 
 from addnorm.integrations.hf import handoff, links, rewrite
 from addnorm.nn.norms import LayerNorm, RMSNorm
-
-W = 16
-
-
-def _randomize(norm: nn.Module) -> None:
-    with torch.no_grad():  # gains away from 1, biases away from 0: a norm applied in the wrong place shows
-        norm.weight.copy_(1 + 0.3 * torch.randn(W))
-        if getattr(norm, "bias", None) is not None:
-            norm.bias.copy_(0.2 * torch.randn(W))
+from tests.integrations.stack_helpers import W
+from tests.integrations.stack_helpers import randomize as _randomize
 
 
 class Parallel(nn.Module):
