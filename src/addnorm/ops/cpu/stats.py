@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from addnorm.ops.contract import GUARD_LIMITS
-from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, overload, types
+from addnorm.ops.cpu.convert import JIT, cast_like, load, njit, overload, types
+from addnorm.ops.cpu.torch_order import row_sum, row_sum_sq_dev
 
 __all__ = [
     "NOT_SCALED",
@@ -40,27 +41,12 @@ _LIMITS32 = tuple(np.float32(v) for v in GUARD_LIMITS[torch.float32])
 _LIMITS64 = tuple(np.float64(v) for v in GUARD_LIMITS[torch.float64])
 
 
-@njit(fastmath=FAST, **JIT)
-def row_sum(h, n, zero):
-    s = zero
-    for j in range(n):
-        s += cast_like(load(h, j), zero)
-    return s
-
-
-@njit(fastmath=FAST, **JIT)
-def row_sum_sq_dev(h, n, mean, zero):
-    s = zero
-    for j in range(n):
-        d = cast_like(load(h, j), zero) - mean
-        s += d * d
-    return s
-
-
 @njit(**JIT)
 def row_stats(h, n, is_rms, eps, zero):
     """(mean, rstd) of row h by the plain two-pass formulas in the statistics dtype (zero's type; mean 0 for
-    RMSNorm). Right for ordinary rows only: see :func:`guarded_row_stats`."""
+    RMSNorm), the sums in PyTorch's order (:mod:`addnorm.ops.cpu.torch_order`): rstd is
+    ``torch.rsqrt(h.float().pow(2).mean(-1) + eps)`` bit for bit. Right for ordinary rows only: see
+    :func:`guarded_row_stats`."""
     nf = cast_like(n, zero)
     if is_rms:
         mean = zero
