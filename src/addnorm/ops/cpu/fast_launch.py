@@ -13,7 +13,7 @@ in 4. This launch covers the common inference case only:
 and passes integers: the data pointers, M, N, a flag word and eps. Each entry point (one per dtype: numba types
 the element type at compile time) turns the addresses into arrays with ``numba.carray`` and runs the same serial
 kernel the general launch runs (:func:`addnorm.ops.cpu.kernels.fwd_serial`), so the bits are the same
-(tests/ops/test_cpu_fast_launch.py checks them against the general launch). The weight is read as stored: a half
+(tests/ops/test_decode_fast_path.py checks them against the general launch). The weight is read as stored: a half
 value widens to fp32 exactly, which is what the general launch's conversion does ahead of the kernel. A
 zero-centered weight (ZC) is the one exception: the kernel reads 1 + w, which the general launch computes in fp32
 as ``weight.to(fp32) + 1`` (rounded once), so this launch computes the same fp32 sum into scratch first. Callers
