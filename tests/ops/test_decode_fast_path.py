@@ -80,10 +80,11 @@ def _cases(x, r, w, b):
         yield is_rms, res, weight, bias, cast
 
 
-def _call(x, res, weight, bias, is_rms, cast, backend, eps=1e-6):
+def _call(x, res, weight, bias, is_rms, cast, backend, eps=1e-6, zc=False):
+    kw = dict(cast_before_weight=cast, zero_centered_weight=zc, backend=backend)
     if is_rms:
-        return addnorm.add_rms_norm(x, res, weight, eps, cast_before_weight=cast, backend=backend)
-    return addnorm.add_layer_norm(x, res, weight, bias, eps, cast_before_weight=cast, backend=backend)
+        return addnorm.add_rms_norm(x, res, weight, eps, **kw)
+    return addnorm.add_layer_norm(x, res, weight, bias, eps, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -125,6 +126,37 @@ def test_cpu_decode_launch_in_place_is_bitwise_the_general_launch(monkeypatch, l
     assert launches["cpu"] == taken
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n", [7, 4095])
+def test_cpu_decode_launch_serves_zero_centered_weights_with_the_general_bits(monkeypatch, launches, dtype, m, n):
+    """Gemma's x * (1 + w): the decode launch computes 1 + w in fp32 itself; out of place and in place, RMSNorm
+    and LayerNorm, with and without the residual, bias and cast, its bits are the general launch's."""
+    x, r, w, b = _inputs((m, n), dtype)
+    w = w - 1  # a zero-centered weight is stored as w - 1: values around 0, where 1 + w rounds in fp32
+    taken = 0
+    for is_rms, res, weight, bias, cast in _cases(x, r, w, b):
+        with torch.inference_mode():
+            got = _call(x, res, weight, bias, is_rms, cast, "cpu", zc=True)
+            want = _general(monkeypatch, _call, x, res, weight, bias, is_rms, cast, "cpu", zc=True)
+            plain = _call(x, res, weight, bias, is_rms, cast, "cpu")
+        _same(got[0], want[0])
+        _same(got[1], want[1])
+        if weight is not None:  # (the flag reached the kernel: 1 + w is not w)
+            assert not torch.equal(got[0], plain[0])
+        if res is not None:  # in place: the out-of-place call's bits
+            fn = addnorm.add_rms_norm_ if is_rms else addnorm.add_layer_norm_
+            xi, ri = x.clone(), r.clone()
+            with torch.inference_mode():
+                fn(xi, ri, weight, *(() if is_rms else (bias,)), 1e-6, cast_before_weight=cast,
+                   zero_centered_weight=True, backend="cpu")  # fmt: skip
+            _same(xi, want[0])
+            _same(ri, want[1])
+            taken += 1
+        taken += 2  # (the zero-centered call and the plain one)
+    assert launches["cpu"] == taken
+
+
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (3, 7), (0, 5)], ids=str)
 def test_torch_backend_decode_path_is_bitwise_the_general_path(launches, dtype, shape):
@@ -163,7 +195,6 @@ def _declined(x, r, w, **kw):
         ("fp32 weight", lambda: addnorm.add_rms_norm(x, r, w.float(), 1e-6, **kw)),
         ("residual_dtype", lambda: addnorm.add_rms_norm(x, r, w, 1e-6, residual_dtype=torch.float32, **kw)),
         ("out_dtype", lambda: addnorm.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.float32, **kw)),
-        ("zero-centered", lambda: addnorm.add_rms_norm(x, r, w, 1e-6, zero_centered_weight=True, **kw)),
         ("dropout", lambda: addnorm.add_rms_norm(x, r, w, 1e-6, dropout_p=0.1, **kw)),
         ("parallel size", lambda: addnorm.add_rms_norm(*wide[:3], 1e-6, **kw)),
         ("fp64", lambda: addnorm.add_rms_norm(x.double(), r.double(), w.double(), 1e-6, **kw)),
@@ -171,9 +202,10 @@ def _declined(x, r, w, **kw):
     ]
 
 
-def test_cpu_decode_launch_declines_what_it_does_not_serve(monkeypatch, launches):
+@pytest.mark.parametrize("zc", [False, True], ids=["plain", "zero-centered"])
+def test_cpu_decode_launch_declines_what_it_does_not_serve(monkeypatch, launches, zc):
     x, r, w, _ = _inputs((4, 64), torch.bfloat16)
-    for name, call in _declined(x, r, w, backend="cpu"):
+    for name, call in _declined(x, r, w, backend="cpu", zero_centered_weight=zc):
         with torch.inference_mode():
             got = call()
             want = _general(monkeypatch, call)
@@ -182,10 +214,10 @@ def test_cpu_decode_launch_declines_what_it_does_not_serve(monkeypatch, launches
             _same(got[0], want[0])
             _same(got[1], want[1])
     # something to differentiate: the autograd route, which keeps the statistics
-    out, _ = addnorm.add_rms_norm(x, r, w.clone().requires_grad_(), 1e-6, backend="cpu")
+    out, _ = addnorm.add_rms_norm(x, r, w.clone().requires_grad_(), 1e-6, zero_centered_weight=zc, backend="cpu")
     assert out.requires_grad and launches["cpu"] == 0
     with torch.no_grad():  # nothing recorded: the decode launch
-        addnorm.add_rms_norm(x, r, w.clone().requires_grad_(), 1e-6, backend="cpu")
+        addnorm.add_rms_norm(x, r, w.clone().requires_grad_(), 1e-6, zero_centered_weight=zc, backend="cpu")
     assert launches["cpu"] == 1
 
 

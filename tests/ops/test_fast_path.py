@@ -4,6 +4,8 @@ call; bad input and a weight changed after the first call still raise errors tha
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -82,6 +84,41 @@ def test_in_place_torch_fast_path_is_bitwise_the_general_path(dtype, shape, cast
     with torch.inference_mode():
         addnorm.add_rms_norm_(xi, ri, w, 1e-6, cast_before_weight=cast, backend="torch")
     assert torch.equal(xi, want[0]) and torch.equal(ri, want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 7), (8, 4095)], ids=str)
+def test_zero_centered_weight_on_the_torch_backend(monkeypatch, dtype, shape):
+    """1 + w is the contract's in fp32/fp64 (x's own dtype): those calls take the one-dtype ops with weight + 1;
+    in a half dtype 1 + w is no half value, so they fall back to the general path. Both: the general path's bits,
+    out of place and in place."""
+    x, r, w = _inputs(shape, dtype)
+    w = w - 1  # stored as w - 1 (Gemma)
+    served = dtype in (torch.float32, torch.float64)
+    calls = []
+    real = TB.add_norm_general
+    monkeypatch.setattr(TB, "add_norm_general", lambda *a: calls.append(1) or real(*a))
+    for cast, res, weight in ((False, r, w), (True, r, w), (False, None, w), (False, r, None)):
+        spec = AddNormSpec(1e-6, True, 0.0, dtype, True, cast and not served, dtype)
+        want = real(x, res, weight, None, spec)
+        with torch.inference_mode():
+            got = addnorm.add_rms_norm(
+                x, res, weight, 1e-6, zero_centered_weight=True, cast_before_weight=cast, backend="torch"
+            )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        if weight is not None:
+            plain = real(x, res, weight, None, dataclasses.replace(spec, zero_centered_weight=False))
+            assert not torch.equal(got[0], plain[0])  # (1 + w was applied)
+        if res is not None:
+            xi, ri = x.clone(), r.clone()
+            with torch.inference_mode():
+                addnorm.add_rms_norm_(
+                    xi, ri, weight, 1e-6, zero_centered_weight=True, cast_before_weight=cast, backend="torch"
+                )
+            assert torch.equal(xi, want[0]) and torch.equal(ri, want[1])
+    # general-path calls: none where served; where not, the out-of-place calls with a weight (3) and in place (2,
+    # which runs the out-of-place op); without a weight zero_centered_weight changes nothing and the call is served
+    assert len(calls) == (0 if served else 5)
 
 
 @pytest.mark.parametrize("cls", [RMSNorm, LayerNorm])

@@ -9,7 +9,7 @@ in-place ops run. They take the call when it is the common inference case, check
 
     plain strided CPU tensors (no subclass, not while compiling or under a torch.func transform), nothing to
     differentiate, x, residual, weight and bias in one dtype with matching shapes, no dropout, no dtype options
-    that differ from x's, eps a finite number >= 0 (or None for RMSNorm), no zero-centered weight
+    that differ from x's, eps a finite number >= 0 (or None for RMSNorm)
 
 and return None (in place: False) for anything else, which the general path then validates and runs. So a bad
 argument, or a weight converted, resized, moved or replaced since the last call, is never served here: it fails a
@@ -18,10 +18,13 @@ so nothing goes stale between calls.
 
 What they run is the general path's computation with its bits (tests/ops/test_fast_path.py):
 - on the ``cpu`` backend (contiguous tensors, bf16/fp16/fp32, below the parallel threshold): the serial numba
-  kernel through :mod:`addnorm.ops.cpu.fast_launch` (raw addresses, no numpy views, no weight conversion);
+  kernel through :mod:`addnorm.ops.cpu.fast_launch` (raw addresses, no numpy views, no weight conversion; a
+  zero-centered weight's 1 + w computed there in fp32, as the general launch computes it);
 - on the ``torch`` backend, RMSNorm only: eager's own ops, :func:`addnorm.ops.torch_backend.rms_norm_one_dtype`,
   as that backend runs them. (LayerNorm has no such shortcut: ``F.layer_norm`` on a half tensor differs from the
-  contract's fp32 computation by an ulp in some rows, so it stays on the general path.)
+  contract's fp32 computation by an ulp in some rows, so it stays on the general path.) A zero-centered weight
+  only in fp32/fp64, where ``weight + 1`` in x's dtype is the contract's 1 + w; in a half dtype 1 + w is not a
+  half value, so those calls take the general path.
 
 The backend is resolved by :func:`addnorm.ops.backends.resolve_cpu_backend`: the general path's answer and errors,
 remembered per ``backend`` argument (auto's choice reads no shape: batch invariance); ``ADDNORM_BACKEND`` is read on
@@ -48,10 +51,10 @@ _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-def _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight):
+def _fast_case(x, residual, weight, bias, eps, is_rms):
     """(M, N, eps) when the call is the fast path's case (the module docstring), else None. Every test is a cheap
     attribute read; anything unusual (a bad argument included) answers None and goes to the general path."""
-    if _is_compiling() or type(x) is not Tensor or zero_centered_weight or not x.is_cpu or not x.ndim:
+    if _is_compiling() or type(x) is not Tensor or not x.is_cpu or not x.ndim:
         return None
     dt = x.dtype
     if x.layout is not _STRIDED or (
@@ -108,10 +111,12 @@ def _kernel_fits(cpu, x, residual, weight, bias, m: int, n: int) -> bool:
     )
 
 
-def _flags(cpu, residual, weight, bias, is_rms, cast_before_weight, dtype) -> int:
+def _flags(cpu, residual, weight, bias, is_rms, zero_centered_weight, cast_before_weight, dtype) -> int:
     fl = cpu.fast_launch
     has_b = bias is not None and not is_rms
     flags = (fl.HAS_RES if residual is not None else 0) | (fl.HAS_W if weight is not None else 0)
+    if zero_centered_weight and weight is not None:
+        flags |= fl.ZC
     flags |= (fl.HAS_B if has_b else 0) | (fl.IS_RMS if is_rms else 0)
     # the cast changes nothing without an affine step, or in fp32 (the statistics dtype): as run_add_norm drops it
     if cast_before_weight and (weight is not None or has_b) and dtype not in _STATS_DTYPES:
@@ -141,7 +146,7 @@ def try_add_norm(
         or (out_dtype is not None and out_dtype is not getattr(x, "dtype", None))
     ):
         return None
-    rows = _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
+    rows = _fast_case(x, residual, weight, bias, eps, is_rms)
     if rows is None:
         return None
     m, n, eps = rows
@@ -153,12 +158,16 @@ def try_add_norm(
         out = torch.empty_like(x)
         # without a residual, residual_out is x itself (nothing added, nothing rounded), as on the general path
         res_out = None if residual is None else torch.empty_like(x)
-        flags = _flags(cpu, residual, weight, bias, is_rms, cast_before_weight, x.dtype)
+        flags = _flags(cpu, residual, weight, bias, is_rms, zero_centered_weight, cast_before_weight, x.dtype)
         if res_out is not None:
             flags |= cpu.fast_launch.STORE
         cpu.fast_launch.forward_ptr(x, residual, weight, bias, out, res_out, m, n, flags, eps)
         return out, (x if res_out is None else res_out)
     if name == "torch" and is_rms:
+        if zero_centered_weight and weight is not None:
+            if x.dtype not in _STATS_DTYPES:
+                return None  # the contract's 1 + w is fp32, no half value: the general path
+            weight = weight + 1  # the general path's 1 + w, in the statistics dtype that x has
         cast = cast_before_weight and x.dtype not in _STATS_DTYPES
         return rms_norm_one_dtype(x, residual, weight, eps, cast)
     return None
@@ -169,7 +178,7 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
     (which also raises every refusal: tensors that require grad, aliasing, shared memory)."""
     if type(residual) is not Tensor or x is residual:
         return False
-    rows = _fast_case(x, residual, weight, bias, eps, is_rms, zero_centered_weight)
+    rows = _fast_case(x, residual, weight, bias, eps, is_rms)
     if rows is None or x.requires_grad or residual.requires_grad:
         return False
     if torch.is_grad_enabled() and (
@@ -187,11 +196,15 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         cpu = kernel_module("cpu")
         if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
             return False
-        flags = _flags(cpu, residual, weight, bias, is_rms, cast_before_weight, x.dtype)
+        flags = _flags(cpu, residual, weight, bias, is_rms, zero_centered_weight, cast_before_weight, x.dtype)
         flags |= cpu.fast_launch.STORE | cpu.fast_launch.IN_PLACE
         cpu.fast_launch.forward_ptr(x, residual, weight, bias, x, residual, m, n, flags, eps)
         return True
     if name == "torch" and is_rms:
+        if zero_centered_weight and weight is not None:
+            if x.dtype not in _STATS_DTYPES:
+                return False  # (as out of place)
+            weight = weight + 1
         # residual += x, then x = RMSNorm(residual) with the one-dtype ops: the out-of-place call's bits
         residual.add_(x)
         cast = cast_before_weight and x.dtype not in _STATS_DTYPES

@@ -4,8 +4,8 @@ The rules of :mod:`addnorm.ops.fast_path`: the common inference case is checked 
 
     plain contiguous CPU tensors (no subclass, not while compiling or under a torch.func transform), nothing to
     differentiate, y, residual, weights and biases in one dtype (bf16, fp16, fp32) with matching shapes, eps a
-    finite number >= 0 (or None for RMSNorm), no zero-centered weight, below the cpu backend's parallel threshold,
-    ``backend`` resolving to ``cpu``
+    finite number >= 0 (or None for RMSNorm), below the cpu backend's parallel threshold, ``backend`` resolving to
+    ``cpu``
 
 and anything else (a bad argument included) answers None and goes to the general path, which validates it. What
 runs is the general path's serial kernel (:mod:`addnorm.ops.cpu.norm_add_fast_launch`), with its bits.
@@ -56,7 +56,7 @@ def _eps(eps, is_rms: bool, dt) -> float | None:
 
 def _flags_and_eps(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2):
     """(M, N, flags, eps1, eps2) when the call is the fast path's case, else None."""
-    if _is_compiling() or type(y) is not Tensor or type(residual) is not Tensor or zc != (False, False):
+    if _is_compiling() or type(y) is not Tensor or type(residual) is not Tensor:
         return None
     dt = y.dtype
     if (
@@ -110,6 +110,8 @@ def _flags_and_eps(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2):
         flags |= 1 << 3
     if cbw[1] and half and has_norm2 and (w2 is not None or b2 is not None):
         flags |= 1 << 8
+    # zero-centered weights (1 + w, computed by the launch as the general launch does); ZC1 = 1 << 10, ZC2 = 1 << 11
+    flags |= (bool(zc[0] and w1 is not None) << 10) | (bool(zc[1] and has_norm2 and w2 is not None) << 11)
     return m, n, flags, e1, e2
 
 

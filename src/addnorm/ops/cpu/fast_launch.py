@@ -7,13 +7,16 @@ numba's dispatcher, which types each array: about 20 us of host time around a ke
 in 4. This launch covers the common inference case only:
 
     x, residual, out, residual_out: (M, N) contiguous, one dtype (bf16, fp16 or fp32); weight and bias (N,)
-    contiguous in that dtype; no dropout; M * N below the parallel threshold (the serial kernel)
+    contiguous in that dtype (the weight zero-centered or not); no dropout; M * N below the parallel threshold
+    (the serial kernel)
 
 and passes integers: the data pointers, M, N, a flag word and eps. Each entry point (one per dtype: numba types
 the element type at compile time) turns the addresses into arrays with ``numba.carray`` and runs the same serial
 kernel the general launch runs (:func:`addnorm.ops.cpu.kernels.fwd_serial`), so the bits are the same
-(tests/ops/test_cpu_fast_launch.py checks them against the general launch). The weight is read as stored: a half
-value widens to fp32 exactly, which is what the general launch's conversion does ahead of the kernel. Callers
+(tests/ops/test_decode_fast_path.py checks them against the general launch). The weight is read as stored: a half
+value widens to fp32 exactly, which is what the general launch's conversion does ahead of the kernel. A
+zero-centered weight (ZC) is the one exception: the kernel reads 1 + w, which the general launch computes in fp32
+as ``weight.to(fp32) + 1`` (rounded once), so this launch computes the same fp32 sum into scratch first. Callers
 (:mod:`addnorm.ops.fast_path`) check that the tensors fit; anything else takes the general launch.
 """
 
@@ -22,13 +25,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from addnorm.ops.cpu.kernels import IMPORT_ERROR, JIT, fwd_serial, njit
+from addnorm.ops.cpu.kernels import IMPORT_ERROR, JIT, fwd_serial, load, njit
 
-__all__ = ["CAST", "DTYPES", "HAS_B", "HAS_RES", "HAS_W", "IN_PLACE", "IS_RMS", "STORE", "forward_ptr"]
+__all__ = ["CAST", "DTYPES", "HAS_B", "HAS_RES", "HAS_W", "IN_PLACE", "IS_RMS", "STORE", "ZC", "forward_ptr"]
 
-# the flag word's bits (one integer argument instead of six booleans: numba's dispatcher types each argument).
-# IN_PLACE: out is x and residual_out is the residual (see _launch).
-HAS_RES, HAS_W, HAS_B, STORE, IS_RMS, CAST, IN_PLACE = 1, 2, 4, 8, 16, 32, 64
+# the flag word's bits (one integer argument instead of seven booleans: numba's dispatcher types each argument).
+# IN_PLACE: out is x and residual_out is the residual (see _run). ZC: the weight is zero-centered (read as 1 + w).
+HAS_RES, HAS_W, HAS_B, STORE, IS_RMS, CAST, IN_PLACE, ZC = 1, 2, 4, 8, 16, 32, 64, 128
 
 if IMPORT_ERROR is None:
     from numba import carray, types
@@ -51,7 +54,27 @@ else:  # numba missing: the module imports, nothing here is called (unavailable_
 
 
 @njit(inline="always")
+def plus_one(W, n):
+    """1 + w as fp32 scratch: the general launch's ``weight.to(fp32) + 1``, the exact widening then one fp32 add
+    (rounded to nearest, as torch's), so the kernel reads the same values."""
+    Wk = np.empty(n, np.float32)
+    one = np.float32(1.0)
+    for j in range(n):
+        Wk[j] = load(W, j) + one
+    return Wk
+
+
+@njit(inline="always")
 def _launch(X, R, W, B, Out, H, m, n, flags, eps):
+    # two calls, not one with a chosen array: the fp32 scratch and a half weight's bits are different numba types
+    if flags & ZC != 0:
+        _run(X, R, plus_one(W, n), B, Out, H, m, n, flags, eps)
+    else:
+        _run(X, R, W, B, Out, H, m, n, flags, eps)
+
+
+@njit(inline="always")
+def _run(X, R, W, B, Out, H, m, n, flags, eps):
     # the statistics nobody reads (inference) go to scratch allocated here: fp32 for every dtype served
     stats = np.empty(2 * m, np.float32)
     # In place, residual_out is the residual: a row loop reading R and writing R is one LLVM cannot prove free of
