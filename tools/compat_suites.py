@@ -434,8 +434,11 @@ def pytest_runtest_logreport(report):
 _DESELECTED_FILE = os.environ["ADDNORM_COMPAT_RESULTS"] + ".deselected"
 
 try:
+    import pytest as _pytest
     import xdist  # noqa: F401
 
+    # optional: with `-p no:xdist` the hook's plugin is not registered, and a required hook would fail collection
+    @_pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(node, ids):
         if not _SELECTED:
             _SELECTED.extend(ids)
@@ -642,6 +645,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
         hidden=args.hidden,
         subsample=args.subsample,
         pytest_exit=proc.returncode,
+        max_seconds=args.max_seconds,
         wall_s=round(wall, 1),
         load_before=[round(x, 2) for x in load_before],
         load_after=[round(x, 2) for x in os.getloadavg()],
@@ -653,7 +657,9 @@ def run_suite(suite: Suite, args: argparse.Namespace, source: Path | None) -> di
 def print_summary(s: dict) -> None:
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items()))
     counts += f" ({s['deselected']} deselected by --hidden/--subsample)" if s["deselected"] else ""
-    counts += f"; {s['not_run']} NOT RUN (--max-seconds)" if s["not_run"] else ""
+    if s["not_run"]:  # stopped by --max-seconds, or pytest ended before running them (its exit status says why)
+        why = "--max-seconds" if s.get("max_seconds") else f"pytest exit status {s['pytest_exit']}"
+        counts += f"; {s['not_run']} NOT RUN ({why})"
     print(
         f"-- {s['suite']} ({s['origin']} @ {s['version']}), backend {s['backend']} on {s['device']}: {counts}; "
         f"missing feature: {s['missing_feature']}; {s['wall_s']} s, "
