@@ -119,14 +119,15 @@ def _affine(xhat, w, b, cast_to):
 
 
 def _norm_stats(h, n, w, b, eps, is_rms):
-    """(out, mean | None, rstd) of the plain norm: ATen's kernels that F.layer_norm and F.rms_norm run (called
-    through torch.*, not torch.ops.aten: the same op without the Python op-packet's dispatch, a few us at decode)."""
+    """(out, mean | None, rstd) of the plain norm: ATen's kernels that F.layer_norm and F.rms_norm run (the rms one
+    as its overload, .default: the op packet's own dispatch in Python costs ~1-3 us a call at decode, and
+    torch._fused_rms_norm is not traced by torch.compile)."""
     if not is_rms:
         return torch.native_layer_norm(h, n, w, b, eps)
     if lone_wide_row(h):  # (see batch_invariant_rms_norm)
-        out, rstd = torch._fused_rms_norm(h.reshape(1, -1).expand(2, -1), n, w, eps)
+        out, rstd = torch.ops.aten._fused_rms_norm.default(h.reshape(1, -1).expand(2, -1), n, w, eps)
         return out[:1].reshape(h.shape), None, rstd[:1].reshape(*h.shape[:-1], 1)
-    out, rstd = torch._fused_rms_norm(h, n, w, eps)
+    out, rstd = torch.ops.aten._fused_rms_norm.default(h, n, w, eps)
     return out, None, rstd
 
 
