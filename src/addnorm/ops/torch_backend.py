@@ -7,8 +7,8 @@ Unlike the kernel backends it needs no custom op around it: :func:`add_norm` tak
 
 The finite-range guard (:mod:`addnorm.ops.contract`): the norms run as ATen's ops that also return the row
 statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.layer_norm and F.rms_norm, the same
-bits), the guard's test reads them, and only a call with a row that fails it (eagerly: one ``all()`` on the (M,)
-test) runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
+bits), the guard's test reads them (eagerly on the host, in the fewest ops: :func:`_all_ordinary`), and only a call
+with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
 branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a ``where`` picks.
 """
 
@@ -135,18 +135,13 @@ def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
     """``norm(h)`` (a function returning (out, mean | None, rstd) of the plain computation), with the rows that fail
     the guard's test recomputed by :func:`scaled_norm`."""
     out, mean, rstd = norm(h)
-    if _plain_serves(mean, rstd):
+    # compiled graphs and torch.func transforms cannot branch on a value: _rescue's branch-free form. Eagerly the
+    # plain out stands when every row passes the test, or on meta tensors (no values: shapes and dtypes are its)
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()) and (
+        rstd.is_meta or _all_ordinary(mean, rstd)
+    ):
         return out
     return _rescue(norm, h, out, mean, rstd, w, b, eps, is_rms, cast_to)
-
-
-def _plain_serves(mean, rstd) -> bool:
-    """Whether the plain pass's out is the answer as it stands: an eager call whose rows all pass the test, or meta
-    tensors (no values to test: shapes and dtypes are the plain pass's). Compiled graphs and torch.func transforms
-    cannot branch on a value: False there, and :func:`_rescue` takes the branch-free form."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    return rstd.is_meta or _all_ordinary(mean, rstd)
 
 
 def _rescue(norm, h, out, mean, rstd, w, b, eps, is_rms, cast_to):
