@@ -8,8 +8,9 @@ Unlike the kernel backends it needs no custom op around it: :func:`add_norm` tak
 The finite-range guard (:mod:`addnorm.ops.contract`): the norms run as ATen's ops that also return the row
 statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.layer_norm and F.rms_norm, the same
 bits), the guard's test reads them (eagerly on the host, in the fewest ops: :func:`_all_ordinary`), and only a call
-with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
-branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a ``where`` picks.
+with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled
+graphs cannot branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a
+``where`` picks.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _rescue(norm, h, out, mean, rstd, w, b, eps, is_rms, cast_to):
 
 
 # Up to this many rows the statistics themselves are read to the host (one copy each) and tested in Python: on a
-# CPU that is cheaper than the reductions (about 0.5-1 us against 2-9 us at 8 rows; benchmarks/bench_guard.py)
+# CPU that is cheaper than the reductions (~1-2.5 us against ~3-11 us at 8 rows: benchmarks/results/finite_guard.md)
 _HOST_TEST_ROWS = 16
 
 
@@ -171,11 +172,11 @@ def _all_ordinary(mean, rstd, one_read=None) -> bool:
     the host once in all; on a CPU a read is a copy, cheaper than the op that would join two."""
     lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
     m = rstd.numel()
-    if m == 1 and (mean is None or not (rstd.is_cpu if one_read is None else not one_read)):
-        # one row (decode): read the values, no list (a NaN fails the first test)
-        return lo <= rstd.item() <= hi and (mean is None or not 0 < abs(mean.item()) < tiny)
     if one_read is None:
         one_read = not rstd.is_cpu
+    if m == 1 and (mean is None or not one_read):
+        # one row (decode): read the values, no list (a NaN fails the first test)
+        return lo <= rstd.item() <= hi and (mean is None or not 0 < abs(mean.item()) < tiny)
     if m > _HOST_TEST_ROWS:
         return _all_ordinary_reduced(mean, rstd, lo, hi, tiny, one_read)
     if rstd.dim() != 2:  # (..., 1): the rows as (M, 1), read as [[v], ...]
