@@ -316,3 +316,80 @@ def test_few_wide_rows(backend, is_rms):
     x = x.float()
     w, b = _affine(n, torch.float32, g, bias=not is_rms)
     _check(backend, x, torch.zeros_like(x), w, b, eps=0.0, is_rms=is_rms, g=g)
+
+
+# The torch backend's eager test of the statistics (torch_backend._all_ordinary): one row read as values, up to
+# _HOST_TEST_ROWS rows read as lists, more rows through reductions; on a CPU one read per tensor, off it (one_read)
+# one read in all. Every form must agree with ordinary_rows(...).all() wherever the failing row sits.
+LO, HI, TINY = GUARD_LIMITS[torch.float32]
+BAD_RSTD = [HI * 2, LO / 2, math.inf, 0.0, math.nan]
+BAD_MEAN = [TINY / 2, -TINY / 4, 2.0**-149]
+
+
+def _stats(m, lead, seed):
+    g = torch.Generator().manual_seed(seed)
+    rstd = (torch.rand(m, 1, generator=g) + 0.5).reshape(*lead, 1)
+    mean = torch.randn(m, 1, generator=g).reshape(*lead, 1)
+    return mean, rstd
+
+
+@pytest.mark.parametrize("one_read", [False, True], ids=["per-tensor", "one-read"])
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 17, 40])
+def test_eager_statistics_test_agrees_with_ordinary_rows(m, one_read):
+    from addnorm.ops import torch_backend as TB
+
+    assert TB._HOST_TEST_ROWS in (8, 16)  # the sizes above straddle it (list and reduced forms)
+    for lead in [(m,), (1, m)] + ([(2, m // 2)] if m % 2 == 0 else []):
+        mean, rstd = _stats(m, lead, seed=m)
+        for means in (None, mean):
+            assert TB._all_ordinary(means, rstd, one_read) is True
+        for row in sorted({0, m // 2, m - 1}):
+            for bad in BAD_RSTD:
+                r = rstd.clone().view(-1)
+                r[row] = bad
+                r = r.view(rstd.shape)
+                for means in (None, mean):
+                    assert TB._all_ordinary(means, r, one_read) is False, (lead, row, bad, means is None)
+            for bad in BAD_MEAN:
+                u = mean.clone().view(-1)
+                u[row] = bad
+                assert TB._all_ordinary(u.view(mean.shape), rstd, one_read) is False, (lead, row, bad)
+            # an exact zero mean is ordinary; beside a subnormal one (the reduced form's second pass) it is not
+            u = mean.clone().view(-1)
+            u[row] = 0.0
+            assert TB._all_ordinary(u.view(mean.shape), rstd, one_read) is True
+            u[(row + 1) % m] = TINY / 8
+            assert TB._all_ordinary(u.view(mean.shape), rstd, one_read) is False, (lead, row)
+    assert TB._all_ordinary(torch.empty(0, 1), torch.empty(0, 1), one_read) is True
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("m", [1, 8, 40])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_torch_backend_rescues_the_row_wherever_it_sits(monkeypatch, is_rms, m, grad):
+    """One row in need of the scaled pass (1e30 in fp32, and for LayerNorm a subnormal mean with an ordinary rstd) at
+    the first and the last position of 1, 8 and 40 rows: the scaled pass runs and out is float64's, on the decode
+    shortcut (no grad) and the general path."""
+    from addnorm.ops import torch_backend as TB
+
+    calls = []
+    real = TB.scaled_norm
+    monkeypatch.setattr(TB, "scaled_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(12 + m)
+    kinds = [("big", 1e30)] + ([] if is_rms else [("subnormal mean", None)])
+    for kind, scale in kinds:
+        for row in sorted({0, m - 1}):
+            x = torch.randn(m, N, generator=g)
+            if scale is not None:
+                x[row] *= scale
+            else:  # values ~ 1e-39 around a mean of ~ 3e-39: var << eps, rstd = eps^-1/2, the mean subnormal
+                x[row] = (3 + torch.rand(N, generator=g)) * 1e-39
+            w = (1 + 0.3 * torch.randn(N, generator=g)).requires_grad_(grad)
+            xg = x.clone().requires_grad_(grad)
+            calls.clear()
+            with torch.set_grad_enabled(grad):
+                fn = add_rms_norm if is_rms else add_layer_norm
+                out, res = fn(xg, None, w, eps=1e-5, backend="torch")
+            assert calls, f"{kind} at row {row} of {m}: no rescue"
+            _, want = _oracle(res, w, None, eps=1e-5, is_rms=is_rms)
+            assert_close64(out, want, torch.float32, f"{kind}, row {row} of {m}")

@@ -7,9 +7,10 @@ Unlike the kernel backends it needs no custom op around it: :func:`add_norm` tak
 
 The finite-range guard (:mod:`addnorm.ops.contract`): the norms run as ATen's ops that also return the row
 statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.layer_norm and F.rms_norm, the same
-bits), the guard's test reads them, and only a call with a row that fails it (eagerly: one ``all()`` on the (M,)
-test) runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled graphs cannot
-branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a ``where`` picks.
+bits), the guard's test reads them (eagerly on the host, in the fewest ops: :func:`_all_ordinary`), and only a call
+with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled
+graphs cannot branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a
+``where`` picks.
 """
 
 from __future__ import annotations
@@ -119,26 +120,36 @@ def _affine(xhat, w, b, cast_to):
 
 
 def _norm_stats(h, n, w, b, eps, is_rms):
-    """(out, mean | None, rstd) of the plain norm: ATen's kernels that F.layer_norm and F.rms_norm run."""
+    """(out, mean | None, rstd) of the plain norm: ATen's kernels that F.layer_norm and F.rms_norm run (the rms one
+    as its overload, .default: the op packet's own dispatch in Python costs ~1-3 us a call at decode, and
+    torch._fused_rms_norm is not traced by torch.compile)."""
     if not is_rms:
         return torch.native_layer_norm(h, n, w, b, eps)
     if lone_wide_row(h):  # (see batch_invariant_rms_norm)
-        out, rstd = torch.ops.aten._fused_rms_norm(h.reshape(1, -1).expand(2, -1), n, w, eps)
+        out, rstd = torch.ops.aten._fused_rms_norm.default(h.reshape(1, -1).expand(2, -1), n, w, eps)
         return out[:1].reshape(h.shape), None, rstd[:1].reshape(*h.shape[:-1], 1)
-    out, rstd = torch.ops.aten._fused_rms_norm(h, n, w, eps)
+    out, rstd = torch.ops.aten._fused_rms_norm.default(h, n, w, eps)
     return out, None, rstd
 
 
 def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
     """``norm(h)`` (a function returning (out, mean | None, rstd) of the plain computation), with the rows that fail
-    the guard's test recomputed by :func:`scaled_norm`. The plain norm of such a row is run again on a harmless
-    stand-in row, so that no inf or NaN of its own backward reaches the gradient."""
+    the guard's test recomputed by :func:`scaled_norm`."""
     out, mean, rstd = norm(h)
-    # compiled graphs and torch.func transforms cannot branch on a value: the branch-free form (both passes, where)
-    compiling = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-    if h.device.type == "meta":  # no values to test: shapes and dtypes are the plain pass's
+    # compiled graphs and torch.func transforms cannot branch on a value: _rescue's branch-free form. Eagerly the
+    # plain out stands when every row passes the test, or on meta tensors (no values: shapes and dtypes are its)
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()) and (
+        rstd.is_meta or _all_ordinary(mean, rstd)
+    ):
         return out
-    if not compiling and _all_ordinary(mean, rstd):
+    return _rescue(norm, h, out, mean, rstd, w, b, eps, is_rms, cast_to)
+
+
+def _rescue(norm, h, out, mean, rstd, w, b, eps, is_rms, cast_to):
+    """out with the rows that fail the test recomputed by :func:`scaled_norm`. The plain norm of such a row is run
+    again on a harmless stand-in row, so that no inf or NaN of its own backward reaches the gradient."""
+    compiling = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if h.device.type == "meta":
         return out
     a = h.detach().abs().amax(dim=-1, keepdim=True)
     rescue = ~ordinary_rows(mean, rstd) & torch.isfinite(a) & (a > 0)  # non-finite and zero rows stay as they are
@@ -150,21 +161,56 @@ def guard_rows(norm, h, w, b, eps, is_rms, cast_to):
     return torch.where(rescue, fixed.to(plain.dtype), plain)
 
 
-def _all_ordinary(mean, rstd) -> bool:
-    """ordinary_rows(mean, rstd).all(), in as few ops as possible: every call pays it (a decode step too)."""
+# Up to this many rows the statistics themselves are read to the host (one copy each) and tested in Python: on a
+# CPU that is cheaper than the reductions (~1-2.5 us against ~3-11 us at 8 rows: benchmarks/results/finite_guard.md)
+_HOST_TEST_ROWS = 16
+
+
+def _all_ordinary(mean, rstd, one_read=None) -> bool:
+    """ordinary_rows(mean, rstd).all(), in as few ops and host reads as possible: every eager call pays it (a decode
+    step too). ``one_read`` (default: off the CPU, where each read of a device tensor waits for the device) reads
+    the host once in all; on a CPU a read is a copy, cheaper than the op that would join two."""
     lo, hi, tiny = GUARD_LIMITS[rstd.dtype]
-    if rstd.numel() == 1:  # one row (decode): read the values, no reduction
-        a = 0.0 if mean is None else abs(mean.item())
-        return lo <= rstd.item() <= hi and not 0 < a < tiny
-    if not rstd.numel():
-        return True
-    least, most = torch.aminmax(rstd)  # (NaN propagates into both, and fails the test)
-    if not (lo <= least.item() and most.item() <= hi):
-        return False
+    m = rstd.numel()
+    if one_read is None:
+        one_read = not rstd.is_cpu
+    if m == 1 and (mean is None or not one_read):
+        # one row (decode): read the values, no list (a NaN fails the first test)
+        return lo <= rstd.item() <= hi and (mean is None or not 0 < abs(mean.item()) < tiny)
+    if m > _HOST_TEST_ROWS:
+        return _all_ordinary_reduced(mean, rstd, lo, hi, tiny, one_read)
+    if rstd.dim() != 2:  # (..., 1): the rows as (M, 1), read as [[v], ...]
+        rstd = rstd.reshape(-1, 1)
+        mean = None if mean is None else mean.reshape(-1, 1)
     if mean is None:
+        for (r,) in rstd.tolist():
+            if not lo <= r <= hi:
+                return False
         return True
+    if one_read:
+        pairs = torch.cat((rstd, mean), dim=1).tolist()
+    else:
+        pairs = [(r, u) for (r,), (u,) in zip(rstd.tolist(), mean.tolist())]
+    for r, u in pairs:
+        if not lo <= r <= hi or 0 < abs(u) < tiny:  # (a subnormal mean fails, 0 is exact)
+            return False
+    return True
+
+
+def _all_ordinary_reduced(mean, rstd, lo, hi, tiny, one_read) -> bool:
+    """_all_ordinary for many rows: rstd's least and largest value (NaN propagates into both, and fails the test),
+    and the least |mean|; only when that is 0 (a zero-mean row, exact) the least nonzero |mean| in one more pass."""
+    least, most = torch.aminmax(rstd)
+    parts = [least, most] if mean is None else [least, most, mean.abs().amin()]
+    values = torch.stack(parts).tolist() if one_read else [t.item() for t in parts]
+    if not (lo <= values[0] and values[1] <= hi):
+        return False
+    if mean is None or not values[2] < tiny:
+        return True
+    if values[2] != 0:
+        return False
     am = mean.abs()
-    return not torch.where(am == 0, math.inf, am).amin().item() < tiny  # no subnormal mean (0 is exact)
+    return not torch.where(am == 0, math.inf, am).amin().item() < tiny
 
 
 def scaled_norm(h, w, b, eps, is_rms, cast_to=None) -> Tensor:
