@@ -283,3 +283,25 @@ def test_end_to_end_under_xdist_counts_the_same(tmp_path):
     [s] = json.loads(out.read_text())
     assert s["counts"] == {"passed": 1, "skipped": 2} and s["deselected"] == 2
     assert s["missing_feature"] == 1 and s["not_run"] == 0
+
+
+def test_end_to_end_with_xdist_switched_off_counts_the_same(tmp_path):
+    # `-- -p no:xdist` unregisters xdist: the harness's xdist hook must then be optional, not a collection error
+    pytest.importorskip("xdist")
+    src = _synthetic_source(tmp_path)
+    out = tmp_path / "summary.json"
+    args = ["flash-attn", "--source", f"flash-attn={src}", "--seqlen", "4", "--hidden", "8", "--backend", "torch"]
+    args += ["--cache", str(tmp_path / "cache"), "--json", str(out), "--", "-k", "not other", "-p", "no:xdist"]
+    assert cs.main(args) == 1
+    [s] = json.loads(out.read_text())
+    assert s["counts"] == {"passed": 1, "skipped": 2} and s["not_run"] == 0
+
+
+def test_cases_not_run_say_why(capsys):
+    base = {"counts": {"passed": 1}, "deselected": 0, "suite": "x", "origin": "o", "version": "v", "backend": "torch"}
+    base |= {"device": "cpu", "missing_feature": 0, "wall_s": 1.0, "load_before": [0], "load_after": [0]}
+    base |= {"upstream_skips": {}, "other_skips": {}, "failures": []}
+    cs.print_summary(base | {"not_run": 3, "max_seconds": None, "pytest_exit": 4})
+    assert "3 NOT RUN (pytest exit status 4)" in capsys.readouterr().out
+    cs.print_summary(base | {"not_run": 3, "max_seconds": 60.0, "pytest_exit": 2})
+    assert "3 NOT RUN (--max-seconds)" in capsys.readouterr().out
