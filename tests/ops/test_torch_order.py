@@ -1,4 +1,4 @@
-"""The cpu backend sums a row's statistics in PyTorch's own order (addnorm.ops.cpu.torch_order), so its rstd is
+"""The cpu backend sums RMSNorm's squares in PyTorch's own order (addnorm.ops.cpu.torch_order), so its rstd is
 PyTorch's bit for bit: checked against ``torch.sum`` over row lengths that take every branch of ATen's cascade sum
 (shorter than a vector, leftover vectors, leftover values, one and several cascade steps, a wider cascade step), on
 every storage type, and through the public ops against the torch backend (``F.rms_norm``'s kernel) and FlashInfer's
@@ -40,8 +40,8 @@ def _numpy_rows(x):
 
 
 @pytest.mark.parametrize("dtype", list(STORAGE), ids=lambda d: str(d).removeprefix("torch."))
-def test_row_sums_are_torch_sum_bit_for_bit(dtype, one_thread):
-    from addnorm.ops.cpu.torch_order import row_sum, row_sum_sq_dev
+def test_sum_of_squares_is_torch_sum_bit_for_bit(dtype, one_thread):
+    from addnorm.ops.cpu.torch_order import row_sum_sq
 
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     zero = np.float64(0) if acc == torch.float64 else np.float32(0)
@@ -49,41 +49,20 @@ def test_row_sums_are_torch_sum_bit_for_bit(dtype, one_thread):
     mismatches = []
     for n in LENGTHS:
         x = (torch.randn(3, n, generator=gen) * 3 + 0.7).to(dtype)
-        xf = x.to(acc)
-        total, squares = xf.sum(-1), xf.pow(2).sum(-1)
-        mean = total / n
-        deviations = (xf - mean[:, None]).pow(2).sum(-1)
+        want = x.to(acc).pow(2).sum(-1).tolist()
         rows = _numpy_rows(x)
-        for i in range(3):
-            m = mean[i].numpy()[()]
-            got = (
-                row_sum(rows[i], n, zero),
-                row_sum_sq_dev(rows[i], n, zero, zero),
-                row_sum_sq_dev(rows[i], n, m, zero),
-            )
-            want = (total[i].item(), squares[i].item(), deviations[i].item())
-            if got != want:
-                mismatches.append((n, i, got, want))
+        got = [float(row_sum_sq(rows[i], n, zero)) for i in range(3)]
+        if got != want:
+            mismatches.append((n, got, want))
     assert not mismatches, mismatches[:5]
 
 
 def test_a_wide_cascade_step(one_thread):
     # 2^22 + 37 values: rows of 4 vectors number 2^17, so the cascade's step is 2^5 rows, not the usual 2^4
-    from addnorm.ops.cpu.torch_order import row_sum_sq_dev
+    from addnorm.ops.cpu.torch_order import row_sum_sq
 
     x = torch.randn(1, (1 << 22) + 37, generator=torch.Generator().manual_seed(1))
-    got = row_sum_sq_dev(x.numpy()[0], x.shape[1], np.float32(0), np.float32(0))
-    assert got == x.pow(2).sum(-1).item()
-
-
-def test_sign_of_a_zero_sum(one_thread):
-    # PyTorch's sum starts from +0: a row of -0.0 sums to +0.0, and so must the kernels' (the mean's sign reaches
-    # the output's zeros)
-    from addnorm.ops.cpu.torch_order import row_sum
-
-    for n in (3, 8, 40):
-        got = row_sum(np.full(n, -0.0, np.float32), n, np.float32(0))
-        assert got == 0 and np.signbit(got) == torch.full((1, n), -0.0).sum(-1).signbit().item()
+    assert row_sum_sq(x.numpy()[0], x.shape[1], np.float32(0)) == x.pow(2).sum(-1).item()
 
 
 SHAPES = [(1, 4096), (19, 1024), (99, 3072), (7, 111), (33, 5), (300, 512)]
@@ -123,20 +102,14 @@ def test_flashinfer_reference_formula_bit_for_bit(dtype, monkeypatch):
             assert torch.equal(out, ref), (m, n, int((out != ref).sum()))
 
 
-def test_layer_norm_statistics_are_torch_mean_and_var():
-    # LayerNorm: mean = h.mean(), var = (h - mean).pow(2).mean(), both in PyTorch's order (F.layer_norm itself
-    # uses a one-pass Welford-style sum, so the comparison is with the two-pass formula the kernels document)
-    from addnorm.ops.cpu.stats import row_stats
+def test_rms_rstd_is_the_formulas():
+    # the saved rstd itself, over lengths on both sides of a vector, and through the guard's entry point
+    from addnorm.ops.cpu.stats import guarded_row_stats, row_stats
 
-    gen = torch.Generator().manual_seed(4)
-    for n in (5, 100, 1024, 4097):
-        h = torch.randn(4, n, generator=gen) * 2 + 3
-        mean = h.mean(-1)
-        rstd = torch.rsqrt((h - mean[:, None]).pow(2).mean(-1) + 1e-5)
-        for i in range(4):
-            got = row_stats(h.numpy()[i], n, False, np.float32(1e-5), np.float32(0))
-            assert got == (mean[i].item(), rstd[i].item()), (n, i)
-    # and RMSNorm's rstd is F.rms_norm's saved one
-    x = torch.randn(6, 777, generator=gen)
-    got = [row_stats(x.numpy()[i], 777, True, np.float32(1e-6), np.float32(0))[1] for i in range(6)]
-    assert got == torch.rsqrt(x.pow(2).mean(-1) + 1e-6).tolist()
+    x = torch.randn(6, 777, generator=torch.Generator().manual_seed(4))
+    want = torch.rsqrt(x.pow(2).mean(-1) + 1e-6).tolist()
+    assert [row_stats(x.numpy()[i], 777, True, np.float32(1e-6), np.float32(0))[1] for i in range(6)] == want
+    assert [guarded_row_stats(x.numpy()[i], 777, True, np.float32(1e-6), np.float32(0))[1] for i in range(6)] == want
+    y = torch.randn(3, 5, generator=torch.Generator().manual_seed(7))
+    want = torch.rsqrt(y.pow(2).mean(-1) + 1e-6).tolist()
+    assert [row_stats(y.numpy()[i], 5, True, np.float32(1e-6), np.float32(0))[1] for i in range(3)] == want

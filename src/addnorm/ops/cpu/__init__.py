@@ -3,7 +3,7 @@
 - :mod:`addnorm.ops.cpu.convert`: the numba import, compile flags and dtype conversions (half types as bits).
 - :mod:`addnorm.ops.cpu.stats`: the row statistics and the finite-range guard (:func:`~addnorm.ops.cpu.stats.guarded_row_stats`, the
   function every kernel that normalizes a row calls; :func:`~addnorm.ops.cpu.stats.saved_row_scaling` for the backward).
-- :mod:`addnorm.ops.cpu.torch_order`: a row's sums in PyTorch's own order (the statistics are PyTorch's bit for bit).
+- :mod:`addnorm.ops.cpu.torch_order`: RMSNorm's sum of squares in PyTorch's own order (its rstd is PyTorch's bit for bit).
 - :mod:`addnorm.ops.cpu.kernels`: the dropout hash and the forward kernels; the math is written out in its
   docstring.
 - :mod:`addnorm.ops.cpu.kernels_bwd`: the backward kernels; :mod:`addnorm.ops.cpu.guard_bwd`: the backward of a
