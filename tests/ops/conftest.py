@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from addnorm.ops import backends
 
@@ -14,3 +15,12 @@ def fresh_registry():
     backends.forget()
     yield
     backends.forget()
+
+
+@pytest.fixture
+def torch_threads():
+    """set(n): run the test with n torch threads; the count before it is restored afterwards. (ATen's row sums
+    depend on it: a lone row of >= 32768 values is split across threads.)"""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

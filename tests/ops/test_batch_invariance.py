@@ -131,11 +131,8 @@ def test_backward_row_does_not_depend_on_the_batch(backend, is_rms, dtypes):
 
 
 @pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+def two_threads(torch_threads):
+    torch_threads(2)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "reference", "cpu"])

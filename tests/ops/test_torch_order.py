@@ -25,13 +25,10 @@ STORAGE = {torch.float32: None, torch.float64: None, torch.bfloat16: torch.uint1
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(torch_threads):
     # ATen splits one row of >= 32768 values across threads (a two-pass sum); on one thread every row is serial,
     # the order the kernels follow
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    torch_threads(1)
 
 
 def _numpy_rows(x):
