@@ -138,7 +138,7 @@ def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
 
 
 @njit(**JIT)
-def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
+def normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
     # The same loop with the flags as constants in each branch: LLVM does not unswitch a loop on three flags, and
     # with the branches inside it does not vectorize it (5x slower, measured at 8 x 4096 bf16). Same arithmetic.
     if cast:
@@ -217,7 +217,7 @@ def _fwd_row(
         Mean[i] = mean
     Rstd[i] = rstd
     if k == NOT_SCALED:
-        _normalize_row(h, Out[i * n : i * n + n], W, B, n, mean, rstd, has_w, has_b, cast, zero)
+        normalize_row(h, Out[i * n : i * n + n], W, B, n, mean, rstd, has_w, has_b, cast, zero)
     else:  # the guard's scaled pass: a row the plain statistics would get wrong
         normalize_row_scaled(h, Out[i * n : i * n + n], W, B, n, k, mean_s, r, has_w, has_b, cast)
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, prange, round_as, store_rounded, zero_of
 from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
-from addnorm.ops.cpu.kernels import normalize_row_scaled
+from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
 from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves, saved_row_scaling
 
 __all__ = ["bwd_parallel", "bwd_serial", "fwd_parallel", "fwd_serial"]
@@ -117,38 +117,6 @@ def _norm_add_row_scaled(y, r, h, W, B, n, k, mean_s, rs, has_w, has_b, cast, ze
         store_rounded(h, j, cast_like(round_as(y, v), zero) + cast_like(load(r, j), zero))
 
 
-@njit(inline="always")
-def _normalize_loop(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
-    for j in range(n):
-        v = (cast_like(load(h, j), zero) - mean) * rstd
-        if cast:
-            v = round_as(out, v)
-        if has_w:
-            v = v * cast_like(load(W, j), zero)
-        if has_b:
-            v = v + cast_like(load(B, j), zero)
-        store_rounded(out, j, v)
-
-
-@njit(**JIT)
-def _normalize_row(h, out, W, B, n, mean, rstd, has_w, has_b, cast, zero):
-    if cast:
-        if has_w and has_b:
-            _normalize_loop(h, out, W, B, n, mean, rstd, True, True, True, zero)
-        elif has_w:
-            _normalize_loop(h, out, W, B, n, mean, rstd, True, False, True, zero)
-        else:
-            _normalize_loop(h, out, W, B, n, mean, rstd, False, True, True, zero)
-    elif has_w and has_b:
-        _normalize_loop(h, out, W, B, n, mean, rstd, True, True, False, zero)
-    elif has_w:
-        _normalize_loop(h, out, W, B, n, mean, rstd, True, False, False, zero)
-    elif has_b:
-        _normalize_loop(h, out, W, B, n, mean, rstd, False, True, False, zero)
-    else:
-        _normalize_loop(h, out, W, B, n, mean, rstd, False, False, False, zero)
-
-
 @njit(**JIT)
 def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, in_place, eps1, eps2, zero):
     # Y: y rows (stride sy); R: residual rows; H: h rows (may be R itself: in place); O2: N2(h) rows (may be Y
@@ -175,7 +143,7 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, Stats, n, flags, i
         if k2 != NOT_SCALED:
             normalize_row_scaled(h, o2, W2, B2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
         else:
-            _normalize_row(h, o2, W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
+            normalize_row(h, o2, W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
 
 # Two drivers over one row function: prange for large inputs, a plain loop where waking the pool costs more.
