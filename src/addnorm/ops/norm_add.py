@@ -148,6 +148,20 @@ _NAMES1 = ("weight", "bias", "eps", "weight2", "bias2", "eps2")
 _NAMES2 = ("weight1", "bias1", "eps1", "weight2", "bias2", "eps2")
 
 
+def _single(weight, bias, eps, norm, zero_centered_weight, cast_before_weight) -> tuple:
+    """One norm's arguments (norm_add, norm_add_) in the chain's layout, the absent second norm filled in:
+    (weight1, bias1, weight2, bias2), (eps1, eps2), (norm, norm2), zc pair, cast pair."""
+    pairs = (zero_centered_weight, False), (cast_before_weight, False)
+    return (weight, bias, None, None), (eps, None), (norm, "rms"), *pairs
+
+
+def _chain(norm, norm2, zero_centered_weight, cast_before_weight) -> tuple:
+    """The chain's per-norm options (norm_add_norm, norm_add_norm_): (norm, norm2), zc pair, cast pair."""
+    norms = (norm, norm if norm2 is None else norm2)
+    zc = _pair(zero_centered_weight, "zero_centered_weight")
+    return norms, zc, _pair(cast_before_weight, "cast_before_weight")
+
+
 def norm_add(
     y: Tensor,
     residual: Tensor,
@@ -163,15 +177,12 @@ def norm_add(
     """``residual + Norm(y)`` (see the module docstring). ``norm`` is ``"rms"`` (``eps=None``: the machine epsilon
     of y's dtype; ``bias`` must be None) or ``"layer"`` (``eps=None``: 1e-5). ``residual`` has y's shape and device;
     the result has torch's promoted dtype of residual and y."""
-    zc, cbw = (zero_centered_weight, False), (cast_before_weight, False)
-    fast = try_norm_add(y, residual, (weight, bias, None, None), eps, None, (norm, "rms"), zc, cbw, False, backend)
+    params, eps, norms, zc, cbw = _single(weight, bias, eps, norm, zero_centered_weight, cast_before_weight)
+    fast = try_norm_add(y, residual, params, *eps, norms, zc, cbw, False, backend)
     if fast is not None:  # a decode-size inference call (addnorm.ops.norm_add_fast): the same kernel and bits
         return fast[0]
-    opts = _plan(
-        y, residual, weight, bias, None, None, eps, None, norm, "rms",
-        (zero_centered_weight, False), (cast_before_weight, False), False, _NAMES1,
-    )  # fmt: skip
-    return _run(y, residual, weight, bias, None, None, opts, backend)[0]
+    opts = _plan(y, residual, *params, *eps, *norms, zc, cbw, False, _NAMES1)
+    return _run(y, residual, *params, opts, backend)[0]
 
 
 def norm_add_norm(
@@ -200,15 +211,13 @@ def norm_add_norm(
     :func:`norm_add`, per norm (eps2=None with RMSNorm: the machine epsilon of h's dtype). Gradients flow to y,
     residual, both weights and both biases, from both outputs.
     """
-    norm2 = norm if norm2 is None else norm2
-    zc = _pair(zero_centered_weight, "zero_centered_weight")
-    cbw = _pair(cast_before_weight, "cast_before_weight")
     params = (weight1, bias1, weight2, bias2)
-    fast = try_norm_add(y, residual, params, eps1, eps2, (norm, norm2), zc, cbw, True, backend)
+    norms, zc, cbw = _chain(norm, norm2, zero_centered_weight, cast_before_weight)
+    fast = try_norm_add(y, residual, params, eps1, eps2, norms, zc, cbw, True, backend)
     if fast is not None:
         return fast[1], fast[0]
-    opts = _plan(y, residual, weight1, bias1, weight2, bias2, eps1, eps2, norm, norm2, zc, cbw, True, _NAMES2)
-    h, out2 = _run(y, residual, weight1, bias1, weight2, bias2, opts, backend)
+    opts = _plan(y, residual, *params, eps1, eps2, *norms, zc, cbw, True, _NAMES2)
+    h, out2 = _run(y, residual, *params, opts, backend)
     return out2, h
 
 
@@ -280,15 +289,12 @@ def norm_add_(
 ) -> Tensor:
     """In place: ``residual += Norm(y)`` with :func:`norm_add`'s roundings (residual must have the sum's dtype).
     Returns residual. Inference only: nothing is recorded for autograd."""
-    zc, cbw = (zero_centered_weight, False), (cast_before_weight, False)
-    if try_norm_add_(y, residual, (weight, bias, None, None), eps, None, (norm, "rms"), zc, cbw, False, backend):
+    params, eps, norms, zc, cbw = _single(weight, bias, eps, norm, zero_centered_weight, cast_before_weight)
+    if try_norm_add_(y, residual, params, *eps, norms, zc, cbw, False, backend):
         return residual
-    opts = _plan(
-        y, residual, weight, bias, None, None, eps, None, norm, "rms",
-        (zero_centered_weight, False), (cast_before_weight, False), False, _NAMES1,
-    )  # fmt: skip
+    opts = _plan(y, residual, *params, *eps, *norms, zc, cbw, False, _NAMES1)
     _check_inplace(y, residual, (("weight", weight), ("bias", bias)), False, "norm_add_")
-    _run_(y, residual, weight, bias, None, None, opts, backend)
+    _run_(y, residual, *params, opts, backend)
     return residual
 
 
@@ -310,14 +316,11 @@ def norm_add_norm_(
 ) -> tuple[Tensor, Tensor]:
     """In place: ``residual += N1(y)``, then ``y = N2(residual)`` (y and residual share one dtype). Returns
     ``(y, residual)``: :func:`norm_add_norm`'s ``(N2(h), h)``, written where its inputs were. Inference only."""
-    norm2 = norm if norm2 is None else norm2
-    zc = _pair(zero_centered_weight, "zero_centered_weight")
-    cbw = _pair(cast_before_weight, "cast_before_weight")
     params = (weight1, bias1, weight2, bias2)
-    if try_norm_add_(y, residual, params, eps1, eps2, (norm, norm2), zc, cbw, True, backend):
+    norms, zc, cbw = _chain(norm, norm2, zero_centered_weight, cast_before_weight)
+    if try_norm_add_(y, residual, params, eps1, eps2, norms, zc, cbw, True, backend):
         return y, residual
-    opts = _plan(y, residual, weight1, bias1, weight2, bias2, eps1, eps2, norm, norm2, zc, cbw, True, _NAMES2)
-    named = (("weight1", weight1), ("bias1", bias1), ("weight2", weight2), ("bias2", bias2))
-    _check_inplace(y, residual, named, True, "norm_add_norm_")
-    _run_(y, residual, weight1, bias1, weight2, bias2, opts, backend)
+    opts = _plan(y, residual, *params, eps1, eps2, *norms, zc, cbw, True, _NAMES2)
+    _check_inplace(y, residual, tuple(zip(_NAMES2[:2] + _NAMES2[3:5], params, strict=True)), True, "norm_add_norm_")
+    _run_(y, residual, *params, opts, backend)
     return y, residual
