@@ -112,58 +112,34 @@ def _run(X, R, W, B, Out, H, m, n, flags, eps):
             H[k] = Hk[k]
 
 
+@njit(inline="always")
+def at(p, size, dtype):
+    """The ``size`` elements of ``dtype`` at address p (an integer: torch's data_ptr()), as a numba array."""
+    return carray(_address(p), size, dtype)
+
+
+@njit(inline="always")
+def _fwd(dt, px, pr, pw, pb, pout, ph, m, n, flags, eps):
+    size = m * n
+    _launch(at(px, size, dt), at(pr, size, dt), at(pw, n, dt), at(pb, n, dt), at(pout, size, dt), at(ph, size, dt), m, n, flags, eps)  # fmt: skip
+
+
 # One entry point per storage type (bf16 as uint16 bits, fp16 as int16 bits, fp32): carray's element type is a
 # compile-time constant. Arguments: the addresses of x, residual, weight, bias, out and residual_out (an absent one:
 # any address of the same type, never read), then M, N, the flag word and eps.
 @njit(**JIT)
 def _fwd_bf16(px, pr, pw, pb, pout, ph, m, n, flags, eps):
-    size = m * n
-    _launch(
-        carray(_address(px), size, np.uint16),
-        carray(_address(pr), size, np.uint16),
-        carray(_address(pw), n, np.uint16),
-        carray(_address(pb), n, np.uint16),
-        carray(_address(pout), size, np.uint16),
-        carray(_address(ph), size, np.uint16),
-        m,
-        n,
-        flags,
-        eps,
-    )
+    _fwd(np.uint16, px, pr, pw, pb, pout, ph, m, n, flags, eps)
 
 
 @njit(**JIT)
 def _fwd_f16(px, pr, pw, pb, pout, ph, m, n, flags, eps):
-    size = m * n
-    _launch(
-        carray(_address(px), size, np.int16),
-        carray(_address(pr), size, np.int16),
-        carray(_address(pw), n, np.int16),
-        carray(_address(pb), n, np.int16),
-        carray(_address(pout), size, np.int16),
-        carray(_address(ph), size, np.int16),
-        m,
-        n,
-        flags,
-        eps,
-    )
+    _fwd(np.int16, px, pr, pw, pb, pout, ph, m, n, flags, eps)
 
 
 @njit(**JIT)
 def _fwd_f32(px, pr, pw, pb, pout, ph, m, n, flags, eps):
-    size = m * n
-    _launch(
-        carray(_address(px), size, np.float32),
-        carray(_address(pr), size, np.float32),
-        carray(_address(pw), n, np.float32),
-        carray(_address(pb), n, np.float32),
-        carray(_address(pout), size, np.float32),
-        carray(_address(ph), size, np.float32),
-        m,
-        n,
-        flags,
-        eps,
-    )
+    _fwd(np.float32, px, pr, pw, pb, pout, ph, m, n, flags, eps)
 
 
 DTYPES = {torch.bfloat16: _fwd_bf16, torch.float16: _fwd_f16, torch.float32: _fwd_f32}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from addnorm.ops.cpu.fast_launch import _address, carray, plus_one
+from addnorm.ops.cpu.fast_launch import at, plus_one
 from addnorm.ops.cpu.kernels import JIT, load, njit
 from addnorm.ops.cpu.norm_add_kernels import fwd_serial
 
@@ -66,37 +66,29 @@ def _run(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2):
     fwd_serial(Y, n, R, n, R if in_place else H, n, O2, n, W1, B1, W2, B2, stats, m, n, bits, in_place, eps1, eps2)
 
 
+@njit(inline="always")
+def _fwd(dt, py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
+    size = m * n
+    Y, R, H, O2 = at(py, size, dt), at(pr, size, dt), at(ph, size, dt), at(po2, size, dt)
+    _launch(Y, R, H, O2, at(pw1, n, dt), at(pb1, n, dt), at(pw2, n, dt), at(pb2, n, dt), m, n, flags, eps1, eps2)
+
+
 # One entry point per storage type (bf16 as uint16 bits, fp16 as int16 bits, fp32): carray's element type is a
 # compile-time constant. Arguments: the addresses of y, residual, h, out2, w1, b1, w2, b2 (an absent one: any
 # address, never read), then M, N, the flag word and the two eps.
 @njit(**JIT)
 def _fwd_bf16(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
-    size = m * n
-    Y, R = carray(_address(py), size, np.uint16), carray(_address(pr), size, np.uint16)
-    H, O2 = carray(_address(ph), size, np.uint16), carray(_address(po2), size, np.uint16)
-    W1, B1 = carray(_address(pw1), n, np.uint16), carray(_address(pb1), n, np.uint16)
-    W2, B2 = carray(_address(pw2), n, np.uint16), carray(_address(pb2), n, np.uint16)
-    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+    _fwd(np.uint16, py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2)
 
 
 @njit(**JIT)
 def _fwd_f16(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
-    size = m * n
-    Y, R = carray(_address(py), size, np.int16), carray(_address(pr), size, np.int16)
-    H, O2 = carray(_address(ph), size, np.int16), carray(_address(po2), size, np.int16)
-    W1, B1 = carray(_address(pw1), n, np.int16), carray(_address(pb1), n, np.int16)
-    W2, B2 = carray(_address(pw2), n, np.int16), carray(_address(pb2), n, np.int16)
-    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+    _fwd(np.int16, py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2)
 
 
 @njit(**JIT)
 def _fwd_f32(py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2):
-    size = m * n
-    Y, R = carray(_address(py), size, np.float32), carray(_address(pr), size, np.float32)
-    H, O2 = carray(_address(ph), size, np.float32), carray(_address(po2), size, np.float32)
-    W1, B1 = carray(_address(pw1), n, np.float32), carray(_address(pb1), n, np.float32)
-    W2, B2 = carray(_address(pw2), n, np.float32), carray(_address(pb2), n, np.float32)
-    _launch(Y, R, H, O2, W1, B1, W2, B2, m, n, flags, eps1, eps2)
+    _fwd(np.float32, py, pr, ph, po2, pw1, pb1, pw2, pb2, m, n, flags, eps1, eps2)
 
 
 DTYPES = {torch.bfloat16: _fwd_bf16, torch.float16: _fwd_f16, torch.float32: _fwd_f32}
