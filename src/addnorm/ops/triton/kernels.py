@@ -38,6 +38,8 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
     triton,
 )
 from addnorm.ops.triton.row_stats import (
+    merge_init,
+    merge_result,
     merge_tile,
     normalize_row,
     plain_stats_fail,
@@ -182,10 +184,7 @@ def fwd_looped_kernel(
     r_row = R + row * stride_r
     res_row = ResOut + row * N
     # pass 1: residual_out, and statistics merged tile by tile (Chan et al.: exact two-pass stats per tile)
-    mean = tl.zeros([1], dtype=acc_t)
-    m2 = tl.zeros([1], dtype=acc_t)
-    count = tl.zeros([1], dtype=acc_t)
-    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    mean, m2, count, sumsq = merge_init(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -205,12 +204,8 @@ def fwd_looped_kernel(
             h = stored.to(acc_t)
         mean, m2, count, sumsq = merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS, BLOCK_N)
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
-    if IS_RMS:
-        v = tl.sum(sumsq, axis=0) / N + eps
-        mean_s = tl.zeros_like(v)
-    else:
-        v = tl.sum(m2 / N + eps, axis=0)  # (1,) -> scalar
-        mean_s = tl.sum(mean, axis=0)
+    mean_s, var = merge_result(mean, m2, sumsq, N, IS_RMS)
+    v = var + eps
     rstd = rsqrt(v)
     sc = tl.full([], 1.0, acc_t)
     mean_saved = mean_s
