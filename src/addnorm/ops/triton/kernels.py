@@ -29,6 +29,7 @@ No atomics anywhere, so gradients are bitwise reproducible. Inputs may have stri
 from __future__ import annotations
 
 from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and quant import them from here
+    affine,
     dropout,
     dweight_term,
     jit,
@@ -51,7 +52,7 @@ from addnorm.ops.triton.row_stats import (
     scaled_rows_bwd,
 )
 
-__all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
+__all__ = ["affine", "dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
 
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
@@ -124,13 +125,8 @@ def fwd_rows_kernel(
     out_ok = mask
     if not STORE_RESIDUAL_OUT:  # out may be x (in place): leave the rows to redo unwritten, x still holds them
         out_ok = mask & (bad.to(tl.int32) == 0)[:, None]
-    y = d * rstd[:, None]
-    if CAST_BEFORE_WEIGHT:
-        y = round_to(y, Out.dtype.element_ty).to(acc_t)
-    if HAS_WEIGHT:
-        y = y * load_weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+    y = affine(d * rstd[:, None], W, B, cols, cols < N, acc_t, Out.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+               ZERO_CENTERED, CAST_BEFORE_WEIGHT)  # fmt: skip
     tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=out_ok)
     # rows beyond the plain statistics' range (row_stats): redone one by one through memory in small tiles, last,
     # where nothing of the plain path is live, so that they add no registers to it (rare)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from addnorm.ops.triton.elementwise import load_weight, round_to
+from addnorm.ops.triton.elementwise import affine, round_to
 
 try:
     import triton
@@ -270,13 +270,8 @@ def normalize_row(H, O, W, B, N, sc, mean_s, rstd, acc_t: tl.constexpr, HAS_WEIG
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         h = tl.load(H + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        y = (h * sc - mean_s) * rstd
-        if CAST_BEFORE_WEIGHT:
-            y = round_to(y, O.dtype.element_ty).to(acc_t)
-        if HAS_WEIGHT:
-            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+        y = affine((h * sc - mean_s) * rstd, W, B, cols, ok, acc_t, O.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+                   ZERO_CENTERED, CAST_BEFORE_WEIGHT)  # fmt: skip
         tl.store(O + cols, round_to(y, O.dtype.element_ty), mask=ok)
 
 
