@@ -1,6 +1,6 @@
 """The per-element parts of the add + norm contract that every Triton kernel shares: rounding to a stored dtype,
-the effective weight, the dropout keep-function (the contract's hash, :mod:`addnorm.ops.contract`) and the dweight
-term. (The row statistics are in :mod:`addnorm.ops.triton.row_stats`.)
+the effective weight and the affine step, the dropout keep-function (the contract's hash,
+:mod:`addnorm.ops.contract`) and the dweight term. (The row statistics are in :mod:`addnorm.ops.triton.row_stats`.)
 """
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def load_weight(W, cols, ok, acc_t: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     if ZERO_CENTERED:
         w += 1.0
     return w
+
+
+@jit
+def affine(y, W, B, cols, ok, acc_t: tl.constexpr, out_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+           HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):  # fmt: skip
+    """y * w + b in acc_t for y = xhat of the columns ``cols`` (each term when present; w -> 1 + w: Gemma), with
+    CAST_BEFORE_WEIGHT's rounding of y to out's dtype out_t first (Llama's order). y is a tile (BLOCK_N,) or a block
+    of rows (BLOCK_M, BLOCK_N): w and b are loaded as (BLOCK_N,) and broadcast over the rows."""
+    if CAST_BEFORE_WEIGHT:
+        y = round_to(y, out_t).to(acc_t)
+    if HAS_WEIGHT:
+        y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+    return y
 
 
 @jit

@@ -29,6 +29,7 @@ No atomics anywhere, so gradients are bitwise reproducible. Inputs may have stri
 from __future__ import annotations
 
 from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and quant import them from here
+    affine,
     dropout,
     dweight_term,
     jit,
@@ -38,6 +39,8 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
     triton,
 )
 from addnorm.ops.triton.row_stats import (
+    merge_init,
+    merge_result,
     merge_tile,
     normalize_row,
     plain_stats_fail,
@@ -49,7 +52,7 @@ from addnorm.ops.triton.row_stats import (
     scaled_rows_bwd,
 )
 
-__all__ = ["dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
+__all__ = ["affine", "dropout", "dweight_term", "jit", "load_weight", "round_to", "rsqrt", "tl", "triton"]
 
 # --------------------------------------------------------------------------------------------------------------
 # Forward kernels
@@ -122,13 +125,8 @@ def fwd_rows_kernel(
     out_ok = mask
     if not STORE_RESIDUAL_OUT:  # out may be x (in place): leave the rows to redo unwritten, x still holds them
         out_ok = mask & (bad.to(tl.int32) == 0)[:, None]
-    y = d * rstd[:, None]
-    if CAST_BEFORE_WEIGHT:
-        y = round_to(y, Out.dtype.element_ty).to(acc_t)
-    if HAS_WEIGHT:
-        y = y * load_weight(W, cols, cols < N, acc_t, ZERO_CENTERED)[None, :]
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(acc_t)[None, :]
+    y = affine(d * rstd[:, None], W, B, cols, cols < N, acc_t, Out.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+               ZERO_CENTERED, CAST_BEFORE_WEIGHT)  # fmt: skip
     tl.store(Out + rows64 * N + cols[None, :], round_to(y, Out.dtype.element_ty), mask=out_ok)
     # rows beyond the plain statistics' range (row_stats): redone one by one through memory in small tiles, last,
     # where nothing of the plain path is live, so that they add no registers to it (rare)
@@ -182,10 +180,7 @@ def fwd_looped_kernel(
     r_row = R + row * stride_r
     res_row = ResOut + row * N
     # pass 1: residual_out, and statistics merged tile by tile (Chan et al.: exact two-pass stats per tile)
-    mean = tl.zeros([1], dtype=acc_t)
-    m2 = tl.zeros([1], dtype=acc_t)
-    count = tl.zeros([1], dtype=acc_t)
-    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    mean, m2, count, sumsq = merge_init(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -205,12 +200,8 @@ def fwd_looped_kernel(
             h = stored.to(acc_t)
         mean, m2, count, sumsq = merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS, BLOCK_N)
     eps = tl.cast(eps_hi, acc_t) + tl.cast(eps_lo, acc_t)
-    if IS_RMS:
-        v = tl.sum(sumsq, axis=0) / N + eps
-        mean_s = tl.zeros_like(v)
-    else:
-        v = tl.sum(m2 / N + eps, axis=0)  # (1,) -> scalar
-        mean_s = tl.sum(mean, axis=0)
+    mean_s, var = merge_result(mean, m2, sumsq, N, IS_RMS)
+    v = var + eps
     rstd = rsqrt(v)
     sc = tl.full([], 1.0, acc_t)
     mean_saved = mean_s

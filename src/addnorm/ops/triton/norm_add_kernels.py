@@ -21,7 +21,7 @@ N alone, so a row's bits do not depend on the batch. No atomics: the gradients a
 
 from __future__ import annotations
 
-from addnorm.ops.triton.kernels import dweight_term, jit, load_weight, round_to, rsqrt, tl
+from addnorm.ops.triton.kernels import affine, dweight_term, jit, load_weight, round_to, rsqrt, tl
 from addnorm.ops.triton.row_stats import plain_stats_fail, saved_rstd_fail, scaled_rows_bwd, scaled_rows_fwd
 
 __all__ = ["norm_add_bwd_kernel", "norm_add_fwd_kernel", "row_stats"]
@@ -47,30 +47,6 @@ def row_stats(h, mask, row_ok, N, eps, IS_RMS: tl.constexpr):
     if tl.max(bad.to(tl.int32), axis=0) > 0:  # rare
         d, rstd_x, mean, rstd = scaled_rows_fwd(h, mask, N, eps, bad, IS_RMS)
     return mean, d, rstd_x, rstd
-
-
-@jit
-def _affine(
-    v,
-    W,
-    B,
-    cols,
-    ok,
-    acc_t: tl.constexpr,
-    out_t: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    ZC: tl.constexpr,
-    CAST: tl.constexpr,
-):
-    """round_out(xhat * w + b) in acc_t, with CAST's rounding of xhat first (Llama's order)."""
-    if CAST:
-        v = round_to(v, out_t).to(acc_t)
-    if HAS_W:
-        v = v * load_weight(W, cols, ok, acc_t, ZC)[None, :]
-    if HAS_B:
-        v += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)[None, :]
-    return v
 
 
 @jit
@@ -121,7 +97,7 @@ def norm_add_fwd_kernel(
     r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(acc_t)
     eps1 = tl.cast(eps1_hi, acc_t) + tl.cast(eps1_lo, acc_t)
     mean1, d1, rstd_x1, rstd1 = row_stats(y, mask, row_ok, N, eps1, IS_RMS1)
-    n1 = _affine(d1 * rstd_x1[:, None], W1, B1, cols, col_ok, acc_t, y_t, HAS_W1, HAS_B1, ZC1, CAST1)
+    n1 = affine(d1 * rstd_x1[:, None], W1, B1, cols, col_ok, acc_t, y_t, HAS_W1, HAS_B1, ZC1, CAST1)
     hs = round_to(round_to(n1, y_t).to(acc_t) + r, h_t)  # Hugging Face's two roundings
     tl.store(H + rows64 * stride_h + cols[None, :], hs, mask=mask)
     tl.store(Stats + rows, mean1, mask=row_ok)
@@ -130,7 +106,7 @@ def norm_add_fwd_kernel(
         h = tl.where(mask, hs.to(acc_t), 0.0)
         eps2 = tl.cast(eps2_hi, acc_t) + tl.cast(eps2_lo, acc_t)
         mean2, d2, rstd_x2, rstd2 = row_stats(h, mask, row_ok, N, eps2, IS_RMS2)
-        o2 = _affine(d2 * rstd_x2[:, None], W2, B2, cols, col_ok, acc_t, h_t, HAS_W2, HAS_B2, ZC2, CAST2)
+        o2 = affine(d2 * rstd_x2[:, None], W2, B2, cols, col_ok, acc_t, h_t, HAS_W2, HAS_B2, ZC2, CAST2)
         tl.store(O2 + rows64 * stride_o2 + cols[None, :], round_to(o2, h_t), mask=mask)
         tl.store(Stats + 2 * M + rows, mean2, mask=row_ok)
         tl.store(Stats + 3 * M + rows, rstd2, mask=row_ok)

@@ -2,7 +2,7 @@
 :mod:`addnorm.ops.quant.contract`).
 
 The row math (residual add rounded to residual_dtype and stored, two-pass statistics, the weight and bias) is the
-add + norm kernels' (``round_to`` and ``load_weight`` of :mod:`addnorm.ops.triton.elementwise`; the statistics with
+add + norm kernels' (``round_to`` and ``affine`` of :mod:`addnorm.ops.triton.elementwise`; the statistics with
 the guard and scaled pass of :mod:`addnorm.ops.triton.row_stats` for rows beyond fp32's range); a quantization mode
 added here as kernels of its own, so the add + norm kernels stay as they are. Then:
 
@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from addnorm.ops.triton.elementwise import load_weight, round_to
+    from addnorm.ops.triton.elementwise import affine, round_to
     from addnorm.ops.triton.row_stats import plain_stats_fail, rsqrt, scaled_rows_fwd
 
     jit = triton.jit
@@ -181,13 +181,7 @@ def quant_rows_kernel(
         d2, rstd2, _, _ = scaled_rows_fwd(h[None, :], ok[None, :], N, eps, plain_stats_fail(v)[None], IS_RMS)
         d = tl.reshape(d2, (BLOCK_N,))
         rstd = tl.sum(rstd2, axis=0)
-    y = d * rstd
-    if CAST_BEFORE_WEIGHT:
-        y = round_to(y, X_T).to(acc_t)
-    if HAS_WEIGHT:
-        y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+    y = affine(d * rstd, W, B, cols, ok, acc_t, X_T, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, CAST_BEFORE_WEIGHT)
     y = y.to(tl.float32)
     if STATIC:
         inv = _div(1.0, tl.load(Scale), BITWISE)

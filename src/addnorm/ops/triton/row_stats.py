@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from addnorm.ops.triton.elementwise import load_weight, round_to
+from addnorm.ops.triton.elementwise import affine, round_to
 
 try:
     import triton
@@ -184,10 +184,33 @@ def merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS: tl.constexpr, BL
     return mean, m2, count, sumsq
 
 
-@rare_path
-def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The scaled pass over one row at H (contiguous, N long) read tile by tile: max |h|, then the statistics of
-    h * sc. Returns (sc, mean_s, rstd_s, mean, rstd): xhat = (h * sc - mean_s) * rstd_s; mean and rstd to save."""
+@jit
+def merge_init(acc_t: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The running (mean, m2, count, sumsq) of merge_tile before a row's first tile."""
+    mean = tl.zeros([1], dtype=acc_t)
+    m2 = tl.zeros([1], dtype=acc_t)
+    count = tl.zeros([1], dtype=acc_t)
+    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    return mean, m2, count, sumsq
+
+
+@jit
+def merge_result(mean, m2, sumsq, N, IS_RMS: tl.constexpr):
+    """(mean, var) of a row from merge_tile's running statistics after its last tile (RMSNorm: mean 0)."""
+    if IS_RMS:
+        var = tl.sum(sumsq, axis=0) / N
+        mean_r = tl.zeros_like(var)
+    else:
+        var = tl.sum(m2, axis=0) / N
+        mean_r = tl.sum(mean, axis=0)
+    return mean_r, var
+
+
+@jit
+def scaled_looped_moments(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The part of the scaled pass the forward and the backward share, over one row at H (contiguous, N long) read
+    tile by tile: max |h|, then the statistics of h * sc. Returns (e, sc = 2^e, mean_s, var_s); eps (0 in the
+    backward) only lowers sc (scale_exponent) and gives the accumulation type."""
     acc_t: tl.constexpr = eps.dtype
     amax = tl.zeros([BLOCK_N], dtype=acc_t)
     for start in range(0, N, BLOCK_N):
@@ -195,21 +218,23 @@ def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
         amax = tl.maximum(amax, tl.abs(tl.load(H + cols, mask=cols < N, other=0.0).to(acc_t)))
     e = scale_exponent(tl.max(amax, axis=0), eps)
     sc = pow2(e, acc_t)
-    mean = tl.zeros([1], dtype=acc_t)
-    m2 = tl.zeros([1], dtype=acc_t)
-    count = tl.zeros([1], dtype=acc_t)
-    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
+    mean, m2, count, sumsq = merge_init(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t) * sc
         mean, m2, count, sumsq = merge_tile(h, ok, start, N, mean, m2, count, sumsq, IS_RMS, BLOCK_N)
-    if IS_RMS:
-        v_s = tl.sum(sumsq, axis=0) / N + eps * sc * sc
-        mean_s = tl.zeros_like(v_s)
-    else:
-        v_s = tl.sum(m2, axis=0) / N + eps * sc * sc
-        mean_s = tl.sum(mean, axis=0)
+    mean_s, var_s = merge_result(mean, m2, sumsq, N, IS_RMS)
+    return e, sc, mean_s, var_s
+
+
+@rare_path
+def scaled_looped_stats(H, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scaled pass over one row at H (contiguous, N long) read tile by tile: max |h|, then the statistics of
+    h * sc. Returns (sc, mean_s, rstd_s, mean, rstd): xhat = (h * sc - mean_s) * rstd_s; mean and rstd to save."""
+    acc_t: tl.constexpr = eps.dtype
+    e, sc, mean_s, var_s = scaled_looped_moments(H, N, eps, IS_RMS, BLOCK_N)
+    v_s = var_s + eps * sc * sc
     rstd_s = rsqrt(v_s)
     flat = (v_s == 0) & (eps + tl.zeros_like(v_s) > 0)  # as in scaled_rows_fwd
     rstd = tl.where(flat, rsqrt(eps), rstd_s * sc)
@@ -228,28 +253,7 @@ def scaled_looped_bwd_stats_inline(H, N, rstd, IS_RMS: tl.constexpr, BLOCK_N: tl
     """The backward's scaled pass over one row at H from its saved (mean, rstd) (the module docstring's rule, tile
     by tile). Returns (sc, mean_s, rstd_s): xhat = (h * sc - mean_s) * rstd_s, dh = (... * rstd_s) * sc."""
     acc_t: tl.constexpr = rstd.dtype
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        amax = tl.maximum(amax, tl.abs(tl.load(H + cols, mask=cols < N, other=0.0).to(acc_t)))
-    amax_s = tl.max(amax, axis=0)
-    e = scale_exponent(amax_s, tl.zeros_like(amax_s))
-    sc = pow2(e, acc_t)
-    mean_t = tl.zeros([1], dtype=acc_t)
-    m2 = tl.zeros([1], dtype=acc_t)
-    count = tl.zeros([1], dtype=acc_t)
-    sumsq = tl.zeros([BLOCK_N], dtype=acc_t)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t) * sc
-        mean_t, m2, count, sumsq = merge_tile(h, ok, start, N, mean_t, m2, count, sumsq, IS_RMS, BLOCK_N)
-    if IS_RMS:
-        var_s = tl.sum(sumsq, axis=0) / N
-        mean_s = tl.zeros_like(var_s)
-    else:
-        var_s = tl.sum(m2, axis=0) / N
-        mean_s = tl.sum(mean_t, axis=0)
+    e, sc, mean_s, var_s = scaled_looped_moments(H, N, tl.zeros_like(rstd), IS_RMS, BLOCK_N)
     LOWEST: tl.constexpr = -1022 if acc_t == tl.float64 else -126
     normal = (rstd >= pow2(tl.full([], LOWEST, tl.int32), acc_t)) & (rstd < float("inf"))
     rstd_s = tl.where(normal, rstd * pow2(-e, acc_t), rsqrt(var_s))
@@ -266,13 +270,8 @@ def normalize_row(H, O, W, B, N, sc, mean_s, rstd, acc_t: tl.constexpr, HAS_WEIG
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         h = tl.load(H + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(acc_t)
-        y = (h * sc - mean_s) * rstd
-        if CAST_BEFORE_WEIGHT:
-            y = round_to(y, O.dtype.element_ty).to(acc_t)
-        if HAS_WEIGHT:
-            y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+        y = affine((h * sc - mean_s) * rstd, W, B, cols, ok, acc_t, O.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+                   ZERO_CENTERED, CAST_BEFORE_WEIGHT)  # fmt: skip
         tl.store(O + cols, round_to(y, O.dtype.element_ty), mask=ok)
 
 

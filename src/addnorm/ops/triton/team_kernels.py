@@ -27,7 +27,7 @@ No atomics but the team counters (integers): dw/db are partial rows (one per tea
 
 from __future__ import annotations
 
-from addnorm.ops.triton.elementwise import dropout, dweight_term, jit, load_weight, round_to, tl
+from addnorm.ops.triton.elementwise import affine, dropout, dweight_term, jit, load_weight, round_to, tl
 from addnorm.ops.triton.row_stats import (
     pow2,
     rsqrt,
@@ -183,13 +183,8 @@ def _fwd_finish(
                 tl.store(Mean + row, mean)
     if sc != 1.0:  # a row beyond the plain statistics' range (row_stats): rare
         h = h * sc
-    y = (h - mean_s) * rstd_s
-    if CAST_BEFORE_WEIGHT:
-        y = round_to(y, Out.dtype.element_ty).to(acc_t)
-    if HAS_WEIGHT:
-        y = y * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=ok, other=0.0).to(acc_t)
+    y = affine((h - mean_s) * rstd_s, W, B, cols, ok, acc_t, Out.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+               ZERO_CENTERED, CAST_BEFORE_WEIGHT)  # fmt: skip
     tl.store(Out + row * N + cols, round_to(y, Out.dtype.element_ty), mask=ok)
 
 
