@@ -42,6 +42,7 @@ from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
+from addnorm.ops.triton import quant as Q  # noqa: E402
 from addnorm.ops.triton import team_launch as TL  # noqa: E402
 
 KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
@@ -63,7 +64,8 @@ TYPE_NAMES = {
     torch.float64: "fp64",
     torch.int64: "i64",
     torch.int32: "i32",
-}  # i64: the dropout seed; i32: the team kernels' counters
+    torch.uint8: "u8",
+}  # i64: the dropout seed; i32: the team kernels' counters; u8: quantized codes
 DTYPES = {v: k for k, v in TYPE_NAMES.items()}
 BENCH_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -147,6 +149,50 @@ def shapes_for(which: str) -> list[Shape]:
         for team in ("", "team", "fallback")
         if not team or n > P.tuning().max_fwd_block_n
     ]
+
+
+# The quantized add + norm kernel's variants (--shapes test): (dtype, is_rms, N, group, static scale, quantized dtype).
+# Per token with N a power of two and not, groups that are and are not powers of two, a static scale. The interpreter
+# runs only the branch a call takes; compiled, a branch on a runtime value compiles every arm, so only compiling
+# shows that each arm type-checks for every variant.
+QUANT_SHAPES = (
+    (torch.bfloat16, True, 300, 300, False, torch.float8_e4m3fn),
+    (torch.bfloat16, False, 512, 512, False, torch.int8),
+    (torch.float16, True, 512, 128, False, torch.float8_e4m3fn),
+    (torch.bfloat16, True, 288, 96, False, torch.int8),
+    (torch.float32, False, 300, 300, True, torch.float8_e4m3fn),
+)
+
+
+def record_quant_launches() -> list[Launch]:
+    """The quantized kernel's launches for QUANT_SHAPES, recorded as record_launches does (meta tensors)."""
+    from addnorm.ops.quant.contract import QMAX, min_scale
+
+    launches: list[Launch] = []
+    saved = Q.quant_rows_kernel
+    meta = dict(device=torch.device("meta"))
+    try:
+        for dt, is_rms, n, group, static, qdt in QUANT_SHAPES:
+            shape = Shape(dtype=dt, is_rms=is_rms, m=4, n=n, options=f"group={group}")
+
+            class Recorder:
+                def __getitem__(self, grid, shape=shape):
+                    return lambda *args, **kw: launches.append(Launch(kernel=saved, args=args, kw=kw, shape=shape))
+
+            Q.quant_rows_kernel = Recorder()
+            x = torch.empty(4, n, dtype=dt, **meta)
+            w = torch.empty(n, dtype=torch.float32, **meta)
+            one = torch.empty((), dtype=torch.float32, **meta)
+            Q.quant_forward(
+                x, x, w, None if is_rms else w, torch.empty_like(x), torch.empty(4, n, dtype=qdt, **meta),
+                None if static else torch.empty(4, n // group, dtype=torch.float32, **meta),
+                one if static else None, None if static else one,
+                eps=1e-6, is_rms=is_rms, qmax=QMAX[qdt], min_scale=min_scale(qdt), group_size=group,
+                zero_centered_weight=True, cast_before_weight=True, x_dtype=dt,
+            )  # fmt: skip
+    finally:
+        Q.quant_rows_kernel = saved
+    return launches
 
 
 def record_launches(shapes: list[Shape]) -> list[Launch]:
@@ -430,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = compiled_on_device([s for s in shapes_for(a.shapes) if not s.team], a.out)
         print(json.dumps(rows, indent=1) if a.json else "\n".join(str(r) for r in rows))
         return 0
-    reports = analyse(record_launches(shapes_for(a.shapes)))
+    launches = record_launches(shapes_for(a.shapes))
+    if a.shapes == "test":
+        launches += record_quant_launches()
+    reports = analyse(launches)
     text = table(reports)
     if a.json:
         print(json.dumps([dict(asdict(r), programs_per_sm=r.programs_per_sm) for r in reports], indent=1))

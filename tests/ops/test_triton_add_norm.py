@@ -483,6 +483,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "bwd_team_kernel",
         "bwd_partials_kernel",
         "bwd_finish_kernel",
+        # the quantized add + norm kernel, every scale variant (tools/sm90_static.py's QUANT_SHAPES)
+        "quant_rows_kernel",
     }
     # the team kernels hold a row's chunk in registers across the team's meeting: no spill at all, and the grid
     # sized from programs/SM must have room for a team
@@ -498,7 +500,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     # or of 16: 70000 % 16 == 0, so the wide RMSNorm launch specializes N as well.
     for r in rows:
         div = r["divisible"].split(",")
-        assert {"X", "Out", "Rstd"} <= set(div) or {"DOut", "H", "Rstd"} <= set(div), r
+        assert {"X", "Out", "Rstd"} <= set(div) or {"DOut", "H", "Rstd"} <= set(div) or {"X", "H", "Q"} <= set(div), r
     assert any("N" in r["divisible"].split(",") for r in rows if r["n"] == 70000), rows
     # RMSNorm's backward at N = 16384 in one pass (Tuning.max_bwd_block_n_rms_16bit): 16 warps, no spill past
     # the register-or-two noise (Triton 3.9's ptxas: none; 3.6's on the H200: 12 bytes, where this path measured

@@ -154,7 +154,8 @@ def quant_rows_kernel(
     STATIC: tl.constexpr,
     HAS_UB: tl.constexpr,
     GROUP: tl.constexpr,
-    POW2_GROUP: tl.constexpr,  # GROUP a power of two dividing BLOCK_N (or the whole row): a reshape finds the amax
+    PER_TOKEN: tl.constexpr,  # GROUP is the whole row: one scale per row
+    POW2_GROUP: tl.constexpr,  # GROUP a power of two dividing BLOCK_N and N: a reshape finds the amax
     KIND: tl.constexpr,
     BITWISE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -186,7 +187,7 @@ def quant_rows_kernel(
     if STATIC:
         inv = _div(1.0, tl.load(Scale), BITWISE)
         q = _codes(y, inv, qmax, KIND, BITWISE)
-    elif GROUP == BLOCK_N or GROUP == N:  # per token (any N)
+    elif PER_TOKEN:  # (any N). A constexpr, not `GROUP == N`: compiled, a runtime test compiles every branch
         a = tl.where(ok, tl.abs(y), 0.0)
         nans = tl.sum((a != a).to(tl.int32), axis=0)
         s = _scale(
@@ -278,7 +279,7 @@ def quant_forward(
     )
     dummy = acc
     group = group_size
-    pow2_group = group == n or (group & (group - 1) == 0 and block_n % group == 0 and n % group == 0)
+    pow2_group = group & (group - 1) == 0 and block_n % group == 0 and n % group == 0
     eps_hi, eps_lo = _eps_pair(eps)
     with torch.cuda.device(x.device) if x.is_cuda else _null():
         quant_rows_kernel[(m,)](
@@ -310,6 +311,7 @@ def quant_forward(
             STATIC=scale is not None,
             HAS_UB=scale_ub is not None,
             GROUP=group,
+            PER_TOKEN=group == n,
             POW2_GROUP=pow2_group,
             KIND=_KIND[q.dtype],
             BITWISE=_INTERPRETED,
