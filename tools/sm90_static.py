@@ -41,6 +41,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops.triton import launch as T  # noqa: E402
+from addnorm.ops.triton import norm_add_kernels as NK  # noqa: E402
+from addnorm.ops.triton import norm_add_launch as NL  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
 from addnorm.ops.triton import quant as Q  # noqa: E402
 from addnorm.ops.triton import team_launch as TL  # noqa: E402
@@ -164,6 +166,25 @@ QUANT_SHAPES = (
 )
 
 
+# The fused norm-then-add kernels' variants (--shapes test): (dtype, N, norm1 is RMSNorm, norm2 is RMSNorm, cast, zc,
+# weights and biases), each as the chain (N2 too), forward and backward.
+NORM_ADD_SHAPES = (
+    (torch.bfloat16, 300, False, True, True, True, True),
+    (torch.float32, 1000, True, False, False, False, True),
+    (torch.float64, 64, False, False, True, False, False),
+)
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kw)`` appends the launch instead of running it."""
+
+    def __init__(self, kernel, launches: list[Launch], shape: Shape):
+        self.kernel, self.launches, self.shape = kernel, launches, shape
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append(Launch(kernel=self.kernel, args=args, kw=kw, shape=self.shape))
+
+
 def record_quant_launches() -> list[Launch]:
     """The quantized kernel's launches for QUANT_SHAPES, recorded as record_launches does (meta tensors)."""
     from addnorm.ops.quant.contract import QMAX, min_scale
@@ -173,13 +194,7 @@ def record_quant_launches() -> list[Launch]:
     meta = dict(device=torch.device("meta"))
     try:
         for dt, is_rms, n, group, static, qdt in QUANT_SHAPES:
-            shape = Shape(dtype=dt, is_rms=is_rms, m=4, n=n, options=f"group={group}")
-
-            class Recorder:
-                def __getitem__(self, grid, shape=shape):
-                    return lambda *args, **kw: launches.append(Launch(kernel=saved, args=args, kw=kw, shape=shape))
-
-            Q.quant_rows_kernel = Recorder()
+            Q.quant_rows_kernel = _Recorder(saved, launches, Shape(dtype=dt, is_rms=is_rms, m=4, n=n))
             x = torch.empty(4, n, dtype=dt, **meta)
             w = torch.empty(n, dtype=torch.float32, **meta)
             one = torch.empty((), dtype=torch.float32, **meta)
@@ -192,6 +207,28 @@ def record_quant_launches() -> list[Launch]:
             )  # fmt: skip
     finally:
         Q.quant_rows_kernel = saved
+    return launches
+
+
+def record_norm_add_launches() -> list[Launch]:
+    """The fused norm-then-add kernels' launches for NORM_ADD_SHAPES (forward and backward, meta tensors)."""
+    launches: list[Launch] = []
+    saved = NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel
+    meta = dict(device=torch.device("meta"))
+    try:
+        for dt, n, rms1, rms2, cast, zc, affine in NORM_ADD_SHAPES:
+            shape = Shape(dtype=dt, is_rms=rms1, m=8, n=n)
+            NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel = (_Recorder(k, launches, shape) for k in saved)
+            y = torch.empty(8, n, dtype=dt, **meta)
+            w = torch.empty(n, dtype=dt, **meta) if affine else None
+            opts = dict(is_rms1=rms1, is_rms2=rms2, zc1=zc, zc2=zc, cast1=cast, cast2=cast)
+            *_, stats = NL.forward(y, y, w, w, w, w, h_dtype=dt, has_norm2=True, eps1=1e-5, eps2=1e-6, **opts)
+            bias = dt if affine else None
+            NL.backward(
+                y, y, y, y, w, w, stats, b1_dtype=bias, b2_dtype=bias, residual_dtype=dt, has_norm2=True, **opts
+            )
+    finally:
+        NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel = saved
     return launches
 
 
@@ -478,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     launches = record_launches(shapes_for(a.shapes))
     if a.shapes == "test":
-        launches += record_quant_launches()
+        launches += record_quant_launches() + record_norm_add_launches()
     reports = analyse(launches)
     text = table(reports)
     if a.json:
