@@ -160,7 +160,7 @@ def shapes_for(which: str) -> list[Shape]:
 QUANT_SHAPES = (
     (torch.bfloat16, True, 300, 300, False, torch.float8_e4m3fn),
     (torch.bfloat16, False, 512, 512, False, torch.int8),
-    (torch.float16, True, 512, 128, False, torch.float8_e4m3fn),
+    (torch.float16, True, 512, 128, False, torch.float8_e5m2),
     (torch.bfloat16, True, 288, 96, False, torch.int8),
     (torch.float32, False, 300, 300, True, torch.float8_e4m3fn),
 )
