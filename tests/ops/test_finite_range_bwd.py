@@ -1,0 +1,151 @@
+"""The finite-range guard in the backward (issue 38's last gap): rows whose statistics are ordinary but whose
+backward overflows fp32, g = dout * w beyond it (dout ~1e30, w ~1e10) or the row sums sum(g), sum(g * xhat) beyond
+it (dout ~1e37 over the row), while every input and the float64 gradient are finite: dx = rstd * (...) is small
+when rstd is (rows ~1e30). Such a row gets the float64 gradient rounded to its dtype (inf where that is beyond the
+dtype's range, never NaN), on every backend, add_norm and the fused norm_add / norm_add_norm; a genuine inf in
+dout still propagates, and the other rows keep their bits. fp16 cannot get there: with dout and w at most 65504,
+g stays far inside fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from addnorm import add_layer_norm, add_rms_norm
+from addnorm.ops import backends
+from addnorm.ops.norm_add import norm_add, norm_add_norm
+from tests.ops.test_finite_range import _oracle, assert_close64
+
+BACKENDS = ["torch", "cpu", "triton"]
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+N = 50  # not a power of two
+
+# (row scale of x, scale of dout, scale of w): the product overflows, then the sums, then a dx beyond fp32 (inf is
+# the right answer there), then an ordinary row
+ROWS = [(1e30, 1e30, 1e10), (1.0, 3e37, 1.0), (1e25, 3e37, 1.0), (1.0, 1e30, 1e10), (1.0, 1.0, 1.0)]
+
+
+def _skip_unavailable(backend):
+    reason = backends.unavailable_reason(backend, torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _inputs(dtype, has_w, seed=0):
+    """x, w and dout of the ROWS (w's scale is the first row's, applied to all: g overflows in rows 0 and 3 only);
+    dout's signs follow x's so that sum(g * xhat) adds up rather than cancelling."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(len(ROWS), N, generator=g, dtype=torch.float64) * 1.8 - 0.9
+    u[:, 0] = 0.95  # each row's largest value is known: no row is all ~0
+    x = torch.stack([u[i] * s for i, (s, _, _) in enumerate(ROWS)])
+    dout = torch.stack([(0.2 + torch.rand(N, generator=g, dtype=torch.float64)) * d for _, d, _ in ROWS])
+    dout = dout * u.sign()
+    w = (1 + 0.3 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e10 if has_w else None
+    if has_w:
+        dout[1:3] /= 1e10  # rows 1 and 2: the sums overflow, not g = dout * w
+    return x.to(dtype), None if w is None else w.to(dtype), dout.to(dtype)
+
+
+def _run(backend, fn, x, w, b, dout):
+    leaves = [None if t is None else t.clone().requires_grad_(True) for t in (x, w, b)]
+    xg, wg, bg = leaves
+    out = fn(xg, None, wg, bg, backend)
+    out.backward(dout)
+    return xg.grad, None if w is None else wg.grad, None if b is None else bg.grad
+
+
+def _fn(is_rms):
+    if is_rms:
+        return lambda x, r, w, b, backend: add_rms_norm(x, r, w, 1e-5, backend=backend)[0]
+    return lambda x, r, w, b, backend: add_layer_norm(x, r, w, b, 1e-5, backend=backend)[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("has_w", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: IDS[d])
+def test_backward_that_overflows_fp32_matches_float64(backend, dtype, is_rms, has_w):
+    _skip_unavailable(backend)
+    x, w, dout = _inputs(dtype, has_w)
+    b = None if is_rms or w is None else torch.full((N,), 0.5, dtype=dtype)
+    dx, dw, db = _run(backend, _fn(is_rms), x, w, b, dout)
+    (hd, wd, bd), want = _oracle(x, w, b, eps=1e-5, is_rms=is_rms)
+    want.backward(dout.double())
+    assert torch.isfinite(hd.grad[:3]).all(), "the test's rows 0-2 must have a finite float64 dx"
+    if has_w:
+        assert hd.grad[3].to(dtype).isinf().any(), "row 3 must have a dx beyond the dtype's range"
+    # tolerance relative to the row's largest float64 value, beyond the dtype's range too (row 3: a finite dx
+    # there is the difference of terms ~1e40, as exact as the fp32 statistics it is computed from)
+    assert_close64(dx, hd.grad, dtype, f"{backend} dx", scale=hd.grad.abs().amax(-1, keepdim=True))
+    if w is not None:
+        xhat = (want.detach() - (bd.detach() if bd is not None else 0)) / wd.detach()
+        assert_close64(dw, wd.grad, dtype, f"{backend} dweight", scale=(dout.double() * xhat).abs().sum(0))
+    if b is not None:
+        assert_close64(db, bd.grad, dtype, f"{backend} dbias", scale=dout.double().abs().sum(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_ordinary_rows_keep_their_bits_and_an_inf_in_dout_propagates(backend, is_rms):
+    """The rescued rows change nothing else; an inf in an ordinary row's dout gives NaN in its dx as before (the
+    plain fp32 backward, not the rescue: its inputs are not finite), beside the rescued rows."""
+    _skip_unavailable(backend)
+    x, w, dout = _inputs(torch.float32, True)
+    fn = _fn(is_rms)
+    dx = _run(backend, fn, x, w, None, dout)[0]
+    assert torch.equal(dx[4:], _run(backend, fn, x[4:], w, None, dout[4:])[0]), "an ordinary row's dx changed"
+    dout[4, 7] = float("inf")
+    dx = _run(backend, fn, x, w, None, dout)[0]
+    assert torch.isnan(dx[4]).any(), "an inf in dout no longer reaches dx"
+    assert torch.isfinite(dx[:3]).all()
+
+
+def _norm64(x, w, is_rms):
+    if is_rms:
+        xhat = x * torch.rsqrt(x.square().mean(-1, keepdim=True))
+    else:
+        d = x - x.mean(-1, keepdim=True)
+        xhat = d * torch.rsqrt(d.square().mean(-1, keepdim=True))
+    return xhat * w
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("has_norm2", [False, True], ids=["norm_add", "norm_add_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: IDS[d])
+def test_fused_norm_add_backward_that_overflows_fp32(backend, dtype, is_rms, has_norm2):
+    """y ~1e30 and w1 ~1e30 (h ~1e30), w2 ~1e10 and a gradient of ~1e30 reaching h or out2: N2's g = dout2 * w2
+    overflows, and N1's g = t * w1 (t ~1e10) too; dy ~1e10 in float64."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(2)
+    m = 3
+    y = ((torch.rand(m, N, generator=g, dtype=torch.float64) * 1.8 - 0.9) * 1e30).to(dtype)
+    r = ((torch.rand(m, N, generator=g, dtype=torch.float64) * 0.1 - 0.05) * 1e30).to(dtype)
+    w1 = ((0.5 + 0.2 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e30).to(dtype)
+    w2 = ((0.5 + 0.2 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e10).to(dtype)
+    norm = "rms" if is_rms else "layer"
+    yg, rg, w1g, w2g = (t.clone().requires_grad_(True) for t in (y, r, w1, w2))
+    yd, rd, w1d, w2d = (t.detach().double().requires_grad_(True) for t in (y, r, w1, w2))
+    hd = rd + _norm64(yd, w1d, is_rms)
+    if has_norm2:
+        out2, h = norm_add_norm(yg, rg, w1g, w2g, None, None, 0.0, 0.0, norm=norm, backend=backend)
+        want2 = _norm64(hd + (h.detach().double() - hd).detach(), w2d, is_rms)
+        do2 = ((torch.rand(m, N, generator=g, dtype=torch.float64) + 0.2) * 1e30).to(dtype)
+        out2.backward(do2)
+        want2.backward(do2.double())
+    else:
+        h = norm_add(yg, rg, w1g, None, 0.0, norm=norm, backend=backend)
+        dh = ((torch.rand(m, N, generator=g, dtype=torch.float64) + 0.2) * 1e10).to(dtype)
+        h.backward(dh)
+        hd.backward(dh.double())
+    assert torch.isfinite(yd.grad).all() and yd.grad.abs().max() < 1e30
+    # the float64 gradient reaching h is rounded to fp32 once in the kernels (t): tolerance of the row's largest
+    row = yd.grad.abs().amax(-1, keepdim=True)
+    assert_close64(yg.grad, yd.grad, dtype, f"{backend} dy", scale=row)
+    assert_close64(rg.grad, rd.grad, dtype, f"{backend} dresidual")
+    xhat1 = _norm64(yd.detach(), 1.0, is_rms)
+    assert_close64(w1g.grad, w1d.grad, dtype, f"{backend} dw1", scale=(rd.grad * xhat1).abs().sum(0))
+    if has_norm2:
+        xhat2 = _norm64(h.detach().double(), 1.0, is_rms)
+        assert_close64(w2g.grad, w2d.grad, dtype, f"{backend} dw2", scale=(do2.double() * xhat2).abs().sum(0))
