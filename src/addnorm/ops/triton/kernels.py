@@ -37,6 +37,7 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
     tl,
     triton,
 )
+from addnorm.ops.triton.guard_bwd import not_finite, rescaled_row_sums
 from addnorm.ops.triton.row_stats import (
     merge_tile,
     normalize_row,
@@ -311,13 +312,32 @@ def bwd_rows_kernel(
             g = dy
         if HAS_DB:
             db_acc += dy
-        c1 = tl.sum(g * xhat, axis=1)[:, None] / N
+        s1 = tl.sum(g * xhat, axis=1) / N
+        overflowed = not_finite(s1)
+        if IS_RMS:
+            s2 = s1
+        else:
+            s2 = tl.sum(g, axis=1) / N
+            overflowed = overflowed | not_finite(s2)
+        overflowed = overflowed & row_ok
+        q1 = tl.full([BLOCK_M], 1.0, acc_t)
+        q2 = q1
+        rescue = tl.max(overflowed.to(tl.int32), axis=0) > 0
+        if rescue:  # the backward overflowed from finite inputs: dout scaled by 2^-k (guard_bwd), rare
+            if HAS_WEIGHT:
+                g, s1, s2, q1, q2 = rescaled_row_sums(dy, w[None, :], xhat, mask, overflowed, N, True)
+            else:
+                g, s1, s2, q1, q2 = rescaled_row_sums(dy, dy, xhat, mask, overflowed, N, False)
+        c1 = s1[:, None]
         if IS_RMS:
             dh = (g - xhat * c1) * rstd
         else:
-            c2 = tl.sum(g, axis=1)[:, None] / N
-            dh = (g - c2 - xhat * c1) * rstd
-        if rescale:
+            dh = (g - s2[:, None] - xhat * c1) * rstd
+        if rescue:  # 2^k and sc, the true size last; sc < 1 first (a row ~1e30: sc 2^-100, 2^k 2^132)
+            first = sc < 1.0
+            dh = tl.where(first, dh * sc, dh) * q1[:, None] * q2[:, None]
+            dh = tl.where(first, dh, dh * sc)
+        elif rescale:
             dh = dh * sc  # the true size last: inf only where dh is beyond range, never inf * 0
         # this tail repeats in bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
         # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
