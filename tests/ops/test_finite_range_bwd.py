@@ -33,16 +33,16 @@ def _skip_unavailable(backend):
         pytest.skip(reason)
 
 
-def _inputs(dtype, has_w, seed=0):
+def _inputs(dtype, has_w, seed=0, n=N):
     """x, w and dout of the ROWS (w's scale is the first row's, applied to all: g overflows in rows 0 and 3 only);
     dout's signs follow x's so that sum(g * xhat) adds up rather than cancelling."""
     g = torch.Generator().manual_seed(seed)
-    u = torch.rand(len(ROWS), N, generator=g, dtype=torch.float64) * 1.8 - 0.9
+    u = torch.rand(len(ROWS), n, generator=g, dtype=torch.float64) * 1.8 - 0.9
     u[:, 0] = 0.95  # each row's largest value is known: no row is all ~0
     x = torch.stack([u[i] * s for i, (s, _, _) in enumerate(ROWS)])
-    dout = torch.stack([(0.2 + torch.rand(N, generator=g, dtype=torch.float64)) * d for _, d, _ in ROWS])
+    dout = torch.stack([(0.2 + torch.rand(n, generator=g, dtype=torch.float64)) * d for _, d, _ in ROWS])
     dout = dout * u.sign()
-    w = (1 + 0.3 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e10 if has_w else None
+    w = (1 + 0.3 * torch.rand(n, generator=g, dtype=torch.float64)) * 1e10 if has_w else None
     if has_w:
         dout[1:3] /= 1e10  # rows 1 and 2: the sums overflow, not g = dout * w
     return x.to(dtype), None if w is None else w.to(dtype), dout.to(dtype)
@@ -68,8 +68,24 @@ def _fn(is_rms):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: IDS[d])
 def test_backward_that_overflows_fp32_matches_float64(backend, dtype, is_rms, has_w):
     _skip_unavailable(backend)
-    x, w, dout = _inputs(dtype, has_w)
-    b = None if is_rms or w is None else torch.full((N,), 0.5, dtype=dtype)
+    check_against_float64(backend, dtype, is_rms, has_w, N)
+
+
+@pytest.mark.parametrize("has_w", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_triton_looped_backward_that_overflows_fp32(monkeypatch, is_rms, has_w):
+    """The looped kernels (the row sums, then the tiles): forced by rows wider than the tuning's 64 columns."""
+    _skip_unavailable("triton")
+    from addnorm.ops.triton import plan
+
+    tiny = plan.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
+    monkeypatch.setattr(plan, "tuning", lambda: tiny)
+    check_against_float64("triton", torch.float32, is_rms, has_w, 100)
+
+
+def check_against_float64(backend, dtype, is_rms, has_w, n):
+    x, w, dout = _inputs(dtype, has_w, n=n)
+    b = None if is_rms or w is None else torch.full((n,), 0.5, dtype=dtype)
     dx, dw, db = _run(backend, _fn(is_rms), x, w, b, dout)
     (hd, wd, bd), want = _oracle(x, w, b, eps=1e-5, is_rms=is_rms)
     want.backward(dout.double())

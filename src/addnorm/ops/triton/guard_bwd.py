@@ -14,9 +14,10 @@ the plain sums of dout * xhat and dout (no w in them): not rescaled.
 
 from __future__ import annotations
 
+from addnorm.ops.triton.elementwise import load_weight
 from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, rare_path, tl
 
-__all__ = ["not_finite", "rescaled_row_sums", "row_dout_exponent"]
+__all__ = ["not_finite", "rescaled_looped_sums", "rescaled_row_sums", "row_dout_exponent"]
 
 
 @jit
@@ -55,3 +56,59 @@ def rescaled_row_sums(dout, w, xhat, mask, overflowed, N, HAS_W: tl.constexpr):
     else:
         g_s = d_s
     return g_s, tl.sum(g_s * xhat, axis=1) / N, tl.sum(g_s, axis=1) / N, pow2(lo, acc_t), pow2(k - lo, acc_t)
+
+
+@rare_path
+def rescaled_looped_sums(
+    DOut,
+    H,
+    W,
+    N,
+    mean,
+    rstd,
+    sc,
+    HAS_WEIGHT: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The looped kernels' form, one row through memory (DOut, H: the row's first elements; sc, mean, rstd: what
+    the row is normalized with): (k, sum(g_s * xhat) / N, sum(g_s) / N) with g_s = dout * 2^-k * w; k = 0 (and the
+    sums not recomputed: NaN) when dout, h or w holds an inf or NaN."""
+    acc_t: tl.constexpr = rstd.dtype
+    dmax = tl.zeros([BLOCK_N], dtype=acc_t)
+    wmax = tl.zeros([BLOCK_N], dtype=acc_t) + 1.0
+    zero = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        d = tl.load(DOut + cols, mask=ok, other=0.0).to(acc_t)
+        h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t)
+        dmax = tl.maximum(dmax, tl.abs(d))
+        zero += d * 0.0 + h * 0.0
+        if HAS_WEIGHT:
+            w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
+            wmax = tl.maximum(wmax, tl.where(ok, tl.abs(w), 0.0))
+            zero += w * 0.0
+    k = row_dout_exponent(tl.max(dmax, axis=0), tl.max(wmax, axis=0), tl.sum(zero, axis=0) == 0, True)
+    s1 = tl.zeros([BLOCK_N], dtype=acc_t) + float("nan")
+    s2 = s1
+    if k != 0:
+        lo = k // 2
+        f1, f2 = pow2(-lo, acc_t), pow2(lo - k, acc_t)
+        s1 = tl.zeros([BLOCK_N], dtype=acc_t)
+        s2 = tl.zeros([BLOCK_N], dtype=acc_t)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < N
+            g = tl.load(DOut + cols, mask=ok, other=0.0).to(acc_t) * f1 * f2
+            if HAS_WEIGHT:
+                g = g * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
+            h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t) * sc
+            if IS_RMS:
+                xhat = h * rstd
+            else:
+                xhat = tl.where(ok, (h - mean) * rstd, 0.0)
+            s1 += g * xhat
+            s2 += g
+    return k, tl.sum(s1, axis=0) / N, tl.sum(s2, axis=0) / N
