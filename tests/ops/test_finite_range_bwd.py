@@ -169,3 +169,22 @@ def test_fused_norm_add_backward_that_overflows_fp32(backend, dtype, is_rms, has
     if has_norm2:
         xhat2 = _norm64(h.detach().double(), 1.0, is_rms)
         assert_close64(w2g.grad, w2d.grad, dtype, f"{backend} dw2", scale=(do2.double() * xhat2).abs().sum(0))
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_torch_backend_rescue_is_differentiable(is_rms):
+    """The torch backend is differentiable to any order: with create_graph=True the rescued rows' dx is the float64
+    pass's, and its gradient with respect to dout too (rows 0-2, 4: NaN before the rescue)."""
+    x, w, dout = _inputs(torch.float32, True)
+    xg, dg = x.clone().requires_grad_(True), dout.clone().requires_grad_(True)
+    out = _fn(is_rms)(xg, None, w, None, "torch")
+    (dx,) = torch.autograd.grad(out, xg, dg, create_graph=True)
+    v = torch.randn(dx.shape, generator=torch.Generator().manual_seed(3))
+    (ddout,) = torch.autograd.grad((dx * v).sum(), dg)
+    (hd, _, _), want = _oracle(x, w, None, eps=1e-5, is_rms=is_rms)
+    dd = dout.double().requires_grad_(True)
+    (dx64,) = torch.autograd.grad(want, hd, dd, create_graph=True)
+    (ddout64,) = torch.autograd.grad((dx64 * v.double()).sum(), dd)
+    scale = dx64.detach().abs().amax(-1, keepdim=True)
+    assert_close64(dx, dx64, torch.float32, "dx (create_graph)", scale=scale)
+    assert_close64(ddout, ddout64, torch.float32, "d(dx . v)/d(dout)")
