@@ -37,12 +37,10 @@ from addnorm.ops.triton.elementwise import (  # re-exported: team_kernels and qu
     tl,
     triton,
 )
-from addnorm.ops.triton.guard_bwd import not_finite, rescaled_looped_sums, rescaled_row_sums
 from addnorm.ops.triton.row_stats import (
     merge_tile,
     normalize_row,
     plain_stats_fail,
-    pow2,
     redo_row,
     rsqrt,
     saved_rstd_fail,
@@ -313,32 +311,13 @@ def bwd_rows_kernel(
             g = dy
         if HAS_DB:
             db_acc += dy
-        s1 = tl.sum(g * xhat, axis=1) / N
-        overflowed = not_finite(s1)
-        if IS_RMS:
-            s2 = s1
-        else:
-            s2 = tl.sum(g, axis=1) / N
-            overflowed = overflowed | not_finite(s2)
-        overflowed = overflowed & row_ok
-        q1 = tl.full([BLOCK_M], 1.0, acc_t)
-        q2 = q1
-        rescue = tl.max(overflowed.to(tl.int32), axis=0) > 0
-        if rescue:  # the backward overflowed from finite inputs: dout scaled by 2^-k (guard_bwd), rare
-            if HAS_WEIGHT:
-                g, s1, s2, q1, q2 = rescaled_row_sums(dy, w[None, :], xhat, mask, overflowed, N, True)
-            else:
-                g, s1, s2, q1, q2 = rescaled_row_sums(dy, dy, xhat, mask, overflowed, N, False)
-        c1 = s1[:, None]
+        c1 = tl.sum(g * xhat, axis=1)[:, None] / N
         if IS_RMS:
             dh = (g - xhat * c1) * rstd
         else:
-            dh = (g - s2[:, None] - xhat * c1) * rstd
-        if rescue:  # 2^k and sc, the true size last; sc < 1 first (a row ~1e30: sc 2^-100, 2^k 2^132)
-            first = sc < 1.0
-            dh = tl.where(first, dh * sc, dh) * q1[:, None] * q2[:, None]
-            dh = tl.where(first, dh, dh * sc)
-        elif rescale:
+            c2 = tl.sum(g, axis=1)[:, None] / N
+            dh = (g - c2 - xhat * c1) * rstd
+        if rescale:
             dh = dh * sc  # the true size last: inf only where dh is beyond range, never inf * 0
         # this tail repeats in bwd_tiles_kernel on purpose: as a shared helper taking precomputed offsets it cost
         # sm_90 up to 18 registers a thread (half the programs per SM for LayerNorm at N = 1024, 2048)
@@ -366,8 +345,7 @@ def bwd_row_sums_kernel(
     Rstd,  # (M,)
     C1,  # (M,) out: mean_j(g * xhat)
     C2,  # (M,) out: mean_j(g) (LayerNorm)
-    Eff,  # (4, stride_eff) out: the (mean, rstd, sc) bwd_tiles_kernel normalizes with (sc = 1 but for scaled rows)
-    # and k, dout's scale 2^-k (0 but for rows whose backward overflowed: guard_bwd)
+    Eff,  # (3, stride_eff) out: the (mean, rstd, sc) bwd_tiles_kernel normalizes with (sc = 1 but for scaled rows)
     stride_dout,
     stride_h,
     stride_eff,
@@ -407,30 +385,9 @@ def bwd_row_sums_kernel(
             xhat = tl.where(ok, (h - mean) * rstd, 0.0)
             s2 += g
         s1 += g * xhat
-    c1 = tl.sum(s1, axis=0) / N
-    c2 = tl.sum(s2, axis=0) / N
-    k = tl.zeros_like(rstd)
-    if not_finite(c1) | not_finite(c2):  # the backward overflowed (guard_bwd): rare (RMSNorm: c2 = 0)
-        TILE_K: tl.constexpr = BLOCK_N if BLOCK_N < 512 else 512
-        ki, c1s, c2s = rescaled_looped_sums(
-            DOut + row * stride_dout,
-            H + row * stride_h,
-            W,
-            N,
-            mean,
-            rstd,
-            sc,
-            HAS_WEIGHT,
-            IS_RMS,
-            ZERO_CENTERED,
-            TILE_K,
-        )
-        if ki != 0:  # (dout, h and w finite: else the plain sums stand, and an inf or NaN propagates)
-            k, c1, c2 = ki.to(rstd.dtype), c1s, c2s
-    tl.store(Eff + 3 * stride_eff + row, k)
-    tl.store(C1 + row, c1)
+    tl.store(C1 + row, tl.sum(s1, axis=0) / N)
     if not IS_RMS:
-        tl.store(C2 + row, c2)
+        tl.store(C2 + row, tl.sum(s2, axis=0) / N)
 
 
 @jit
@@ -444,7 +401,6 @@ def bwd_tiles_kernel(
     C1,  # (M,) mean_j(g * xhat) from bwd_row_sums_kernel
     C2,  # (M,) mean_j(g)
     Sc,  # (M,) the power of two h is scaled by (1 but for rows beyond the plain statistics' range: row_stats)
-    K,  # (M,) dout is scaled by 2^-k (0 but for rows whose backward overflowed: guard_bwd)
     DX,  # (M, N) contiguous
     DRes,  # (M, N) contiguous (when STORE_DRES)
     DWPart,  # (row groups, N)
@@ -492,7 +448,6 @@ def bwd_tiles_kernel(
             xhat = h * rstd
         else:
             xhat = tl.where(ok, (h - tl.load(Mean + row)) * rstd, 0.0)
-        k = tl.load(K + row).to(tl.int32)
         if HAS_WEIGHT:
             g = dy * w
             dw_acc += dweight_term(dy, xhat, CAST_BEFORE_WEIGHT, DOut.dtype.element_ty)
@@ -500,23 +455,11 @@ def bwd_tiles_kernel(
             g = dy
         if HAS_DB:
             db_acc += dy
-        q1 = tl.full([], 1.0, acc_t)
-        q2 = q1
-        if k != 0:  # a row whose backward overflowed: dout * 2^-k (guard_bwd), 2^k last
-            q1, q2 = pow2(k // 2, acc_t), pow2(k - k // 2, acc_t)
-            g = dy / q1 / q2
-            if HAS_WEIGHT:
-                g = g * w
         if IS_RMS:
             dh = (g - xhat * c1) * rstd
         else:
             dh = (g - tl.load(C2 + row) - xhat * c1) * rstd
-        if k != 0:  # sc < 1 first (as in bwd_rows_kernel)
-            if sc < 1.0:
-                dh = dh * sc * q1 * q2
-            else:
-                dh = dh * q1 * q2 * sc
-        elif sc != 1.0:
+        if sc != 1.0:
             dh = dh * sc  # the true size last (row_stats)
         if HAS_DRES_OUT:
             dh += tl.load(DResOut + row * stride_dres_out + cols, mask=ok, other=0.0).to(acc_t)

@@ -220,9 +220,9 @@ def _bwd_launch(
         _, tiles, groups, sums, meta = chosen
         c1 = torch.empty(m, dtype=acc, device=h.device)
         c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        # (mean, rstd, sc, k) per row for the tiles kernel; rows of a multiple of 16 elements keep each one aligned
+        # (mean, rstd, sc) per row for the tiles kernel; rows of a multiple of 16 elements keep each one aligned
         stride_eff = -(-m // 16) * 16
-        eff = torch.empty((4, stride_eff), dtype=acc, device=h.device)
+        eff = torch.empty((3, stride_eff), dtype=acc, device=h.device)
         _launch(
             bwd_row_sums_kernel,
             (m,),
@@ -230,9 +230,9 @@ def _bwd_launch(
             sums,
             traceable,
         )
-        mean_, rstd, sc, kd = eff[0], eff[1], eff[2], eff[3]
+        mean_, rstd, sc = eff[0], eff[1], eff[2]
         if team_launch.wide_tuning().sized_grids and h.is_cuda and not traceable and not interpreted():
-            probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, kd, dx, dres_, c1, c1)
+            probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, c1, c1)
             probe += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
             resident = team_launch.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
             groups = team_launch.looped_groups(
@@ -240,7 +240,7 @@ def _bwd_launch(
             )
         dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
         db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, kd, dx, dres_, dw_part, db_part)
+        args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, dw_part, db_part)
         args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
         _launch(bwd_tiles_kernel, (tiles, groups), args, meta, traceable)
     return dw_part, db_part

@@ -21,7 +21,6 @@ N alone, so a row's bits do not depend on the batch. No atomics: the gradients a
 
 from __future__ import annotations
 
-from addnorm.ops.triton.guard_bwd import not_finite, rescaled_row_sums
 from addnorm.ops.triton.kernels import dweight_term, jit, load_weight, round_to, rsqrt, tl
 from addnorm.ops.triton.row_stats import plain_stats_fail, saved_rstd_fail, scaled_rows_bwd, scaled_rows_fwd
 
@@ -165,33 +164,15 @@ def _norm_grad(
     else:
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     if HAS_W:
-        w = load_weight(W, cols, col_ok, acc_t, ZC)[None, :]
-        g = dout * w
+        g = dout * load_weight(W, cols, col_ok, acc_t, ZC)[None, :]
     else:
-        w = dout
         g = dout
-    s1 = tl.sum(g * xhat, axis=1) / N
-    overflowed = not_finite(s1)
+    c1 = tl.sum(g * xhat, axis=1)[:, None] / N
     if IS_RMS:
-        s2 = s1
+        dx = (g - xhat * c1) * rstd[:, None]
     else:
-        s2 = tl.sum(g, axis=1) / N
-        overflowed = overflowed | not_finite(s2)
-    overflowed = overflowed & row_ok
-    q1 = tl.zeros_like(rstd) + 1.0
-    q2 = q1
-    rescue = tl.max(overflowed.to(tl.int32), axis=0) > 0
-    if rescue:  # the backward overflowed from finite inputs: dout scaled by 2^-k (addnorm.ops.triton.guard_bwd)
-        g, s1, s2, q1, q2 = rescaled_row_sums(dout, w, xhat, mask, overflowed, N, HAS_W)
-    if IS_RMS:
-        dx = (g - xhat * s1[:, None]) * rstd[:, None]
-    else:
-        dx = (g - s2[:, None] - xhat * s1[:, None]) * rstd[:, None]
-    if rescue:  # 2^k and sc, the true size last, sc < 1 first (as in kernels.bwd_rows_kernel)
-        first = sc[:, None] < 1.0
-        dx = tl.where(first, dx * sc[:, None], dx) * q1[:, None] * q2[:, None]
-        dx = tl.where(first, dx, dx * sc[:, None])
-    elif rescale:
+        dx = (g - tl.sum(g, axis=1)[:, None] / N - xhat * c1) * rstd[:, None]
+    if rescale:
         dx = dx * sc[:, None]  # the true size last: inf only where dx is beyond range, never inf * 0
     return dx, xhat
 
