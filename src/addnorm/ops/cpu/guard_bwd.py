@@ -9,9 +9,18 @@ forward's scale 2^k, the scaled mean and r = rstd * 2^-k. The gradient is comput
 and rounded once to the output dtype: the factor 2^k comes last, so a gradient beyond the dtype's range is inf (as
 the float64 gradient rounded to it), never NaN. dweight and dbias are the usual row sums of dout * xhat and dout.
 The kernels of :mod:`addnorm.ops.cpu.kernels_bwd` call these for such rows only.
+
+The same float64 pass, with k = 0 and the saved statistics as they are, rescues a row whose statistics are ordinary
+but whose backward overflows the statistics dtype: g = dout * w beyond fp32 (dout ~1e30, w ~1e10), or the row sums
+sum(g), sum(g * xhat) beyond it (a large dout over many columns), while dout, h and w are finite; dx = rstd * (...)
+is then finite in float64 whenever rstd is small enough. The kernels see it as plain row sums that are inf or NaN
+(:func:`finite_inputs` tells an overflow from an inf or NaN that was in the inputs: that one propagates as before),
+so an ordinary row pays one test of two scalars.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -19,7 +28,19 @@ from addnorm.ops.cpu.convert import JIT, cast_like, load, njit, round_as, store_
 from addnorm.ops.cpu.kernels import keep
 from addnorm.ops.cpu.stats import pow2_halves
 
-__all__ = ["scaled_bwd_sums", "scaled_dw_row", "scaled_dx_row"]
+__all__ = ["finite_inputs", "scaled_bwd_sums", "scaled_dw_row", "scaled_dx_row"]
+
+
+@njit(**JIT)
+def finite_inputs(dy, h, W, has_w, n):
+    """Whether the row's dout, h and (with has_w) the weight are all finite: a backward whose plain sums are inf or
+    NaN then overflowed, and the float64 pass gives its answer."""
+    for j in range(n):
+        if not (math.isfinite(load(dy, j)) and math.isfinite(load(h, j))):
+            return False
+        if has_w and not math.isfinite(W[j]):
+            return False
+    return True
 
 
 @njit(**JIT)

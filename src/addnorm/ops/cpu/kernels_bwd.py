@@ -9,13 +9,17 @@ numba's cache (``cache=True``) checks only the source of a kernel's own file: th
 
 Rows whose saved statistics fail the finite-range guard's test (:func:`addnorm.ops.cpu.stats.saved_row_scaling`)
 take the scaled backward of :mod:`addnorm.ops.cpu.guard_bwd`; the test is one comparison per row on the others.
+So does a row whose plain row sums come out inf or NaN from finite inputs (the backward overflowed fp32), with k = 0
+and the saved statistics: one more test of the two sums per row.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
+from addnorm.ops.cpu.guard_bwd import finite_inputs, scaled_bwd_sums, scaled_dw_row, scaled_dx_row
 from addnorm.ops.cpu.kernels import (
     FAST,
     JIT,
@@ -152,9 +156,13 @@ def _bwd_chunk(
         rstd = Rstd[i]
         mean = zero if is_rms else Mean[i]
         k, mean_s, r = saved_row_scaling(h, n, is_rms, mean, rstd)
-        if k != NOT_SCALED:  # a row the forward's guard rescaled
-            sg, sgx = scaled_bwd_sums(dy, h, W, has_w, n, k, mean_s, r)
-            mg = 0.0 if is_rms else sg / n
+        if k == NOT_SCALED:
+            sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
+            if not (math.isfinite(sg) and math.isfinite(sgx)) and finite_inputs(dy, h, W, has_w, n):
+                k, mean_s, r = 0, np.float64(mean), np.float64(rstd)  # the backward overflowed: float64, unscaled
+        if k != NOT_SCALED:  # a row the forward's guard rescaled, or whose backward overflowed
+            sg64, sgx64 = scaled_bwd_sums(dy, h, W, has_w, n, k, mean_s, r)  # (own names: sg stays fp32)
+            mg = 0.0 if is_rms else sg64 / n
             scaled_dx_row(
                 i * n,
                 dy,
@@ -168,7 +176,7 @@ def _bwd_chunk(
                 mean_s,
                 r,
                 mg,
-                sgx / n,
+                sgx64 / n,
                 has_dro,
                 has_w,
                 has_dres,
@@ -180,7 +188,6 @@ def _bwd_chunk(
             if has_w or has_db:
                 scaled_dw_row(dy, h, dwp, dbp, n, k, mean_s, r, has_w, has_db, cast)
             continue
-        sg, sgx = _bwd_sums(dy, h, W, has_w, mean, rstd, n, zero)
         mean_g = zero if is_rms else sg / nf
         _bwd_dx_row(
             i * n,
@@ -402,11 +409,13 @@ def bwd_cols_parallel(
         mean = zero if is_rms else Mean[i]
         dy, h = DY[i * sdy : i * sdy + n], H[i * sh : i * sh + n]
         K[i], P[4 * i], P[4 * i + 1] = saved_row_scaling(h, n, is_rms, mean, Rstd[i])
+        if K[i] == NOT_SCALED:
+            SG[i], SGX[i] = _bwd_sums(dy, h, W, has_w, mean, Rstd[i], n, zero)
+            if not (math.isfinite(SG[i]) and math.isfinite(SGX[i])) and finite_inputs(dy, h, W, has_w, n):
+                K[i], P[4 * i], P[4 * i + 1] = 0, mean, Rstd[i]  # (as in _bwd_chunk)
         if K[i] != NOT_SCALED:
             sg, sgx = scaled_bwd_sums(dy, h, W, has_w, n, K[i], P[4 * i], P[4 * i + 1])
             P[4 * i + 2], P[4 * i + 3] = (0.0 if is_rms else sg / n), sgx / n
-        else:
-            SG[i], SGX[i] = _bwd_sums(dy, h, W, has_w, mean, Rstd[i], n, zero)
     for c in prange((n + block - 1) // block):
         j0 = c * block
         k = min(n, j0 + block) - j0

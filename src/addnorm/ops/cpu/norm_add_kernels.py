@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from addnorm.ops.cpu.convert import FAST, JIT, cast_like, load, njit, prange, round_as, store_rounded, zero_of
-from addnorm.ops.cpu.guard_bwd import scaled_bwd_sums, scaled_dw_row, scaled_dx_row
+from addnorm.ops.cpu.guard_bwd import finite_inputs, scaled_bwd_sums, scaled_dw_row, scaled_dx_row
 from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
 from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, pow2_halves, saved_row_scaling
 
@@ -252,9 +252,13 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
             h = H[i * sh : i * sh + n]
             mean2, rstd2 = Stats[2 * m + i], Stats[3 * m + i]
             k2, mean_s2, r2 = saved_row_scaling(h, n, is_rms2, zero if is_rms2 else mean2, rstd2)
-            if k2 != NOT_SCALED:  # a row the forward's guard rescaled: t in float64, rounded to t's dtype
-                sg, sgx = scaled_bwd_sums(do2, h, W2, has_w2, n, k2, mean_s2, r2)
-                mg = 0.0 if is_rms2 else sg / n
+            if k2 == NOT_SCALED:
+                sg, sgx = _sums(do2, h, W2, has_w2, mean2, rstd2, n, zero)
+                if not (np.isfinite(sg) and np.isfinite(sgx)) and finite_inputs(do2, h, W2, has_w2, n):
+                    k2, mean_s2, r2 = 0, np.float64(mean2), np.float64(rstd2)  # N2's backward overflowed
+            if k2 != NOT_SCALED:  # a row the forward's guard rescaled (or k2 = 0): t in float64, rounded to t's dtype
+                sg64, sgx64 = scaled_bwd_sums(do2, h, W2, has_w2, n, k2, mean_s2, r2)
+                mg = 0.0 if is_rms2 else sg64 / n
                 # the guard's dx row with t as dx and dh as the added gradient; no dresidual here, no dropout
                 scaled_dx_row(
                     0,
@@ -269,7 +273,7 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
                     mean_s2,
                     r2,
                     mg,
-                    sgx / n,
+                    sgx64 / n,
                     has_dh,
                     has_w2,
                     False,
@@ -281,7 +285,6 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
                 if has_w2 or has_b2:
                     scaled_dw_row(do2, h, dw2, db2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
             else:
-                sg, sgx = _sums(do2, h, W2, has_w2, mean2, rstd2, n, zero)
                 mean_g = zero if is_rms2 else sg / nf
                 _n2_grad_row(do2, dh, h, t, W2, dw2, db2, n, mean2, rstd2, mean_g, sgx / nf, has_dh, has_w2, has_b2, cast2, zero)  # fmt: skip
         elif has_dh:
@@ -290,9 +293,13 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
         mean1, rstd1 = Stats[i], Stats[m + i]
         dy, dres = DY[i * n : i * n + n], DRes[i * n : i * n + n]
         k1, mean_s1, r1 = saved_row_scaling(y, n, is_rms1, zero if is_rms1 else mean1, rstd1)
+        if k1 == NOT_SCALED:
+            sg, sgx = _sums(t, y, W1, has_w1, mean1, rstd1, n, zero)
+            if not (np.isfinite(sg) and np.isfinite(sgx)) and finite_inputs(t, y, W1, has_w1, n):
+                k1, mean_s1, r1 = 0, np.float64(mean1), np.float64(rstd1)  # N1's backward overflowed
         if k1 != NOT_SCALED:
-            sg, sgx = scaled_bwd_sums(t, y, W1, has_w1, n, k1, mean_s1, r1)
-            mg = 0.0 if is_rms1 else sg / n
+            sg64, sgx64 = scaled_bwd_sums(t, y, W1, has_w1, n, k1, mean_s1, r1)
+            mg = 0.0 if is_rms1 else sg64 / n
             # dy only (dresidual = t and the weight shares: _n1_grad_row_scaled), no dropout
             scaled_dx_row(
                 0,
@@ -307,7 +314,7 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
                 mean_s1,
                 r1,
                 mg,
-                sgx / n,
+                sgx64 / n,
                 False,
                 has_w1,
                 False,
@@ -318,7 +325,6 @@ def _bwd_chunk(c, chunks, m, DH, sdh, DO2, sdo2, Y, sy, H, sh, W1, W2, Stats, DY
             )
             _n1_grad_row_scaled(t, y, dres, dw1, db1, n, k1, mean_s1, r1, has_dres, has_w1, has_b1, cast1)
             continue
-        sg, sgx = _sums(t, y, W1, has_w1, mean1, rstd1, n, zero)
         mean_g = zero if is_rms1 else sg / nf
         _n1_grad_row(t, y, dy, dres, W1, dw1, db1, n, mean1, rstd1, mean_g, sgx / nf, has_dres, has_w1, has_b1, cast1, zero)  # fmt: skip
 
