@@ -2,7 +2,7 @@
 backward overflows fp32, g = dout * w beyond it (dout ~1e30, w ~1e10) or the row sums sum(g), sum(g * xhat) beyond
 it (dout ~1e37 over the row), while every input and the float64 gradient are finite: dx = rstd * (...) is small
 when rstd is (rows ~1e30). Such a row gets the float64 gradient rounded to its dtype (inf where that is beyond the
-dtype's range, never NaN), on the torch and cpu backends (triton: a strict xfail), add_norm and the fused
+dtype's range, never NaN), on the cpu backend (torch and triton: strict xfails), add_norm and the fused
 norm_add / norm_add_norm; a genuine inf in dout still propagates, and the other rows keep their bits. fp16 cannot
 get there: with dout and w at most 65504, g stays far inside fp32."""
 
@@ -19,7 +19,10 @@ from tests.ops.test_finite_range import _oracle, assert_close64
 # triton does not rescue these rows yet: each way tried cost its hot loop registers (tools/sm90_static.py, see
 # docs/kernels.md); strict, so that the mark goes when it does
 TRITON_GAP = pytest.mark.xfail(strict=True, reason="triton's backward does not rescue an overflowing row yet")
-BACKENDS = ["torch", "cpu", pytest.param("triton", marks=TRITON_GAP)]
+# the torch backend runs ATen's backward: an eager check of it cost 15-25 us a call at decode (two gradient hooks and
+# a read of dh; benchmarks/results/finite_guard.md), so it does not rescue these rows
+TORCH_GAP = pytest.mark.xfail(strict=True, reason="the torch backend's (ATen's) backward does not rescue these rows")
+BACKENDS = [pytest.param("torch", marks=TORCH_GAP), "cpu", pytest.param("triton", marks=TRITON_GAP)]
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 N = 50  # not a power of two
@@ -173,22 +176,3 @@ def test_fused_norm_add_backward_that_overflows_fp32(backend, dtype, is_rms, has
     if has_norm2:
         xhat2 = _norm64(h.detach().double(), 1.0, is_rms)
         assert_close64(w2g.grad, w2d.grad, dtype, f"{backend} dw2", scale=(do2.double() * xhat2).abs().sum(0))
-
-
-@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
-def test_torch_backend_rescue_is_differentiable(is_rms):
-    """The torch backend is differentiable to any order: with create_graph=True the rescued rows' dx is the float64
-    pass's, and its gradient with respect to dout too (rows 0-2, 4: NaN before the rescue)."""
-    x, w, dout = _inputs(torch.float32, True)
-    xg, dg = x.clone().requires_grad_(True), dout.clone().requires_grad_(True)
-    out = _fn(is_rms)(xg, None, w, None, "torch")
-    (dx,) = torch.autograd.grad(out, xg, dg, create_graph=True)
-    v = torch.randn(dx.shape, generator=torch.Generator().manual_seed(3))
-    (ddout,) = torch.autograd.grad((dx * v).sum(), dg)
-    (hd, _, _), want = _oracle(x, w, None, eps=1e-5, is_rms=is_rms)
-    dd = dout.double().requires_grad_(True)
-    (dx64,) = torch.autograd.grad(want, hd, dd, create_graph=True)
-    (ddout64,) = torch.autograd.grad((dx64 * v.double()).sum(), dd)
-    scale = dx64.detach().abs().amax(-1, keepdim=True)
-    assert_close64(dx, dx64, torch.float32, "dx (create_graph)", scale=scale)
-    assert_close64(ddout, ddout64, torch.float32, "d(dx . v)/d(dout)")

@@ -10,12 +10,9 @@ statistics (``native_layer_norm``, ``_fused_rms_norm``: the kernels behind F.lay
 bits), the guard's test reads them (eagerly on the host, in the fewest ops: :func:`_all_ordinary`), and only a call
 with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled
 graphs cannot branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a
-``where`` picks.
-
-The backward's overflow (:func:`_guard_backward`): a row whose statistics are ordinary can still overflow fp32 in
-ATen's backward (g = dout * w, or its row sums, beyond fp32 while dx is finite). Eagerly, a hook on the norm's
-input sees the gradient: its sum, one read, is finite on every ordinary call; when it is not, the rows with a
-non-finite gradient from finite dout, h and w get the float64 pass's gradient.
+``where`` picks. The backward is ATen's: a row whose statistics are ordinary but whose ``dout * w`` or row sums
+overflow fp32 is not rescued here (the cpu kernels rescue it; an eager check costs two gradient hooks and a read of
+dh, 15-25 us a call at decode: benchmarks/results/finite_guard.md).
 """
 
 from __future__ import annotations
@@ -107,62 +104,8 @@ def add_norm_general(x: Tensor, residual, weight, bias, spec: AddNormSpec) -> tu
         xhat, mean, rstd = _norm_stats(h, n, None, None, eps, is_rms)
         return _affine(xhat, w, b, cast_to), mean, rstd
 
-    fix = _guard_backward(h, w, b, eps, is_rms, cast_to)
-    if fix is not None:
-        h = h.view_as(h)  # (a node of this call's own for the hook: h may be the caller's leaf)
-        h.register_hook(fix[1])
     out = guard_rows(norm, h, w, b, eps, is_rms, cast_to)
-    if fix is not None:
-        out.register_hook(fix[0])
     return as_dtype(out, out_dtype), residual_out
-
-
-def _guard_backward(h, w, b, eps, is_rms, cast_to):
-    """(on_dout, on_dh): the gradient hooks of the norm's output and input that rescue a row whose plain backward
-    overflowed, or None where none is needed or none can run: no gradient of h, compiled graphs and torch.func
-    transforms (they cannot branch on a value), float64 statistics (the float64 pass would add nothing)."""
-    if (
-        not (torch.is_grad_enabled() and h.requires_grad)
-        or h.dtype == torch.float64
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-    ):
-        return None
-    seen = []  # dout, as the output's hook saw it last (its hook runs first: dh is computed from it)
-
-    def on_dout(dout):
-        seen[:] = [dout]
-
-    def on_dh(dh):
-        if not seen or math.isfinite(dh.sum().item()):  # the ordinary call: one read of dh
-            return None
-        dout = seen.pop()
-        return _rescue_backward(h, w, b, eps, is_rms, cast_to, dout, dh)
-
-    return on_dout, on_dh
-
-
-def _rescue_backward(h, w, b, eps, is_rms, cast_to, dout, dh):
-    """dh with each row whose gradient is not finite, while its dout, h and w are (its plain backward overflowed),
-    replaced by the gradient of :func:`scaled_norm` in float64, rounded once; None when there is none."""
-    a = h.detach().abs().amax(dim=-1)
-    rows = ~torch.isfinite(dh).all(dim=-1) & torch.isfinite(dout).all(dim=-1) & torch.isfinite(a) & (a > 0)
-    if w is not None:
-        rows &= bool(torch.isfinite(w).all())
-    if not bool(rows.any()):
-        return None
-    create_graph = torch.is_grad_enabled()  # a backward with create_graph=True: keep this one differentiable
-
-    def leaf(t):
-        return t if t is None or create_graph else t.detach()
-
-    with torch.enable_grad():
-        hr = h[rows] if create_graph else h.detach()[rows].requires_grad_(True)
-        fixed = scaled_norm(hr, leaf(w), leaf(b), eps, is_rms, cast_to)
-        (g,) = torch.autograd.grad(fixed, hr, dout[rows].double(), create_graph=create_graph)
-    dh = dh.clone()
-    dh[rows] = g.to(dh.dtype)
-    return dh
 
 
 def _affine(xhat, w, b, cast_to):
