@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from addnorm.ops.contract import stats_dtype
+from addnorm.ops.cpu import bf16_pairs as P
 from addnorm.ops.cpu import norm_add_kernels as K
 from addnorm.ops.cpu.launch import _empty, _parallel_lock, as_numpy, row_view, unavailable_reason, use_parallel
 
@@ -76,11 +77,21 @@ def forward_into(h, out2, stats, y, residual, w1, b1, w2, b2, *, has_norm2, **op
         dummy if W2 is None else W2, dummy if B2 is None else B2,
         S, m, n, _flags(opts, has_norm2, w1, b1, w2, b2), in_place, float(opts["eps1"]), float(opts["eps2"]),
     )  # fmt: skip
+    kernels = K
+    if m * n >= P.MIN_ELEMENTS and _all_bf16(y, residual, h, out2) and sd == torch.float32:
+        D = P.split_pairs(n, (W1, B1, W2, B2))
+        if not np.isnan(D).any():  # (a NaN weight or bias: the general kernels, bf16_pairs._via_bf16 says why)
+            kernels = P  # bf16 pairs (bf16_pairs.py): the same bits, the elementwise passes two values a word
+            args = (*args[:12], D, *args[12:], P.PREFETCH_ROWS)
     if use_parallel(m * n):
         with _parallel_lock:
-            K.fwd_parallel(*args)
+            kernels.fwd_parallel(*args)
     else:
-        K.fwd_serial(*args)
+        kernels.fwd_serial(*args)
+
+
+def _all_bf16(*tensors) -> bool:
+    return all(t is None or t.dtype == torch.bfloat16 for t in tensors)
 
 
 def backward(dh, dout2, y, h, w1, w2, stats, *, b1_dtype, b2_dtype, residual_dtype, has_norm2, **opts):

@@ -1,0 +1,355 @@
+"""The bf16 forward of the fused norm-then-add ops (:mod:`addnorm.ops.cpu.norm_add_kernels`) for large calls: the
+same arithmetic, the same bits, with the elementwise passes over bf16 pairs.
+
+Why: the general kernels convert bf16 one value at a time (:mod:`addnorm.ops.cpu.convert`): LLVM vectorizes that,
+but every vector of 8 values is widened from 16 to 32 bits and every store narrowed back (unpacks, packs, lane
+permutes), which made the bf16 forward compute-bound at 4096 x 4096 while the fp32 one reached the streaming limit.
+Here a row is viewed as uint32 words, each two bf16 values, and never leaves 32-bit lanes:
+
+    the value of the low half  = float32 bits  w << 16        (the bf16 at the even index)
+    the value of the high half = float32 bits  w & 0xFFFF0000 (the bf16 at the odd index)
+    a pair stored              = rne(a) >> 16 | rne(b) & 0xFFFF0000,  rne(v) = v's bits + 0x7FFF + (bit 16 of them),
+                                 NaN as 0x7FC0 (convert.py's ``store_rounded``, the same bits)
+
+so a vector of 8 words is 16 values with shifts and masks, no shuffles. The weights and biases are split once per
+call into their even and odd elements (:func:`split_pairs`), which meet the low and high halves in the same lanes.
+Each value goes through the operations the general loops apply in the same order (no fused multiply-add: no
+``fastmath``), so every value and every rounding is the same. The statistics are the general kernels' own
+(:func:`~addnorm.ops.cpu.stats.guarded_row_stats`: the RMSNorm sum of squares in PyTorch's order, the guard), and so
+are the rows the pairs do not serve: a row the guard rescaled, and a row whose arrays disagree on 4-byte alignment
+(strided rows). A row starting at an odd element (odd N) does its first value on the general loop, then pairs, and
+an odd value left at the end on the general loop again.
+
+While working on row i, the rows a thread does next (y and the residual, ``PREFETCH_ROWS`` ahead) are prefetched
+a cache line at a time between the elementwise blocks: without it each row's passes wait on DRAM in turn, the
+hardware prefetcher restarting at every 4 KB page.
+
+The launch (:mod:`addnorm.ops.cpu.norm_add_launch`) takes this path for bf16 y, residual, h (and out2) with fp32
+statistics and at least ``MIN_ELEMENTS`` values; smaller calls (decode) keep the general kernels.
+tests/ops/test_bf16_pairs.py compares the two bit for bit. After editing this file delete its ``__pycache__``
+entries (*.nbi, *.nbc), as for the other kernel files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from addnorm.ops.cpu.convert import JIT, intrinsic, ir, njit, prange, types, zero_of
+from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
+from addnorm.ops.cpu.norm_add_kernels import _norm_add_row, _norm_add_row_inplace, _norm_add_row_scaled
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats
+
+__all__ = ["MIN_ELEMENTS", "PREFETCH_ROWS", "fwd_parallel", "fwd_serial", "split_pairs"]
+
+# Values in a call (M * N) from which the launch takes this path: decode sizes keep the general kernels.
+MIN_ELEMENTS = 1 << 20
+# How many rows ahead a thread prefetches (compiled in: numba freezes module globals).
+PREFETCH_ROWS = 2
+# Words per elementwise block: 16 words = 32 bf16 values = one 64-byte cache line of each row.
+_BLOCK = 16
+
+# --------------------------------------------------------------------------------------------------------------
+# Register-level pieces: LLVM IR, so that everything stays in 32-bit lanes (numba widens small ints to int64)
+# --------------------------------------------------------------------------------------------------------------
+
+_I32 = ir.IntType(32) if ir is not None else None
+
+
+def _c(v):
+    return ir.Constant(_I32, v)
+
+
+@intrinsic
+def _lo(typingctx, w):
+    """The float32 of a word's low bf16 (the pair's first value)."""
+    if w != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(args[0], _c(16)), ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _hi(typingctx, w):
+    """The float32 of a word's high bf16 (the pair's second value)."""
+    if w != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.and_(args[0], _c(0xFFFF0000)), ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def _rne(builder, v, nan=True):
+    """float32 v rounded to bf16, in the high half of an i32 (low half zero): convert.py's _f32_to_bf16. nan=False
+    leaves out its NaN select (see _via_bf16)."""
+    u = builder.bitcast(v, _I32)
+    lsb = builder.and_(builder.lshr(u, _c(16)), _c(1))
+    rounded = builder.and_(builder.add(u, builder.add(lsb, _c(0x7FFF))), _c(0xFFFF0000))
+    if not nan:
+        return rounded
+    return builder.select(builder.fcmp_unordered("uno", v, v), _c(0x7FC00000), rounded)
+
+
+@intrinsic
+def _via_bf16(typingctx, v):
+    """float32 v rounded to bf16 and back: convert.py's ``round_as`` for a bf16 array, except that a NaN keeps its
+    own bits rather than becoming 0x7FC00000. Only on values that end in a rounded store, where any NaN becomes
+    0x7FC0: what matters is that a NaN stays a NaN, and rounding keeps every NaN whose low 16 bits are 0 as it is
+    (no carry into the exponent). The only NaNs in these passes are bf16 values (low bits 0), the NaN the FPU makes
+    (0xFFC00000) and NaNs of fp32 weights or biases: the launch sends calls with a NaN weight or bias to the
+    general kernels. (One select less on each value: ~10% of the pass.)"""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_rne(builder, args[0], nan=False), ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _pack(typingctx, a, b):
+    """The word of two float32 values each rounded to bf16: a in the low half, b in the high."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.or_(builder.lshr(_rne(builder, args[0]), _c(16)), _rne(builder, args[1]))
+
+    return types.uint32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """A hint to bring the cache line of arr[idx] in (no load, no fault, no bounds check)."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.bitcast(builder.gep(a.data, [args[1]]), ir.IntType(8).as_pointer())
+        name = "llvm.prefetch.p0" if getattr(p.type, "is_opaque", False) else "llvm.prefetch.p0i8"
+        fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32]))
+        builder.call(fn, [p, _c(0), _c(3), _c(1)])  # read, keep in all levels, data cache
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
+
+
+@intrinsic
+def _address(typingctx, arr):
+    """The address of an array's first element, for the alignment test."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
+
+    return types.uint64(arr), codegen
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The elementwise passes over pairs
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast):
+    # _norm_add_loop of norm_add_kernels, two values a word: the same operations in the same order
+    for k in range(k0, k1):
+        wy, wr = y[k], r[k]
+        a = (_lo(wy) - mean) * rstd
+        b = (_hi(wy) - mean) * rstd
+        if cast:
+            a, b = _via_bf16(a), _via_bf16(b)
+        if has_w:
+            a, b = a * Wa[k], b * Wb[k]
+        if has_b:
+            a, b = a + Ba[k], b + Bb[k]
+        h[k] = _pack(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
+
+
+@njit(inline="always")
+def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast):
+    # kernels._normalize_loop, two values a word
+    for k in range(k0, k1):
+        wh = h[k]
+        a = (_lo(wh) - mean) * rstd
+        b = (_hi(wh) - mean) * rstd
+        if cast:
+            a, b = _via_bf16(a), _via_bf16(b)
+        if has_w:
+            a, b = a * Wa[k], b * Wb[k]
+        if has_b:
+            a, b = a + Ba[k], b + Bb[k]
+        o[k] = _pack(a, b)
+
+
+@njit(inline="always")
+def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb):
+    # blocks of one cache line per row, each followed by one prefetch of the rows ahead (Pa[pa..], Pb[pb..]); the
+    # block loop has a constant trip count with the flags constant: LLVM vectorizes it whole
+    nb = npairs // _BLOCK
+    for q in range(nb):
+        k0 = q * _BLOCK
+        if add:
+            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast)
+        else:
+            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast)
+        _prefetch(Pa, pa + 2 * k0)
+        _prefetch(Pb, pb + 2 * k0)
+    if add:
+        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast)
+    else:
+        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast)
+
+
+@njit(inline="always")
+def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb):
+    # the flags as constants in each branch (a cast without weight or bias rounds twice: a no-op)
+    if has_w and has_b:
+        if cast:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, add, Pa, pa, Pb, pb)
+        else:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, add, Pa, pa, Pb, pb)
+    elif has_w:
+        if cast:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, add, Pa, pa, Pb, pb)
+        else:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, add, Pa, pa, Pb, pb)
+    elif has_b:
+        if cast:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, add, Pa, pa, Pb, pb)
+        else:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, add, Pa, pa, Pb, pb)
+    else:
+        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, add, Pa, pa, Pb, pb)
+
+
+@njit(**JIT)
+def _pairs(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, in_place, Pa, pa, Pb, pb):
+    """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
+    (out = N2(x), r unused). in_place: out is r, passed on as one array (two arrays at one address, LLVM's
+    overlap test fails and it runs the scalar loop: 5x slower)."""
+    if in_place:
+        _unswitched(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb)
+    else:
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rows and drivers
+# --------------------------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _head(a):
+    """1 when a's first value is the high half of a 4-byte word (the pairs start at its second value), else 0."""
+    return np.int64((_address(a) >> np.uint64(1)) & np.uint64(1))
+
+
+@njit(inline="always")
+def _split(D, q, L, hd, npairs):
+    """The (low, high) halves' parts of split vector q (:func:`split_pairs`) for pairs from element hd."""
+    ev, od = D[2 * q * L : 2 * q * L + L], D[(2 * q + 1) * L : (2 * q + 1) * L + L]
+    if hd == 0:
+        return ev[:npairs], od[:npairs]
+    return od[:npairs], ev[1 : npairs + 1]
+
+
+@njit(inline="always")
+def _words(a, hd, npairs):
+    return a[hd : hd + 2 * npairs].view(np.uint32)
+
+
+@njit(**JIT)
+def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf):
+    # norm_add_kernels._fwd_row's arguments (bf16 rows, fp32 statistics) and D, the weights and biases split into
+    # even and odd elements (split_pairs); rows the pairs do not serve take that module's loops
+    is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
+    L = n // 2 + 1
+    y = Y[i * sy : i * sy + n]
+    r = R[i * sr : i * sr + n]
+    h = H[i * sh : i * sh + n]
+    ahead = np.int64(i) + pf  # (int64: prange's index may be unsigned)
+    if ahead >= m:
+        ahead = np.int64(i)
+    py, pr = ahead * sy, ahead * sr
+    mean1, rstd1, k1, mean_s1, r1 = guarded_row_stats(y, n, is_rms1, eps1, zero)
+    Stats[i], Stats[m + i] = mean1, rstd1
+    hd = _head(y)
+    if k1 != NOT_SCALED:  # a row the finite-range guard rescaled
+        _norm_add_row_scaled(y, r, h, W1, B1, n, k1, mean_s1, r1, has_w1, has_b1, cast1, zero)
+    elif hd != _head(r) or hd != _head(h):  # strided rows out of step: the general loops
+        if in_place:
+            _norm_add_row_inplace(y, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
+        else:
+            _norm_add_row(y, r, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
+    else:
+        npairs = (n - hd) // 2
+        e = hd + 2 * npairs  # the first value after the pairs
+        if hd:
+            _norm_add_row(y[:1], r[:1], h[:1], W1[:1], B1[:1], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
+        Wa, Wb = _split(D, 0, L, hd, npairs)
+        Ba, Bb = _split(D, 1, L, hd, npairs)
+        y32, r32 = _words(y, hd, npairs), _words(r, hd, npairs)
+        h32 = r32 if in_place else _words(h, hd, npairs)
+        _pairs(y32, r32, h32, Wa, Wb, Ba, Bb, npairs, mean1, rstd1, has_w1, has_b1, cast1, True, in_place, Y, py, R, pr)
+        if e < n:
+            _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
+    if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
+        mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
+        Stats[2 * m + i], Stats[3 * m + i] = mean2, rstd2
+        o2 = O2[i * so2 : i * so2 + n]
+        hd = _head(h)
+        if k2 != NOT_SCALED:
+            normalize_row_scaled(h, o2, W2, B2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
+        elif hd != _head(o2):
+            normalize_row(h, o2, W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
+        else:
+            npairs = (n - hd) // 2
+            e = hd + 2 * npairs
+            if hd:
+                normalize_row(h[:1], o2[:1], W2[:1], B2[:1], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
+            Wa, Wb = _split(D, 2, L, hd, npairs)
+            Ba, Bb = _split(D, 3, L, hd, npairs)
+            h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
+            _pairs(
+                h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2, cast2, False, False, Y, py, R, pr
+            )
+            if e < n:
+                normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
+
+
+# The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs); fp32 statistics only.
+@njit(parallel=True, **JIT)
+def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+    zero = zero_of(Stats)
+    eps1, eps2 = np.float32(eps1), np.float32(eps2)
+    for i in prange(m):
+        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+
+
+@njit(**JIT)
+def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+    zero = zero_of(Stats)
+    eps1, eps2 = np.float32(eps1), np.float32(eps2)
+    for i in range(m):
+        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+
+
+def split_pairs(n: int, vectors) -> np.ndarray:
+    """The weights and biases (w1, b1, w2, b2: fp32 arrays of n, or None) as _fwd_row's D: for each, its even
+    elements then its odd ones, each in a region of n // 2 + 1 (absent vectors: zeros, never read)."""
+    L = n // 2 + 1
+    D = np.zeros(8 * L, np.float32)
+    for q, v in enumerate(vectors):
+        if v is not None:
+            ev, od = v[0::2], v[1::2]
+            D[2 * q * L : 2 * q * L + ev.size] = ev
+            D[(2 * q + 1) * L : (2 * q + 1) * L + od.size] = od
+    return D
