@@ -16,7 +16,9 @@ The math (one row of length N; statistics in the statistics dtype s: fp32, fp64 
 
 Both roundings of the forward (n1 to y's dtype, h to its own) pass the gradient straight through: t is rounded
 only where it is stored (dresidual). Each row is read from DRAM once and stays in cache for the passes over it:
-the forward reads y and residual and writes h (and out2), the fewest bytes the op can move.
+the forward reads y and residual and writes h (and out2), the fewest bytes the op can move. Large bf16 calls take
+:mod:`addnorm.ops.cpu.bf16_pairs` instead (the launch chooses): the same forward, two bf16 values per 32-bit word,
+the same bits.
 
 Statistics are the unfused kernels' :func:`~addnorm.ops.cpu.stats.guarded_row_stats` for both norms, so a row
 gets the unfused kernels' bits, and a row beyond the plain statistics' range the finite-range guard's scaled pass
