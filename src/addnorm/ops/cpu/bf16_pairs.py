@@ -158,12 +158,14 @@ def _address(typingctx, arr):
 
 
 @njit(inline="always")
-def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast):
+def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub):
     # _norm_add_loop of norm_add_kernels, two values a word: the same operations in the same order
     for k in range(k0, k1):
         wy, wr = y[k], r[k]
-        a = (_lo(wy) - mean) * rstd
-        b = (_hi(wy) - mean) * rstd
+        if sub:
+            a, b = (_lo(wy) - mean) * rstd, (_hi(wy) - mean) * rstd
+        else:  # RMSNorm: mean is +0.0 and v - 0.0 is v, bit for bit (-0.0 included; a NaN stays a NaN)
+            a, b = _lo(wy) * rstd, _hi(wy) * rstd
         if cast:
             a, b = _via_bf16(a), _via_bf16(b)
         if has_w:
@@ -174,12 +176,14 @@ def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, c
 
 
 @njit(inline="always")
-def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast):
+def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub):
     # kernels._normalize_loop, two values a word
     for k in range(k0, k1):
         wh = h[k]
-        a = (_lo(wh) - mean) * rstd
-        b = (_hi(wh) - mean) * rstd
+        if sub:
+            a, b = (_lo(wh) - mean) * rstd, (_hi(wh) - mean) * rstd
+        else:
+            a, b = _lo(wh) * rstd, _hi(wh) * rstd
         if cast:
             a, b = _via_bf16(a), _via_bf16(b)
         if has_w:
@@ -190,55 +194,64 @@ def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cas
 
 
 @njit(inline="always")
-def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb):
+def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb):
     # blocks of one cache line per row, each followed by one prefetch of the rows ahead (Pa[pa..], Pb[pb..]); the
     # block loop has a constant trip count with the flags constant: LLVM vectorizes it whole
     nb = npairs // _BLOCK
     for q in range(nb):
         k0 = q * _BLOCK
         if add:
-            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast)
+            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub)
         else:
-            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast)
+            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub)
         _prefetch(Pa, pa + 2 * k0)
         _prefetch(Pb, pb + 2 * k0)
     if add:
-        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast)
+        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub)
     else:
-        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast)
+        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub)
 
 
 @njit(inline="always")
-def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb):
-    # the flags as constants in each branch (a cast without weight or bias rounds twice: a no-op)
+def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb):
+    # the flags as constants in each branch (a cast without weight or bias rounds twice: a no-op). sub False
+    # (RMSNorm, mean +0.0) skips the subtraction: compiled for the bias-free cases only (RMSNorm's), to keep the
+    # variants few
     if has_w and has_b:
         if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, True, add, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, True, add, Pa, pa, Pb, pb)
     elif has_w:
         if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, add, Pa, pa, Pb, pb)
+            if sub:
+                _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, True, add, Pa, pa, Pb, pb)
+            else:
+                _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, False, add, Pa, pa, Pb, pb)
+        elif sub:
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, True, add, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, False, add, Pa, pa, Pb, pb)
     elif has_b:
         if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, True, add, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, True, add, Pa, pa, Pb, pb)
+    elif sub:
+        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, True, add, Pa, pa, Pb, pb)
     else:
-        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, add, Pa, pa, Pb, pb)
+        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, False, add, Pa, pa, Pb, pb)
 
 
 @njit(**JIT)
-def _pairs(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, in_place, Pa, pa, Pb, pb):
+def _pairs(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, in_place, Pa, pa, Pb, pb):
     """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
-    (out = N2(x), r unused). in_place: out is r, passed on as one array (two arrays at one address, LLVM's
-    overlap test fails and it runs the scalar loop: 5x slower)."""
+    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). in_place: out is r, passed on as one array
+    (two arrays at one address, LLVM's overlap test fails and it runs the scalar loop: 5x slower)."""
     if in_place:
-        _unswitched(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb)
+        _unswitched(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb)
     else:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, add, Pa, pa, Pb, pb)
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,6 +292,11 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
     if ahead >= m:
         ahead = np.int64(i)
     py, pr = ahead * sy, ahead * sr
+    # with N2, the rows ahead are prefetched half in each pass (y's in the norm-add pass, the residual's in N2's),
+    # spread over the whole row rather than all in the first pass; the second prefetch of a pass then asks for a
+    # line the first just asked for (one instruction a cache line)
+    pb = py if has_norm2 else pr
+    Pb = Y if has_norm2 else R
     mean1, rstd1, k1, mean_s1, r1 = guarded_row_stats(y, n, is_rms1, eps1, zero)
     Stats[i], Stats[m + i] = mean1, rstd1
     hd = _head(y)
@@ -298,7 +316,28 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
         Ba, Bb = _split(D, 1, L, hd, npairs)
         y32, r32 = _words(y, hd, npairs), _words(r, hd, npairs)
         h32 = r32 if in_place else _words(h, hd, npairs)
-        _pairs(y32, r32, h32, Wa, Wb, Ba, Bb, npairs, mean1, rstd1, has_w1, has_b1, cast1, True, in_place, Y, py, R, pr)
+        _pairs(
+            y32,
+            r32,
+            h32,
+            Wa,
+            Wb,
+            Ba,
+            Bb,
+            npairs,
+            mean1,
+            rstd1,
+            has_w1,
+            has_b1,
+            cast1,
+            not is_rms1,
+            True,
+            in_place,
+            Y,
+            py,
+            Pb,
+            pb,
+        )
         if e < n:
             _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
@@ -319,7 +358,26 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
             Ba, Bb = _split(D, 3, L, hd, npairs)
             h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
             _pairs(
-                h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2, cast2, False, False, Y, py, R, pr
+                h32,
+                h32,
+                o32,
+                Wa,
+                Wb,
+                Ba,
+                Bb,
+                npairs,
+                mean2,
+                rstd2,
+                has_w2,
+                has_b2,
+                cast2,
+                not is_rms2,
+                False,
+                False,
+                R,
+                pr,
+                R,
+                pr,
             )
             if e < n:
                 normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
