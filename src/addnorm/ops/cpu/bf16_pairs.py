@@ -317,27 +317,9 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
         y32, r32 = _words(y, hd, npairs), _words(r, hd, npairs)
         h32 = r32 if in_place else _words(h, hd, npairs)
         _pairs(
-            y32,
-            r32,
-            h32,
-            Wa,
-            Wb,
-            Ba,
-            Bb,
-            npairs,
-            mean1,
-            rstd1,
-            has_w1,
-            has_b1,
-            cast1,
-            not is_rms1,
-            True,
-            in_place,
-            Y,
-            py,
-            Pb,
-            pb,
-        )
+            y32, r32, h32, Wa, Wb, Ba, Bb, npairs, mean1, rstd1, has_w1, has_b1,
+            cast1, not is_rms1, True, in_place, Y, py, Pb, pb,
+        )  # fmt: skip
         if e < n:
             _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
@@ -358,27 +340,9 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
             Ba, Bb = _split(D, 3, L, hd, npairs)
             h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
             _pairs(
-                h32,
-                h32,
-                o32,
-                Wa,
-                Wb,
-                Ba,
-                Bb,
-                npairs,
-                mean2,
-                rstd2,
-                has_w2,
-                has_b2,
-                cast2,
-                not is_rms2,
-                False,
-                False,
-                R,
-                pr,
-                R,
-                pr,
-            )
+                h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2,
+                cast2, not is_rms2, False, False, R, pr, R, pr,
+            )  # fmt: skip
             if e < n:
                 normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
