@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("core", "all"),
         default="core",
         help="core (the default): the core suite, 6 min with --jobs 2 on an idle 2-core machine; all: every "
-        "experiment, the extended suite included, about 8 min there (docs/lab.md); --list shows each experiment's "
+        "experiment, the extended suite included, 8-13 min there (docs/lab.md); --list shows each experiment's "
         "suite",
     )
     p.add_argument(
