@@ -35,14 +35,16 @@ MACHINE_NOTE = (
     "Each machine repeats its own numbers exactly (same code, seed and torch version), but high-LR training runs "
     "can differ in their last digits across machines: CPUs and library builds order floating-point reductions "
     "differently, and a high learning rate amplifies those differences. The verdicts rest on several seeds so that "
-    "they do not hang on those digits."
+    "they do not hang on those digits. The Machine line names the CPU's family, model and stepping and the "
+    "instruction set PyTorch's CPU kernels ran (AVX2, AVX512): a machine that differs in them may differ in those "
+    "digits."
 )
 
 
 def _machine(meta: dict[str, Any]) -> str:
     cpu = meta.get("cpu") or meta.get("platform") or "unknown CPU"
-    cores = meta.get("cpu_count")
-    return f"{cpu}" + (f", {cores} cores" if cores else "")
+    cores, kernels = meta.get("cpu_count"), meta.get("cpu_kernels")
+    return f"{cpu}" + (f", {cores} cores" if cores else "") + (f", PyTorch's CPU kernels {kernels}" if kernels else "")
 
 
 def _wall(meta: dict[str, Any], total: int) -> str:

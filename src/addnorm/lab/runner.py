@@ -46,6 +46,7 @@ from addnorm.lab import cache
 from addnorm.lab.core import ENGINES, EXPERIMENTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, default_jobs, init_group
 from addnorm.lab.interrupt import sigterm_interrupts
+from addnorm.lab.machine import run_meta
 from addnorm.lab.outdir import out_lock, prepare_out_dir
 from addnorm.lab.registry import record_fields
 from addnorm.lab.stages import run_stages
@@ -292,47 +293,6 @@ def _checked_run(exp: Experiment, d: Path, ctx: Context) -> Result:
         raise TypeError(f"experiment {exp.name!r}: Result.metrics and Result.timings must be dicts")
     json.dumps([result.metrics, result.timings, result.evidence], default=_json_default)  # fail here, not in the report
     return result
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo, else what platform knows)."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")) and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def run_meta(options: RunOptions, device: torch.device, *, jobs: int = 1, world_size: int = 1) -> dict[str, Any]:
-    import datetime
-    import platform
-
-    import addnorm
-
-    return {
-        "addnorm": addnorm.__version__,
-        "code": cache.package_digest(),  # which sources produced the results (merge refuses to mix two)
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "quick": options.quick,
-        "seed": options.seed,
-        "device": str(device),
-        "torch_threads": torch.get_num_threads(),
-        "jobs": jobs,
-        "world_size": world_size,
-        "shard": f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
-        "only": list(options.only) if options.only else None,
-        "suite": options.suite,
-        "engine": options.engine,
-    }
 
 
 def run(options: RunOptions, registry: dict[str, Experiment] | None = None) -> RunSummary:
