@@ -475,6 +475,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "bwd_rows_kernel",
         "bwd_row_sums_kernel",
         "bwd_tiles_kernel",
+        "bwd_fixup_kernel",  # the backward's guard (guard_bwd), after every backward
         # the wide rows' team kernels (opt-in) and their two-kernel fallback: compiled mode differs from the
         # interpreter the other tests run them in (the team kernel's spin-wait, the loop-carried row counter)
         "fwd_team_kernel",
@@ -488,6 +489,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         # the fused norm-then-add kernels (NORM_ADD_SHAPES)
         "norm_add_fwd_kernel",
         "norm_add_bwd_kernel",
+        "norm_add_fixup_kernel",  # its backward's guard (norm_add_guard)
     }
     # the team kernels hold a row's chunk in registers across the team's meeting: no spill at all, and the grid
     # sized from programs/SM must have room for a team

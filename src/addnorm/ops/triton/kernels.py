@@ -238,6 +238,7 @@ def bwd_rows_kernel(
     DRes,  # (M, N) gradient of residual, contiguous (when STORE_DRES)
     DWPart,  # (programs, N) partial sums of dout * xhat, accumulation dtype
     DBPart,  # (programs, N) partial sums of dout
+    Flag,  # (M,) out: the row sum sum(g * xhat) (RMSNorm), else c1 * 0 + c2 * 0: inf or NaN for guard_bwd to redo
     stride_dout,
     stride_dres_out,
     stride_h,
@@ -303,10 +304,15 @@ def bwd_rows_kernel(
         if HAS_DB:
             db_acc += dy
         c1 = tl.sum(g * xhat, axis=1)[:, None] / N
+        # the row sums for the backward's guard (guard_bwd: a row whose g or sums overflowed is redone after this
+        # kernel; one store here instead of a test in this loop, which cost it registers), from the (rows, 1) layout
+        # they are in: a store of the (rows,) sums costs a layout conversion, 22 registers at N = 300
         if IS_RMS:
+            flag = c1
             dh = (g - xhat * c1) * rstd
         else:
             c2 = tl.sum(g, axis=1)[:, None] / N
+            flag = c1 * 0.0 + c2 * 0.0
             dh = (g - c2 - xhat * c1) * rstd
         if rescale:
             dh = dh * sc  # the true size last: inf only where dh is beyond range, never inf * 0
@@ -321,6 +327,7 @@ def bwd_rows_kernel(
                 dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET
             )
         tl.store(DX + rows64 * N + cols[None, :], round_to(dh, DX.dtype.element_ty), mask=mask)
+        tl.store(Flag + rows64, flag, mask=row_ok[:, None])
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if HAS_DB:
