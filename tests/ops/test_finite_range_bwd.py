@@ -220,3 +220,29 @@ def test_fused_ordinary_rows_keep_their_bits_and_an_inf_in_dout2_propagates(back
     dy = grads(slice(None), do2)[0]
     assert not torch.isfinite(dy[3]).all(), "an inf in dout2 no longer reaches dy"
     assert torch.isfinite(dy[:2]).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("path", ["dresidual", "dropout"])
+def test_rescue_with_dresidual_and_with_dropout(backend, path):
+    """The two other places a rescued row is found and written: with a residual that needs a gradient (dresidual
+    stored, the same gradient as dx), and with dropout and no residual (dx is dropout's: its first column may be a
+    dropped 0, so the triton fix-up reads the whole row)."""
+    _skip_unavailable(backend)
+    x, w, dout = _inputs(torch.float32, True)
+    (hd, _, _), want = _oracle(x, w, None, eps=1e-5, is_rms=True)
+    want.backward(dout.double())
+    xg = x.clone().requires_grad_(True)
+    if path == "dresidual":
+        rg = torch.zeros_like(x).requires_grad_(True)  # h = x exactly: dresidual = dx = the gradient of h
+        add_rms_norm(xg, rg, w, 1e-5, backend=backend)[0].backward(dout)
+        for got, what in ((xg.grad, "dx"), (rg.grad, "dresidual")):
+            assert_close64(got, hd.grad, torch.float32, f"{backend} {what}", scale=hd.grad.abs().amax(-1, keepdim=True))
+        return
+    add_rms_norm(xg, None, w, 1e-5, dropout_p=0.5, backend=backend)[0].backward(dout)
+    kept = xg.grad != 0
+    assert kept[:3].any(-1).all() and kept[4].any()
+    # h = dropout(x) * 2 differs from x, so compare with the float64 gradient of the h this call normalized: the
+    # kept columns' gradient is 2 * dh there; here only: finite where float64 is, rows 0-2 and 4
+    rows = [0, 1, 2, 4]
+    assert torch.isfinite(xg.grad[rows]).all(), "a rescued row's dx is not finite after dropout"

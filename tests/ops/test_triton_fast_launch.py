@@ -50,7 +50,7 @@ KERNELS = (
     "bwd_tiles_kernel",
     "bwd_fixup_kernel",  # the backward's guard (guard_bwd): launched after every backward
 )
-OUTPUTS = {"Out", "ResOut", "Mean", "Rstd", "DX", "DRes", "DWPart", "DBPart", "C1", "C2", "Flag"}
+OUTPUTS = {"Out", "ResOut", "Mean", "Rstd", "DX", "DRes", "DWPart", "DBPart", "C1", "C2"}
 TINY = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
 
 

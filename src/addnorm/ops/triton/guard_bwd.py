@@ -2,20 +2,24 @@
 
 A row whose statistics are ordinary can still overflow fp32 in its backward: g = dout * w beyond fp32 (dout ~1e30,
 w ~1e10), or the row sums sum(g), sum(g * xhat) beyond it (dout ~1e37 over a row), while dout, h and w are finite and
-dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) is finite because rstd is small. Such a row shows as a row sum
-that is inf or NaN. The backward kernels do not test for it in their hot loops (each way tried there cost them
-registers, ptxas spilling at N = 16384: tools/sm90_static.py); they leave the row sums where this kernel reads them,
-one value per row (``Flag``: the sums themselves, or ``c1 * 0 + c2 * 0``: NaN exactly when one is not finite), and
-``bwd_fixup_kernel``, launched after them on the same stream (no host sync), redoes the flagged rows:
+dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) is finite because rstd is small. The backward kernels do not test
+for it (each test tried in their hot loops, even one store of the row sums, cost them registers, and ptxas spilled:
+tools/sm90_static.py); they are unchanged. A row sum that is inf or NaN makes every column of dh inf or NaN
+(g - c2 - xhat * c1 with c1 or c2 not finite; xhat = 0 gives 0 * inf = NaN), so ``bwd_fixup_kernel``, launched after
+them on the same stream (no host sync), reads one value per row of what they wrote (dresidual, or dx when there is
+none; dx is dropout's, so without dresidual and with dropout the whole row is read) and redoes the rows where it is
+inf or NaN, tile by tile through memory:
 
     e     = E(max |dout|) + max(E(max |w|), 0)          (E: the binary exponent; clamped to the normal range)
     g'    = (dout * 2^-e) * w                           (exact: a power of two; |g'| < 4, the sums far from range)
     dh    = ((g' - mean(g') - xhat * mean(g' * xhat)) * rstd_s) * 2^(e + E(sc))     (the true size last)
 
 with xhat, rstd_s and sc as the kernels have them (sc = 1 but for a row the forward's guard rescaled: row_stats).
-The factor comes last, as two powers of two: dh beyond the dtype's range is inf, never NaN. A flagged row holding an
-inf or NaN in dout, h or w keeps the plain result (that inf propagates, as float64's would). Every other row returns
-after one load: its dx keeps its bits. dweight and dbias (sums of dout * xhat and dout, no w) need no redo.
+The factor comes last, as two powers of two: dh beyond the dtype's range is inf, never NaN. A row holding an inf or
+NaN in dout, h or w keeps the plain result (that inf propagates, as float64's would); a row whose dx is beyond range
+in its first column is redone too (the same infs, its finite values within a rounding of the plain ones). Every
+other row costs one load (FIXUP_ROWS rows a program) and keeps its bits. dweight and dbias (sums of dout * xhat and
+dout, no w) need no redo.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from addnorm.ops.contract import DROPOUT_SEED_OFFSET
 from addnorm.ops.triton.elementwise import dropout, load_weight, round_to
 from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, saved_rstd_fail, scaled_looped_bwd_stats_inline, tl
 
-__all__ = ["bwd_fixup_kernel", "fixup_meta", "flagged", "nonfinite", "scaled_dout_exponent", "size_factors"]
-
-
-@jit
-def flagged(f):
-    """Whether a row's flag (a row sum, or c1 * 0 + c2 * 0) is inf or NaN: f - f is NaN exactly then."""
-    return (f - f) != 0
+__all__ = [
+    "FIXUP_ROWS",
+    "bwd_fixup_kernel",
+    "fixup_meta",
+    "overflowed_rows",
+    "nonfinite",
+    "scaled_dout_exponent",
+    "size_factors",
+]
 
 
 @jit
@@ -64,23 +70,41 @@ def size_factors(t, acc_t: tl.constexpr):
 @jit
 def bwd_fixup_kernel(
     DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
-    Flag,  # (M,) acc: a row sum, or c1 * 0 + c2 * 0: not finite for a row to redo
-    Flag2,  # (M,) acc: a second row sum (when HAS_FLAG2)
     stride_dout, stride_dres_out, stride_h, M, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
     HAS_DRES_OUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, SEED_OFFSET: tl.constexpr, HAS_FLAG2: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, SEED_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program checks at once
 ):  # fmt: skip
-    # program: one row; the arguments are bwd_rows_kernel's (dx and dresidual, no dweight), then the flags
-    row = tl.program_id(0).to(tl.int64)
-    f = tl.load(Flag + row)
-    if HAS_FLAG2:
-        f += tl.load(Flag2 + row) * 0.0
-    if flagged(f):  # rare: every other row ends here
-        _redo_row(DOut + row * stride_dout, DResOut + row * stride_dres_out, H + row * stride_h, W, Mean + row,
-                  Rstd + row, DX + row * N, DRes + row * N, row * N, N, Seed, keep_threshold, scale_hi, scale_mid,
-                  scale_lo, HAS_DRES_OUT, HAS_WEIGHT, IS_RMS, ZERO_CENTERED, HAS_DROPOUT, STORE_DRES, SEED_OFFSET,
-                  BLOCK_N)  # fmt: skip
+    # program: BLOCK_M rows; the arguments are bwd_rows_kernel's but the dweight partials
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bad = overflowed_rows(DRes if STORE_DRES else DX, rows, M, N, HAS_DROPOUT and not STORE_DRES, BLOCK_M)
+    if tl.max(bad, axis=0) > 0:  # rare: a program without such a row ends here
+        for i in range(0, BLOCK_M):
+            if tl.max(tl.where(tl.arange(0, BLOCK_M) == i, bad, 0), axis=0) > 0:
+                row = tl.program_id(0).to(tl.int64) * BLOCK_M + i
+                _redo_row(DOut + row * stride_dout, DResOut + row * stride_dres_out, H + row * stride_h, W,
+                          Mean + row, Rstd + row, DX + row * N, DRes + row * N, row * N, N, Seed, keep_threshold,
+                          scale_hi, scale_mid, scale_lo, HAS_DRES_OUT, HAS_WEIGHT, IS_RMS, ZERO_CENTERED, HAS_DROPOUT,
+                          STORE_DRES, SEED_OFFSET, BLOCK_N)  # fmt: skip
+
+
+@jit
+def overflowed_rows(D, rows, M, N, WHOLE_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per row of ``rows`` (int32 0/1): whether the gradient the backward wrote at D (contiguous rows of N) is inf or
+    NaN in its first column, or anywhere in the row (WHOLE_ROW: dx after dropout, whose first column may be a
+    dropped 0). A row sum that is inf or NaN makes every column of dh so (the module docstring)."""
+    ok = rows < M
+    if WHOLE_ROW:
+        CHECK: tl.constexpr = 16
+        bad = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for start in range(0, N, CHECK):
+            cols = start + tl.arange(0, CHECK)
+            v = tl.load(D + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok[:, None] & (cols < N)[None, :])
+            bad = tl.maximum(bad, tl.max(nonfinite(v.to(tl.float32)), axis=1))
+    else:
+        bad = nonfinite(tl.load(D + rows.to(tl.int64) * N, mask=ok, other=0.0).to(tl.float32))
+    return bad
 
 
 @jit
@@ -154,11 +178,17 @@ def _redo_row(
 
 
 @functools.lru_cache(maxsize=256)  # one dict object per flag set: fast_launch keys its bound launches on it
-def fixup_meta(n, has_dres_out, has_weight, is_rms, zc, has_dropout, store_dres, has_flag2, fp_fusion) -> dict:
-    """bwd_fixup_kernel's constexprs and options: tiles of up to 1024 columns, 4 warps (it runs on rare rows only)."""
+def fixup_meta(n, has_dres_out, has_weight, is_rms, zc, has_dropout, store_dres, fp_fusion) -> dict:
+    """bwd_fixup_kernel's constexprs and options: tiles of up to 1024 columns, 4 warps (it redoes rare rows only),
+    FIXUP_ROWS rows a program (grid: ceil(M / FIXUP_ROWS))."""
     block_n = min(1024, max(16, 1 << max(0, (n - 1).bit_length())))
     return dict(
         HAS_DRES_OUT=has_dres_out, HAS_WEIGHT=has_weight, IS_RMS=is_rms, ZERO_CENTERED=zc, HAS_DROPOUT=has_dropout,
-        STORE_DRES=store_dres, SEED_OFFSET=DROPOUT_SEED_OFFSET, HAS_FLAG2=has_flag2, BLOCK_N=block_n, num_warps=4,
-        enable_fp_fusion=fp_fusion,
+        STORE_DRES=store_dres, SEED_OFFSET=DROPOUT_SEED_OFFSET, BLOCK_N=block_n,
+        BLOCK_M=FIXUP_ROWS, num_warps=4, enable_fp_fusion=fp_fusion,
     )  # fmt: skip
+
+
+# rows a fix-up program checks with one vector load: an ordinary backward of M rows costs ceil(M / 256) programs
+# that each load 256 values and end, not M programs
+FIXUP_ROWS = 256

@@ -19,6 +19,9 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
+Rows whose backward overflows fp32 although their statistics are ordinary (g = dout * w, or a row sum, beyond it)
+are redone after the backward kernels by :mod:`addnorm.ops.triton.guard_bwd` (the kernels here do not change).
+
 Rows whose plain statistics leave the accumulation type's range (sum(h^2) overflowing, or underflowing where eps
 does not dominate) are redone with h scaled by a power of two: the guard and the scaled pass are
 :mod:`addnorm.ops.triton.row_stats`, whose docstring also says what the saved mean and rstd hold for such rows.
@@ -238,7 +241,6 @@ def bwd_rows_kernel(
     DRes,  # (M, N) gradient of residual, contiguous (when STORE_DRES)
     DWPart,  # (programs, N) partial sums of dout * xhat, accumulation dtype
     DBPart,  # (programs, N) partial sums of dout
-    Flag,  # (M,) out: the row sum sum(g * xhat) (RMSNorm), else c1 * 0 + c2 * 0: inf or NaN for guard_bwd to redo
     stride_dout,
     stride_dres_out,
     stride_h,
@@ -304,15 +306,10 @@ def bwd_rows_kernel(
         if HAS_DB:
             db_acc += dy
         c1 = tl.sum(g * xhat, axis=1)[:, None] / N
-        # the row sums for the backward's guard (guard_bwd: a row whose g or sums overflowed is redone after this
-        # kernel; one store here instead of a test in this loop, which cost it registers), from the (rows, 1) layout
-        # they are in: a store of the (rows,) sums costs a layout conversion, 22 registers at N = 300
         if IS_RMS:
-            flag = c1
             dh = (g - xhat * c1) * rstd
         else:
             c2 = tl.sum(g, axis=1)[:, None] / N
-            flag = c1 * 0.0 + c2 * 0.0
             dh = (g - c2 - xhat * c1) * rstd
         if rescale:
             dh = dh * sc  # the true size last: inf only where dh is beyond range, never inf * 0
@@ -327,7 +324,6 @@ def bwd_rows_kernel(
                 dh, rows64 * N + cols[None, :], Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET
             )
         tl.store(DX + rows64 * N + cols[None, :], round_to(dh, DX.dtype.element_ty), mask=mask)
-        tl.store(Flag + rows64, flag, mask=row_ok[:, None])
     if HAS_WEIGHT:
         tl.store(DWPart + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if HAS_DB:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from addnorm.ops.contract import dropout_threshold, stats_dtype
 from addnorm.ops.triton import fast_launch, plan, team_launch
-from addnorm.ops.triton.guard_bwd import bwd_fixup_kernel, fixup_meta
+from addnorm.ops.triton.guard_bwd import FIXUP_ROWS, bwd_fixup_kernel, fixup_meta
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     bwd_row_sums_kernel,
     bwd_rows_kernel,
@@ -206,41 +206,38 @@ def _bwd_launch(
         )
         tensors = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
         strides = (dout.stride(0), _row_stride(dres_out), h.stride(0))
-        flag = flag2 = torch.empty(m, dtype=acc, device=h.device)
-        two_flags = False
         dw_part, db_part = team_launch.bwd_launch(
-            config, tensors, strides, drop, m, n, h.device, acc, flag, interpreted() or traceable, _launcher(traceable)
+            config, tensors, strides, drop, m, n, h.device, acc, interpreted() or traceable, _launcher(traceable)
         )
     else:
-        dw_part, db_part, flag, flag2, two_flags = _bwd_rows_or_looped(
+        dw_part, db_part = _bwd_rows_or_looped(
             key, traceable, m, n, acc, dout, dres_out, dres_out_, h, weight_, mean_, rstd, dx, dres_, is_rms, drop
         )
     # the backward's guard (guard_bwd): rows whose g or row sums overflowed, redone after the kernels above
-    fix = fixup_meta(n, *key[3:5], is_rms, zc, dropout_p > 0, dres is not None, two_flags, plan.FP_FUSION)
+    fix = fixup_meta(n, *key[3:5], is_rms, zc, dropout_p > 0, dres is not None, plan.FP_FUSION)
     if traceable and weight is not None:
         # torch.compile: where Triton's mutation analysis fails (no GPU driver) every argument counts as written,
         # and a weight "written" by two backward kernels in a row is a forward input mutated in the backward, which
         # AOTAutograd's partitioner refuses; a copy (N elements) keeps the fixup's off the weight
         weight_ = weight_.clone()
-    args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, flag, flag2)
+    args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
     args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
-    _launch(bwd_fixup_kernel, (m,), args, fix, traceable)
+    _launch(bwd_fixup_kernel, (-(-m // FIXUP_ROWS),), args, fix, traceable)
     return dw_part, db_part
 
 
 def _bwd_rows_or_looped(key, traceable, m, n, acc, dout, dres_out, dres_out_, h, weight_, mean_, rstd, dx, dres_,
                         is_rms, drop):  # fmt: skip
-    """The rows kernel, or the row sums then the tiles: (dw_part, db_part, flag, flag2, two flags)."""
+    """The rows kernel, or the row sums then the tiles: (dw_part, db_part)."""
     chosen = plan.bwd_config(*key) if traceable else plan.cached_config(plan.bwd_config, ("bwd", *key))
     if chosen[0]:
         _, programs, meta = chosen
         dw_part = torch.empty((programs, n), dtype=acc, device=h.device)  # every program writes its whole row
         db_part = torch.empty((programs, n), dtype=acc, device=h.device)
-        flag = torch.empty(m, dtype=acc, device=h.device)
-        args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part, flag)
+        args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part)
         args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
         _launch(bwd_rows_kernel, (programs,), args, meta, traceable)
-        return dw_part, db_part, flag, flag, False
+        return dw_part, db_part
     _, tiles, groups, sums, meta = chosen
     c1 = torch.empty(m, dtype=acc, device=h.device)
     c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
@@ -267,7 +264,7 @@ def _bwd_rows_or_looped(key, traceable, m, n, acc, dout, dres_out, dres_out_, h,
     args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, dw_part, db_part)
     args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
     _launch(bwd_tiles_kernel, (tiles, groups), args, meta, traceable)
-    return dw_part, db_part, c1, c2, not is_rms  # bwd_row_sums_kernel's row sums are the flags
+    return dw_part, db_part
 
 
 # --------------------------------------------------------------------------------------------------------------

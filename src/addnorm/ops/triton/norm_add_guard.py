@@ -1,24 +1,25 @@
 """The backward's own finite-range guard for the fused norm-then-add kernels (:mod:`addnorm.ops.triton.guard_bwd`
 states the rule; the cpu backend's is in :mod:`addnorm.ops.cpu.norm_add_kernels`).
 
-``norm_add_bwd_kernel`` stores per row, for each norm, ``c1 * 0 + c2 * 0`` of its row sums (NaN exactly when one of
-them is inf or NaN: g = dout * w or a sum overflowed) into ``Flags`` (2, M): N1's, then N2's. ``norm_add_fixup_kernel``
-runs after it on the same stream, one program per program of the backward and over the same rows. A flagged row
-whose inputs (dh, dout2, h, w2, y, w1) are all finite is redone tile by tile through memory:
+``norm_add_bwd_kernel`` is unchanged. ``norm_add_fixup_kernel`` runs after it on the same stream, one program per
+program of the backward and over the same rows, and reads the first column of dy per row: a row sum of N1 that is
+inf or NaN (g1 = t * w1 or a sum overflowed, or N2's did and t is NaN) makes every column of dy so. Such a row whose
+inputs (dh, dout2, h, w2, y, w1) are all finite is redone tile by tile through memory:
 
     t  = dh + N2's gradient of h, with dout2 scaled by 2^-e2       (t: the gradient reaching h, dresidual)
     dy = N1's gradient of y, with t scaled by 2^-e1                 (each factor back last, guard_bwd's rule)
 
-A row whose N2 overflowed had a NaN t in the backward, so its program's dw1 and db1 partial sums (of t * xhat1 and t)
-are NaN too: that program sums them again, over all its rows, from the recomputed t (a different order than the
-backward's: those sums were not finite, so no bits of a finite result change). dw2 and db2 (sums of dout2 * xhat2 and
-dout2, no w2) are not touched. Every other program ends after reading its rows' flags.
+A row whose N2 overflowed (its dresidual t is not finite either; without dresidual, any redone row of the chain) had a
+NaN t in the backward, so its program's dw1 and db1 partial sums (of t * xhat1 and t) are NaN too: that program sums
+them again, over all its rows, from the recomputed t (a different order than the backward's: those sums were not
+finite). dw2 and db2 (sums of dout2 * xhat2 and dout2, no w2) are not touched. Every other program ends after one
+load per row block.
 """
 
 from __future__ import annotations
 
 from addnorm.ops.triton.elementwise import dweight_term, load_weight, round_to
-from addnorm.ops.triton.guard_bwd import flagged, nonfinite, scaled_dout_exponent, size_factors
+from addnorm.ops.triton.guard_bwd import nonfinite, overflowed_rows, scaled_dout_exponent, size_factors
 from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, saved_rstd_fail, scaled_looped_bwd_stats_inline, tl
 
 __all__ = ["norm_add_fixup_kernel"]
@@ -106,8 +107,7 @@ def _t_tile(DH, DO2, H, W2, cols, ok, mean, rstd, sc, down, c1, c2, up1, up2, ac
 
 @jit
 def norm_add_fixup_kernel(
-    DH, DO2, Y, H, W1, W2, Stats, DY, DRes, Part,
-    Flags,  # (2, M) acc: N1's and N2's c1 * 0 + c2 * 0 per row, from norm_add_bwd_kernel
+    DH, DO2, Y, H, W1, W2, Stats, DY, DRes, Part,  # norm_add_bwd_kernel's arguments, its outputs written
     stride_dh, stride_do2, stride_y, stride_h, M, N,
     HAS_DH: tl.constexpr, HAS_DO2: tl.constexpr, STORE_DRES: tl.constexpr, IS_RMS1: tl.constexpr,
     HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, ZC1: tl.constexpr, CAST1: tl.constexpr, IS_RMS2: tl.constexpr,
@@ -120,21 +120,20 @@ def norm_add_fixup_kernel(
     programs = tl.num_programs(0)
     n2_flagged = 0
     for row_start in range(pid * BLOCK_M, M, programs * BLOCK_M):
-        for i in range(0, BLOCK_M):
-            r = row_start + i
-            if r < M:
-                row = tl.cast(r, tl.int64)
-                f1 = tl.load(Flags + row)
-                f2 = f1 * 0.0
-                if HAS_DO2:
-                    f2 = tl.load(Flags + M + row)
-                if flagged(f1 + f2 * 0.0):  # rare: other rows end here
-                    _redo_row(DH + row * stride_dh, DO2 + row * stride_do2, Y + row * stride_y, H + row * stride_h,
-                              W1, W2, Stats, row, DY + row * N, DRes + row * N, M, N, acc_t, HAS_DH, HAS_DO2,
-                              STORE_DRES, IS_RMS1, HAS_W1, ZC1, IS_RMS2, HAS_W2, ZC2, TILE)  # fmt: skip
-                    if HAS_DO2:
-                        if flagged(f2):
-                            n2_flagged = 1
+        rows = row_start + tl.arange(0, BLOCK_M)
+        bad = overflowed_rows(DY, rows, M, N, False, BLOCK_M)
+        if tl.max(bad, axis=0) > 0:  # rare: a block of ordinary rows costs one load here
+            if HAS_DO2:
+                # N2's sums overflowed where t (dresidual, read before the redo rewrites it) is not finite too;
+                # without dresidual, any redone row counts
+                bad2 = bad
+                if STORE_DRES:
+                    bad2 = bad * overflowed_rows(DRes, rows, M, N, False, BLOCK_M)
+                n2_flagged = tl.maximum(n2_flagged, tl.max(bad2, axis=0))
+            _redo_block(DH, DO2, Y, H, W1, W2, Stats, DY, DRes, bad, stride_dh, stride_do2, stride_y, stride_h,
+                        row_start, M, N, acc_t, HAS_DH, HAS_DO2, STORE_DRES, IS_RMS1, HAS_W1, ZC1, IS_RMS2, HAS_W2,
+                        ZC2, BLOCK_M, TILE)  # fmt: skip
+
     if (HAS_W1 or HAS_B1) and n2_flagged > 0:  # this program's dw1 and db1 sums saw a NaN t: summed again
         for start in range(0, N, TILE):
             cols = start + tl.arange(0, TILE)
@@ -150,6 +149,22 @@ def norm_add_fixup_kernel(
                              W2, Stats, row, Part + (0 * programs + pid) * N, Part + (1 * programs + pid) * N, M, N,
                              acc_t, HAS_DH, HAS_DO2, IS_RMS1, HAS_W1, HAS_B1, CAST1, IS_RMS2, HAS_W2, ZC2,
                              TILE)  # fmt: skip
+
+
+@jit
+def _redo_block(DH, DO2, Y, H, W1, W2, Stats, DY, DRes, bad, stride_dh, stride_do2, stride_y, stride_h, row_start,
+                M, N, acc_t: tl.constexpr, HAS_DH: tl.constexpr, HAS_DO2: tl.constexpr, STORE_DRES: tl.constexpr,
+                IS_RMS1: tl.constexpr, HAS_W1: tl.constexpr, ZC1: tl.constexpr, IS_RMS2: tl.constexpr,
+                HAS_W2: tl.constexpr, ZC2: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """The rows ``bad`` of the block of BLOCK_M rows at row_start, one by one."""
+    for i in range(0, BLOCK_M):
+        r = row_start + i
+        if r < M:
+            row = tl.cast(r, tl.int64)
+            if tl.max(tl.where(tl.arange(0, BLOCK_M) == i, bad, 0), axis=0) > 0:
+                _redo_row(DH + row * stride_dh, DO2 + row * stride_do2, Y + row * stride_y, H + row * stride_h, W1,
+                          W2, Stats, row, DY + row * N, DRes + row * N, M, N, acc_t, HAS_DH, HAS_DO2, STORE_DRES,
+                          IS_RMS1, HAS_W1, ZC1, IS_RMS2, HAS_W2, ZC2, TILE)  # fmt: skip
 
 
 @jit

@@ -129,10 +129,9 @@ def _norm_grad(
     ZC: tl.constexpr,
     IS_RMS: tl.constexpr,
 ):
-    """(d input, xhat, flag) of one norm's backward for a block of rows: rstd * (g - mean(g) - xhat * mean(g * xhat)).
+    """(d input, xhat) of one norm's backward for a block of rows: rstd * (g - mean(g) - xhat * mean(g * xhat)).
     A row the forward's guard rescaled (its saved rstd out of range) takes the guard's scaled pass: xhat and rstd
-    in the scaled units, times the scale last (addnorm.ops.triton.row_stats). flag: c1 * 0 + c2 * 0 per row, NaN
-    where g or a row sum overflowed (norm_add_guard redoes such rows after the kernel)."""
+    in the scaled units, times the scale last (addnorm.ops.triton.row_stats)."""
     bad = saved_rstd_fail(rstd) & row_ok
     rescale = tl.max(bad.to(tl.int32), axis=0) > 0
     sc = tl.zeros_like(rstd) + 1.0
@@ -144,18 +143,14 @@ def _norm_grad(
         g = dout * load_weight(W, cols, col_ok, acc_t, ZC)[None, :]
     else:
         g = dout
-    s1 = tl.sum(g * xhat, axis=1)
-    c1 = s1[:, None] / N
+    c1 = tl.sum(g * xhat, axis=1)[:, None] / N
     if IS_RMS:
-        flag = s1 * 0.0
         dx = (g - xhat * c1) * rstd[:, None]
     else:
-        s2 = tl.sum(g, axis=1)
-        flag = s1 * 0.0 + s2 * 0.0
-        dx = (g - s2[:, None] / N - xhat * c1) * rstd[:, None]
+        dx = (g - tl.sum(g, axis=1)[:, None] / N - xhat * c1) * rstd[:, None]
     if rescale:
         dx = dx * sc[:, None]  # the true size last: inf only where dx is beyond range, never inf * 0
-    return dx, xhat, flag
+    return dx, xhat
 
 
 @jit
@@ -170,7 +165,6 @@ def norm_add_bwd_kernel(
     DY,  # (M, N) gradient of y, contiguous
     DRes,  # (M, N) gradient of the residual, contiguous (when STORE_DRES)
     Part,  # (4, programs, N) partial sums of dw1, db1, dw2, db2 in the accumulation dtype
-    Flags,  # (2, M) out: N1's and N2's c1 * 0 + c2 * 0 per row (norm_add_guard: NaN for a row to redo)
     stride_dh,
     stride_do2,
     stride_y,
@@ -214,9 +208,7 @@ def norm_add_bwd_kernel(
             h = tl.load(H + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(acc_t)
             mean2 = tl.load(Stats + 2 * M + rows, mask=row_ok, other=0.0)
             rstd2 = tl.load(Stats + 3 * M + rows, mask=row_ok, other=1.0)  # 1: no NaN from masked rows
-            t, xhat2, f2 = _norm_grad(do2, h, W2, cols, col_ok, mean2, rstd2, mask, row_ok, N, acc_t, HAS_W2, ZC2,
-                                      IS_RMS2)  # fmt: skip
-            tl.store(Flags + M + rows, f2, mask=row_ok)
+            t, xhat2 = _norm_grad(do2, h, W2, cols, col_ok, mean2, rstd2, mask, row_ok, N, acc_t, HAS_W2, ZC2, IS_RMS2)
             if HAS_W2:
                 dw2 += dweight_term(do2, xhat2, CAST2, DO2.dtype.element_ty)  # dout2 is in out2's (h's) dtype
             if HAS_B2:
@@ -226,8 +218,7 @@ def norm_add_bwd_kernel(
         y = tl.load(Y + rows64 * stride_y + cols[None, :], mask=mask, other=0.0).to(acc_t)
         mean1 = tl.load(Stats + rows, mask=row_ok, other=0.0)
         rstd1 = tl.load(Stats + M + rows, mask=row_ok, other=1.0)  # 1: no NaN from masked rows
-        dy, xhat1, f1 = _norm_grad(t, y, W1, cols, col_ok, mean1, rstd1, mask, row_ok, N, acc_t, HAS_W1, ZC1, IS_RMS1)
-        tl.store(Flags + rows, f1, mask=row_ok)
+        dy, xhat1 = _norm_grad(t, y, W1, cols, col_ok, mean1, rstd1, mask, row_ok, N, acc_t, HAS_W1, ZC1, IS_RMS1)
         if HAS_W1:
             dw1 += dweight_term(t, xhat1, CAST1, Y.dtype.element_ty)  # the forward rounded xhat1 to y's dtype
         if HAS_B1:

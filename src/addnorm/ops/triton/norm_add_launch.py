@@ -98,11 +98,10 @@ def backward(dh, dout2, y, h, w1, w2, stats, *, b1_dtype, b2_dtype, residual_dty
     has_b2 = has_norm2 and b2_dtype is not None
     const = _const(opts, w1, b1_dtype, w2 if has_norm2 else None, b2_dtype if has_norm2 else None)
     if m > 0:
-        flags = torch.empty((2, m), dtype=stats.dtype, device=y.device)
         tensors = (
             dh if dh is not None else y, dout2 if has_do2 else y, y, h if has_do2 else y,
             w1 if w1 is not None else stats, w2 if w2 is not None else stats, stats, dy,
-            dres if dres is not None else dy, part, flags,
+            dres if dres is not None else dy, part,
             dh.stride(0) if dh is not None else 0, dout2.stride(0) if has_do2 else 0, y.stride(0),
             h.stride(0) if has_do2 else 0, m, n,
         )  # fmt: skip

@@ -375,7 +375,6 @@ def fwd_finish_kernel(
 def bwd_team_kernel(
     DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
     DWPart, DBPart,  # (teams, N) acc: each team's partial sums of dout * xhat and dout
-    Flag,  # (M,) out: c1 * 0 + c2 * 0, inf or NaN for a row whose g or sums overflowed (addnorm.ops.triton.guard_bwd)
     stride_dout, stride_dres_out, stride_h, M, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
     WS,  # (teams, 2, K, 2) acc
     Flags,  # (teams, 2) int32, zeroed
@@ -408,7 +407,6 @@ def bwd_team_kernel(
         _bwd_publish(WS, slot * 2 * K, k, g, xhat, IS_RMS)
         _team_meet(Flags, slot, K * (i // 2 + 1))
         c1, c2 = _bwd_combine(WS, slot * 2 * K, N, K, IS_RMS, True)
-        tl.store(Flag + row, c1 * 0.0 + c2 * 0.0)  # every program of the team: the same value
         _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, sc, c1, c2, stride_dres_out, N, Seed,
                     keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
                     STORE_DRES, SEED_OFFSET)  # fmt: skip
@@ -444,7 +442,6 @@ def bwd_partials_kernel(
 def bwd_finish_kernel(
     DOut, DResOut, H, W, Mean, Rstd, DX, DRes,
     DWPart, DBPart,  # (groups, N) acc
-    Flag,  # (M,) out: as bwd_team_kernel's
     stride_dout, stride_dres_out, stride_h, M, N, Seed, keep_threshold, scale_hi, scale_mid, scale_lo,
     WS,  # (M, K, 2) acc: bwd_partials_kernel's partials
     HAS_DRES_OUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DB: tl.constexpr, IS_RMS: tl.constexpr,
@@ -471,7 +468,6 @@ def bwd_finish_kernel(
         if HAS_DB:
             db_acc += dy
         c1, c2 = _bwd_combine(WS, row * 2 * K, N, K, IS_RMS, False)
-        tl.store(Flag + row, c1 * 0.0 + c2 * 0.0)  # every chunk's program: the same value
         _bwd_finish(DResOut, DX, DRes, row, cols, ok, g, xhat, rstd, sc, c1, c2, stride_dres_out, N, Seed,
                     keep_threshold, scale_hi, scale_mid, scale_lo, acc_t, HAS_DRES_OUT, IS_RMS, HAS_DROPOUT,
                     STORE_DRES, SEED_OFFSET)  # fmt: skip

@@ -264,12 +264,9 @@ def fwd_launch(config, args: tuple, m: int, device, acc, two_kernels: bool, run)
     run(fwd_finish_kernel, (m, k), (*args, ws), meta)
 
 
-def bwd_launch(
-    config, tensors: tuple, strides: tuple, drop: tuple, m: int, n: int, device, acc, flag, two_kernels, run
-):
+def bwd_launch(config, tensors: tuple, strides: tuple, drop: tuple, m: int, n: int, device, acc, two_kernels, run):
     """The team backward: ``tensors`` = (dout, dres_out, h, weight, mean, rstd, dx, dres) with placeholders for
-    what is absent, ``strides`` = (dout, dres_out, h), ``drop`` the dropout arguments, ``flag`` the (M,) row flags
-    the kernels write for addnorm.ops.triton.guard_bwd. Returns (dw_part, db_part)."""
+    what is absent, ``strides`` = (dout, dres_out, h), ``drop`` the dropout arguments. Returns (dw_part, db_part)."""
     k, _, meta, team_meta, sums = config
     dout, dres_out, h, weight, mean, rstd, dx, dres = tensors
     head = (dout, dres_out, h, weight, mean, rstd, dx, dres)
@@ -277,14 +274,14 @@ def bwd_launch(
     if _use_team_kernel(device, two_kernels):
         flags = torch.zeros(1, dtype=torch.int32, device=device)
         ws = torch.empty(2 * 2 * k, dtype=acc, device=device)
-        probe = (*head, ws, ws, ws, *tail, ws, flags)
+        probe = (*head, ws, ws, *tail, ws, flags)
         teams = min(m, resident_programs(bwd_team_kernel, probe, team_meta, device) // k)
         if teams >= 1:
             flags = torch.zeros((teams, 2), dtype=torch.int32, device=device)
             ws = torch.empty((teams, 2, k, 2), dtype=acc, device=device)
             dw_part = torch.empty((teams, n), dtype=acc, device=device)  # every team writes its whole row
             db_part = torch.empty((teams, n), dtype=acc, device=device)
-            args = (*head, dw_part, db_part, flag, *tail, ws, flags)
+            args = (*head, dw_part, db_part, *tail, ws, flags)
             run(bwd_team_kernel, (teams * k,), args, team_meta)
             return dw_part, db_part
     ws = torch.empty((m, k, 2), dtype=acc, device=device)
@@ -292,5 +289,5 @@ def bwd_launch(
     groups = max(1, min(m, -(-plan.persistent_programs(device, plan.tuning().looped_programs_per_sm) // k)))
     dw_part = torch.empty((groups, n), dtype=acc, device=device)
     db_part = torch.empty((groups, n), dtype=acc, device=device)
-    run(bwd_finish_kernel, (k, groups), (*head, dw_part, db_part, flag, *tail, ws), meta)
+    run(bwd_finish_kernel, (k, groups), (*head, dw_part, db_part, *tail, ws), meta)
     return dw_part, db_part
