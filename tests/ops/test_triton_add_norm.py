@@ -512,7 +512,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     # RMSNorm's backward at N = 16384 in one pass (Tuning.max_bwd_block_n_rms_16bit): 16 warps, no spill past
     # the register-or-two noise (Triton 3.9's ptxas: none; 3.6's on the H200: 12 bytes, where this path measured
     # 3.6 TB/s against 3.2 for the row-sums + tiles path, benchmarks/results/gpu/tune.txt)
-    wide = [r for r in rows if r["n"] == 16384 and r["name"].startswith("bwd")]
+    wide = [r for r in rows if r["n"] == 16384 and r["name"].startswith("bwd") and r["name"] != "bwd_fixup_kernel"]
     assert [(r["name"], r["num_warps"]) for r in wide] == [("bwd_rows_kernel", 16)], wide
     assert max(wide[0]["spill_stores"], wide[0]["spill_loads"]) <= 16, wide
     assert not any("N" in r["divisible"].split(",") for r in rows if r["n"] == 300), rows

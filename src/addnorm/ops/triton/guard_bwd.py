@@ -100,11 +100,22 @@ def overflowed_rows(D, rows, M, N, WHOLE_ROW: tl.constexpr, BLOCK_M: tl.constexp
         bad = tl.zeros([BLOCK_M], dtype=tl.int32)
         for start in range(0, N, CHECK):
             cols = start + tl.arange(0, CHECK)
-            v = tl.load(D + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok[:, None] & (cols < N)[None, :])
-            bad = tl.maximum(bad, tl.max(nonfinite(v.to(tl.float32)), axis=1))
+            mask = ok[:, None] & (cols < N)[None, :]
+            v = tl.load(D + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+            bad = tl.maximum(bad, tl.max(_inf_or_nan(v), axis=1))
     else:
-        bad = nonfinite(tl.load(D + rows.to(tl.int64) * N, mask=ok, other=0.0).to(tl.float32))
+        bad = _inf_or_nan(tl.load(D + rows.to(tl.int64) * N, mask=ok, other=0.0))
     return bad
+
+
+@jit
+def _inf_or_nan(v):
+    """nonfinite of a stored gradient: fp64 as it is (a value beyond fp32's range is finite), 16-bit types in fp32
+    (exact; the interpreter compares bf16 wrongly)."""
+    if v.dtype == tl.float64:
+        return nonfinite(v)
+    else:
+        return nonfinite(v.to(tl.float32))
 
 
 @jit
