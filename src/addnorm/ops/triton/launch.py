@@ -218,7 +218,7 @@ def _bwd_launch(
     if traceable and weight is not None:
         # torch.compile: where Triton's mutation analysis fails (no GPU driver) every argument counts as written,
         # and a weight "written" by two backward kernels in a row is a forward input mutated in the backward, which
-        # AOTAutograd's partitioner refuses; a copy (N elements) keeps the fixup's off the weight
+        # AOTAutograd's partitioner refuses; the fix-up gets a copy (N elements) to "write" instead
         weight_ = weight_.clone()
     args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
     args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
