@@ -41,13 +41,22 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from addnorm.ops.triton import launch as T  # noqa: E402
+from addnorm.ops.triton import norm_add_guard as NG  # noqa: E402
 from addnorm.ops.triton import norm_add_kernels as NK  # noqa: E402
 from addnorm.ops.triton import norm_add_launch as NL  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
 from addnorm.ops.triton import quant as Q  # noqa: E402
 from addnorm.ops.triton import team_launch as TL  # noqa: E402
 
-KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
+# (bwd_fixup_kernel: the backward's guard, addnorm.ops.triton.guard_bwd, launched after every backward)
+KERNELS = (
+    "fwd_rows_kernel",
+    "fwd_looped_kernel",
+    "bwd_rows_kernel",
+    "bwd_row_sums_kernel",
+    "bwd_tiles_kernel",
+    "bwd_fixup_kernel",
+)
 # the wide rows' team kernels (addnorm.ops.triton.team_kernels, launched by team_launch.py): the team kernel a GPU runs, and the
 # two-kernel fallback the interpreter runs (and a GPU with WideTuning(fallback=True))
 TEAM_KERNELS = (
@@ -211,14 +220,17 @@ def record_quant_launches() -> list[Launch]:
 
 
 def record_norm_add_launches() -> list[Launch]:
-    """The fused norm-then-add kernels' launches for NORM_ADD_SHAPES (forward and backward, meta tensors)."""
+    """The fused norm-then-add kernels' launches for NORM_ADD_SHAPES (forward, backward and the backward's guard,
+    meta tensors)."""
     launches: list[Launch] = []
-    saved = NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel
+    saved = NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel, NG.norm_add_fixup_kernel
     meta = dict(device=torch.device("meta"))
     try:
         for dt, n, rms1, rms2, cast, zc, affine in NORM_ADD_SHAPES:
             shape = Shape(dtype=dt, is_rms=rms1, m=8, n=n)
-            NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel = (_Recorder(k, launches, shape) for k in saved)
+            NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel, NG.norm_add_fixup_kernel = (
+                _Recorder(k, launches, shape) for k in saved
+            )
             y = torch.empty(8, n, dtype=dt, **meta)
             w = torch.empty(n, dtype=dt, **meta) if affine else None
             opts = dict(is_rms1=rms1, is_rms2=rms2, zc1=zc, zc2=zc, cast1=cast, cast2=cast)
@@ -228,7 +240,7 @@ def record_norm_add_launches() -> list[Launch]:
                 y, y, y, y, w, w, stats, b1_dtype=bias, b2_dtype=bias, residual_dtype=dt, has_norm2=True, **opts
             )
     finally:
-        NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel = saved
+        NK.norm_add_fwd_kernel, NK.norm_add_bwd_kernel, NG.norm_add_fixup_kernel = saved
     return launches
 
 

@@ -2,9 +2,9 @@
 backward overflows fp32, g = dout * w beyond it (dout ~1e30, w ~1e10) or the row sums sum(g), sum(g * xhat) beyond
 it (dout ~1e37 over the row), while every input and the float64 gradient are finite: dx = rstd * (...) is small
 when rstd is (rows ~1e30). Such a row gets the float64 gradient rounded to its dtype (inf where that is beyond the
-dtype's range, never NaN), on the cpu backend (torch and triton: strict xfails), add_norm and the fused
-norm_add / norm_add_norm; a genuine inf in dout still propagates, and the other rows keep their bits. fp16 cannot
-get there: with dout and w at most 65504, g stays far inside fp32."""
+dtype's range, never NaN), on the cpu and triton backends (torch: a strict xfail), add_norm (triton: the rows,
+looped and team kernels) and the fused norm_add / norm_add_norm; a genuine inf in dout still propagates, and the
+other rows keep their bits. fp16 cannot get there: with dout and w at most 65504, g stays far inside fp32."""
 
 from __future__ import annotations
 
@@ -16,13 +16,10 @@ from addnorm.ops import backends
 from addnorm.ops.norm_add import norm_add, norm_add_norm
 from tests.ops.test_finite_range import _oracle, assert_close64
 
-# triton does not rescue these rows yet: each way tried cost its hot loop registers (tools/sm90_static.py, see
-# docs/kernels.md); strict, so that the mark goes when it does
-TRITON_GAP = pytest.mark.xfail(strict=True, reason="triton's backward does not rescue an overflowing row yet")
 # the torch backend runs ATen's backward: an eager check of it cost 15-25 us a call at decode (two gradient hooks and
 # a read of dh; benchmarks/results/finite_guard.md), so it does not rescue these rows
 TORCH_GAP = pytest.mark.xfail(strict=True, reason="the torch backend's (ATen's) backward does not rescue these rows")
-BACKENDS = [pytest.param("torch", marks=TORCH_GAP), "cpu", pytest.param("triton", marks=TRITON_GAP)]
+BACKENDS = [pytest.param("torch", marks=TORCH_GAP), "cpu", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 N = 50  # not a power of two
@@ -77,7 +74,6 @@ def test_backward_that_overflows_fp32_matches_float64(backend, dtype, is_rms, ha
     check_against_float64(backend, dtype, is_rms, has_w, N)
 
 
-@TRITON_GAP
 @pytest.mark.parametrize("has_w", [True, False], ids=["weight", "no-weight"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
 def test_triton_looped_backward_that_overflows_fp32(monkeypatch, is_rms, has_w):
@@ -88,6 +84,20 @@ def test_triton_looped_backward_that_overflows_fp32(monkeypatch, is_rms, has_w):
     tiny = plan.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
     monkeypatch.setattr(plan, "tuning", lambda: tiny)
     check_against_float64("triton", torch.float32, is_rms, has_w, 100)
+
+
+@pytest.mark.parametrize("has_w", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_triton_team_backward_that_overflows_fp32(is_rms, has_w):
+    """The wide rows' team kernels (their two-kernel form, which the interpreter runs), forced at K = 3."""
+    _skip_unavailable("triton")
+    from addnorm.ops.triton import team_launch
+
+    previous = team_launch.set_wide_tuning(team_launch.WideTuning(team=3))
+    try:
+        check_against_float64("triton", torch.float32, is_rms, has_w, N)
+    finally:
+        team_launch.set_wide_tuning(previous)
 
 
 def check_against_float64(backend, dtype, is_rms, has_w, n):
@@ -176,3 +186,63 @@ def test_fused_norm_add_backward_that_overflows_fp32(backend, dtype, is_rms, has
     if has_norm2:
         xhat2 = _norm64(h.detach().double(), 1.0, is_rms)
         assert_close64(w2g.grad, w2d.grad, dtype, f"{backend} dw2", scale=(do2.double() * xhat2).abs().sum(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_fused_ordinary_rows_keep_their_bits_and_an_inf_in_dout2_propagates(backend, is_rms):
+    """norm_add_norm with rows 0-1 overflowing (dout2 ~1e30, w2 ~1e10) beside ordinary rows 2-3: the ordinary rows'
+    dy, dresidual and their h keep the bits they have alone; an inf in an ordinary row's dout2 still gives a
+    non-finite dy there (the plain result), beside the rescued rows."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(3)
+    # the scales of test_fused_norm_add_backward_that_overflows_fp32: h ~1e10, so that dy is finite in float64
+    y = ((torch.rand(4, N, generator=g, dtype=torch.float64) * 1.8 - 0.9) * 1e15).float()
+    r = ((torch.rand(4, N, generator=g, dtype=torch.float64) * 0.1 - 0.05) * 1e10).float()
+    w1 = ((0.5 + 0.2 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e10).float()
+    w2 = ((0.5 + 0.2 * torch.rand(N, generator=g, dtype=torch.float64)) * 1e10).float()
+    do2 = (torch.rand(4, N, generator=g, dtype=torch.float64) + 0.2).float()
+    do2[:2] *= 1e30
+    do2[2:] *= 1e-10  # g2 = dout2 * w2 ~1 and t * w1 ~1 in the ordinary rows
+    norm = "rms" if is_rms else "layer"
+
+    def grads(rows, d):
+        yg, rg = y[rows].clone().requires_grad_(True), r[rows].clone().requires_grad_(True)
+        out2, _ = norm_add_norm(yg, rg, w1, w2, None, None, 1e-5, 1e-5, norm=norm, backend=backend)
+        out2.backward(d[rows])
+        return yg.grad, rg.grad
+
+    dy, dres = grads(slice(None), do2)
+    assert torch.isfinite(dy[:2]).all() and torch.isfinite(dres[:2]).all(), "the overflowing rows were not rescued"
+    alone = grads(slice(2, None), do2)
+    assert torch.equal(dy[2:], alone[0]) and torch.equal(dres[2:], alone[1]), "an ordinary row's gradient changed"
+    do2[3, 7] = float("inf")
+    dy = grads(slice(None), do2)[0]
+    assert not torch.isfinite(dy[3]).all(), "an inf in dout2 no longer reaches dy"
+    assert torch.isfinite(dy[:2]).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("path", ["dresidual", "dropout"])
+def test_rescue_with_dresidual_and_with_dropout(backend, path):
+    """The two other places a rescued row is found and written: with a residual that needs a gradient (dresidual
+    stored, the same gradient as dx), and with dropout and no residual (dx is dropout's: its first column may be a
+    dropped 0, so the triton fix-up reads the whole row)."""
+    _skip_unavailable(backend)
+    x, w, dout = _inputs(torch.float32, True)
+    (hd, _, _), want = _oracle(x, w, None, eps=1e-5, is_rms=True)
+    want.backward(dout.double())
+    xg = x.clone().requires_grad_(True)
+    if path == "dresidual":
+        rg = torch.zeros_like(x).requires_grad_(True)  # h = x exactly: dresidual = dx = the gradient of h
+        add_rms_norm(xg, rg, w, 1e-5, backend=backend)[0].backward(dout)
+        for got, what in ((xg.grad, "dx"), (rg.grad, "dresidual")):
+            assert_close64(got, hd.grad, torch.float32, f"{backend} {what}", scale=hd.grad.abs().amax(-1, keepdim=True))
+        return
+    add_rms_norm(xg, None, w, 1e-5, dropout_p=0.5, backend=backend)[0].backward(dout)
+    kept = xg.grad != 0
+    assert kept[:3].any(-1).all() and kept[4].any()
+    # h = dropout(x) * 2 differs from x, so compare with the float64 gradient of the h this call normalized: the
+    # kept columns' gradient is 2 * dh there; here only: finite where float64 is, rows 0-2 and 4
+    rows = [0, 1, 2, 4]
+    assert torch.isfinite(xg.grad[rows]).all(), "a rescued row's dx is not finite after dropout"

@@ -36,12 +36,20 @@ try:  # imported now, as the kernels were: Triton's binder imports it lazily and
 except ImportError:  # pragma: no cover - older Triton
     pass
 from addnorm.ops.triton import elementwise as E  # noqa: E402
+from addnorm.ops.triton import guard_bwd as G  # noqa: E402
 from addnorm.ops.triton import kernels as K  # noqa: E402
 from addnorm.ops.triton import launch as T  # noqa: E402
 from addnorm.ops.triton import plan as P  # noqa: E402
 from addnorm.ops.triton import row_stats as R  # noqa: E402
 
-KERNELS = ("fwd_rows_kernel", "fwd_looped_kernel", "bwd_rows_kernel", "bwd_row_sums_kernel", "bwd_tiles_kernel")
+KERNELS = (
+    "fwd_rows_kernel",
+    "fwd_looped_kernel",
+    "bwd_rows_kernel",
+    "bwd_row_sums_kernel",
+    "bwd_tiles_kernel",
+    "bwd_fixup_kernel",  # the backward's guard (guard_bwd): launched after every backward
+)
 OUTPUTS = {"Out", "ResOut", "Mean", "Rstd", "DX", "DRes", "DWPart", "DBPart", "C1", "C2"}
 TINY = P.Tuning(max_fwd_block_n=64, max_bwd_block_n=64, max_bwd_block_n_rms_16bit=64, loop_block_n=32)
 
@@ -128,13 +136,15 @@ def stub(monkeypatch):
     """The launchers' kernels as JITFunctions, Triton's driver and compiler stubbed, bound launches on."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     # the modules of the kernels' helpers first, compiled too: kernels.py imports its helpers from them
-    for helpers in (E, R, K):
+    compiled_modules = []
+    for helpers in (E, R, K, G):
         spec = importlib.util.spec_from_file_location(helpers.__name__, helpers.__file__)
         compiled_kernels = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, helpers.__name__, compiled_kernels)
         spec.loader.exec_module(compiled_kernels)
+        compiled_modules.append(compiled_kernels)
     for name in KERNELS:
-        kernel = getattr(compiled_kernels, name)
+        (kernel,) = [getattr(c, name) for c in compiled_modules if hasattr(c, name)]
         assert isinstance(kernel, JITFunction), type(kernel)
         monkeypatch.setattr(T, name, kernel)
     drv = StubDriver()

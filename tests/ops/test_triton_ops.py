@@ -401,7 +401,7 @@ def _run_uninterpreted(script, tmp_path):
 def test_triton_op_autograd_traces_to_both_kernels(tmp_path):
     joint = _run_uninterpreted(_JOINT_SCRIPT, tmp_path)
     kernels = [k for t, k in joint if "triton_kernel_wrapper_functional" in t]
-    assert kernels == ["fwd_rows_kernel", "bwd_rows_kernel"], joint
+    assert kernels == ["fwd_rows_kernel", "bwd_rows_kernel", "bwd_fixup_kernel"], joint
     assert ["aten.randint.low"] == [t for t, _ in joint if "randint" in t]  # drawn once; the backward reuses it
     assert not any("addnorm" in t for t, _ in joint), joint
 
@@ -412,6 +412,6 @@ def test_triton_ops_decompose_into_their_kernels(tmp_path):
     assert kernels(fwd) == ["fwd_rows_kernel"], fwd
     assert ["aten.randint.low"] == [t for t, _ in fwd if "randint" in t]  # the dropout seed, drawn in the graph
     # bf16 RMSNorm at N = 16384: the one-pass backward (Tuning.max_bwd_block_n_rms_16bit)
-    assert kernels(bwd) == ["bwd_rows_kernel"], bwd
+    assert kernels(bwd) == ["bwd_rows_kernel", "bwd_fixup_kernel"], bwd  # the backward's guard after it
     assert kernels(inplace) == ["fwd_rows_kernel"], inplace  # the in-place serving op
     assert not any("addnorm" in t for t, _ in fwd + bwd + inplace), (fwd, bwd, inplace)

@@ -26,6 +26,7 @@ from torch import Tensor
 from addnorm.ops.contract import draw_seed, stats_dtype
 from addnorm.ops.kernel_ops import backward, setup_context
 from addnorm.ops.triton import launch
+from addnorm.ops.triton.guard_bwd import bwd_fixup_kernel
 from addnorm.ops.triton.kernels import (
     bwd_row_sums_kernel,
     bwd_rows_kernel,
@@ -223,5 +224,5 @@ _fwd_op.register_autograd(_backward_triton, setup_context=_setup)
 _table = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", None)
 if isinstance(_table, dict):
     _table["addnorm::triton_add_norm_fwd"] = [fwd_rows_kernel, fwd_looped_kernel]
-    _table["addnorm::triton_add_norm_bwd"] = [bwd_rows_kernel, bwd_row_sums_kernel, bwd_tiles_kernel]
+    _table["addnorm::triton_add_norm_bwd"] = [bwd_rows_kernel, bwd_row_sums_kernel, bwd_tiles_kernel, bwd_fixup_kernel]
     _table["addnorm::triton_add_norm_"] = [fwd_rows_kernel, fwd_looped_kernel]

@@ -19,6 +19,9 @@ The math, per row h of length N (statistics in ``acc``: fp32, or fp64 when x or 
               dw = sum_i dout * xhat,  db = sum_i dout                (two-stage: fp32 partial rows, then a sum)
               (CAST_BEFORE_WEIGHT: dw sums dout * round(xhat); the rounding's gradient is the identity)
 
+Rows whose backward overflows fp32 although their statistics are ordinary (g = dout * w, or a row sum, beyond it)
+are redone after the backward kernels by :mod:`addnorm.ops.triton.guard_bwd` (the kernels here do not change).
+
 Rows whose plain statistics leave the accumulation type's range (sum(h^2) overflowing, or underflowing where eps
 does not dominate) are redone with h scaled by a power of two: the guard and the scaled pass are
 :mod:`addnorm.ops.triton.row_stats`, whose docstring also says what the saved mean and rstd hold for such rows.

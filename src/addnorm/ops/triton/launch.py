@@ -19,6 +19,7 @@ from torch import Tensor
 
 from addnorm.ops.contract import dropout_threshold, stats_dtype
 from addnorm.ops.triton import fast_launch, plan, team_launch
+from addnorm.ops.triton.guard_bwd import FIXUP_ROWS, bwd_fixup_kernel, fixup_meta
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
     bwd_row_sums_kernel,
     bwd_rows_kernel,
@@ -205,9 +206,29 @@ def _bwd_launch(
         )
         tensors = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
         strides = (dout.stride(0), _row_stride(dres_out), h.stride(0))
-        return team_launch.bwd_launch(
+        dw_part, db_part = team_launch.bwd_launch(
             config, tensors, strides, drop, m, n, h.device, acc, interpreted() or traceable, _launcher(traceable)
         )
+    else:
+        dw_part, db_part = _bwd_rows_or_looped(
+            key, traceable, m, n, acc, dout, dres_out, dres_out_, h, weight_, mean_, rstd, dx, dres_, is_rms, drop
+        )
+    # the backward's guard (guard_bwd): rows whose g or row sums overflowed, redone after the kernels above
+    fix = fixup_meta(n, *key[3:5], is_rms, zc, dropout_p > 0, dres is not None, plan.FP_FUSION)
+    if traceable and weight is not None:
+        # torch.compile: where Triton's mutation analysis fails (no GPU driver) every argument counts as written,
+        # and a weight "written" by two backward kernels in a row is a forward input mutated in the backward, which
+        # AOTAutograd's partitioner refuses; the fix-up gets a copy (N elements) to "write" instead
+        weight_ = weight_.clone()
+    args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_)
+    args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+    _launch(bwd_fixup_kernel, (-(-m // FIXUP_ROWS),), args, fix, traceable)
+    return dw_part, db_part
+
+
+def _bwd_rows_or_looped(key, traceable, m, n, acc, dout, dres_out, dres_out_, h, weight_, mean_, rstd, dx, dres_,
+                        is_rms, drop):  # fmt: skip
+    """The rows kernel, or the row sums then the tiles: (dw_part, db_part)."""
     chosen = plan.bwd_config(*key) if traceable else plan.cached_config(plan.bwd_config, ("bwd", *key))
     if chosen[0]:
         _, programs, meta = chosen
@@ -216,33 +237,33 @@ def _bwd_launch(
         args = (dout, dres_out_, h, weight_, mean_, rstd, dx, dres_, dw_part, db_part)
         args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
         _launch(bwd_rows_kernel, (programs,), args, meta, traceable)
-    else:
-        _, tiles, groups, sums, meta = chosen
-        c1 = torch.empty(m, dtype=acc, device=h.device)
-        c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
-        # (mean, rstd, sc) per row for the tiles kernel; rows of a multiple of 16 elements keep each one aligned
-        stride_eff = -(-m // 16) * 16
-        eff = torch.empty((3, stride_eff), dtype=acc, device=h.device)
-        _launch(
-            bwd_row_sums_kernel,
-            (m,),
-            (dout, h, weight_, mean_, rstd, c1, c2, eff, dout.stride(0), h.stride(0), stride_eff, n),
-            sums,
-            traceable,
+        return dw_part, db_part
+    _, tiles, groups, sums, meta = chosen
+    c1 = torch.empty(m, dtype=acc, device=h.device)
+    c2 = torch.empty(m, dtype=acc, device=h.device) if not is_rms else c1
+    # (mean, rstd, sc) per row for the tiles kernel; rows of a multiple of 16 elements keep each one aligned
+    stride_eff = -(-m // 16) * 16
+    eff = torch.empty((3, stride_eff), dtype=acc, device=h.device)
+    _launch(
+        bwd_row_sums_kernel,
+        (m,),
+        (dout, h, weight_, mean_, rstd, c1, c2, eff, dout.stride(0), h.stride(0), stride_eff, n),
+        sums,
+        traceable,
+    )
+    mean_, rstd, sc = eff[0], eff[1], eff[2]
+    if team_launch.wide_tuning().sized_grids and h.is_cuda and not traceable and not interpreted():
+        probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, c1, c1)
+        probe += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+        resident = team_launch.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
+        groups = team_launch.looped_groups(
+            tiles, resident, plan.persistent_programs(h.device, plan.tuning().looped_programs_per_sm), m
         )
-        mean_, rstd, sc = eff[0], eff[1], eff[2]
-        if team_launch.wide_tuning().sized_grids and h.is_cuda and not traceable and not interpreted():
-            probe = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, c1, c1)
-            probe += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
-            resident = team_launch.resident_programs(bwd_tiles_kernel, probe, meta, h.device)
-            groups = team_launch.looped_groups(
-                tiles, resident, plan.persistent_programs(h.device, plan.tuning().looped_programs_per_sm), m
-            )
-        dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        db_part = torch.empty((groups, n), dtype=acc, device=h.device)
-        args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, dw_part, db_part)
-        args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
-        _launch(bwd_tiles_kernel, (tiles, groups), args, meta, traceable)
+    dw_part = torch.empty((groups, n), dtype=acc, device=h.device)
+    db_part = torch.empty((groups, n), dtype=acc, device=h.device)
+    args = (dout, dres_out_, h, weight_, mean_, rstd, c1, c2, sc, dx, dres_, dw_part, db_part)
+    args += (dout.stride(0), _row_stride(dres_out), h.stride(0), m, n, *drop)
+    _launch(bwd_tiles_kernel, (tiles, groups), args, meta, traceable)
     return dw_part, db_part
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from addnorm.ops.contract import stats_dtype
+from addnorm.ops.triton import norm_add_guard as G
 from addnorm.ops.triton import norm_add_kernels as K
 from addnorm.ops.triton.launch import interpreted, unavailable_reason
 
@@ -97,16 +98,21 @@ def backward(dh, dout2, y, h, w1, w2, stats, *, b1_dtype, b2_dtype, residual_dty
     has_b2 = has_norm2 and b2_dtype is not None
     const = _const(opts, w1, b1_dtype, w2 if has_norm2 else None, b2_dtype if has_norm2 else None)
     if m > 0:
+        tensors = (
+            dh if dh is not None else y, dout2 if has_do2 else y, y, h if has_do2 else y,
+            w1 if w1 is not None else stats, w2 if w2 is not None else stats, stats, dy,
+            dres if dres is not None else dy, part,
+            dh.stride(0) if dh is not None else 0, dout2.stride(0) if has_do2 else 0, y.stride(0),
+            h.stride(0) if has_do2 else 0, m, n,
+        )  # fmt: skip
+        grads = dict(HAS_DH=dh is not None, HAS_DO2=has_do2, STORE_DRES=dres is not None)
         with _guard(y):
-            K.norm_add_bwd_kernel[(programs,)](
-                dh if dh is not None else y, dout2 if has_do2 else y, y, h if has_do2 else y,
-                w1 if w1 is not None else stats, w2 if w2 is not None else stats, stats, dy,
-                dres if dres is not None else dy, part,
-                dh.stride(0) if dh is not None else 0, dout2.stride(0) if has_do2 else 0, y.stride(0),
-                h.stride(0) if has_do2 else 0, m, n,
-                HAS_DH=dh is not None, HAS_DO2=has_do2, STORE_DRES=dres is not None, **const,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            )  # fmt: skip
+            K.norm_add_bwd_kernel[(programs,)](*tensors, **grads, **const, BLOCK_M=block_m, BLOCK_N=block_n,
+                                               num_warps=warps)  # fmt: skip
+            # the backward's guard (norm_add_guard): rows whose g or row sums overflowed, redone after it
+            fix = {k: v for k, v in const.items() if k not in ("HAS_B2", "CAST2")}
+            G.norm_add_fixup_kernel[(programs,)](*tensors, **grads, **fix, BLOCK_M=block_m,
+                                                 TILE=min(block_n, 1024), num_warps=4)  # fmt: skip
     red = part.sum(1)
     return (
         dy,
