@@ -43,6 +43,7 @@ __all__ = [
     "scaled_dout_exponent",
     "scaled_g",
     "scaled_row_sums",
+    "scan_start",
     "scan_tile",
     "size_factors",
     "xhat_tile",
@@ -175,6 +176,13 @@ def redo_stats(X, MeanRow, RstdRow, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constex
 
 
 @jit
+def scan_start(acc_t: tl.constexpr, BLOCK_N: tl.constexpr):
+    """scan_tile's amax, wmax and bad before the first tile. In this order: a loop carries its values in the order
+    their names were first bound, and another order compiles to other registers (ptxas: one more, or one fewer)."""
+    return tl.zeros([BLOCK_N], dtype=acc_t), tl.zeros([BLOCK_N], dtype=acc_t), tl.zeros([BLOCK_N], dtype=tl.int32)
+
+
+@jit
 def scan_tile(d, x, W, cols, ok, bad, amax, wmax, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZC: tl.constexpr):
     """One tile of the input scan, elementwise: (bad, amax, wmax) updated with the tile's d (the incoming gradient),
     x and w: bad > 0 where one is inf or NaN, amax = max |d|, wmax = max |w|."""
@@ -191,9 +199,7 @@ def scan_tile(d, x, W, cols, ok, bad, amax, wmax, acc_t: tl.constexpr, HAS_WEIGH
 def input_scan(D, X, W, N, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZC: tl.constexpr, BLOCK_N: tl.constexpr):
     """scan_tile over a row of D and X (pointers at the row): (bad, amax, wmax), still per column (the callers
     reduce them where they need them)."""
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    wmax = tl.zeros([BLOCK_N], dtype=acc_t)
-    bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+    amax, wmax, bad = scan_start(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N

@@ -28,6 +28,7 @@ from addnorm.ops.triton.guard_bwd import (
     scaled_dout_exponent,
     scaled_g,
     scaled_row_sums,
+    scan_start,
     scan_tile,
     size_factors,
     xhat_tile,
@@ -151,9 +152,7 @@ def _redo_row(DH, DO2, Y, H, W1, W2, Stats, row, DY, DRes, M, N, acc_t: tl.const
     mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad, mean1, rstd1, sc1 = _row_context(
         DO2, Y, H, W2, Stats, row, M, N, acc_t, HAS_DO2, IS_RMS1, IS_RMS2, HAS_W2, ZC2, BLOCK_N
     )
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    wmax = tl.zeros([BLOCK_N], dtype=acc_t)
-    bad1 = tl.zeros([BLOCK_N], dtype=tl.int32)
+    amax, wmax, bad1 = scan_start(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
