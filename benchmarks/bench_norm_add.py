@@ -18,7 +18,11 @@ the same run for the same dtype and shape. The stream is timed alternately with 
 before each contender sample, same threads, same arrays), and its row is the best and median of all those samples:
 on a shared machine whose speed drifts over seconds, a reference timed once at the start and an op timed seconds
 later compared two different machines (bf16 in-place norm_add read 71-74% in such runs against 92-99% in
-alternating A/Bs); the pooled reference also has the most samples, so its best is never slower. Contenders, per op:
+alternating A/Bs); the pooled reference also has the most samples, so its best is never slower. That makes "of
+stream" a biased ratio: the least of ten times as many samples of a noisy time is lower than the least of one
+contender's. So each row also compares a contender with its own stream samples only, as many as its own and each
+taken just before one of them: "paired best" divides the two bests, "paired median" is the median over the pairs of
+(stream time / contender time) x (the op's transfers / 3), which a drift over seconds moves least. Contenders, per op:
 
     fused            the public op, backend=backend (allocates its outputs)
     fused kernel     the same kernel writing into preallocated outputs: no page faults of fresh outputs
@@ -100,16 +104,20 @@ def run(shapes, dtypes, reps: int, device: str = "cpu") -> tuple[list[dict], dic
             def stream_call():
                 torch.add(y, r, out=h_pre)
 
-            def make_row(op, name, samples, transfers):
+            def make_row(op, name, samples, transfers, ref=None):
                 best, med = min(samples), statistics.median(samples)
                 nbytes = transfers * elems * s
-                return dict(dtype=dname, m=m, n=n, op=op, contender=name, us=best * 1e6,
-                            median_us=med * 1e6, gbps=nbytes / best / 1e9)  # fmt: skip
+                row = dict(dtype=dname, m=m, n=n, op=op, contender=name, us=best * 1e6,
+                           median_us=med * 1e6, gbps=nbytes / best / 1e9)  # fmt: skip
+                if ref is not None:  # its own stream samples: as many as its own, each taken just before one of them
+                    row["paired_best"] = transfers / 3 * min(ref) / best
+                    row["paired_median"] = statistics.median(transfers / 3 * a / b for a, b in zip(ref, samples))
+                return row
 
             def add(op, name, fn, transfers):
                 timed, ref = _time_alternating(fn, stream_call, reps, sync)
                 ref_samples.extend(ref)
-                rows.append(make_row(op, name, timed, transfers))
+                rows.append(make_row(op, name, timed, transfers, ref))
 
             with torch.no_grad():
                 first = len(rows)
@@ -181,16 +189,19 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"{env['numba']} ({env['numba_threading_layer']}), torch {env['torch']}; load average before "
         f"{load(env['loadavg_before'])}, after {load(env['loadavg_after'])}",
         "",
-        "| dtype | M x N | op | contender | best us | median us | GB/s | of stream | vs unfused |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| dtype | M x N | op | contender | best us | median us | GB/s | of stream | paired best | paired median "
+        "| vs unfused |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    pct = lambda r, k: f"{r[k]:.0%}" if k in r else ""  # noqa: E731
     unfused = {(r["dtype"], r["m"], r["n"], r["op"]): r["us"] for r in rows if r["contender"].startswith("unfused")}
     for r in rows:
         base = unfused.get((r["dtype"], r["m"], r["n"], r["op"]))
         speedup = f"{base / r['us']:.2f}x" if base else ""
         lines.append(
             f"| {r['dtype']} | {r['m']}x{r['n']} | {r['op']} | {r['contender']} | {r['us']:.1f} | "
-            f"{r['median_us']:.1f} | {r['gbps']:.2f} | {r['of_stream']:.0%} | {speedup} |"
+            f"{r['median_us']:.1f} | {r['gbps']:.2f} | {r['of_stream']:.0%} | {pct(r, 'paired_best')} | "
+            f"{pct(r, 'paired_median')} | {speedup} |"
         )
     return "\n".join(lines)
 
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES), help=DEFAULT_SHAPES)
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32,bf16 (default fp32,bf16)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (numba) or cuda (triton)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions per row; best and median reported")
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions per row; best and median reported")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "norm_add.json"),
                    help="JSON file of the rows and environment ('' writes nothing)")  # fmt: skip
     a = p.parse_args(argv)
