@@ -235,3 +235,24 @@ def test_calls_the_pairs_do_not_serve_reach_the_general_kernels(monkeypatch, pai
     got = _forward(monkeypatch, 0, y, r, vectors, opts, False, True)
     assert not pairs and got[0][:, 3].isnan().all()
     _same(got, _forward(monkeypatch, OFF, y, r, vectors, opts, False, True), "nan weight")
+
+
+@pytest.mark.parametrize("rms2", [True, False], ids=["rms2", "layernorm2"])
+def test_the_chain_writes_every_nan_of_h_as_0x7fc0(monkeypatch, pairs, rms2):
+    """norm_add_norm's norm-add pass keeps NaNs as they come (bf16_pairs._pack_raw): inf * 0 (a row with an inf,
+    rstd 0) gives x86's negative NaN, 0xFFC0 as bf16, which the fix-up after h's statistics makes 0x7FC0, as every
+    other path writes; rows without NaN are untouched."""
+    g = torch.Generator().manual_seed(7)
+    y, r = _rows(4, 64, "contiguous", g), _rows(4, 64, "contiguous", g)
+    y[1, 3] = float("inf")  # rstd1 0: N1(y) = inf * 0 = NaN at [1, 3], 0 elsewhere
+    r[2, 5] = float("nan")
+    vectors = _vectors(64, g, "w", True, rms2)
+    opts = _opts(True, rms2, False, False, vectors)
+    got = _forward(monkeypatch, 0, y, r, vectors, opts, True, True)
+    assert pairs
+    h = got[0]
+    nan = h.isnan()
+    assert nan.sum() == 2 and nan[1, 3] and nan[2, 5]
+    assert (_bits(h)[nan] == 0x7FC0).all()
+    assert got[2][3, 1].isnan() and got[2][3, 2].isnan() and not got[2][3, [0, 3]].isnan().any()
+    _same(got, _forward(monkeypatch, OFF, y, r, vectors, opts, True, True), "nan in h")
