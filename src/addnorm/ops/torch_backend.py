@@ -11,8 +11,8 @@ bits), the guard's test reads them (eagerly on the host, in the fewest ops: :fun
 with a row that fails it runs the scaled float64 pass for those rows, differentiably (:func:`scaled_norm`). Compiled
 graphs cannot branch on a value, nor can torch.func transforms: there the scaled pass runs for every row and a
 ``where`` picks. The backward is ATen's: a row whose statistics are ordinary but whose ``dout * w`` or row sums
-overflow fp32 is not rescued here (the cpu kernels rescue it; an eager check costs two gradient hooks and a read of
-dh, 15-25 us a call at decode: benchmarks/results/finite_guard.md).
+overflow fp32 is not rescued here (the cpu and Triton kernels rescue it, Triton's with its fix-up kernels; an eager
+check costs two gradient hooks and a read of dh, 15-25 us a call at decode: benchmarks/results/finite_guard.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
 - :mod:`addnorm.ops.triton.plan`: block sizes, warps and grids for one shape, within the limits of the
   ``Tuning`` in force (:func:`~addnorm.ops.triton.plan.tuning`).
 - :mod:`addnorm.ops.triton.launch`: the launchers and the kernel contract around them (``forward``,
-  ``forward_into``, ``backward``, ``unavailable_reason``): the module the backend registry names.
+  ``forward_into``, ``backward``, ``unavailable_reason``): the module the backend registry names; the kernels'
+  scalar arguments (eps and dropout's scale in fp32 parts, row strides, the statistics' scratch) come from
+  :mod:`addnorm.ops.triton.launch_args`.
 - :mod:`addnorm.ops.triton.team_kernels` and :mod:`addnorm.ops.triton.team_launch`: wide rows shared by a team
   of programs (opt-in), their kernels and their launch.
 - :mod:`addnorm.ops.triton.fast_launch`: bound launches: after a first launch per specialization the launchers call

@@ -33,11 +33,20 @@ from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, saved_rstd_fail
 __all__ = [
     "FIXUP_ROWS",
     "bwd_fixup_kernel",
+    "dnorm",
     "fixup_meta",
+    "g_xhat_tile",
+    "input_scan",
     "overflowed_rows",
     "nonfinite",
+    "redo_stats",
     "scaled_dout_exponent",
+    "scaled_g",
+    "scaled_row_sums",
+    "scan_start",
+    "scan_tile",
     "size_factors",
+    "xhat_tile",
 ]
 
 
@@ -127,58 +136,18 @@ def _redo_row(
     """The module docstring's pass over one row, tile by tile (pointers at the row; base: dx's element index of its
     first column, the dropout mask's)."""
     acc_t: tl.constexpr = RstdRow.dtype.element_ty
-    rstd = tl.load(RstdRow)
-    mean = rstd * 0.0
-    if not IS_RMS:
-        mean = tl.load(MeanRow)
-    sc = rstd * 0.0 + 1.0
-    if saved_rstd_fail(rstd):  # also a row the forward's guard rescaled (row_stats)
-        sc, mean, rstd = scaled_looped_bwd_stats_inline(H, N, rstd, IS_RMS, BLOCK_N)
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    wmax = tl.zeros([BLOCK_N], dtype=acc_t)
-    bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        dy = tl.load(DOut + cols, mask=ok, other=0.0).to(acc_t)
-        h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t)
-        bad = tl.maximum(bad, tl.maximum(nonfinite(dy), nonfinite(h)))
-        amax = tl.maximum(amax, tl.abs(dy))
-        if HAS_WEIGHT:
-            w = load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-            bad = tl.maximum(bad, nonfinite(w))
-            wmax = tl.maximum(wmax, tl.abs(w))
+    mean, rstd, sc = redo_stats(H, MeanRow, RstdRow, N, IS_RMS, BLOCK_N)
+    bad, amax, wmax = input_scan(DOut, H, W, N, acc_t, HAS_WEIGHT, ZERO_CENTERED, BLOCK_N)
     if tl.max(bad, axis=0) == 0:  # else an inf or NaN of the inputs: the plain result stands
         e = scaled_dout_exponent(tl.max(amax, axis=0), tl.max(wmax, axis=0), HAS_WEIGHT)
         down = pow2(-e, acc_t)
-        s1 = tl.zeros([BLOCK_N], dtype=acc_t)
-        s2 = tl.zeros([BLOCK_N], dtype=acc_t)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            ok = cols < N
-            g = tl.load(DOut + cols, mask=ok, other=0.0).to(acc_t) * down
-            if HAS_WEIGHT:
-                g = g * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-            h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t) * sc
-            xhat = tl.where(ok, (h - mean) * rstd, 0.0)
-            s1 += g * xhat
-            s2 += g
-        c1 = tl.sum(s1, axis=0) / N
-        c2 = tl.sum(s2, axis=0) / N
+        c1, c2 = scaled_row_sums(DOut, H, W, N, down, mean, rstd, sc, acc_t, HAS_WEIGHT, ZERO_CENTERED, BLOCK_N)
         up1, up2 = size_factors(e + exponent_of(sc), acc_t)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             ok = cols < N
-            g = tl.load(DOut + cols, mask=ok, other=0.0).to(acc_t) * down
-            if HAS_WEIGHT:
-                g = g * load_weight(W, cols, ok, acc_t, ZERO_CENTERED)
-            h = tl.load(H + cols, mask=ok, other=0.0).to(acc_t) * sc
-            xhat = tl.where(ok, (h - mean) * rstd, 0.0)
-            if IS_RMS:
-                dh = (g - xhat * c1) * rstd
-            else:
-                dh = (g - c2 - xhat * c1) * rstd
-            dh = dh * up1 * up2  # the true size last
+            g, xhat = g_xhat_tile(DOut, H, W, cols, ok, down, mean, rstd, sc, acc_t, HAS_WEIGHT, ZERO_CENTERED)
+            dh = dnorm(g, xhat, c1, c2, rstd, up1, up2, IS_RMS)
             if HAS_DRES_OUT:
                 dh += tl.load(DResOut + cols, mask=ok, other=0.0).to(acc_t)
             if STORE_DRES:
@@ -186,6 +155,107 @@ def _redo_row(
             if HAS_DROPOUT:
                 dh = dropout(dh, base + cols, Seed, keep_threshold, scale_hi, scale_mid, scale_lo, SEED_OFFSET)
             tl.store(DX + cols, round_to(dh, DX.dtype.element_ty), mask=ok)
+
+
+# The pieces of a row's redo, shared with norm_add_guard (whose N2 pass is this one's, with dout2, h and w2, and whose
+# N1 pass runs them on a recomputed gradient). Triton inlines them: the kernels compile as if written out.
+
+
+@jit
+def redo_stats(X, MeanRow, RstdRow, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(mean_s, rstd_s, sc) of a row from its saved statistics: sc = 1 but for a row the forward's guard rescaled
+    (row_stats), whose statistics are recomputed from X."""
+    rstd = tl.load(RstdRow)
+    mean = rstd * 0.0
+    if not IS_RMS:
+        mean = tl.load(MeanRow)
+    sc = rstd * 0.0 + 1.0
+    if saved_rstd_fail(rstd):
+        sc, mean, rstd = scaled_looped_bwd_stats_inline(X, N, rstd, IS_RMS, BLOCK_N)
+    return mean, rstd, sc
+
+
+@jit
+def scan_start(acc_t: tl.constexpr, BLOCK_N: tl.constexpr):
+    """scan_tile's amax, wmax and bad before the first tile. In this order: a loop carries its values in the order
+    their names were first bound, and another order compiles to other registers (ptxas: one more, or one fewer)."""
+    return tl.zeros([BLOCK_N], dtype=acc_t), tl.zeros([BLOCK_N], dtype=acc_t), tl.zeros([BLOCK_N], dtype=tl.int32)
+
+
+@jit
+def scan_tile(d, x, W, cols, ok, bad, amax, wmax, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZC: tl.constexpr):
+    """One tile of the input scan, elementwise: (bad, amax, wmax) updated with the tile's d (the incoming gradient),
+    x and w: bad > 0 where one is inf or NaN, amax = max |d|, wmax = max |w|."""
+    bad = tl.maximum(bad, tl.maximum(nonfinite(d), nonfinite(x)))
+    amax = tl.maximum(amax, tl.abs(d))
+    if HAS_WEIGHT:
+        w = load_weight(W, cols, ok, acc_t, ZC)
+        bad = tl.maximum(bad, nonfinite(w))
+        wmax = tl.maximum(wmax, tl.abs(w))
+    return bad, amax, wmax
+
+
+@jit
+def input_scan(D, X, W, N, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """scan_tile over a row of D and X (pointers at the row): (bad, amax, wmax), still per column (the callers
+    reduce them where they need them)."""
+    amax, wmax, bad = scan_start(acc_t, BLOCK_N)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        d = tl.load(D + cols, mask=ok, other=0.0).to(acc_t)
+        x = tl.load(X + cols, mask=ok, other=0.0).to(acc_t)
+        bad, amax, wmax = scan_tile(d, x, W, cols, ok, bad, amax, wmax, acc_t, HAS_WEIGHT, ZC)
+    return bad, amax, wmax
+
+
+@jit
+def scaled_g(d, down, W, cols, ok, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZC: tl.constexpr):
+    """g' = (d * 2^-e) * w over a tile (down = 2^-e)."""
+    g = d * down
+    if HAS_WEIGHT:
+        g = g * load_weight(W, cols, ok, acc_t, ZC)
+    return g
+
+
+@jit
+def xhat_tile(X, cols, ok, mean, rstd, sc, acc_t: tl.constexpr):
+    """xhat = (x * sc - mean_s) * rstd_s over a tile, 0 past the row's end."""
+    x = tl.load(X + cols, mask=ok, other=0.0).to(acc_t) * sc
+    return tl.where(ok, (x - mean) * rstd, 0.0)
+
+
+@jit
+def g_xhat_tile(D, X, W, cols, ok, down, mean, rstd, sc, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                ZC: tl.constexpr):  # fmt: skip
+    """(g', xhat) over a tile, g' from the gradient at D."""
+    g = scaled_g(tl.load(D + cols, mask=ok, other=0.0).to(acc_t), down, W, cols, ok, acc_t, HAS_WEIGHT, ZC)
+    return g, xhat_tile(X, cols, ok, mean, rstd, sc, acc_t)
+
+
+@jit
+def scaled_row_sums(D, X, W, N, down, mean, rstd, sc, acc_t: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    ZC: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(c1, c2) = (mean(g' * xhat), mean(g')) over a row (pointers at the row)."""
+    s1 = tl.zeros([BLOCK_N], dtype=acc_t)
+    s2 = tl.zeros([BLOCK_N], dtype=acc_t)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        g, xhat = g_xhat_tile(D, X, W, cols, ok, down, mean, rstd, sc, acc_t, HAS_WEIGHT, ZC)
+        s1 += g * xhat
+        s2 += g
+    return tl.sum(s1, axis=0) / N, tl.sum(s2, axis=0) / N
+
+
+@jit
+def dnorm(g, xhat, c1, c2, rstd, up1, up2, IS_RMS: tl.constexpr):
+    """The norm's gradient over a tile from g' and the row's c1, c2; the factors 2^(e + E(sc)) last."""
+    if IS_RMS:
+        d = (g - xhat * c1) * rstd
+    else:
+        d = (g - c2 - xhat * c1) * rstd
+    return d * up1 * up2  # the true size last
 
 
 @functools.lru_cache(maxsize=256)  # one dict object per flag set: fast_launch keys its bound launches on it

@@ -9,15 +9,12 @@ No atomics anywhere, so gradients are bitwise reproducible. Inputs may have stri
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import os
-import struct
 
 import torch
 from torch import Tensor
 
-from addnorm.ops.contract import dropout_threshold, stats_dtype
+from addnorm.ops.contract import stats_dtype
 from addnorm.ops.triton import fast_launch, plan, team_launch
 from addnorm.ops.triton.guard_bwd import FIXUP_ROWS, bwd_fixup_kernel, fixup_meta
 from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tests, benchmarks, compiled)
@@ -28,6 +25,7 @@ from addnorm.ops.triton.kernels import (  # the kernels stay reachable here (tes
     fwd_rows_kernel,
     triton,
 )
+from addnorm.ops.triton.launch_args import _dropout_args, _row_stride, _scratch, _split, _vec
 
 __all__ = ["interpreted", "unavailable_reason", "forward", "forward_into", "backward"]
 
@@ -35,47 +33,6 @@ __all__ = ["interpreted", "unavailable_reason", "forward", "forward_into", "back
 # --------------------------------------------------------------------------------------------------------------
 # Launchers: allocate, launch
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _f32(v: float) -> float:
-    """v rounded to the nearest fp32 value (ties to even), as a Python float. Plain Python, not a torch.tensor
-    round trip: the launchers also run on fake tensors (torch.compile traces them through the triton ops of
-    :mod:`addnorm.ops.triton.compiled`), where a tensor's value cannot be read back."""
-    try:
-        return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:  # beyond fp32's range: inf, as a torch.float32 conversion gives
-        return math.copysign(math.inf, v)
-
-
-@functools.lru_cache(maxsize=64)  # a model uses a few eps values: the split is paid once each, not per call
-def _split(v: float) -> tuple[float, float]:
-    """A double as two fp32-representable floats whose sum recovers it to ~2^-48 (Triton passes floats as fp32)."""
-    hi = _f32(v)
-    return hi, _f32(v - hi)
-
-
-def _dropout_args(p: float, seed: Tensor | None, dummy: Tensor) -> tuple:
-    """(Seed, keep threshold, scale in three fp32 parts) for the kernels; the seed stays a device tensor."""
-    if not p > 0:
-        return dummy, 0, 1.0, 0.0, 0.0
-    return (seed, *_dropout_scalars(p))
-
-
-@functools.lru_cache(maxsize=64)
-def _dropout_scalars(p: float) -> tuple[int, float, float, float]:
-    s = 1.0 / (1.0 - p)  # the fp64 scale; fp32 statistics use its rounding (hi), fp64 the exact sum of the parts
-    hi = _f32(s)
-    mid = _f32(s - hi)
-    lo = _f32(s - hi - mid)
-    return dropout_threshold(p), hi, mid, lo
-
-
-def _row_stride(t: Tensor | None) -> int:
-    return t.stride(0) if t is not None else 0
-
-
-def _vec(t: Tensor | None) -> Tensor | None:
-    return t.contiguous() if t is not None else None
 
 
 def _kernel(kernel, traceable: bool):
@@ -109,68 +66,61 @@ def _launcher(traceable: bool):
 def _fwd_launch(
     x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms, zc, cast, traceable=False
 ):
-    """rstd None: the statistics are not stored (mean must be None too)."""
-    m, n = x.shape
-    eps_hi, eps_lo = _split(eps)
-    store_stats = rstd is not None
-    if not store_stats:  # the kernels still take their accumulation type from Rstd's element type
-        rstd = _scratch(x.device, stats_dtype(x.dtype, res_out.dtype if res_out is not None else x.dtype))
-    dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
-    args = (
-        x,
-        residual if residual is not None else dummy,
-        weight if weight is not None else dummy,
-        bias if bias is not None else dummy,
-        out,
-        res_out if res_out is not None else dummy,
-        mean if mean is not None else dummy,
-        rstd,
-        x.stride(0),
-        _row_stride(residual),
-        m,
-        n,
-        eps_hi,
-        eps_lo,
-        *_dropout_args(dropout_p, seed, dummy),
-    )
-    key = (
-        m,
-        n,
-        residual is not None,
-        weight is not None,
-        bias is not None,
-        is_rms,
-        zc,
-        dropout_p > 0,
-        res_out is not None,
-        cast,
-        store_stats,
-    )
-    k = team_launch.team_size(n)  # 0 unless the team path is on (opt-in: addnorm.ops.triton.team_launch)
-    if k:
-        team = (team_launch.wide_tuning(), k, *key)
-        config = (
-            team_launch.fwd_plan(*team) if traceable else plan.cached_config(team_launch.fwd_plan, ("team-fwd", *team))
+    """forward_into's launch, on x's device, with contiguous weight and bias (both entry points call this
+    positionally: the forward runs on every eager call). rstd None: the statistics are not stored (mean must be None
+    too)."""
+    with _device_guard(x):
+        weight, bias = _vec(weight), _vec(bias)
+        m, n = x.shape
+        eps_hi, eps_lo = _split(eps)
+        store_stats = rstd is not None
+        if not store_stats:  # the kernels still take their accumulation type from Rstd's element type
+            rstd = _scratch(x.device, stats_dtype(x.dtype, res_out.dtype if res_out is not None else x.dtype))
+        dummy = rstd  # unused pointer slots (their constexpr flag is off) get any tensor
+        args = (
+            x,
+            residual if residual is not None else dummy,
+            weight if weight is not None else dummy,
+            bias if bias is not None else dummy,
+            out,
+            res_out if res_out is not None else dummy,
+            mean if mean is not None else dummy,
+            rstd,
+            x.stride(0),
+            _row_stride(residual),
+            m,
+            n,
+            eps_hi,
+            eps_lo,
+            *_dropout_args(dropout_p, seed, dummy),
         )
-        team_launch.fwd_launch(config, args, m, x.device, rstd.dtype, interpreted() or traceable, _launcher(traceable))
-        return
-    rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
-    _launch(fwd_rows_kernel if rows else fwd_looped_kernel, grid, args, meta, traceable)
-
-
-_scratch_tensors: dict = {}
-
-
-def _scratch(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A persistent one-element tensor passed for statistics a call does not store (the kernels never write it):
-    under inference nothing reads mean and rstd, and allocating them costs host time on every call (~2 us each on
-    a CPU; a decode step is host-bound). Persistent, so a captured CUDA graph may hold it. Not for traced calls:
-    torch.compile traces on fake tensors, and those store the statistics anyway."""
-    key = (device, dtype)
-    t = _scratch_tensors.get(key)
-    if t is None:
-        t = _scratch_tensors[key] = torch.empty(1, dtype=dtype, device=device)
-    return t
+        key = (
+            m,
+            n,
+            residual is not None,
+            weight is not None,
+            bias is not None,
+            is_rms,
+            zc,
+            dropout_p > 0,
+            res_out is not None,
+            cast,
+            store_stats,
+        )
+        k = team_launch.team_size(n)  # 0 unless the team path is on (opt-in: addnorm.ops.triton.team_launch)
+        if k:
+            team = (team_launch.wide_tuning(), k, *key)
+            config = (
+                team_launch.fwd_plan(*team)
+                if traceable
+                else plan.cached_config(team_launch.fwd_plan, ("team-fwd", *team))
+            )
+            team_launch.fwd_launch(
+                config, args, m, x.device, rstd.dtype, interpreted() or traceable, _launcher(traceable)
+            )
+            return
+        rows, grid, meta = plan.fwd_config(*key) if traceable else plan.cached_config(plan.fwd_config, ("fwd", *key))
+        _launch(fwd_rows_kernel if rows else fwd_looped_kernel, grid, args, meta, traceable)
 
 
 def _bwd_launch(
@@ -343,24 +293,8 @@ def forward(
         mean = None if is_rms else torch.empty(m, dtype=sd, device=device)
         rstd = torch.empty(m, dtype=sd, device=device)
     if m > 0:  # forward_into's body, without its keyword call: this runs on every eager call
-        with _device_guard(x):
-            _fwd_launch(
-                x,
-                residual,
-                _vec(weight),
-                _vec(bias),
-                out,
-                res_out,
-                mean,
-                rstd,
-                eps,
-                dropout_p,
-                seed,
-                is_rms,
-                zero_centered_weight,
-                cast_before_weight,
-                traceable,
-            )
+        _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
+                    zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
     return out, res_out, mean, rstd
 
 
@@ -388,24 +322,8 @@ def forward_into(
     is written only after the row's statistics (after all of x was read). ``traceable``: launch through
     ``torch.library.wrap_triton`` (the triton ops of :mod:`addnorm.ops.triton.compiled`)."""
     if x.shape[0] > 0:
-        with _device_guard(x):
-            _fwd_launch(
-                x,
-                residual,
-                _vec(weight),
-                _vec(bias),
-                out,
-                res_out,
-                mean,
-                rstd,
-                eps,
-                dropout_p,
-                seed,
-                is_rms,
-                zero_centered_weight,
-                cast_before_weight,
-                traceable,
-            )
+        _fwd_launch(x, residual, weight, bias, out, res_out, mean, rstd, eps, dropout_p, seed, is_rms,
+                    zero_centered_weight, cast_before_weight, traceable)  # fmt: skip
 
 
 def backward(

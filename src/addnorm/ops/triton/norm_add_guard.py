@@ -18,75 +18,53 @@ load per row block.
 
 from __future__ import annotations
 
-from addnorm.ops.triton.elementwise import dweight_term, load_weight, round_to
-from addnorm.ops.triton.guard_bwd import nonfinite, overflowed_rows, scaled_dout_exponent, size_factors
-from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, saved_rstd_fail, scaled_looped_bwd_stats_inline, tl
+from addnorm.ops.triton.elementwise import dweight_term, round_to
+from addnorm.ops.triton.guard_bwd import (
+    dnorm,
+    g_xhat_tile,
+    input_scan,
+    overflowed_rows,
+    redo_stats,
+    scaled_dout_exponent,
+    scaled_g,
+    scaled_row_sums,
+    scan_start,
+    scan_tile,
+    size_factors,
+    xhat_tile,
+)
+from addnorm.ops.triton.row_stats import exponent_of, jit, pow2, tl
 
 __all__ = ["norm_add_fixup_kernel"]
-
-
-@jit
-def _stats(X, MeanRow, RstdRow, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(mean_s, rstd_s, sc) of a row from its saved statistics: sc = 1 but for a row the forward's guard rescaled."""
-    rstd = tl.load(RstdRow)
-    mean = rstd * 0.0
-    if not IS_RMS:
-        mean = tl.load(MeanRow)
-    sc = rstd * 0.0 + 1.0
-    if saved_rstd_fail(rstd):
-        sc, mean, rstd = scaled_looped_bwd_stats_inline(X, N, rstd, IS_RMS, BLOCK_N)
-    return mean, rstd, sc
-
-
-@jit
-def _xhat(X, cols, ok, mean, rstd, sc, acc_t: tl.constexpr):
-    x = tl.load(X + cols, mask=ok, other=0.0).to(acc_t) * sc
-    return tl.where(ok, (x - mean) * rstd, 0.0)
-
-
-@jit
-def _dnorm(g, xhat, c1, c2, rstd, up1, up2, IS_RMS: tl.constexpr):
-    if IS_RMS:
-        d = (g - xhat * c1) * rstd
-    else:
-        d = (g - c2 - xhat * c1) * rstd
-    return d * up1 * up2  # the true size last
 
 
 @jit
 def _n2_context(DO2, H, W2, MeanRow, RstdRow, N, acc_t: tl.constexpr, HAS_W2: tl.constexpr, ZC2: tl.constexpr,
                 IS_RMS2: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """What t's tiles need of N2 for one row: (mean_s, rstd_s, sc, down = 2^-e2, c1, c2, up1, up2, bad), bad > 0
-    where dout2, h or w2 holds an inf or NaN."""
-    mean, rstd, sc = _stats(H, MeanRow, RstdRow, N, IS_RMS2, BLOCK_N)
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    wmax = tl.zeros([BLOCK_N], dtype=acc_t)
-    bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        d = tl.load(DO2 + cols, mask=ok, other=0.0).to(acc_t)
-        bad = tl.maximum(bad, tl.maximum(nonfinite(d), nonfinite(tl.load(H + cols, mask=ok, other=0.0).to(acc_t))))
-        amax = tl.maximum(amax, tl.abs(d))
-        if HAS_W2:
-            w = load_weight(W2, cols, ok, acc_t, ZC2)
-            bad = tl.maximum(bad, nonfinite(w))
-            wmax = tl.maximum(wmax, tl.abs(w))
+    where dout2, h or w2 holds an inf or NaN (guard_bwd's pass, up to its last loop)."""
+    mean, rstd, sc = redo_stats(H, MeanRow, RstdRow, N, IS_RMS2, BLOCK_N)
+    bad, amax, wmax = input_scan(DO2, H, W2, N, acc_t, HAS_W2, ZC2, BLOCK_N)
     e = scaled_dout_exponent(tl.max(amax, axis=0), tl.max(wmax, axis=0), HAS_W2)
     down = pow2(-e, acc_t)
-    s1 = tl.zeros([BLOCK_N], dtype=acc_t)
-    s2 = tl.zeros([BLOCK_N], dtype=acc_t)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        g = tl.load(DO2 + cols, mask=ok, other=0.0).to(acc_t) * down
-        if HAS_W2:
-            g = g * load_weight(W2, cols, ok, acc_t, ZC2)
-        xhat = _xhat(H, cols, ok, mean, rstd, sc, acc_t)
-        s1 += g * xhat
-        s2 += g
+    c1, c2 = scaled_row_sums(DO2, H, W2, N, down, mean, rstd, sc, acc_t, HAS_W2, ZC2, BLOCK_N)
     up1, up2 = size_factors(e + exponent_of(sc), acc_t)
-    return mean, rstd, sc, down, tl.sum(s1, axis=0) / N, tl.sum(s2, axis=0) / N, up1, up2, tl.max(bad, axis=0)
+    return mean, rstd, sc, down, c1, c2, up1, up2, tl.max(bad, axis=0)
+
+
+@jit
+def _row_context(DO2, Y, H, W2, Stats, row, M, N, acc_t: tl.constexpr, HAS_DO2: tl.constexpr,
+                 IS_RMS1: tl.constexpr, IS_RMS2: tl.constexpr, HAS_W2: tl.constexpr, ZC2: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """_n2_context's values for one row (neutral ones without dout2: t = dh), then N1's (mean_s, rstd_s, sc)."""
+    one = tl.load(Stats + M + row) * 0.0 + 1.0
+    mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = one * 0.0, one, one, one, one, one, one, one, 0
+    if HAS_DO2:
+        mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = _n2_context(
+            DO2, H, W2, Stats + 2 * M + row, Stats + 3 * M + row, N, acc_t, HAS_W2, ZC2, IS_RMS2, BLOCK_N
+        )
+    mean1, rstd1, sc1 = redo_stats(Y, Stats + row, Stats + M + row, N, IS_RMS1, BLOCK_N)
+    return mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad, mean1, rstd1, sc1
 
 
 @jit
@@ -96,10 +74,8 @@ def _t_tile(DH, DO2, H, W2, cols, ok, mean, rstd, sc, down, c1, c2, up1, up2, ac
     """The gradient reaching h over one tile of a row: dh + N2's gradient (from _n2_context's values)."""
     t = tl.zeros([BLOCK_N], dtype=acc_t)
     if HAS_DO2:
-        g = tl.load(DO2 + cols, mask=ok, other=0.0).to(acc_t) * down
-        if HAS_W2:
-            g = g * load_weight(W2, cols, ok, acc_t, ZC2)
-        t = _dnorm(g, _xhat(H, cols, ok, mean, rstd, sc, acc_t), c1, c2, rstd, up1, up2, IS_RMS2)
+        g, xhat = g_xhat_tile(DO2, H, W2, cols, ok, down, mean, rstd, sc, acc_t, HAS_W2, ZC2)
+        t = dnorm(g, xhat, c1, c2, rstd, up1, up2, IS_RMS2)
     if HAS_DH:
         t += tl.load(DH + cols, mask=ok, other=0.0).to(acc_t)
     return t
@@ -173,28 +149,17 @@ def _redo_row(DH, DO2, Y, H, W1, W2, Stats, row, DY, DRes, M, N, acc_t: tl.const
               ZC1: tl.constexpr, IS_RMS2: tl.constexpr, HAS_W2: tl.constexpr, ZC2: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     """dy and dresidual of one flagged row (pointers at the row), the module docstring's passes."""
-    one = tl.load(Stats + M + row) * 0.0 + 1.0
-    mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = one * 0.0, one, one, one, one, one, one, one, 0
-    if HAS_DO2:
-        mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = _n2_context(
-            DO2, H, W2, Stats + 2 * M + row, Stats + 3 * M + row, N, acc_t, HAS_W2, ZC2, IS_RMS2, BLOCK_N
-        )
-    mean1, rstd1, sc1 = _stats(Y, Stats + row, Stats + M + row, N, IS_RMS1, BLOCK_N)
-    amax = tl.zeros([BLOCK_N], dtype=acc_t)
-    wmax = tl.zeros([BLOCK_N], dtype=acc_t)
-    bad1 = tl.zeros([BLOCK_N], dtype=tl.int32)
+    mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad, mean1, rstd1, sc1 = _row_context(
+        DO2, Y, H, W2, Stats, row, M, N, acc_t, HAS_DO2, IS_RMS1, IS_RMS2, HAS_W2, ZC2, BLOCK_N
+    )
+    amax, wmax, bad1 = scan_start(acc_t, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         t = _t_tile(DH, DO2, H, W2, cols, ok, mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, acc_t, HAS_DH,
                     HAS_DO2, HAS_W2, ZC2, IS_RMS2, BLOCK_N)  # fmt: skip
         y = tl.load(Y + cols, mask=ok, other=0.0).to(acc_t)
-        bad1 = tl.maximum(bad1, tl.maximum(nonfinite(t), nonfinite(y)))
-        amax = tl.maximum(amax, tl.abs(t))
-        if HAS_W1:
-            w = load_weight(W1, cols, ok, acc_t, ZC1)
-            bad1 = tl.maximum(bad1, nonfinite(w))
-            wmax = tl.maximum(wmax, tl.abs(w))
+        bad1, amax, wmax = scan_tile(t, y, W1, cols, ok, bad1, amax, wmax, acc_t, HAS_W1, ZC1)
     if bad + tl.max(bad1, axis=0) == 0:  # else an inf or NaN of the inputs: the plain result stands
         e = scaled_dout_exponent(tl.max(amax, axis=0), tl.max(wmax, axis=0), HAS_W1)
         down = pow2(-e, acc_t)
@@ -205,10 +170,8 @@ def _redo_row(DH, DO2, Y, H, W1, W2, Stats, row, DY, DRes, M, N, acc_t: tl.const
             ok = cols < N
             t = _t_tile(DH, DO2, H, W2, cols, ok, mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, acc_t, HAS_DH,
                         HAS_DO2, HAS_W2, ZC2, IS_RMS2, BLOCK_N)  # fmt: skip
-            g = t * down
-            if HAS_W1:
-                g = g * load_weight(W1, cols, ok, acc_t, ZC1)
-            xhat = _xhat(Y, cols, ok, mean1, rstd1, sc1, acc_t)
+            g = scaled_g(t, down, W1, cols, ok, acc_t, HAS_W1, ZC1)
+            xhat = xhat_tile(Y, cols, ok, mean1, rstd1, sc1, acc_t)
             s1 += g * xhat
             s2 += g
         c1 = tl.sum(s1, axis=0) / N
@@ -219,10 +182,8 @@ def _redo_row(DH, DO2, Y, H, W1, W2, Stats, row, DY, DRes, M, N, acc_t: tl.const
             ok = cols < N
             t = _t_tile(DH, DO2, H, W2, cols, ok, mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, acc_t, HAS_DH,
                         HAS_DO2, HAS_W2, ZC2, IS_RMS2, BLOCK_N)  # fmt: skip
-            g = t * down
-            if HAS_W1:
-                g = g * load_weight(W1, cols, ok, acc_t, ZC1)
-            dy = _dnorm(g, _xhat(Y, cols, ok, mean1, rstd1, sc1, acc_t), c1, c2, rstd1, up1, up2, IS_RMS1)
+            g = scaled_g(t, down, W1, cols, ok, acc_t, HAS_W1, ZC1)
+            dy = dnorm(g, xhat_tile(Y, cols, ok, mean1, rstd1, sc1, acc_t), c1, c2, rstd1, up1, up2, IS_RMS1)
             tl.store(DY + cols, round_to(dy, DY.dtype.element_ty), mask=ok)
             if STORE_DRES:
                 tl.store(DRes + cols, round_to(t, DRes.dtype.element_ty), mask=ok)
@@ -234,20 +195,16 @@ def _dw1_row(DH, DO2, Y, H, W2, Stats, row, DW1, DB1, M, N, acc_t: tl.constexpr,
              CAST1: tl.constexpr, IS_RMS2: tl.constexpr, HAS_W2: tl.constexpr, ZC2: tl.constexpr,
              BLOCK_N: tl.constexpr):  # fmt: skip
     """One row's t * xhat1 and t added to the partial rows at DW1 and DB1 (each column by the thread that wrote it)."""
-    one = tl.load(Stats + M + row) * 0.0 + 1.0
-    mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = one * 0.0, one, one, one, one, one, one, one, 0
-    if HAS_DO2:
-        mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad = _n2_context(
-            DO2, H, W2, Stats + 2 * M + row, Stats + 3 * M + row, N, acc_t, HAS_W2, ZC2, IS_RMS2, BLOCK_N
-        )
-    mean1, rstd1, sc1 = _stats(Y, Stats + row, Stats + M + row, N, IS_RMS1, BLOCK_N)
+    mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, bad, mean1, rstd1, sc1 = _row_context(
+        DO2, Y, H, W2, Stats, row, M, N, acc_t, HAS_DO2, IS_RMS1, IS_RMS2, HAS_W2, ZC2, BLOCK_N
+    )
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
         t = _t_tile(DH, DO2, H, W2, cols, ok, mean2, rstd2, sc2, down2, c1_2, c2_2, up1_2, up2_2, acc_t, HAS_DH,
                     HAS_DO2, HAS_W2, ZC2, IS_RMS2, BLOCK_N)  # fmt: skip
         if HAS_W1:
-            xhat = _xhat(Y, cols, ok, mean1, rstd1, sc1, acc_t)
+            xhat = xhat_tile(Y, cols, ok, mean1, rstd1, sc1, acc_t)
             dw = tl.load(DW1 + cols, mask=ok, other=0.0)
             tl.store(DW1 + cols, dw + dweight_term(t, xhat, CAST1, Y.dtype.element_ty), mask=ok)
         if HAS_B1:
