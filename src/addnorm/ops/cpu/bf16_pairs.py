@@ -23,6 +23,8 @@ an odd value left at the end on the general loop again.
 In ``norm_add_norm`` the norm-add pass stores h without _pack's NaN selects (:func:`_pack_raw`: ~15% of that
 pass): a NaN then keeps its sign. h's statistics, which N2 takes next, are NaN exactly when h holds a NaN, and
 only then :func:`_canonical_nans` makes the row's NaNs 0x7FC0 and the statistics are taken again (the same bits).
+N2's pass stores without the selects too where no NaN can arise: an ordinary row (the guard's test on h's
+statistics) and finite N2 weights and biases (the launch tests them once a call); other rows keep _pack.
 
 While working on row i, the rows a thread does next (y and the residual, ``PREFETCH_ROWS`` ahead) are prefetched
 a cache line at a time between the elementwise blocks: without it each row's passes wait on DRAM in turn, the
@@ -41,7 +43,7 @@ import numpy as np
 from addnorm.ops.cpu.convert import JIT, intrinsic, ir, njit, prange, types, zero_of
 from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
 from addnorm.ops.cpu.norm_add_kernels import _norm_add_row, _norm_add_row_inplace, _norm_add_row_scaled
-from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, row_is_ordinary
 
 __all__ = ["MIN_ELEMENTS", "PREFETCH_ROWS", "fwd_parallel", "fwd_serial", "split_pairs"]
 
@@ -195,7 +197,7 @@ def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, c
 
 
 @njit(inline="always")
-def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub):
+def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub, canon):
     # kernels._normalize_loop, two values a word
     for k in range(k0, k1):
         wh = h[k]
@@ -209,7 +211,10 @@ def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cas
             a, b = a * Wa[k], b * Wb[k]
         if has_b:
             a, b = a + Ba[k], b + Bb[k]
-        o[k] = _pack(a, b)
+        if canon:
+            o[k] = _pack(a, b)
+        else:  # a row where no NaN can arise (_fwd_row says when)
+            o[k] = _pack_raw(a, b)
 
 
 @njit(inline="always")
@@ -222,13 +227,13 @@ def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub
         if add:
             _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
         else:
-            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub)
+            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
         _prefetch(Pa, pa + 2 * k0)
         _prefetch(Pb, pb + 2 * k0)
     if add:
         _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
     else:
-        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub)
+        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
 
 
 @njit(inline="always")
@@ -268,13 +273,12 @@ def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cas
 
 @njit(inline="always")
 def _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
-    # add and canon as constants too: a branch on them in the block loop cost norm_add_ ~4% in cache
-    if add and canon:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, True, Pa, pa, Pb, pb)
-    elif add:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, False, Pa, pa, Pb, pb)
+    # canon as a constant too (add is one where _pairs calls this): a branch on it in the block loop cost norm_add_
+    # ~4% in cache
+    if canon:
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, True, Pa, pa, Pb, pb)
     else:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, False, True, Pa, pa, Pb, pb)
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, False, Pa, pa, Pb, pb)
 
 
 @njit(**JIT)
@@ -282,13 +286,17 @@ def _pairs(
     x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, in_place, canon, Pa, pa, Pb, pb
 ):
     """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
-    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). canon False: the norm-add pass stores NaNs as
-    they come (:func:`_pack_raw`; the caller makes them 0x7FC0). in_place: out is r, passed on as one array
-    (two arrays at one address, LLVM's overlap test fails and it runs the scalar loop: 5x slower)."""
-    if in_place:
-        _kinds(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb)
+    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). canon False: stores without the NaN selects
+    (:func:`_pack_raw`; the norm-add pass's caller makes the NaNs 0x7FC0, the normalize pass's has none). in_place
+    (norm-add only): out is r, passed on as one array (two arrays at one address, LLVM's overlap test fails and it
+    runs the scalar loop: 5x slower). Six variants of the block loop for each flag set: add in place or not, and
+    normalize, each with canon True and False."""
+    if not add:
+        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, False, canon, Pa, pa, Pb, pb)
+    elif in_place:
+        _kinds(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
     else:
-        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb)
+        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -325,9 +333,12 @@ def _words(a, hd, npairs):
 
 
 @njit(**JIT)
-def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf):
+def _fwd_row(
+    i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+):
     # norm_add_kernels._fwd_row's arguments (bf16 rows, fp32 statistics) and D, the weights and biases split into
-    # even and odd elements (split_pairs); rows the pairs do not serve take that module's loops
+    # even and odd elements (split_pairs); rows the pairs do not serve take that module's loops. fin2: N2's weight
+    # and bias are finite (or absent)
     is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
     L = n // 2 + 1
     y = Y[i * sy : i * sy + n]
@@ -373,6 +384,10 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
             _canonical_nans(h, n)
             mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
         Stats[2 * m + i], Stats[3 * m + i] = mean2, rstd2
+        # an ordinary row (the guard's test: rstd2 in [2^-50, 2^50], so the sum of squares is finite, so is every
+        # value of h and of h - mean2, and each |h - mean2| * rstd2 is at most ~sqrt(n)) with finite weights and
+        # biases: no NaN can arise (no inf * 0, no inf - inf), N2's pass stores without the NaN selects
+        canon2 = not (fin2 and row_is_ordinary(mean2, rstd2))
         o2 = O2[i * so2 : i * so2 + n]
         hd = _head(h)
         if k2 != NOT_SCALED:
@@ -389,27 +404,32 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
             h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
             _pairs(
                 h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2,
-                cast2, not is_rms2, False, False, True, R, pr, R, pr,
+                cast2, not is_rms2, False, False, canon2, R, pr, R, pr,
             )  # fmt: skip
             if e < n:
                 normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
 
-# The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs); fp32 statistics only.
+# The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs), pf (PREFETCH_ROWS) and fin2
+# (N2's weight and bias finite: once a call, in the launch); fp32 statistics only.
 @njit(parallel=True, **JIT)
-def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
     zero = zero_of(Stats)
     eps1, eps2 = np.float32(eps1), np.float32(eps2)
     for i in prange(m):
-        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+        _fwd_row(
+            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+        )
 
 
 @njit(**JIT)
-def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
     zero = zero_of(Stats)
     eps1, eps2 = np.float32(eps1), np.float32(eps2)
     for i in range(m):
-        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+        _fwd_row(
+            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+        )
 
 
 def split_pairs(n: int, vectors) -> np.ndarray:
