@@ -235,3 +235,82 @@ def test_calls_the_pairs_do_not_serve_reach_the_general_kernels(monkeypatch, pai
     got = _forward(monkeypatch, 0, y, r, vectors, opts, False, True)
     assert not pairs and got[0][:, 3].isnan().all()
     _same(got, _forward(monkeypatch, OFF, y, r, vectors, opts, False, True), "nan weight")
+
+
+@pytest.mark.parametrize("rms2", [True, False], ids=["rms2", "layernorm2"])
+def test_the_chain_writes_every_nan_of_h_as_0x7fc0(monkeypatch, pairs, rms2):
+    """norm_add_norm's norm-add pass keeps NaNs as they come (bf16_pairs._pack_raw): inf * 0 (a row with an inf,
+    rstd 0) gives x86's negative NaN, 0xFFC0 as bf16, which the fix-up after h's statistics makes 0x7FC0, as every
+    other path writes; rows without NaN are untouched."""
+    g = torch.Generator().manual_seed(7)
+    y, r = _rows(4, 64, "contiguous", g), _rows(4, 64, "contiguous", g)
+    y[1, 3] = float("inf")  # rstd1 0: N1(y) = inf * 0 = NaN at [1, 3], 0 elsewhere
+    r[2, 5] = float("nan")
+    vectors = _vectors(64, g, "w", True, rms2)
+    opts = _opts(True, rms2, False, False, vectors)
+    got = _forward(monkeypatch, 0, y, r, vectors, opts, True, True)
+    assert pairs
+    h = got[0]
+    nan = h.isnan()
+    assert nan.sum() == 2 and nan[1, 3] and nan[2, 5]
+    assert (_bits(h)[nan] == 0x7FC0).all()
+    assert got[2][3, 1].isnan() and got[2][3, 2].isnan() and not got[2][3, [0, 3]].isnan().any()
+    _same(got, _forward(monkeypatch, OFF, y, r, vectors, opts, True, True), "nan in h")
+
+
+def _n2_rows(n, g, layernorm2):
+    """Rows for N2's pass without the NaN selects (bf16_pairs._fwd_row's canon2): ordinary rows, and rows where a
+    NaN arises or stays: NaN in y and in r (h NaN), inf in y (rstd1 0: inf * 0), inf in r (h inf: rstd2 0, inf * 0
+    in N2), a row ~1e30 (h's statistics rescaled by the guard), and a value whose N2 value is 0 at column 2 (RMSNorm:
+    h 0 there; LayerNorm: a constant row). Column n - 2 holds a large value (N2 value ~3 or more)."""
+    y = (torch.randn(8, n, generator=g) * 2).to(torch.bfloat16)
+    r = (torch.randn(8, n, generator=g) * 2).to(torch.bfloat16)
+    r[:, n - 2] = 24
+    y[0, n // 2] = float("nan")
+    r[1, 0] = float("nan")
+    y[2, 1] = float("inf")
+    r[3, 1] = float("inf")
+    r[4] = (torch.randn(n, generator=g) * 1e30).to(torch.bfloat16)
+    if layernorm2:
+        y[5], r[5] = 0, 1  # h = 1 everywhere (N1(0) = 0): h - mean2 = 0
+    else:
+        y[5, 2], r[5, 2] = 0, 0  # h[5, 2] = 0 + N1(0) * w1 = 0
+    return y, r
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "offset"])
+@pytest.mark.parametrize("n", [64, 33])
+@pytest.mark.parametrize("rms2", [True, False], ids=["rms2", "layernorm2"])
+@pytest.mark.parametrize("vector2", ["finite", "inf w2", "-inf b2"])
+def test_n2s_pass_without_the_nan_selects_gives_the_general_bits(monkeypatch, pairs, layout, n, rms2, vector2):
+    """N2's pass stores without the NaN selects only for ordinary rows with finite N2 weights and biases: the rows
+    where a NaN arises (inf * 0 gives x86's negative NaN, 0xFFC0 as bf16) still store it as 0x7FC0, the general
+    kernels' bits; an inf weight times a 0 value, and a -inf bias plus a finite weight's overflow to inf, make a
+    NaN in an ordinary row, so a call with either keeps the selects."""
+    if vector2 == "-inf b2" and rms2:
+        pytest.skip("(RMSNorm has no bias here)")
+    g = torch.Generator().manual_seed(8)
+    y, r = _n2_rows(n, g, not rms2)
+    vectors = list(_vectors(n, g, "w" if rms2 else "w+b", True, rms2))
+    if vector2 == "inf w2":
+        vectors[2][2] = float("inf")
+    elif vector2 == "-inf b2":
+        vectors[2][n - 2], vectors[3][n - 2] = 3e38, float("-inf")
+    for cbw, in_place in itertools.product([False, True], [False, True]):
+        opts = _opts(True, rms2, False, cbw, vectors)
+        want = _forward(monkeypatch, OFF, y, r, vectors, opts, True, in_place, layout)
+        launches = len(pairs)
+        got = _forward(monkeypatch, 0, y, r, vectors, opts, True, in_place, layout)
+        assert len(pairs) == launches + 1
+        _same(got, want, (vector2, cbw, in_place))
+        out2, stats = got[1], got[2]
+        nan = out2.isnan()
+        assert (_bits(out2)[nan] == 0x7FC0).all()
+        assert nan[0].all() and nan[1].all() and nan[3, 1]  # (the inputs did their job: NaN rows, inf * 0)
+        assert 0 < stats[3, 4] < 2**-50  # the ~1e30 row: rescaled (rstd2 beyond the guard's range)
+        if vector2 == "inf w2":
+            assert nan[5, 2] and not nan[6:].any()  # 0 * inf, in an ordinary row
+        elif vector2 == "-inf b2":
+            assert nan[6:, n - 2].all()  # (~3 * 3e38 = inf) + -inf
+        else:
+            assert not nan[4:].any()

@@ -20,6 +20,12 @@ are the rows the pairs do not serve: a row the guard rescaled, and a row whose a
 (strided rows). A row starting at an odd element (odd N) does its first value on the general loop, then pairs, and
 an odd value left at the end on the general loop again.
 
+In ``norm_add_norm`` the norm-add pass stores h without _pack's NaN selects (:func:`_pack_raw`: ~15% of that
+pass): a NaN then keeps its sign. h's statistics, which N2 takes next, are NaN exactly when h holds a NaN, and
+only then :func:`_canonical_nans` makes the row's NaNs 0x7FC0 and the statistics are taken again (the same bits).
+N2's pass stores without the selects too where no NaN can arise: an ordinary row (the guard's test on h's
+statistics) and finite N2 weights and biases (the launch tests them once a call); other rows keep _pack.
+
 While working on row i, the rows a thread does next (y and the residual, ``PREFETCH_ROWS`` ahead) are prefetched
 a cache line at a time between the elementwise blocks: without it each row's passes wait on DRAM in turn, the
 hardware prefetcher restarting at every 4 KB page.
@@ -37,7 +43,7 @@ import numpy as np
 from addnorm.ops.cpu.convert import JIT, intrinsic, ir, njit, prange, types, zero_of
 from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
 from addnorm.ops.cpu.norm_add_kernels import _norm_add_row, _norm_add_row_inplace, _norm_add_row_scaled
-from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats
+from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, row_is_ordinary
 
 __all__ = ["MIN_ELEMENTS", "PREFETCH_ROWS", "fwd_parallel", "fwd_serial", "split_pairs"]
 
@@ -124,6 +130,18 @@ def _pack(typingctx, a, b):
 
 
 @intrinsic
+def _pack_raw(typingctx, a, b):
+    """_pack without its NaN selects: a NaN stays a NaN (_via_bf16 says why) of any sign (module docstring)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.or_(builder.lshr(_rne(builder, args[0], nan=False), _c(16)), _rne(builder, args[1], nan=False))
+
+    return types.uint32(types.float32, types.float32), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, arr, idx):
     """A hint to bring the cache line of arr[idx] in (no load, no fault, no bounds check)."""
     if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
@@ -158,7 +176,7 @@ def _address(typingctx, arr):
 
 
 @njit(inline="always")
-def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub):
+def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub, canon):
     # _norm_add_loop of norm_add_kernels, two values a word: the same operations in the same order
     for k in range(k0, k1):
         wy, wr = y[k], r[k]
@@ -172,11 +190,14 @@ def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, c
             a, b = a * Wa[k], b * Wb[k]
         if has_b:
             a, b = a + Ba[k], b + Bb[k]
-        h[k] = _pack(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
+        if canon:
+            h[k] = _pack(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
+        else:  # NaNs as they come (_pack_raw)
+            h[k] = _pack_raw(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
 
 
 @njit(inline="always")
-def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub):
+def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub, canon):
     # kernels._normalize_loop, two values a word
     for k in range(k0, k1):
         wh = h[k]
@@ -190,73 +211,105 @@ def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cas
             a, b = a * Wa[k], b * Wb[k]
         if has_b:
             a, b = a + Ba[k], b + Bb[k]
-        o[k] = _pack(a, b)
+        if canon:
+            o[k] = _pack(a, b)
+        else:  # a row where no NaN can arise (_fwd_row says when)
+            o[k] = _pack_raw(a, b)
 
 
 @njit(inline="always")
-def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb):
+def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
     # blocks of one cache line per row, each followed by one prefetch of the rows ahead (Pa[pa..], Pb[pb..]); the
     # block loop has a constant trip count with the flags constant: LLVM vectorizes it whole
     nb = npairs // _BLOCK
     for q in range(nb):
         k0 = q * _BLOCK
         if add:
-            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub)
+            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
         else:
-            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub)
+            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
         _prefetch(Pa, pa + 2 * k0)
         _prefetch(Pb, pb + 2 * k0)
     if add:
-        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub)
+        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
     else:
-        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub)
+        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
 
 
 @njit(inline="always")
-def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb):
+def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
     # the flags as constants in each branch (a cast without weight or bias rounds twice: a no-op). sub False
     # (RMSNorm, mean +0.0) skips the subtraction: compiled for the bias-free cases only (RMSNorm's), to keep the
     # variants few
     if has_w and has_b:
         if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, True, add, canon, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, True, add, canon, Pa, pa, Pb, pb)
     elif has_w:
         if cast:
             if sub:
-                _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, True, add, Pa, pa, Pb, pb)
+                _pass(
+                    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, True, add, canon, Pa, pa, Pb, pb
+                )
             else:
-                _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, False, add, Pa, pa, Pb, pb)
+                _pass(
+                    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, False, add, canon, Pa, pa, Pb, pb
+                )
         elif sub:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, True, add, canon, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, False, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, False, add, canon, Pa, pa, Pb, pb)
     elif has_b:
         if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, True, add, canon, Pa, pa, Pb, pb)
         else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, True, add, Pa, pa, Pb, pb)
+            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, True, add, canon, Pa, pa, Pb, pb)
     elif sub:
-        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, True, add, Pa, pa, Pb, pb)
+        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, True, add, canon, Pa, pa, Pb, pb)
     else:
-        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, False, add, Pa, pa, Pb, pb)
+        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, False, add, canon, Pa, pa, Pb, pb)
+
+
+@njit(inline="always")
+def _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
+    # canon as a constant too (add is one where _pairs calls this): a branch on it in the block loop cost norm_add_
+    # ~4% in cache
+    if canon:
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, True, Pa, pa, Pb, pb)
+    else:
+        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, False, Pa, pa, Pb, pb)
 
 
 @njit(**JIT)
-def _pairs(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, in_place, Pa, pa, Pb, pb):
+def _pairs(
+    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, in_place, canon, Pa, pa, Pb, pb
+):
     """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
-    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). in_place: out is r, passed on as one array
-    (two arrays at one address, LLVM's overlap test fails and it runs the scalar loop: 5x slower)."""
-    if in_place:
-        _unswitched(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb)
+    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). canon False: stores without the NaN selects
+    (:func:`_pack_raw`; the norm-add pass's caller makes the NaNs 0x7FC0, the normalize pass's has none). in_place
+    (norm-add only): out is r, passed on as one array (two arrays at one address, LLVM's overlap test fails and it
+    runs the scalar loop: 5x slower). Six variants of the block loop for each flag set: add in place or not, and
+    normalize, each with canon True and False."""
+    if not add:
+        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, False, canon, Pa, pa, Pb, pb)
+    elif in_place:
+        _kinds(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
     else:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, Pa, pa, Pb, pb)
+        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Rows and drivers
 # --------------------------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _canonical_nans(h, n):
+    """Every NaN of bf16 row h (uint16 bits) as 0x7FC0, the NaN every rounded store writes."""
+    for j in range(n):
+        if h[j] & np.uint16(0x7FFF) > np.uint16(0x7F80):
+            h[j] = np.uint16(0x7FC0)
 
 
 @njit(inline="always")
@@ -280,9 +333,12 @@ def _words(a, hd, npairs):
 
 
 @njit(**JIT)
-def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf):
+def _fwd_row(
+    i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+):
     # norm_add_kernels._fwd_row's arguments (bf16 rows, fp32 statistics) and D, the weights and biases split into
-    # even and odd elements (split_pairs); rows the pairs do not serve take that module's loops
+    # even and odd elements (split_pairs); rows the pairs do not serve take that module's loops. fin2: N2's weight
+    # and bias are finite (or absent)
     is_rms1, has_w1, has_b1, cast1, has_norm2, is_rms2, has_w2, has_b2, cast2 = flags
     L = n // 2 + 1
     y = Y[i * sy : i * sy + n]
@@ -318,13 +374,20 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
         h32 = r32 if in_place else _words(h, hd, npairs)
         _pairs(
             y32, r32, h32, Wa, Wb, Ba, Bb, npairs, mean1, rstd1, has_w1, has_b1,
-            cast1, not is_rms1, True, in_place, Y, py, Pb, pb,
+            cast1, not is_rms1, True, in_place, not has_norm2, Y, py, Pb, pb,
         )  # fmt: skip
         if e < n:
             _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
         mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
+        if rstd2 != rstd2 or mean2 != mean2:  # a NaN in h (or inf - inf in a sum): the NaNs the pass kept as they came
+            _canonical_nans(h, n)
+            mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
         Stats[2 * m + i], Stats[3 * m + i] = mean2, rstd2
+        # an ordinary row (the guard's test: rstd2 in [2^-50, 2^50], so the sum of squares is finite, so is every
+        # value of h and of h - mean2, and each |h - mean2| * rstd2 is at most ~sqrt(n)) with finite weights and
+        # biases: no NaN can arise (no inf * 0, no inf - inf), N2's pass stores without the NaN selects
+        canon2 = not (fin2 and row_is_ordinary(mean2, rstd2))
         o2 = O2[i * so2 : i * so2 + n]
         hd = _head(h)
         if k2 != NOT_SCALED:
@@ -341,27 +404,32 @@ def _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, fl
             h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
             _pairs(
                 h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2,
-                cast2, not is_rms2, False, False, R, pr, R, pr,
+                cast2, not is_rms2, False, False, canon2, R, pr, R, pr,
             )  # fmt: skip
             if e < n:
                 normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
 
-# The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs); fp32 statistics only.
+# The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs), pf (PREFETCH_ROWS) and fin2
+# (N2's weight and bias finite: once a call, in the launch); fp32 statistics only.
 @njit(parallel=True, **JIT)
-def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
     zero = zero_of(Stats)
     eps1, eps2 = np.float32(eps1), np.float32(eps2)
     for i in prange(m):
-        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+        _fwd_row(
+            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+        )
 
 
 @njit(**JIT)
-def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf):
+def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
     zero = zero_of(Stats)
     eps1, eps2 = np.float32(eps1), np.float32(eps2)
     for i in range(m):
-        _fwd_row(i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf)
+        _fwd_row(
+            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
+        )
 
 
 def split_pairs(n: int, vectors) -> np.ndarray:
