@@ -70,6 +70,10 @@ class _Layer(nn.Module):
         if self.kind == "scaled-branch":
             x = x + f(n1(x)) * 0.25
             return x + g(n2(x)) * 0.25
+        if self.kind == "pre-via-lists":  # branches that end in stack / cat (a reference selective scan): still pre
+            x = x + torch.stack([t.squeeze(-1) for t in f(n1(x)).split(1, dim=-1)], dim=-1)
+            h = n2(x)
+            return x + torch.cat([g(h)[..., :5], g(h)[..., 5:]], dim=-1)
         if self.kind == "none":
             x = x + f(x)
             return x + g(x)
@@ -104,6 +108,7 @@ def _analyse(model):
         ("parallel", "parallel", ["parallel"]),
         ("parallel-two-adds", "parallel", ["pre", "parallel"]),
         ("pre-moe", "pre", ["pre", "pre"]),
+        ("pre-via-lists", "pre", ["pre", "pre"]),
         ("pre-then-post", "mixed", ["pre", "post"]),
         ("deepnorm", "post", ["post", "post"]),
         ("none", "none", ["none", "none"]),

@@ -93,13 +93,26 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.active and not self.muted:
-            tensors = [a for a in args if isinstance(a, Tensor)]
+            tensors = _tensors_in(args) + _tensors_in((kwargs or {}).values())
             scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
             outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, Tensor)]
             if _op_name(func) in ("add_", "mul_", "div_", "copy_"):  # in place: the result is the first argument
                 outs = tensors[:1]
             self.events.append(_Event("op", _op_name(func), tensors, outs, scalars))
         return out
+
+
+def _tensors_in(values) -> list[Tensor]:
+    """The tensors among an op's arguments, in order, including those inside lists (``cat``, ``stack`` and
+    ``index_put`` take theirs as one list argument: a branch that runs through one must keep its dependencies, or it
+    reads as not depending on the stream: transformers 5.25's reference selective scan ends in a ``stack``)."""
+    found: list[Tensor] = []
+    for a in values:
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += [t for t in a if isinstance(t, Tensor)]
+    return found
 
 
 def _first_input(args: tuple, kwargs: dict) -> Tensor | None:
