@@ -3,7 +3,8 @@ REV against the working tree's, alternating, at 4096 x 4096 bf16 RMSNorm in plac
 Usage: python benchmarks/ab_bf16_pairs_rev.py REV ROUNDS dram|cache
 dram: % of torch.add(out=) measured in the same round (norm_add_norm_ credited 4 row transfers against 3), best of
 10 per variant per round. cache: compute per row with the data in cache, one thread, the difference of 40-row and
-8-row calls (launch overhead cancels), best of 200."""
+8-row calls (launch overhead cancels), best of 200. Only bf16_pairs.py is taken from REV: what it imports
+(bf16_words.py, the general kernels) is the working tree's on both sides."""
 
 import importlib.util
 import os

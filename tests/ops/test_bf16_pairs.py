@@ -222,7 +222,7 @@ def test_the_size_threshold(monkeypatch, pairs):
 
 def test_calls_the_pairs_do_not_serve_reach_the_general_kernels(monkeypatch, pairs):
     """A residual of another dtype (h is fp32), and a NaN weight (fp32, whose low bits the pairs' intermediate
-    rounding could carry into the exponent: bf16_pairs._via_bf16): the general kernels, their bits."""
+    rounding could carry into the exponent: bf16_words.via_bf16): the general kernels, their bits."""
     g = torch.Generator().manual_seed(6)
     y, r = _rows(4, 40, "contiguous", g), _rows(4, 40, "contiguous", g)
     w = torch.randn(40, generator=g)
@@ -239,7 +239,7 @@ def test_calls_the_pairs_do_not_serve_reach_the_general_kernels(monkeypatch, pai
 
 @pytest.mark.parametrize("rms2", [True, False], ids=["rms2", "layernorm2"])
 def test_the_chain_writes_every_nan_of_h_as_0x7fc0(monkeypatch, pairs, rms2):
-    """norm_add_norm's norm-add pass keeps NaNs as they come (bf16_pairs._pack_raw): inf * 0 (a row with an inf,
+    """norm_add_norm's norm-add pass keeps NaNs as they come (bf16_words.pack_raw): inf * 0 (a row with an inf,
     rstd 0) gives x86's negative NaN, 0xFFC0 as bf16, which the fix-up after h's statistics makes 0x7FC0, as every
     other path writes; rows without NaN are untouched."""
     g = torch.Generator().manual_seed(7)

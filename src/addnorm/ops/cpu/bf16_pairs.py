@@ -20,11 +20,11 @@ are the rows the pairs do not serve: a row the guard rescaled, and a row whose a
 (strided rows). A row starting at an odd element (odd N) does its first value on the general loop, then pairs, and
 an odd value left at the end on the general loop again.
 
-In ``norm_add_norm`` the norm-add pass stores h without _pack's NaN selects (:func:`_pack_raw`: ~15% of that
+In ``norm_add_norm`` the norm-add pass stores h without pack's NaN selects (:func:`pack_raw`: ~15% of that
 pass): a NaN then keeps its sign. h's statistics, which N2 takes next, are NaN exactly when h holds a NaN, and
 only then :func:`_canonical_nans` makes the row's NaNs 0x7FC0 and the statistics are taken again (the same bits).
 N2's pass stores without the selects too where no NaN can arise: an ordinary row (the guard's test on h's
-statistics) and finite N2 weights and biases (the launch tests them once a call); other rows keep _pack.
+statistics) and finite N2 weights and biases (the launch tests them once a call); other rows keep pack.
 
 While working on row i, the rows a thread does next (y and the residual, ``PREFETCH_ROWS`` ahead) are prefetched
 a cache line at a time between the elementwise blocks: without it each row's passes wait on DRAM in turn, the
@@ -32,15 +32,17 @@ hardware prefetcher restarting at every 4 KB page.
 
 The launch (:mod:`addnorm.ops.cpu.norm_add_launch`) takes this path for bf16 y, residual, h (and out2) with fp32
 statistics and at least ``MIN_ELEMENTS`` values; smaller calls (decode) keep the general kernels.
-tests/ops/test_bf16_pairs.py compares the two bit for bit. After editing this file delete its ``__pycache__``
-entries (*.nbi, *.nbc), as for the other kernel files.
+tests/ops/test_bf16_pairs.py compares the two bit for bit. The word-level pieces (unpacking a word, rounding and
+packing two values, the prefetch hint) are LLVM IR in :mod:`addnorm.ops.cpu.bf16_words`. After editing this file or
+that one delete this file's ``__pycache__`` entries (*.nbi, *.nbc), as for the other kernel files.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from addnorm.ops.cpu.convert import JIT, intrinsic, ir, njit, prange, types, zero_of
+from addnorm.ops.cpu.bf16_words import address, hi, lo, pack, pack_raw, prefetch, via_bf16
+from addnorm.ops.cpu.convert import JIT, njit, prange, zero_of
 from addnorm.ops.cpu.kernels import normalize_row, normalize_row_scaled
 from addnorm.ops.cpu.norm_add_kernels import _norm_add_row, _norm_add_row_inplace, _norm_add_row_scaled
 from addnorm.ops.cpu.stats import NOT_SCALED, guarded_row_stats, row_is_ordinary
@@ -55,122 +57,6 @@ PREFETCH_ROWS = 2
 _BLOCK = 16
 
 # --------------------------------------------------------------------------------------------------------------
-# Register-level pieces: LLVM IR, so that everything stays in 32-bit lanes (numba widens small ints to int64)
-# --------------------------------------------------------------------------------------------------------------
-
-_I32 = ir.IntType(32) if ir is not None else None
-
-
-def _c(v):
-    return ir.Constant(_I32, v)
-
-
-@intrinsic
-def _lo(typingctx, w):
-    """The float32 of a word's low bf16 (the pair's first value)."""
-    if w != types.uint32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.shl(args[0], _c(16)), ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _hi(typingctx, w):
-    """The float32 of a word's high bf16 (the pair's second value)."""
-    if w != types.uint32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.and_(args[0], _c(0xFFFF0000)), ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-def _rne(builder, v, nan=True):
-    """float32 v rounded to bf16, in the high half of an i32 (low half zero): convert.py's _f32_to_bf16. nan=False
-    leaves out its NaN select (see _via_bf16)."""
-    u = builder.bitcast(v, _I32)
-    lsb = builder.and_(builder.lshr(u, _c(16)), _c(1))
-    rounded = builder.and_(builder.add(u, builder.add(lsb, _c(0x7FFF))), _c(0xFFFF0000))
-    if not nan:
-        return rounded
-    return builder.select(builder.fcmp_unordered("uno", v, v), _c(0x7FC00000), rounded)
-
-
-@intrinsic
-def _via_bf16(typingctx, v):
-    """float32 v rounded to bf16 and back: convert.py's ``round_as`` for a bf16 array, except that a NaN keeps its
-    own bits rather than becoming 0x7FC00000. Only on values that end in a rounded store, where any NaN becomes
-    0x7FC0: what matters is that a NaN stays a NaN, and rounding keeps every NaN whose low 16 bits are 0 as it is
-    (no carry into the exponent). The only NaNs in these passes are bf16 values (low bits 0), the NaN the FPU makes
-    (0xFFC00000) and NaNs of fp32 weights or biases: the launch sends calls with a NaN weight or bias to the
-    general kernels. (One select less on each value: ~10% of the pass.)"""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(_rne(builder, args[0], nan=False), ir.FloatType())
-
-    return types.float32(types.float32), codegen
-
-
-@intrinsic
-def _pack(typingctx, a, b):
-    """The word of two float32 values each rounded to bf16: a in the low half, b in the high."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.or_(builder.lshr(_rne(builder, args[0]), _c(16)), _rne(builder, args[1]))
-
-    return types.uint32(types.float32, types.float32), codegen
-
-
-@intrinsic
-def _pack_raw(typingctx, a, b):
-    """_pack without its NaN selects: a NaN stays a NaN (_via_bf16 says why) of any sign (module docstring)."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.or_(builder.lshr(_rne(builder, args[0], nan=False), _c(16)), _rne(builder, args[1], nan=False))
-
-    return types.uint32(types.float32, types.float32), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """A hint to bring the cache line of arr[idx] in (no load, no fault, no bounds check)."""
-    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        p = builder.bitcast(builder.gep(a.data, [args[1]]), ir.IntType(8).as_pointer())
-        name = "llvm.prefetch.p0" if getattr(p.type, "is_opaque", False) else "llvm.prefetch.p0i8"
-        fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32]))
-        builder.call(fn, [p, _c(0), _c(3), _c(1)])  # read, keep in all levels, data cache
-        return context.get_dummy_value()
-
-    return types.void(arr, idx), codegen
-
-
-@intrinsic
-def _address(typingctx, arr):
-    """The address of an array's first element, for the alignment test."""
-    if not isinstance(arr, types.Array):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
-
-    return types.uint64(arr), codegen
-
-
-# --------------------------------------------------------------------------------------------------------------
 # The elementwise passes over pairs
 # --------------------------------------------------------------------------------------------------------------
 
@@ -181,19 +67,19 @@ def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, c
     for k in range(k0, k1):
         wy, wr = y[k], r[k]
         if sub:
-            a, b = (_lo(wy) - mean) * rstd, (_hi(wy) - mean) * rstd
+            a, b = (lo(wy) - mean) * rstd, (hi(wy) - mean) * rstd
         else:  # RMSNorm: mean is +0.0 and v - 0.0 is v, bit for bit (-0.0 included; a NaN stays a NaN)
-            a, b = _lo(wy) * rstd, _hi(wy) * rstd
+            a, b = lo(wy) * rstd, hi(wy) * rstd
         if cast:
-            a, b = _via_bf16(a), _via_bf16(b)
+            a, b = via_bf16(a), via_bf16(b)
         if has_w:
             a, b = a * Wa[k], b * Wb[k]
         if has_b:
             a, b = a + Ba[k], b + Bb[k]
         if canon:
-            h[k] = _pack(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
-        else:  # NaNs as they come (_pack_raw)
-            h[k] = _pack_raw(_via_bf16(a) + _lo(wr), _via_bf16(b) + _hi(wr))
+            h[k] = pack(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
+        else:  # NaNs as they come (pack_raw)
+            h[k] = pack_raw(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
 
 
 @njit(inline="always")
@@ -202,19 +88,19 @@ def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cas
     for k in range(k0, k1):
         wh = h[k]
         if sub:
-            a, b = (_lo(wh) - mean) * rstd, (_hi(wh) - mean) * rstd
+            a, b = (lo(wh) - mean) * rstd, (hi(wh) - mean) * rstd
         else:
-            a, b = _lo(wh) * rstd, _hi(wh) * rstd
+            a, b = lo(wh) * rstd, hi(wh) * rstd
         if cast:
-            a, b = _via_bf16(a), _via_bf16(b)
+            a, b = via_bf16(a), via_bf16(b)
         if has_w:
             a, b = a * Wa[k], b * Wb[k]
         if has_b:
             a, b = a + Ba[k], b + Bb[k]
         if canon:
-            o[k] = _pack(a, b)
+            o[k] = pack(a, b)
         else:  # a row where no NaN can arise (_fwd_row says when)
-            o[k] = _pack_raw(a, b)
+            o[k] = pack_raw(a, b)
 
 
 @njit(inline="always")
@@ -228,8 +114,8 @@ def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub
             _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
         else:
             _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
-        _prefetch(Pa, pa + 2 * k0)
-        _prefetch(Pb, pb + 2 * k0)
+        prefetch(Pa, pa + 2 * k0)
+        prefetch(Pb, pb + 2 * k0)
     if add:
         _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
     else:
@@ -287,7 +173,7 @@ def _pairs(
 ):
     """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
     (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). canon False: stores without the NaN selects
-    (:func:`_pack_raw`; the norm-add pass's caller makes the NaNs 0x7FC0, the normalize pass's has none). in_place
+    (:func:`pack_raw`; the norm-add pass's caller makes the NaNs 0x7FC0, the normalize pass's has none). in_place
     (norm-add only): out is r, passed on as one array (two arrays at one address, LLVM's overlap test fails and it
     runs the scalar loop: 5x slower). Six variants of the block loop for each flag set: add in place or not, and
     normalize, each with canon True and False."""
@@ -315,7 +201,7 @@ def _canonical_nans(h, n):
 @njit(inline="always")
 def _head(a):
     """1 when a's first value is the high half of a 4-byte word (the pairs start at its second value), else 0."""
-    return np.int64((_address(a) >> np.uint64(1)) & np.uint64(1))
+    return np.int64((address(a) >> np.uint64(1)) & np.uint64(1))
 
 
 @njit(inline="always")

@@ -80,7 +80,7 @@ def forward_into(h, out2, stats, y, residual, w1, b1, w2, b2, *, has_norm2, **op
     kernels = K
     if m * n >= P.MIN_ELEMENTS and _all_bf16(y, residual, h, out2) and sd == torch.float32:
         D = P.split_pairs(n, (W1, B1, W2, B2))
-        if not np.isnan(D).any():  # (a NaN weight or bias: the general kernels, bf16_pairs._via_bf16 says why)
+        if not np.isnan(D).any():  # (a NaN weight or bias: the general kernels, bf16_words.via_bf16 says why)
             kernels = P  # bf16 pairs (bf16_pairs.py): the same bits, the elementwise passes two values a word
             fin2 = all(v is None or bool(np.isfinite(v).all()) for v in (W2, B2))  # (an inf weight * 0: a NaN)
             args = (*args[:12], D, *args[12:], P.PREFETCH_ROWS, fin2)
