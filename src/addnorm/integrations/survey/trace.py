@@ -14,8 +14,11 @@ output is the next version of the stream. Each residual add (a *sublayer*) is th
     parallel       the branch does not read the stream version it is added to (it read an earlier one with
                    another branch), or is the sum of an attention branch and another one           x + F(N(x)) + G(N(x))
     none           no norm involved
+    unknown        the branch reads no stream version at all: its dataflow left the recorded ops (a value
+                   that went through numpy or a kernel outside PyTorch's dispatcher), so nothing can be said
 
-A layer whose sublayers differ (Mix-LN style, or pre for attention and post for the MLP) is ``mixed``. Residual
+A layer whose sublayers differ (Mix-LN style, or pre for attention and post for the MLP) is ``mixed``, one with an
+``unknown`` sublayer is ``unknown``. Residual
 scaling is a scalar multiple on the skip operand (``skip*a``) or the branch (``branch*b``); a vector multiple of the
 branch (LayerScale) is ``branch*vector``.
 """
@@ -229,6 +232,7 @@ class Sublayer:
     post: bool = False  # the stream is normalized right after this add
     branch_norm: bool = False  # the branch operand is a norm's output
     parallel: bool = False
+    untraced: bool = False  # the branch depends on no stream version: its dataflow was lost, not parallel
     skip_scale: float | None = None
     branch_scale: float | str | None = None  # a scalar, or "vector" (LayerScale)
     stream_norms: list = field(default_factory=list)  # paths of the norms that read the stream for this branch
@@ -236,6 +240,8 @@ class Sublayer:
 
     @property
     def label(self) -> str:
+        if self.untraced:
+            return "unknown"
         if self.parallel:
             return "parallel"
         if self.pre and self.post:
@@ -262,7 +268,7 @@ class LayerTrace:
     @property
     def label(self) -> str:
         labels = [s.label for s in self.sublayers]
-        if not labels:
+        if not labels or "unknown" in labels:
             return "unknown"
         if "parallel" in labels:
             return "parallel"
@@ -413,6 +419,7 @@ def _analyse_layer(events: list[_Event]) -> LayerTrace:
             if bn is not None and bn[1] is None:
                 sub.branch_norm, sub.branch_norms = True, [bn[0]]
             sub.parallel = ("v", cur) not in bdeps or br_root in sums or id(branch) in sums
+            sub.untraced = not any(k == "v" for k, *_ in bdeps)
             if skip_normed:  # a post-norm layer: the branch read the normalized stream, not a norm of its own
                 sub.parallel = sub.parallel and not any(k == "n" and r[1] == cur for k, *r in bdeps)
             subs.append(sub)
