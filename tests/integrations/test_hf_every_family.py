@@ -133,8 +133,11 @@ GENERATE_FAILS_UNPATCHED = {
     "nemotron_h": _LINEAR_CACHE,
     "zamba": _LINEAR_CACHE,
     "rwkv": "its generate() sizes a state by the published width (4096), not the tiny config's",
+    # its layers run in H and L cycles, each cycle's calls at cache slots past the last layer's: the cache has
+    # config.num_hidden_layers slots, which the tiny config sets to its 2 layers, not layers x cycles
+    "hrm_text": "the tiny config's num_hidden_layers is fewer than the cache slots its H/L cycles write",
 }
-MAX_GENERATE_SKIPS = 9
+MAX_GENERATE_SKIPS = 10
 
 
 def _fused_calls(model) -> set[str]:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from addnorm.integrations.hf.handoff import _NEXT, _READY, _checkpointed, _hooked, _state, count_fused_run, fusable
-from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm
+from addnorm.integrations.hf.norms import AnyWidthRMSNorm, CastBeforeWeightRMSNorm, HFRMSNorm
 from addnorm.nn.norms import LayerNorm, RMSNorm
 from addnorm.ops.norm_add import norm_add as _norm_add_op
 from addnorm.ops.norm_add import norm_add_norm as _norm_add_norm_op
@@ -39,7 +39,7 @@ from addnorm.ops.norm_add import norm_add_norm as _norm_add_norm_op
 __all__ = ["norm_add", "norm_add_handoff", "norm_add_norm"]
 
 # what the ops' arguments describe; a subclass may form its gain otherwise (OnePlusWeightLayerNorm: weight + 1)
-_PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm)
+_PLAIN_NORMS = (LayerNorm, RMSNorm, HFRMSNorm, CastBeforeWeightRMSNorm, AnyWidthRMSNorm)
 
 
 def _plain(norm: nn.Module, x: Tensor, called: bool = False) -> bool:

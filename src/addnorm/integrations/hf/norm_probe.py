@@ -37,8 +37,9 @@ class NormInfo:
     zero_centered_weight: bool
     weight: bool
     bias: bool
-    width: int
+    width: int | None  # None: a parameter-free norm of whatever last dim it gets
     # "layernorm" | "layernorm-one-plus-weight" | "rmsnorm" | "rmsnorm-cast-before-weight" | "rmsnorm-zero-centered"
+    # | "rmsnorm-any-width"
     addnorm: str | None
 
 
@@ -63,9 +64,14 @@ def _width(m: nn.Module) -> int | None:
     return None
 
 
+# the width a parameter-free module without normalized_shape is probed at (it must normalize any width alike)
+_ANY_WIDTH = 48
+
+
 def is_candidate(m: nn.Module) -> bool:
-    """A leaf module with one or two same-width vector parameters (weight, bias), or none and a normalized_shape."""
-    return next(m.children(), None) is None and _vectors(m) is not None and _width(m) is not None
+    """A leaf module with one or two same-width vector parameters (weight, bias), or none (a normalized_shape gives
+    its width; without one it is probed at a width of its own choosing and must work at any)."""
+    return next(m.children(), None) is None and _vectors(m) is not None
 
 
 def _attr_eps(m: nn.Module) -> float | None:
@@ -122,10 +128,17 @@ def _formula(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | Non
 
 def make_addnorm(m: nn.Module, info: NormInfo, device="meta") -> nn.Module:
     """The addnorm module that reproduces ``m`` (per ``info.addnorm``), holding ``m``'s very Parameters."""
-    from addnorm.integrations.hf.norms import CastBeforeWeightRMSNorm, HFRMSNorm, OnePlusWeightLayerNorm
+    from addnorm.integrations.hf.norms import (
+        AnyWidthRMSNorm,
+        CastBeforeWeightRMSNorm,
+        HFRMSNorm,
+        OnePlusWeightLayerNorm,
+    )
     from addnorm.nn.norms import LayerNorm
 
     n, eps = info.width, info.eps
+    if info.addnorm == "rmsnorm-any-width":
+        return AnyWidthRMSNorm(eps=eps, device=device)
     if info.addnorm == "layernorm":
         new = LayerNorm(n, eps=eps, elementwise_affine=info.weight, bias=info.bias, device=device)
     elif info.addnorm == "layernorm-one-plus-weight":
@@ -179,7 +192,7 @@ def probe(m: nn.Module) -> NormInfo | None:
     if not is_candidate(m):
         return None
     params = _vectors(m)
-    n = _width(m)
+    n = _width(m)  # None: no parameter and no normalized_shape, a norm of any width (nanochat's RMSNorm)
     # instances of one class may compute different things (ConvNeXt's LayerNorm: data_format channels_last or
     # channels_first), so the key holds the instance's plain attributes, not only its class
     plain = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, tuple))))
@@ -188,7 +201,7 @@ def probe(m: nn.Module) -> NormInfo | None:
         return _CACHE[key]
     info = None
     try:
-        info = _probe(m, params, n)
+        info = _probe(m, params, n) if n is not None else _probe_any_width(m)
     except Exception:  # noqa: BLE001 - the module is not a norm we can run alone
         info = None
     _CACHE[key] = info
@@ -225,6 +238,23 @@ def _probe(m: nn.Module, params: dict, n: int) -> NormInfo | None:
                 draft = NormInfo(kind=kind, eps=eps, zero_centered_weight=zc, weight=w, bias=b, width=n, addnorm=None)
                 return _with_addnorm(unit, draft, x)
     return None
+
+
+def _probe_any_width(m: nn.Module) -> NormInfo | None:
+    """A parameter-free module with no width of its own: probed at two widths, it must compute the same norm at
+    both (an RMSNorm over whatever last dim it gets); ``width`` None and only the any-width RMSNorm reproduces it."""
+    found = [_probe(m, {}, n) for n in (_ANY_WIDTH, _ANY_WIDTH + 7)]
+    if None in found:
+        return None
+    infos = {NormInfo(**{**i.__dict__, "width": None, "addnorm": None}) for i in found}
+    if len(infos) != 1:
+        return None
+    info = infos.pop()
+    if info.kind != "rmsnorm":
+        return info  # (a weightless LayerNorm of any width: none of addnorm's modules is width-free but this one)
+    x = torch.randn(3, 5, _ANY_WIDTH + 3, generator=torch.Generator().manual_seed(1)) * 2 + 0.5
+    candidate = NormInfo(**{**info.__dict__, "addnorm": "rmsnorm-any-width"})
+    return candidate if _exact(copy.deepcopy(m).float().eval().to("cpu"), candidate, x) else info
 
 
 def _with_addnorm(unit: nn.Module, info: NormInfo, x: Tensor) -> NormInfo:

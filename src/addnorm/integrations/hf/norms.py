@@ -7,9 +7,11 @@ import torch
 from torch import Tensor, nn
 
 from addnorm.nn.norms import LayerNorm, RMSNorm
+from addnorm.ops import add_norm as _ops
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 
 __all__ = [
+    "AnyWidthRMSNorm",
     "CastBeforeWeightRMSNorm",
     "HFRMSNorm",
     "OnePlusWeightLayerNorm",
@@ -60,6 +62,28 @@ class CastBeforeWeightRMSNorm(_VarianceEpsilonAlias, RMSNorm):
 
 class HFRMSNorm(_VarianceEpsilonAlias, RMSNorm):
     """addnorm's RMSNorm with ``variance_epsilon``, the name HF code reads, as an alias of ``eps``."""
+
+
+class AnyWidthRMSNorm(HFRMSNorm):
+    """An RMSNorm without a weight over the last dim of any size: ``x * rsqrt(mean(x^2) + eps)`` in fp32, rounded once
+    to x's dtype (nanochat's and HRM's RMSNorm). Those modules have no parameter and no ``normalized_shape`` to read
+    a width from, and one class serves rows of any width; so does this one (``normalized_shape`` is a placeholder
+    ``(1,)``, never checked: the op normalizes whatever last dim it gets and checks that x and the residual agree)."""
+
+    def __init__(self, eps: float | None = None, device=None, dtype=None):
+        super().__init__(1, eps=eps, elementwise_affine=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise ValueError(f"input must be a tensor of at least one dim, got {getattr(x, 'shape', type(x))}")
+        # RMSNorm._forward_rows without its width check: the same op, positionally
+        out, res_out = _ops.run_add_norm(
+            x, residual, None, None, self.eps, True, 0.0, self.residual_dtype, False, False, None, self.backend
+        )
+        return out if residual is None else (out, res_out)
+
+    def extra_repr(self) -> str:
+        return f"any width, eps={self.eps}"
 
 
 class OnePlusWeightLayerNorm(LayerNorm):

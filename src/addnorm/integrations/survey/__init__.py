@@ -120,7 +120,7 @@ def analyse(model, batch) -> dict[str, Any]:
     in_stack = {
         p
         for p, i in norms.info.items()
-        if p.startswith(prefix) and p not in qk and (i is None or i.width == ls[0].width)
+        if p.startswith(prefix) and p not in qk and (i is None or i.width in (None, ls[0].width))
     }
     used = {e.ref for e in events if e.kind == "norm"}
     chosen = sorted((stream_norms | in_stack) & used)
