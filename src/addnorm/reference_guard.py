@@ -95,11 +95,13 @@ def guard_forward(
     w = _effective_weight(weight, zero_centered_weight, torch.float64)
     b = None if bias is None or is_rms else bias.to(torch.float64)
     y = _affine((hs - mean_s) * r, w, b, out.dtype if cast_before_weight else None)
-    out, rstd = out.clone(), rstd.clone()  # (fresh from the oracle, but never write what a caller might hold)
-    out.reshape(-1, n)[rows] = y.to(out.dtype)
+    # copies written by row (views: a write through a reshape that copied would be lost); the oracle's tensors are
+    # fresh, but a caller may hold them
+    out, rstd = out.clone(memory_format=torch.contiguous_format), rstd.clone(memory_format=torch.contiguous_format)
+    out.view(-1, n)[rows] = y.to(out.dtype)
     rstd.view(-1)[rows] = (r * s1 * s2).squeeze(1).to(cd)
     if mean is not None:
-        mean = mean.clone()
+        mean = mean.clone(memory_format=torch.contiguous_format)
         mean.view(-1)[rows] = (mean_s / s1 / s2).squeeze(1).to(cd)
     return out, mean, rstd
 
@@ -167,15 +169,15 @@ def guard_backward(
     if dresidual_out is not None:
         dh = dh + dresidual_out.reshape(-1, n)[rows].double()
     if dres is not None:
-        dres = dres.clone()
-        dres.reshape(-1, n)[rows] = dh.to(dres.dtype)
+        dres = dres.clone(memory_format=torch.contiguous_format)  # (may be dx itself: no rounding separates them)
+        dres.view(-1, n)[rows] = dh.to(dres.dtype)
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, h.shape[0], n, dropout_p, h.device)[rows]
         dh = torch.where(
             keep, dh * dropout_scale(dropout_p, cd), torch.zeros((), dtype=torch.float64, device=dh.device)
         )
-    dx = dx.clone()
-    dx.reshape(-1, n)[rows] = dh.to(x_dtype)
+    dx = dx.clone(memory_format=torch.contiguous_format)
+    dx.view(-1, n)[rows] = dh.to(x_dtype)
     if weight is not None:
         # the oracle's dweight, its terms dout * xhat of these rows taken in float64 (rounded to the statistics
         # dtype, as the sum is); the value the forward rounded xhat to (cast_before_weight) is dout's dtype
