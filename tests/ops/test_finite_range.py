@@ -343,6 +343,29 @@ def test_few_wide_rows(backend, is_rms):
     _check(backend, x, torch.zeros_like(x), w, b, eps=0.0, is_rms=is_rms, g=g)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_float64_rows_beyond_float64_statistics(backend, is_rms):
+    """fp64 statistics have a guard of their own (GUARD_LIMITS[float64]): subnormal fp64 rows (1e-310, the scale
+    2^k of the pass up to 2^1075) and rows of 1e300 with eps = 0 normalize as the same row scaled by a power of two
+    into the ordinary range does (exact scalings: the float64 answers agree); with eps = 1e-300 on the subnormal row,
+    eps * 4^k is beyond float64 and eps alone decides: y = h / sqrt(eps)."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(17)
+    u = torch.rand(2, N, generator=g, dtype=torch.float64) * 1.8 - 0.9
+    u[:, 0] = 0.95
+    fn = add_rms_norm if is_rms else add_layer_norm
+    for scale, j in ((1e-310, 1000), (1e300, -1000)):
+        x = u * scale  # (subnormals: a few bits each, the scaling by 2^j below exact all the same)
+        out = fn(x, None, None, eps=0.0, backend=backend)[0]
+        want = fn(x * 2.0**j, None, None, eps=0.0, backend=backend)[0]
+        assert torch.allclose(out, want, rtol=1e-13, atol=0), f"{backend} {scale:g}"
+    if is_rms:
+        x = u * 1e-310
+        out = fn(x, None, None, eps=1e-300, backend=backend)[0]
+        assert torch.allclose(out, x / math.sqrt(1e-300), rtol=1e-13, atol=0), f"{backend} eps dominates"
+
+
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
 def test_reference_backend_keeps_the_oracles_bits_on_ordinary_rows(is_rms):
     """The reference backend's guard (addnorm.reference_guard) patches only the rows it rescues: beside them, every
