@@ -10,14 +10,15 @@ import math
 import pytest
 import torch
 
-from addnorm import add_layer_norm, add_rms_norm
+from addnorm import add_layer_norm, add_layer_norm_, add_rms_norm, add_rms_norm_, norm_add_
 from addnorm.ops import backends
 from addnorm.ops.contract import GUARD_LIMITS, guard_scale_exponent, ordinary_rows
 from addnorm.ops.quant import add_layer_norm_quant, add_rms_norm_quant
 from addnorm.ops.quant.contract import QMAX, min_scale
 
-# the backends under test ("triton" joins at merge time, with TRITON_INTERPRET=1 as in the other tests)
-BACKENDS = ["torch", "cpu"]
+# the backends under test ("triton" joins at merge time, with TRITON_INTERPRET=1 as in the other tests; "reference",
+# the oracle behind the kernel contract, keeps the contract too: addnorm.reference_guard)
+BACKENDS = ["torch", "cpu", "reference"]
 
 # row scales per dtype: each row of a test input is uniform(-1, 1) (plus an offset for some rows) times one scale
 SCALES = {
@@ -303,6 +304,30 @@ def test_inference_calls_on_extreme_rows(backend, dtype, is_rms):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_inplace_ops_on_extreme_rows(backend, dtype, is_rms):
+    """The in-place forms (serving) take the guard too: add_*_norm_ writes the normalized sum into x, norm_add_
+    writes residual + Norm(y), Norm(y) rounded to y's dtype first, into the residual."""
+    _skip_unavailable(backend)
+    x, r = _rows(dtype, seed=13)
+    g = torch.Generator().manual_seed(14)
+    w, b = _affine(N, dtype, g, bias=not is_rms)
+    b = None if is_rms else b
+    xi, ri = x.clone(), r.clone()
+    if is_rms:
+        add_rms_norm_(xi, ri, w, 0.0, backend=backend)
+    else:
+        add_layer_norm_(xi, ri, w, b, 0.0, backend=backend)
+    _, want = _oracle(ri, w, b, eps=0.0, is_rms=is_rms)
+    assert_close64(xi, want, dtype, f"{backend} {'add_rms_norm_' if is_rms else 'add_layer_norm_'}")
+    ri = r.clone()
+    norm_add_(x, ri, w, b, 0.0, norm="rms" if is_rms else "layer", backend=backend)
+    _, normed = _oracle(x, w, b, eps=0.0, is_rms=is_rms)
+    assert_close64(ri, r.double() + normed.detach().to(dtype).double(), dtype, f"{backend} norm_add_")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
 def test_few_wide_rows(backend, is_rms):
     """Two rows of 2^17 (1e30 and 1e-40, fp32): the cpu backward's column-split path (few rows, many elements, more
@@ -316,6 +341,71 @@ def test_few_wide_rows(backend, is_rms):
     x = x.float()
     w, b = _affine(n, torch.float32, g, bias=not is_rms)
     _check(backend, x, torch.zeros_like(x), w, b, eps=0.0, is_rms=is_rms, g=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_float64_rows_beyond_float64_statistics(backend, is_rms):
+    """fp64 statistics have a guard of their own (GUARD_LIMITS[float64]): subnormal fp64 rows (1e-310, the scale
+    2^k of the pass up to 2^1075) and rows of 1e300 with eps = 0 normalize as the same row scaled by a power of two
+    into the ordinary range does (exact scalings: the float64 answers agree); with eps = 1e-300 on the subnormal row,
+    eps * 4^k is beyond float64 and eps alone decides: y = h / sqrt(eps)."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(17)
+    u = torch.rand(2, N, generator=g, dtype=torch.float64) * 1.8 - 0.9
+    u[:, 0] = 0.95
+    fn = add_rms_norm if is_rms else add_layer_norm
+    for scale, j in ((1e-310, 1000), (1e300, -1000)):
+        x = u * scale  # (subnormals: a few bits each, the scaling by 2^j below exact all the same)
+        out = fn(x, None, None, eps=0.0, backend=backend)[0]
+        want = fn(x * 2.0**j, None, None, eps=0.0, backend=backend)[0]
+        assert torch.allclose(out, want, rtol=1e-13, atol=0), f"{backend} {scale:g}"
+    if is_rms:
+        x = u * 1e-310
+        out = fn(x, None, None, eps=1e-300, backend=backend)[0]
+        assert torch.allclose(out, x / math.sqrt(1e-300), rtol=1e-13, atol=0), f"{backend} eps dominates"
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_reference_backend_keeps_the_oracles_bits_on_ordinary_rows(is_rms):
+    """The reference backend's guard (addnorm.reference_guard) patches only the rows it rescues: beside them, every
+    ordinary row's out, saved statistics and gradients are bitwise the plain oracle's (addnorm.reference, which the
+    kernels' ordinary rows are checked against bit for bit), and so is dweight of a batch of ordinary rows; a rescued
+    row saves its float64 statistics rounded to fp32 (rstd inf for the subnormal rows: eps = 0)."""
+    from addnorm import reference_backend
+    from addnorm.reference import add_norm_bwd_ref, add_norm_ref
+
+    x, r = _rows(torch.float32, seed=15)
+    g = torch.Generator().manual_seed(16)
+    w, b = _affine(N, torch.float32, g, bias=not is_rms)
+    opts = dict(eps=0.0, is_rms=is_rms, dropout_p=0.0, residual_dtype=torch.float32, zero_centered_weight=False)
+    plain = add_norm_ref(x, r, w, b, **opts)
+    out, res, mean, rstd = reference_backend.forward(x, r, w, b, seed=None, store_residual_out=True, **opts)
+    ok = ordinary_rows(plain[2], plain[3])
+    assert 0 < int(ok.sum()) < len(ok)
+    assert torch.equal(res, plain[1])
+    assert torch.equal(out[ok], plain[0][ok]) and torch.equal(rstd[ok], plain[3][ok])
+    hd = res[~ok].double()
+    d = hd if is_rms else hd - hd.mean(-1, keepdim=True)
+    assert torch.allclose(rstd[~ok].double(), d.square().mean(-1).rsqrt().float().double(), rtol=2**-23, atol=0)
+    if not is_rms:
+        assert torch.equal(mean[ok], plain[2][ok])
+        assert torch.allclose(mean[~ok].double(), hd.mean(-1).float().double(), rtol=2**-23, atol=0)
+    dout = torch.randn(out.shape, generator=g)
+    bwd = dict(dropout_p=0.0, zero_centered_weight=False, x_dtype=torch.float32, residual_dtype=torch.float32)
+    dx, dres, dw, db = reference_backend.backward(
+        dout, None, res, w, mean, rstd, is_rms=is_rms, seed=None, bias_dtype=None if is_rms else b.dtype, **bwd
+    )
+    want = add_norm_bwd_ref(dout, None, res, w, plain[2], plain[3], bias_dtype=None if is_rms else b.dtype, **bwd)
+    assert not dx.isnan().any()  # (inf in the subnormal rows: their float64 dx is beyond fp32)
+    assert torch.equal(dx[ok], want[0][ok]) and torch.equal(dres[ok], want[1][ok])
+    if not is_rms:
+        assert torch.equal(db, want[3])
+    m, s = None if is_rms else plain[2][ok], plain[3][ok]
+    alone = reference_backend.backward(
+        dout[ok], None, res[ok], w, m, s, is_rms=is_rms, seed=None, bias_dtype=None, **bwd
+    )
+    assert torch.equal(alone[2], add_norm_bwd_ref(dout[ok], None, res[ok], w, m, s, bias_dtype=None, **bwd)[2])
 
 
 # The torch backend's eager test of the statistics (torch_backend._all_ordinary): one row read as values, up to

@@ -2,9 +2,9 @@
 backward overflows fp32, g = dout * w beyond it (dout ~1e30, w ~1e10) or the row sums sum(g), sum(g * xhat) beyond
 it (dout ~1e37 over the row), while every input and the float64 gradient are finite: dx = rstd * (...) is small
 when rstd is (rows ~1e30). Such a row gets the float64 gradient rounded to its dtype (inf where that is beyond the
-dtype's range, never NaN), on the cpu and triton backends (torch: a strict xfail), add_norm (triton: the rows,
-looped and team kernels) and the fused norm_add / norm_add_norm; a genuine inf in dout still propagates, and the
-other rows keep their bits. fp16 cannot get there: with dout and w at most 65504, g stays far inside fp32."""
+dtype's range, never NaN), on the cpu, triton and reference backends (torch: a strict xfail), add_norm (triton:
+the rows, looped and team kernels) and the fused norm_add / norm_add_norm; a genuine inf in dout still propagates,
+and the other rows keep their bits. fp16 cannot get there: with dout and w at most 65504, g stays far inside fp32."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.ops.test_finite_range import _oracle, assert_close64
 # the torch backend runs ATen's backward: an eager check of it cost 15-25 us a call at decode (two gradient hooks and
 # a read of dh; benchmarks/results/finite_guard.md), so it does not rescue these rows
 TORCH_GAP = pytest.mark.xfail(strict=True, reason="the torch backend's (ATen's) backward does not rescue these rows")
-BACKENDS = [pytest.param("torch", marks=TORCH_GAP), "cpu", "triton"]
+BACKENDS = [pytest.param("torch", marks=TORCH_GAP), "cpu", "triton", "reference"]
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 N = 50  # not a power of two
@@ -175,9 +175,9 @@ def test_fused_norm_add_backward_that_overflows_fp32(backend, dtype, is_rms, has
         h.backward(dh)
         hd.backward(dh.double())
     assert torch.isfinite(yd.grad).all() and yd.grad.abs().max() < 1e30
-    # the gradient reaching h is rounded once, to fp32 in the kernels (t), to h's dtype in the torch backend's
-    # composition (as in test_finite_range_norm_add): tolerances relative to the row's largest value
-    loose = 16.0 if backend == "torch" and has_norm2 and dtype != torch.float32 else 1.0
+    # the gradient reaching h is rounded once, to fp32 in the kernels (t), to h's dtype in the torch and reference
+    # backends' composition (as in test_finite_range_norm_add): tolerances relative to the row's largest value
+    loose = 16.0 if backend in ("torch", "reference") and has_norm2 and dtype != torch.float32 else 1.0
     row = yd.grad.abs().amax(-1, keepdim=True)
     assert_close64(yg.grad, yd.grad, dtype, f"{backend} dy", scale=loose * row)
     assert_close64(rg.grad, rd.grad, dtype, f"{backend} dresidual", scale=loose * rd.grad.abs().amax(-1, keepdim=True))
@@ -222,7 +222,7 @@ def test_fused_ordinary_rows_keep_their_bits_and_an_inf_in_dout2_propagates(back
     assert torch.isfinite(dy[:2]).all()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
 @pytest.mark.parametrize("path", ["dresidual", "dropout"])
 def test_rescue_with_dresidual_and_with_dropout(backend, path):
     """The two other places a rescued row is found and written: with a residual that needs a gradient (dresidual
