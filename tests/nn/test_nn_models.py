@@ -106,6 +106,61 @@ def test_bad_configs_raise_clear_errors(overrides, match):
         TransformerConfig(**{**TINY, **overrides})
 
 
+BOOL_FIELDS = [
+    "final_norm",
+    "parallel",
+    "qk_norm",
+    "zero_centered_weight",
+    "tie_embeddings",
+    "bias",
+    "residual_init_scaling",
+    "layernorm_scaling",
+    "embed_norm",
+    "embed_scale",
+    "fuse_add_norm",
+    "record_logits",
+]
+
+
+def test_bool_fields_are_all_listed():
+    # a bool field added later is checked by __post_init__ (from its annotation); list it here too
+    import dataclasses
+
+    annotated = [f.name for f in dataclasses.fields(TransformerConfig) if f.type in ("bool", "bool | None")]
+    assert annotated == BOOL_FIELDS
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1, None])
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+def test_bool_fields_refuse_non_bools(name, value):
+    if value is None and name == "final_norm":  # None: on or off by placement
+        assert TransformerConfig(**TINY, final_norm=None).use_final_norm
+        return
+    # "no" is truthy: accepted, it would turn the option on (final_norm="no" built a final LayerNorm)
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False.*, got {value!r}$"):
+        TransformerConfig(**{**TINY, name: value})
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(placement="mix", mix_ln_fraction=True), r"mix_ln_fraction must be in \[0, 1\], got True"),
+        (dict(dropout=False), r"dropout must be in \[0, 1\), got False"),
+        (dict(init_std=True), "init_std must be a finite number > 0, got True"),
+        (dict(eps=False), "eps must be a finite number >= 0 or None, got False"),
+        (dict(placement="deepnorm", deepnorm_alpha=True), "deepnorm_alpha must be a finite number > 0"),
+        (dict(init_std=math.inf), "init_std must be a finite number > 0, got inf"),
+        (dict(init_std=math.nan), "init_std must be a finite number > 0, got nan"),
+        (dict(eps=math.inf), "eps must be a finite number >= 0 or None, got inf"),
+        (dict(eps=math.nan), "eps must be a finite number >= 0 or None, got nan"),
+    ],
+)
+def test_numeric_fields_refuse_bools_and_non_finite_values(overrides, match):
+    # init_std=inf gave NaN logits; eps=inf passed here and failed later in make_norm
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**{**TINY, **overrides})
+
+
 def test_d_ff_defaults():
     assert TransformerConfig(d_model=64).ffn_dim == 256
     assert TransformerConfig(d_model=64, ffn="swiglu").ffn_dim == 176  # 8/3 * 64 = 170.7, up to a multiple of 8

@@ -105,6 +105,11 @@ def _choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
+def _is_number(value) -> bool:
+    """An int or float, not a bool (bool is an int subclass: ``dropout=False`` or ``alpha=True`` is a mistake)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -159,6 +164,13 @@ class TransformerConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        # bool fields take True/False only: a string such as "no" is truthy and would turn the option on
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", "bool | None"):
+                v = getattr(self, f.name)
+                if not isinstance(v, bool) and not (v is None and f.type == "bool | None"):
+                    must = "True or False" + (" or None" if f.type == "bool | None" else "")
+                    raise TypeError(f"{f.name} must be {must}, got {v!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         for name in ("d_ff", "n_decoder_layers"):
@@ -174,17 +186,17 @@ class TransformerConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.positional == "rope" and self.head_dim % 2:
             raise ValueError(f"positional 'rope' needs an even head dim, got d_model/n_heads = {self.head_dim}")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.init_std, (int, float)) or not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std!r}")
-        if self.eps is not None and (not isinstance(self.eps, (int, float)) or not self.eps >= 0):
-            raise ValueError(f"eps must be a number >= 0 or None, got {self.eps!r}")
-        if not isinstance(self.mix_ln_fraction, (int, float)) or not 0.0 <= self.mix_ln_fraction <= 1.0:
+        if not _is_number(self.init_std) or not math.isfinite(self.init_std) or not self.init_std > 0:
+            raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
+        if self.eps is not None and (not _is_number(self.eps) or not math.isfinite(self.eps) or not self.eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0 or None, got {self.eps!r}")
+        if not _is_number(self.mix_ln_fraction) or not 0.0 <= self.mix_ln_fraction <= 1.0:
             raise ValueError(f"mix_ln_fraction must be in [0, 1], got {self.mix_ln_fraction!r}")
         for name in ("deepnorm_alpha", "deepnorm_beta"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
         if self.zero_centered_weight and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"zero_centered_weight needs norm 'layernorm' or 'rmsnorm', got norm={self.norm!r}")
