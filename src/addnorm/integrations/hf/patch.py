@@ -198,10 +198,12 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
     layer's residual add with the norm after it where the layer's structure allows. In place; returns ``model``.
     Undo with :func:`revert`. See the module docstring for what is recognised, and how.
 
-    A model with no norm that addnorm reproduces raises ``ValueError``. With ``fuse_residual``, a model none of
+    The swapped-in norms take the train/eval mode of the modules they replace. A model with no norm that addnorm
+    reproduces raises ``ValueError``. With ``fuse_residual``, a model none of
     whose layers matches a known structure keeps its layers (its norms are still swapped), with a warning.
 
-    Applying to a model that is already patched raises ``ValueError`` rather than doing nothing: a second call may
+    Applying to a model that is already patched (or holds a patched submodule, or is part of a patched model: the
+    message says which) raises ``ValueError`` rather than doing nothing: a second call may
     ask for another ``fuse_residual``, which a silent no-op would ignore. Check with :func:`is_applied`, or
     :func:`revert` first. The patch is not saved: ``save_pretrained`` writes the usual keys and
     ``from_pretrained`` returns an unpatched model (apply again after loading).
@@ -296,7 +298,8 @@ def fused_layer_classes(model: nn.Module) -> list[str]:
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: the original norm modules (given back the current Parameters) and layer classes.
+    """Undo :func:`apply`: the original norm modules (given back the current Parameters, and the train/eval mode of
+    the modules that stood in for them) and layer classes.
 
     Reverting a model that is not patched (never applied, or already reverted) raises ``ValueError``: it usually
     means the wrong model object (a copy made before ``apply``, or one reloaded with ``from_pretrained``). Guard
