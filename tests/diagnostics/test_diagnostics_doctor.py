@@ -459,7 +459,8 @@ def test_cli_target_that_exits_is_a_load_failure(hostile_file, capsys, factory, 
     code = cli_main(["doctor", f"{hostile_file}:{factory}", "--json"])
     out, err = capsys.readouterr()
     assert code == 2
-    assert out == "" and exit_text in err and "cannot be checked" in err and "Traceback" not in err
+    assert exit_text in err and "cannot be checked" in err and "Traceback" not in err
+    assert json.loads(out)["status"] == "error" and exit_text in json.loads(out)["error"]  # --json: stays JSON
 
 
 def test_cli_target_that_exits_on_import(tmp_path, capsys):

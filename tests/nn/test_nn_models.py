@@ -81,6 +81,50 @@ def test_preset_overrides_and_errors():
         TransformerConfig.preset("gpt2", width=3)
 
 
+# where each preset's eps comes from: a transformers configuration class's default, or (None) torch.nn.LayerNorm's
+PRESET_EPS_SOURCES = {
+    "original": None,
+    "bert": ("BertConfig", "layer_norm_eps"),
+    "gpt2": ("GPT2Config", "layer_norm_epsilon"),
+    "gpt3": ("GPT2Config", "layer_norm_epsilon"),  # built as GPT-2; transformers has no GPT-3 class
+    "palm": None,
+    "llama": ("LlamaConfig", "rms_norm_eps"),
+    "mistral": ("MistralConfig", "rms_norm_eps"),
+    "qwen": ("Qwen2Config", "rms_norm_eps"),
+    "deepseek": ("DeepseekV3Config", "rms_norm_eps"),
+    "gemma": ("GemmaConfig", "rms_norm_eps"),
+    "deepnet": None,
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_eps_is_its_sources_value(name):
+    assert set(PRESET_EPS_SOURCES) == set(PRESETS)
+    eps = TransformerConfig.preset(name).eps
+    source = PRESET_EPS_SOURCES[name]
+    if source is None:
+        assert eps == torch.nn.LayerNorm(4).eps
+        return
+    transformers = pytest.importorskip("transformers")
+    cls, attr = source
+    assert eps == getattr(getattr(transformers, cls)(), attr)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_model_in_bf16_stays_close_to_fp32(name):
+    # with eps=None an RMSNorm's eps is the dtype's epsilon, 7.8e-3 in bf16 against a stream whose mean square is
+    # ~4e-4 at init: the llama preset's bf16 logits were off by ~80% of their scale (gemma's by ~20%)
+    # backend "torch": the eps is the config's, whatever the backend; this avoids compiling bf16 kernels
+    kw = dict(n_layers=2, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16, backend="torch")
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig.preset(name, **kw)).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids)
+        out = model.to(torch.bfloat16)(ids).float()
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 rounding alone: < 1% here
+
+
 # ---------------------------------------------------------------------------------------------------- config
 
 
@@ -102,6 +146,61 @@ def test_preset_overrides_and_errors():
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**{**TINY, **overrides})
+
+
+BOOL_FIELDS = [
+    "final_norm",
+    "parallel",
+    "qk_norm",
+    "zero_centered_weight",
+    "tie_embeddings",
+    "bias",
+    "residual_init_scaling",
+    "layernorm_scaling",
+    "embed_norm",
+    "embed_scale",
+    "fuse_add_norm",
+    "record_logits",
+]
+
+
+def test_bool_fields_are_all_listed():
+    # a bool field added later is checked by __post_init__ (from its annotation); list it here too
+    import dataclasses
+
+    annotated = [f.name for f in dataclasses.fields(TransformerConfig) if f.type in ("bool", "bool | None")]
+    assert annotated == BOOL_FIELDS
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1, None])
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+def test_bool_fields_refuse_non_bools(name, value):
+    if value is None and name == "final_norm":  # None: on or off by placement
+        assert TransformerConfig(**TINY, final_norm=None).use_final_norm
+        return
+    # "no" is truthy: accepted, it would turn the option on (final_norm="no" built a final LayerNorm)
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False.*, got {value!r}$"):
+        TransformerConfig(**{**TINY, name: value})
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(placement="mix", mix_ln_fraction=True), r"mix_ln_fraction must be in \[0, 1\], got True"),
+        (dict(dropout=False), r"dropout must be in \[0, 1\), got False"),
+        (dict(init_std=True), "init_std must be a finite number > 0, got True"),
+        (dict(eps=False), "eps must be a finite number >= 0 or None, got False"),
+        (dict(placement="deepnorm", deepnorm_alpha=True), "deepnorm_alpha must be a finite number > 0"),
+        (dict(init_std=math.inf), "init_std must be a finite number > 0, got inf"),
+        (dict(init_std=math.nan), "init_std must be a finite number > 0, got nan"),
+        (dict(eps=math.inf), "eps must be a finite number >= 0 or None, got inf"),
+        (dict(eps=math.nan), "eps must be a finite number >= 0 or None, got nan"),
+    ],
+)
+def test_numeric_fields_refuse_bools_and_non_finite_values(overrides, match):
+    # init_std=inf gave NaN logits; eps=inf passed here and failed later in make_norm
     with pytest.raises(ValueError, match=match):
         TransformerConfig(**{**TINY, **overrides})
 

@@ -128,6 +128,29 @@ def test_residual_rejects_bad_arguments():
         Residual(nn.Identity(), D, norm="groupnorm")
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("d_model", [-3, 0, True, 8.0, "8"])
+def test_residual_checks_d_model_for_every_placement(placement, d_model):
+    # placements without a norm ("none", "rezero") never reached make_norm's check: d_model=-3 was accepted
+    alpha = 2.0 if placement == "deepnorm" else None
+    with pytest.raises(ValueError, match=rf"^d_model must be a positive int, got {d_model!r}$"):
+        Residual(nn.Identity(), d_model, placement=placement, alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(placement="deepnorm", alpha=True), "alpha must be a finite number > 0, got True"),
+        (dict(dropout=False), r"dropout must be in \[0, 1\), got False"),
+        (dict(norm_output_scale=True), "norm_output_scale must be a finite number, got True"),
+    ],
+)
+def test_residual_refuses_bools_for_numbers(kw, match):
+    # alpha=True was taken as 1 while dropout=True was refused
+    with pytest.raises(ValueError, match=match):
+        Residual(nn.Identity(), D, **kw)
+
+
 @pytest.mark.parametrize("norm", NORM_KINDS)
 def test_residual_works_with_every_norm_kind(norm):
     r = Residual(nn.Linear(D, D), D, placement="sandwich", norm=norm)

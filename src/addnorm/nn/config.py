@@ -15,7 +15,9 @@ Presets follow each family's published block (its paper and reference implementa
     gemma      RMSNorm    pre         sequential   geglu   yes          weight (1 + w), tied, sqrt(d) embed
     deepnet    LayerNorm  deepnorm    sequential   gelu    no           alpha/beta from depth, Xavier init
 
-Presets describe architecture; dropout is a training choice and defaults to 0 everywhere (override it).
+Each preset fixes its norm's eps (1e-12 bert, 1e-6 the RMSNorm families, 1e-5 the others; sources beside PRESETS),
+so it does not follow the dtype as eps=None does for RMSNorm. Presets describe architecture; dropout is a training
+choice and defaults to 0 everywhere (override it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ BACKENDS = ("auto", "torch", "reference", "triton", "cpu")
 
 _LLAMA = dict(norm="rmsnorm", placement="pre", ffn="swiglu", bias=False, positional="rope", tie_embeddings=False)
 
+# Every preset fixes its norm's eps. eps=None would be torch.nn.RMSNorm's default, the dtype's machine epsilon (1.2e-7
+# in fp32, 7.8e-3 in bf16), so a preset model cast to bf16 would compute another function. The values are the defaults
+# of the Hugging Face transformers configuration classes named beside them (checked against transformers 5.25.0;
+# tests/nn/test_nn_models.py compares them where transformers is installed). A family transformers has no class for
+# keeps torch.nn.LayerNorm's default 1e-5, what eps=None gave it (LayerNorm's None is a fixed 1e-5).
+
 # name -> (fields, one-line description)
 PRESETS: dict[str, tuple[dict, str]] = {
     "original": (
@@ -48,19 +56,23 @@ PRESETS: dict[str, tuple[dict, str]] = {
             positional="sinusoidal",
             init="xavier",
             embed_scale=True,
+            eps=1e-5,  # no transformers class; torch.nn.LayerNorm's default
         ),
         "Vaswani et al. 2017: LayerNorm, Post-LN",
     ),
     "bert": (
-        dict(norm="layernorm", placement="post", ffn="gelu", final_norm=False, embed_norm=True),
+        # eps: BertConfig().layer_norm_eps
+        dict(norm="layernorm", placement="post", ffn="gelu", final_norm=False, embed_norm=True, eps=1e-12),
         "BERT 2018: LayerNorm, Post-LN, LayerNorm on the embeddings",
     ),
     "gpt2": (
-        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
+        # eps: GPT2Config().layer_norm_epsilon
+        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True, eps=1e-5),
         "GPT-2 2019: LayerNorm, Pre-LN, final LayerNorm",
     ),
     "gpt3": (
-        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True),
+        # eps: as GPT-2, GPT2Config().layer_norm_epsilon (transformers has no GPT-3 class)
+        dict(norm="layernorm", placement="pre", ffn="gelu", final_norm=True, residual_init_scaling=True, eps=1e-5),
         "GPT-3 2020: as GPT-2",
     ),
     "palm": (
@@ -72,13 +84,16 @@ PRESETS: dict[str, tuple[dict, str]] = {
             parallel=True,
             bias=False,
             positional="rope",
+            eps=1e-5,  # no transformers class; torch.nn.LayerNorm's default
         ),
         "PaLM 2022: LayerNorm, Pre-LN, parallel attention + FFN",
     ),
-    "llama": (dict(_LLAMA, final_norm=True), "LLaMA 2023: RMSNorm, Pre-LN, SwiGLU"),
-    "mistral": (dict(_LLAMA, final_norm=True), "Mistral 2023: as LLaMA"),
-    "qwen": (dict(_LLAMA, final_norm=True), "Qwen 2023: as LLaMA"),
-    "deepseek": (dict(_LLAMA, final_norm=True), "DeepSeek 2024: as LLaMA"),
+    # eps: LlamaConfig().rms_norm_eps, MistralConfig().rms_norm_eps, Qwen2Config().rms_norm_eps,
+    # DeepseekV3Config().rms_norm_eps
+    "llama": (dict(_LLAMA, final_norm=True, eps=1e-6), "LLaMA 2023: RMSNorm, Pre-LN, SwiGLU"),
+    "mistral": (dict(_LLAMA, final_norm=True, eps=1e-6), "Mistral 2023: as LLaMA"),
+    "qwen": (dict(_LLAMA, final_norm=True, eps=1e-6), "Qwen 2023: as LLaMA"),
+    "deepseek": (dict(_LLAMA, final_norm=True, eps=1e-6), "DeepSeek 2024: as LLaMA"),
     "gemma": (
         dict(
             norm="rmsnorm",
@@ -90,11 +105,13 @@ PRESETS: dict[str, tuple[dict, str]] = {
             zero_centered_weight=True,
             tie_embeddings=True,
             embed_scale=True,
+            eps=1e-6,  # GemmaConfig().rms_norm_eps
         ),
         "Gemma 2024: RMSNorm (1 + w), Pre-LN",
     ),
     "deepnet": (
-        dict(norm="layernorm", placement="deepnorm", ffn="gelu", final_norm=False, init="xavier"),
+        # eps: no transformers class; torch.nn.LayerNorm's default
+        dict(norm="layernorm", placement="deepnorm", ffn="gelu", final_norm=False, init="xavier", eps=1e-5),
         "DeepNet 2022: DeepNorm, Norm(alpha x + F(x)), beta-scaled init",
     ),
 }
@@ -103,6 +120,11 @@ PRESETS: dict[str, tuple[dict, str]] = {
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+def _is_number(value) -> bool:
+    """An int or float, not a bool (bool is an int subclass: ``dropout=False`` or ``alpha=True`` is a mistake)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive_int(name: str, value) -> None:
@@ -159,6 +181,13 @@ class TransformerConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        # bool fields take True/False only: a string such as "no" is truthy and would turn the option on
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", "bool | None"):
+                v = getattr(self, f.name)
+                if not isinstance(v, bool) and not (v is None and f.type == "bool | None"):
+                    must = "True or False" + (" or None" if f.type == "bool | None" else "")
+                    raise TypeError(f"{f.name} must be {must}, got {v!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _positive_int(name, getattr(self, name))
         for name in ("d_ff", "n_decoder_layers"):
@@ -174,17 +203,17 @@ class TransformerConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.positional == "rope" and self.head_dim % 2:
             raise ValueError(f"positional 'rope' needs an even head dim, got d_model/n_heads = {self.head_dim}")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.init_std, (int, float)) or not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std!r}")
-        if self.eps is not None and (not isinstance(self.eps, (int, float)) or not self.eps >= 0):
-            raise ValueError(f"eps must be a number >= 0 or None, got {self.eps!r}")
-        if not isinstance(self.mix_ln_fraction, (int, float)) or not 0.0 <= self.mix_ln_fraction <= 1.0:
+        if not _is_number(self.init_std) or not math.isfinite(self.init_std) or not self.init_std > 0:
+            raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
+        if self.eps is not None and (not _is_number(self.eps) or not math.isfinite(self.eps) or not self.eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0 or None, got {self.eps!r}")
+        if not _is_number(self.mix_ln_fraction) or not 0.0 <= self.mix_ln_fraction <= 1.0:
             raise ValueError(f"mix_ln_fraction must be in [0, 1], got {self.mix_ln_fraction!r}")
         for name in ("deepnorm_alpha", "deepnorm_beta"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
         if self.zero_centered_weight and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"zero_centered_weight needs norm 'layernorm' or 'rmsnorm', got norm={self.norm!r}")

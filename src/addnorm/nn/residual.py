@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 
+def _is_number(value) -> bool:
+    """An int or float, not a bool (bool is an int subclass: ``alpha=True`` is a mistake, not 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` would run hooks (its own or global ones) that a direct op call would skip."""
     g = nn.modules.module
@@ -106,7 +111,11 @@ class Residual(nn.Module):
     ):
         super().__init__()
         parts = Placement.named(placement)
-        if not isinstance(norm_output_scale, (int, float)) or not math.isfinite(norm_output_scale):
+        # checked here whatever the placement: make_norm checks it too, but a placement without a norm never calls it
+        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model <= 0:
+            raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        # bool is an int subclass: refuse it for the numbers below, where True or False is a mistake, not 1 or 0
+        if not _is_number(norm_output_scale) or not math.isfinite(norm_output_scale):
             raise ValueError(f"norm_output_scale must be a finite number, got {norm_output_scale!r}")
         if norm_output_scale != 1.0 and not parts.starts_with_norm:
             scaled = ", ".join(n for n in PLACEMENTS if Placement.named(n).starts_with_norm)
@@ -114,7 +123,7 @@ class Residual(nn.Module):
                 f"norm_output_scale scales the norm on the branch's input, which only placements {scaled} have; "
                 f"got placement {placement!r} with scale {norm_output_scale!r}"
             )
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        if not _is_number(dropout) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if parts.scaled_skip:
             if alpha is None:
@@ -122,7 +131,7 @@ class Residual(nn.Module):
                     "placement 'deepnorm' needs alpha (the residual scale); take it from "
                     "deepnorm_coefficients(num_encoder_layers=..., num_decoder_layers=...)"
                 )
-            if not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
                 raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
         elif alpha is not None:
             raise ValueError(f"alpha applies to placement 'deepnorm' only, not to {placement!r}")

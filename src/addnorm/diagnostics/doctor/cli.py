@@ -12,6 +12,10 @@ The doctor executes the user's code by design, so it guards itself against what 
 - Ctrl-C exits 130 with a message, like ``addnorm lab`` and ``addnorm train``.
 
 Exit status: 1 if any finding is an error, 2 if the target could not be loaded or checked, 130 on Ctrl-C, else 0.
+With ``--json`` every one of these exits prints one JSON object on stdout: ``{"findings": [...]}`` (0, 1), else
+``{"findings": [], "error": MESSAGE, "status": "error" | "timeout" | "interrupted", "exit_code": 2 | 130}``, the
+message also on stderr. (A command line argparse refuses, e.g. ``--timeout soon``, exits 2 with its usage message
+only, before the doctor runs.)
 This module imports torch only inside its functions: ``addnorm --help`` registers it without paying for torch.
 """
 
@@ -308,6 +312,17 @@ def _print_traceback(err: BaseException | None) -> None:
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
 
 
+def _failed(args: argparse.Namespace, status: str, message: str, code: int, lead: str = "") -> int:
+    """Exit ``code`` without findings: the message on stderr, and with --json also one JSON object on stdout, so a
+    caller that runs json.loads on stdout gets the reason rather than an empty string. ``status``: "error" (the
+    target could not be loaded or checked), "timeout" or "interrupted"; a report of findings has no "error" key."""
+    print(f"{lead}addnorm doctor: {message}", file=sys.stderr)
+    if args.json:
+        report = {"findings": [], "error": message, "status": status, "exit_code": code}
+        print(json.dumps(report, indent=2), flush=True)
+    return code
+
+
 def _doctor(args: argparse.Namespace) -> int:
     hint = "" if args.traceback else " (--traceback shows where)"
     try:
@@ -316,24 +331,20 @@ def _doctor(args: argparse.Namespace) -> int:
     except TargetError as e:
         if args.traceback:
             _print_traceback(e.__cause__)
-        print(f"addnorm doctor: {e}{hint if e.__cause__ is not None else ''}", file=sys.stderr)
-        return 2
+        return _failed(args, "error", f"{e}{hint if e.__cause__ is not None else ''}", 2)
     except _CheckFailed as e:
         if args.traceback:
             _print_traceback(e.__cause__)
         cause = e.__cause__
-        print(f"addnorm doctor: the checks themselves failed: {type(cause).__name__}: {cause}{hint}", file=sys.stderr)
-        return 2
+        return _failed(args, "error", f"the checks themselves failed: {type(cause).__name__}: {cause}{hint}", 2)
     except DoctorTimeout:
-        print(
-            f"addnorm doctor: the target did not finish loading and checking within --timeout {args.timeout:g} s; "
-            "give a longer --timeout (0: none) or a smaller model",
-            file=sys.stderr,
+        message = (
+            f"the target did not finish loading and checking within --timeout {args.timeout:g} s; "
+            "give a longer --timeout (0: none) or a smaller model"
         )
-        return 2
+        return _failed(args, "timeout", message, 2)
     except KeyboardInterrupt:
-        print("\naddnorm doctor: interrupted", file=sys.stderr)
-        return 130
+        return _failed(args, "interrupted", "interrupted", 130, lead="\n")
     if args.json:
         print(json.dumps({"findings": [f.to_dict() for f in findings]}, indent=2))
     else:
@@ -363,7 +374,12 @@ def register(subparsers) -> None:
         "FACTORY() raised, it called sys.exit, or it ran past --timeout), 130 on Ctrl-C, else 0.",
     )
     p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_batch)")
-    p.add_argument("--json", action="store_true", help='print {"findings": [...]} as JSON')
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"findings": [...]} as JSON; when the target cannot be loaded or checked (exit 2) or on Ctrl-C '
+        '(130): {"findings": [], "error": MESSAGE, "status": "error" (or "timeout", "interrupted"), "exit_code": N}',
+    )
     p.add_argument(
         "--hf-config",
         metavar="CONFIG.json",

@@ -177,6 +177,17 @@ class _Patch:
     fuse_residual: bool = True
 
 
+def _holds_swapped_norm(model: nn.Module) -> bool:
+    """Whether a transformers module in ``model`` holds an addnorm norm, as :func:`apply` leaves it (a model built
+    from addnorm.nn alone, which holds addnorm norms too, has no transformers module)."""
+    for parent in model.modules():
+        cls = type(parent)
+        if from_transformers(cls) or hasattr(cls, "_addnorm_made_from"):  # a transformers class, or its fused one
+            if any(isinstance(child, (LayerNorm, RMSNorm)) for child in parent.children()):
+                return True
+    return False
+
+
 def is_applied(model: nn.Module) -> bool:
     """Whether :func:`apply` has patched ``model`` (and :func:`revert` has not undone it)."""
     return isinstance(getattr(model, _PATCH_ATTR, None), _Patch)
@@ -187,10 +198,12 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
     layer's residual add with the norm after it where the layer's structure allows. In place; returns ``model``.
     Undo with :func:`revert`. See the module docstring for what is recognised, and how.
 
-    A model with no norm that addnorm reproduces raises ``ValueError``. With ``fuse_residual``, a model none of
+    The swapped-in norms take the train/eval mode of the modules they replace. A model with no norm that addnorm
+    reproduces raises ``ValueError``. With ``fuse_residual``, a model none of
     whose layers matches a known structure keeps its layers (its norms are still swapped), with a warning.
 
-    Applying to a model that is already patched raises ``ValueError`` rather than doing nothing: a second call may
+    Applying to a model that is already patched (or holds a patched submodule, or is part of a patched model: the
+    message says which) raises ``ValueError`` rather than doing nothing: a second call may
     ask for another ``fuse_residual``, which a silent no-op would ignore. Check with :func:`is_applied`, or
     :func:`revert` first. The patch is not saved: ``save_pretrained`` writes the usual keys and
     ``from_pretrained`` returns an unpatched model (apply again after loading).
@@ -202,6 +215,14 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
         raise TypeError(f"fuse_residual must be a bool, got {type(fuse_residual).__name__}")
     if is_applied(model):
         raise ValueError("model: addnorm.integrations.hf.apply was already applied; call revert(model) first")
+    # a submodule patched on its own (apply(m.model), then apply(m)): its norms are addnorm's, so without this the
+    # error below would say there is no norm; and a second patch over the first could not be reverted in order
+    inner = next((name for name, m in model.named_modules() if name and is_applied(m)), None)
+    if inner is not None:
+        raise ValueError(
+            f"model: its submodule {inner!r} is already patched by addnorm.integrations.hf.apply; call "
+            f"revert(model.get_submodule({inner!r})) first, then apply(model)"
+        )
     patch = _Patch(fuse_residual=fuse_residual)
 
     # 1. norms. Collect first, then swap, so the module walk never sees a half-patched tree.
@@ -212,12 +233,19 @@ def apply(model: nn.Module, fuse_residual: bool = True) -> nn.Module:
             if info is not None:
                 swaps.append((parent, name, child, info))
     if not swaps:
+        if _holds_swapped_norm(model):
+            # its norms are addnorm's: a model containing this one was patched (apply(m), then apply(m.model))
+            raise ValueError(
+                f"model: {type(model).__name__}'s norms are addnorm's already: it is part of a model that "
+                "addnorm.integrations.hf.apply patched; call revert on that model first"
+            )
         raise ValueError(
             f"model: {type(model).__name__} has no norm module that addnorm reproduces exactly "
             "(LayerNorm, RMSNorm in Llama's or Gemma's cast order); nothing to apply"
         )
     for parent, name, old, info in swaps:
         new = norm_probe.make_addnorm(old, info)
+        new.train(old.training)  # a new module is in train mode; keep the mode the model was in (eval, usually)
         setattr(parent, name, new)
         patch.modules.append((parent, name, old, new))
 
@@ -270,7 +298,8 @@ def fused_layer_classes(model: nn.Module) -> list[str]:
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: the original norm modules (given back the current Parameters) and layer classes.
+    """Undo :func:`apply`: the original norm modules (given back the current Parameters, and the train/eval mode of
+    the modules that stood in for them) and layer classes.
 
     Reverting a model that is not patched (never applied, or already reverted) raises ``ValueError``: it usually
     means the wrong model object (a copy made before ``apply``, or one reloaded with ``from_pretrained``). Guard
@@ -287,6 +316,7 @@ def revert(model: nn.Module) -> nn.Module:
         for pname in ("weight", "bias"):
             if isinstance(getattr(new, pname, None), nn.Parameter):
                 setattr(old, pname, getattr(new, pname))
+        old.train(new.training)  # the mode the model is in now (model.train()/eval() after apply reached the new one)
         setattr(parent, name, old)
     object.__delattr__(model, _PATCH_ATTR)
     return model
