@@ -19,7 +19,16 @@ from torch import Tensor
 
 from addnorm.ops import torch_backend
 from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import AddNormSpec, check_disjoint, default_rms_eps, stats_dtype, validate
+from addnorm.ops.contract import (
+    AddNormSpec,
+    bump_versions,
+    check_disjoint,
+    check_not_written,
+    check_writable,
+    default_rms_eps,
+    stats_dtype,
+    validate,
+)
 from addnorm.ops.fast_path import try_add_norm_
 
 __all__ = ["add_layer_norm_", "add_rms_norm_"]
@@ -52,6 +61,7 @@ def _check_inplace(x, residual, weight, bias) -> None:
     if x is residual:
         raise ValueError(_ALIASED)
     for name, t in (("x", x), ("residual", residual)):
+        check_writable(name, t)
         # an expanded (stride-0) view: writing it would store several results in one element
         if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
             raise ValueError(
@@ -60,6 +70,10 @@ def _check_inplace(x, residual, weight, bias) -> None:
             )
     # two views of one buffer (a serving workspace) are fine when their bytes are disjoint
     check_disjoint("x", x, "residual", residual, "both are written")
+    # a weight or bias inside x's or residual's bytes would be read while the kernels overwrite it
+    check_not_written(
+        (("x", x), ("residual", residual)), (("weight", weight), ("bias", bias)), "it is read while they are written"
+    )
 
 
 _ALIASED = "x and residual must not share memory: both are written"
@@ -82,7 +96,7 @@ def _writable_rows(t: Tensor) -> Tensor | None:
     return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
 
 
-def _inplace_impl(
+def _inplace_run(
     x: Tensor,
     residual: Tensor,
     weight: Tensor | None,
@@ -92,7 +106,9 @@ def _inplace_impl(
     zero_centered_weight: bool,
     cast_before_weight: bool,
     backend: str,
-) -> None:
+) -> bool:
+    """Write the result; True when a kernel wrote x and residual through their data pointers (PyTorch's version
+    counters not bumped), False when PyTorch's own in-place ops did (add_, copy_: bumped)."""
     if (
         backend == "torch"
         and is_rms
@@ -104,7 +120,7 @@ def _inplace_impl(
         # whose bits are the out-of-place call's; written in place, nothing but the norm's result allocated
         residual.add_(x)
         x.copy_(torch_backend.rms_norm_one_dtype(residual, None, weight, eps, cast_before_weight)[0])
-        return
+        return False
     x2, r2 = _writable_rows(x), _writable_rows(residual)
     if backend in ("torch", "reference") or x2 is None or r2 is None:
         # out of place, then copied back: the torch/reference backends, and inputs the kernels cannot write
@@ -131,7 +147,7 @@ def _inplace_impl(
             )
         residual.copy_(res.view(residual.shape))
         x.copy_(out.view(x.shape))
-        return
+        return False
     kernel_module(backend).forward_into(
         x2,
         r2,
@@ -148,6 +164,23 @@ def _inplace_impl(
         zero_centered_weight=zero_centered_weight,
         cast_before_weight=cast_before_weight,
     )
+    return True
+
+
+def _inplace_impl(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    is_rms: bool,
+    zero_centered_weight: bool,
+    cast_before_weight: bool,
+    backend: str,
+) -> None:
+    """The custom op's body: the op's ADInplaceOrView kernel bumps the version counters of x and residual itself
+    (it declares mutates_args), so nothing is bumped here."""
+    _inplace_run(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend)
 
 
 _add_norm_inplace = torch.library.custom_op("addnorm::add_norm_", _inplace_impl, mutates_args=("x", "residual"))
@@ -187,7 +220,8 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
             torch.ops.addnorm.add_norm_(*args, name)
     else:
         # eager calls skip the custom op's dispatch (~100 us on CPU, more than a small kernel takes)
-        _inplace_impl(*args, resolve_backend(backend, x.device))
+        if _inplace_run(*args, resolve_backend(backend, x.device)):
+            bump_versions(x, residual)  # as add_/copy_ would: a saved copy of either is now stale
     return x, residual
 
 

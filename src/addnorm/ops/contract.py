@@ -27,9 +27,12 @@ __all__ = [
     "MIX_M1",
     "MIX_M2",
     "as_dtype",
+    "bump_versions",
     "check_affine",
     "check_float",
     "check_disjoint",
+    "check_not_written",
+    "check_writable",
     "check_like_x",
     "default_rms_eps",
     "draw_seed",
@@ -334,9 +337,9 @@ def validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
     # before eps: eps=None is derived from residual_dtype
     if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:  # (any value: no hashing)
         raise TypeError(f"residual_dtype must be a floating dtype or None, got {residual_dtype!r}")
-    if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+    if not _is_real(eps) or type(eps) is bool or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if not _is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
+    if not _is_real(dropout_p) or type(dropout_p) is bool or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
@@ -378,3 +381,37 @@ def check_disjoint(name_a: str, a: Tensor, name_b: str, b: Tensor, why: str) -> 
             "accepted when these byte ranges are disjoint; the check compares ranges, not elements, so views "
             f"whose elements interleave (buf[:, 0::2] and buf[:, 1::2]) are refused too: pass a clone of one"
         )
+
+
+def check_not_written(written: tuple, read: tuple, why: str) -> None:
+    """Refuse a read-only tensor (a weight or bias: ``read`` holds (name, tensor or None) pairs) whose bytes overlap
+    a tensor the call writes (``written``, the same pairs): the kernels would read it while overwriting it."""
+    for rname, r in read:
+        if r is not None:
+            for wname, w in written:
+                check_disjoint(rname, r, wname, w, why)
+
+
+_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def check_writable(name: str, t: Tensor) -> None:
+    """Refuse writing an inference tensor outside inference mode (what PyTorch's own in-place ops refuse), before
+    anything is written: the kernels write through data pointers, which PyTorch does not check."""
+    if t.is_inference() and not _inference_mode_enabled():
+        raise RuntimeError(
+            f"{name} is an inference tensor (created under torch.inference_mode()) and this op writes it in place, "
+            f"which PyTorch allows only inside inference mode: call it under torch.inference_mode(), or pass "
+            f"{name}.clone()"
+        )
+
+
+_increment_version = torch._C._increment_version
+
+
+def bump_versions(*tensors: Tensor) -> None:
+    """Bump the autograd version counter of each tensor a kernel wrote through its data pointer (PyTorch's own
+    in-place ops do it themselves), so that a tensor saved for another op's backward and overwritten here gets
+    PyTorch's "modified by an inplace operation" error instead of a silently wrong gradient. Eager calls only: a
+    custom op declaring ``mutates_args`` bumps them itself. Inference tensors have no counter (skipped by torch)."""
+    _increment_version(tensors)  # a tuple: a lone tensor would be iterated row by row

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.backends import kernel_module, resolve_cpu_backend
-from addnorm.ops.contract import MACHINE_EPS
+from addnorm.ops.contract import MACHINE_EPS, bump_versions
 from addnorm.ops.torch_backend import rms_norm_one_dtype
 
 __all__ = ["try_add_norm", "try_add_norm_"]
@@ -49,6 +49,24 @@ _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))  # a parameter passes; s
 _STATS_DTYPES = (torch.float32, torch.float64)  # x in one of these: the cast before the weight rounds nothing
 _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
+_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def _inside(p, t) -> bool:
+    """Whether contiguous p's bytes overlap contiguous t's (data pointers and sizes: no allocation)."""
+    p0, t0 = p.data_ptr(), t.data_ptr()
+    return p0 < t0 + t.nbytes and t0 < p0 + p.nbytes
+
+
+def _unsafe_write(written, params) -> bool:
+    """Whether the general path must judge an in-place call: an inference tensor written outside inference mode, or
+    a weight/bias overlapping a written tensor (all contiguous here). It raises the refusal."""
+    if (written[0].is_inference() or written[1].is_inference()) and not _inference_mode_enabled():
+        return True
+    for p in params:
+        if p is not None and (_inside(p, written[0]) or _inside(p, written[1])):
+            return True
+    return False
 
 
 def _fast_case(x, residual, weight, bias, eps, is_rms):
@@ -190,6 +208,8 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         return False
     if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         return False
+    if _unsafe_write((x, residual), (weight, bias)):
+        return False
     m, n, eps = rows
     name = resolve_cpu_backend(backend)
     if name == "cpu":
@@ -199,6 +219,7 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         flags = _flags(cpu, residual, weight, bias, is_rms, zero_centered_weight, cast_before_weight, x.dtype)
         flags |= cpu.fast_launch.STORE | cpu.fast_launch.IN_PLACE
         cpu.fast_launch.forward_ptr(x, residual, weight, bias, x, residual, m, n, flags, eps)
+        bump_versions(x, residual)  # written through pointers: PyTorch's counters as add_/copy_ leave them
         return True
     if name == "torch" and is_rms:
         if zero_centered_weight and weight is not None:

@@ -37,7 +37,15 @@ from torch import Tensor
 
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
 from addnorm.ops.backends import resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import MACHINE_EPS, check_disjoint, check_float, stats_dtype
+from addnorm.ops.contract import (
+    MACHINE_EPS,
+    bump_versions,
+    check_disjoint,
+    check_float,
+    check_not_written,
+    check_writable,
+    stats_dtype,
+)
 from addnorm.ops.norm_add_fast import try_norm_add, try_norm_add_
 from addnorm.ops.norm_add_ops import fits, kernel_norm_add, kernel_norm_add_
 
@@ -51,8 +59,13 @@ def _pair(value, name: str) -> tuple:
     if isinstance(value, tuple):
         if len(value) != 2:
             raise ValueError(f"{name} must be a bool or a pair of bools, got a tuple of {len(value)}")
-        return value
-    return value, value
+        pair = value
+    else:
+        pair = value, value
+    for v in pair:
+        if not isinstance(v, bool):  # a flag read by truthiness would take 0.5 or "no" as True
+            raise TypeError(f"{name} must be a bool or a pair of bools, got {value!r}")
+    return pair
 
 
 def _check_affine(name: str, p: Tensor | None, y: Tensor) -> None:
@@ -94,9 +107,12 @@ def _plan(y, residual, w1, b1, w2, b2, eps1, eps2, norm1, norm2, zc, cbw, has_no
     if not residual.is_floating_point():
         raise TypeError(f"residual must be a floating tensor, got {residual.dtype}")
     check_float("residual", residual)
-    for (name, t), is_rms in zip(((names[1], b1), (names[4], b2)), (norm1 == "rms", norm2 == "rms"), strict=True):
-        if t is not None and is_rms and (t is b1 or has_norm2):
-            norm_arg = "norm" if t is b1 else "norm2"
+    for first, (name, t), is_rms in zip(
+        (True, False), ((names[1], b1), (names[4], b2)), (norm1 == "rms", norm2 == "rms"), strict=True
+    ):
+        # by position, not identity: one tensor passed as both biases is named as the argument that is wrong
+        if t is not None and is_rms and (first or has_norm2):
+            norm_arg = "norm" if first else "norm2"
             raise ValueError(f"{name} must be None with {norm_arg}='rms' (RMSNorm has no bias)")
     for name, t in zip(names[:2] + names[3:5], (w1, b1, w2, b2), strict=True):
         _check_affine(name, t, y)
@@ -151,6 +167,9 @@ _NAMES2 = ("weight1", "bias1", "eps1", "weight2", "bias2", "eps2")
 def _single(weight, bias, eps, norm, zero_centered_weight, cast_before_weight) -> tuple:
     """One norm's arguments (norm_add, norm_add_) in the chain's layout, the absent second norm filled in:
     (weight1, bias1, weight2, bias2), (eps1, eps2), (norm, norm2), zc pair, cast pair."""
+    for name, v in (("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
     pairs = (zero_centered_weight, False), (cast_before_weight, False)
     return (weight, bias, None, None), (eps, None), (norm, "rms"), *pairs
 
@@ -253,6 +272,7 @@ def _check_inplace(y, residual, weights, has_norm2, fn: str) -> None:
         return  # dynamo cannot read storage pointers (the eager checks below need them)
     written = (("y", y), ("residual", residual)) if has_norm2 else (("residual", residual),)
     for name, t in written:
+        check_writable(name, t)
         if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
             raise ValueError(
                 f"{name} has elements that share memory (an expanded or stride-0 view, shape {tuple(t.shape)}, "
@@ -261,12 +281,17 @@ def _check_inplace(y, residual, weights, has_norm2, fn: str) -> None:
     if y is residual:
         raise ValueError("y and residual must not share memory: residual is written while y is read")
     check_disjoint("y", y, "residual", residual, "residual is written while y is read")
+    # a weight or bias inside written memory would be read while the kernel overwrites it
+    check_not_written(written, weights, "it is read while that is written")
 
 
 def _run_(y, residual, w1, b1, w2, b2, opts, backend) -> None:
     name, compiling, fused = _backend(backend, y, opts)
     if fused:
         kernel_norm_add_(y, residual, w1, b1, w2, b2, (*opts[:-1], name), compiling)
+        if not compiling:  # (the custom op a compiled graph calls bumps them itself: it declares mutates_args)
+            # written through pointers (or by copy_, which bumped them already: one more is harmless)
+            bump_versions(y, residual) if opts[8] else bump_versions(residual)
         return
     with torch.no_grad():  # out of place, then copied back
         h, out2 = _composed(y, residual, w1, b1, w2, b2, opts, name)

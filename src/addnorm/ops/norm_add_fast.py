@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.backends import kernel_module, resolve_cpu_backend
-from addnorm.ops.contract import MACHINE_EPS
+from addnorm.ops.contract import MACHINE_EPS, bump_versions
+from addnorm.ops.fast_path import _unsafe_write
 
 __all__ = ["try_norm_add", "try_norm_add_"]
 
@@ -136,9 +137,15 @@ def try_norm_add_(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2, ba
     case = _flags_and_eps(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2)
     if case is None or y.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         return False  # one storage: the general path checks whether the views overlap
+    if _unsafe_write((y, residual), params):
+        return False  # an inference tensor outside inference mode, or a weight in written memory: refused there
     if resolve_cpu_backend(backend) != "cpu":
         return False
     fast = _fast_launch()
     m, n, flags, e1, e2 = case
     fast.forward_ptr(y, residual, residual, y if has_norm2 else None, *params, m, n, flags | fast.IN_PLACE, e1, e2)
+    if has_norm2:
+        bump_versions(y, residual)  # written through pointers: PyTorch's counters as copy_ leaves them
+    else:
+        bump_versions(residual)
     return True

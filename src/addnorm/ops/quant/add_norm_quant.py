@@ -18,7 +18,17 @@ from torch import Tensor
 
 from addnorm.ops import torch_backend
 from addnorm.ops.backends import BackendUnavailableError, kernel_module, resolve_backend
-from addnorm.ops.contract import AddNormSpec, as_dtype, check_disjoint, default_rms_eps, stats_dtype, validate
+from addnorm.ops.contract import (
+    AddNormSpec,
+    as_dtype,
+    bump_versions,
+    check_disjoint,
+    check_not_written,
+    check_writable,
+    default_rms_eps,
+    stats_dtype,
+    validate,
+)
 from addnorm.ops.quant.contract import QMAX, min_scale, quantize, validate_quant
 
 __all__ = ["add_layer_norm_quant", "add_layer_norm_quant_", "add_rms_norm_quant", "add_rms_norm_quant_"]
@@ -97,12 +107,14 @@ def _run(
     group = validate_quant(x, n, quant_dtype, scale, group_size, scale_ub)
     _check_no_grad(x, residual, weight, bias, inplace)
     if inplace:
-        _check_inplace(x, residual, residual_dtype)
+        _check_inplace(x, residual, weight, bias, residual_dtype)
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     cd = stats_dtype(x.dtype, rd)
     cast = bool(cast_before_weight) and (weight is not None or bias is not None) and x.dtype != cd
     if out is not None:
         _check_out(out, x, residual, quant_dtype)
+        check_writable("out", out)
+        check_not_written((("out", out),), (("weight", weight), ("bias", bias)), "it is read while q is written")
     name = resolve_backend(backend, x.device)
     if name in _QUANT_MODULES:
         reason = quant_module(name).unavailable_reason(x.device, quant_dtype)
@@ -203,9 +215,12 @@ def _run_kernel(
         q = out.copy_(q)
     elif out is not None:
         q = out
+        bump_versions(out)  # written through its pointer by the kernel
     if inplace:
         if not direct:
             residual.copy_(h.view(residual.shape))
+        elif m:
+            bump_versions(residual)  # as copy_ would: a saved copy of residual is now stale
         res = residual
     else:
         res = h.view(x.shape)
@@ -231,9 +246,19 @@ def _check_no_grad(x, residual, weight, bias, inplace) -> None:
             )
 
 
-def _check_inplace(x, residual, residual_dtype) -> None:
+def _check_inplace(x, residual, weight, bias, residual_dtype) -> None:
     if residual is None:
         raise ValueError("residual must be a tensor: the in-place form writes x + residual into it")
+    check_writable("residual", residual)
+    if residual.numel() > 1 and torch._debug_has_internal_overlap(residual) == 1:
+        # an expanded (stride-0) view: writing it would store several sums in one element
+        raise ValueError(
+            f"residual has elements that share memory (an expanded or stride-0 view, shape {tuple(residual.shape)}, "
+            f"strides {residual.stride()}): it cannot be written in place; pass residual.clone()"
+        )
+    check_not_written(
+        (("residual", residual),), (("weight", weight), ("bias", bias)), "it is read while that is written"
+    )
     if residual_dtype is not None and residual_dtype != residual.dtype:
         raise ValueError(
             f"residual_dtype {residual_dtype} must be residual's dtype {residual.dtype} in the in-place form "
