@@ -259,3 +259,44 @@ def test_modules_take_flash_attentions_forward_arguments(cls):
     assert not torch.equal(res_train, x + r)  # dropout applies in training
     zc = cls(8, zero_centered_weight=True)
     assert torch.equal(zc.weight.detach(), torch.zeros(8))
+
+
+def test_out_buffers_as_flash_attention_takes_them():
+    """flash-attention's ``LayerNormFn.forward`` (Dao-AILab/flash-attention flash_attn/ops/triton/layer_norm.py at
+    0a721dae) reshapes ``out``/``residual_out`` to (-1, N) and asserts that shape against x's rows and a unit last
+    stride; its kernel writes ``residual_out`` whenever it computes one (a residual, another residual dtype,
+    dropout, rowscale or x1), prenorm or not; and it returns the buffers reshaped to x's shape."""
+    x, r, w = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.ones(16)
+    flat = torch.empty(6, 16)
+    y = fa.rms_norm_fn(x, w, None, out=flat)
+    assert y.shape == x.shape and y.data_ptr() == flat.data_ptr()
+    torch.testing.assert_close(y, fa.rms_norm_fn(x, w, None), rtol=0, atol=0)
+    res_buf = torch.zeros(2, 3, 16)
+    fa.rms_norm_fn(x, w, None, residual=r, residual_out=res_buf)  # no prenorm: written all the same
+    assert torch.equal(res_buf, x + r)
+    untouched = torch.zeros(2, 3, 16)
+    fa.rms_norm_fn(x, w, None, residual_out=untouched)  # no residual_out computed: the buffer is left alone
+    assert not untouched.any()
+    with pytest.raises(AssertionError):
+        fa.rms_norm_fn(x, w, None, out=torch.empty(2, 3, 16, 2)[..., 0])  # last-dimension stride 2
+    with pytest.raises(AssertionError):
+        fa.rms_norm_fn(x, w, None, out=torch.empty(5, 16))
+
+
+def test_shape_refusals_are_flash_attentions_assertions():
+    """flash-attention asserts its argument shapes (layer_norm.py at 0a721dae): residual and x1 of x's shape, every
+    weight and bias (N,), rowscale M values; a failed ``assert`` is an AssertionError there, so it is one here."""
+    x, w = torch.randn(2, 3, 16), torch.ones(16)
+    calls = [
+        lambda: fa.layer_norm_fn(x, w[:8], None),
+        lambda: fa.layer_norm_fn(x, w, torch.zeros(8)),
+        lambda: fa.layer_norm_fn(x, w, None, residual=torch.randn(1, 3, 16)),
+        lambda: fa.layer_norm_fn(x, w, None, x1=torch.randn(6, 16)),
+        lambda: fa.layer_norm_fn(x, w, None, weight1=torch.ones(8)),
+        lambda: fa.layer_norm_fn(x, w, None, rowscale=torch.ones(5)),
+    ]
+    for call in calls:
+        with pytest.raises(AssertionError):
+            call()
+    # rowscale of any shape holding one value per row is accepted there (reshape(-1)) and here
+    fa.layer_norm_fn(x, w, None, rowscale=torch.ones(6))

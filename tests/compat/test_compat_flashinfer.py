@@ -17,16 +17,18 @@ from tests.ops.quant_oracle import ALL, skip_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# flashinfer.norm's signatures (parameter names in order, and defaults), as its documentation gives them
+# flashinfer.norm's signatures (parameter names in order, and defaults), as flashinfer/norm/__init__.py at
+# flashinfer-ai/flashinfer@09928cf3 has them: rmsnorm and fused_add_rmsnorm default weight to None, and
+# layernorm_quant takes no enable_pdl
 SIGNATURES = {
-    "rmsnorm": ("input", "weight", "eps=1e-06", "out=None", "enable_pdl=None"),
+    "rmsnorm": ("input", "weight=None", "eps=1e-06", "out=None", "enable_pdl=None"),
     "gemma_rmsnorm": ("input", "weight", "eps=1e-06", "out=None", "enable_pdl=None"),
-    "fused_add_rmsnorm": ("input", "residual", "weight", "eps=1e-06", "enable_pdl=None"),
+    "fused_add_rmsnorm": ("input", "residual", "weight=None", "eps=1e-06", "enable_pdl=None"),
     "gemma_fused_add_rmsnorm": ("input", "residual", "weight", "eps=1e-06", "enable_pdl=None"),
     "layernorm": ("input", "gemma", "beta", "eps=1e-06"),
     "rmsnorm_quant": ("out", "input", "weight", "scale", "eps=1e-06", "enable_pdl=None"),
     "fused_add_rmsnorm_quant": ("out", "input", "residual", "weight", "scale", "eps=1e-06", "enable_pdl=None"),
-    "layernorm_quant": ("out", "input", "gemma", "beta", "scale", "eps=1e-06", "enable_pdl=None"),
+    "layernorm_quant": ("out", "input", "gemma", "beta", "scale", "eps=1e-06"),
 }
 
 
@@ -234,3 +236,75 @@ def test_compat_suites_flashinfer_trace_shim(tmp_path, monkeypatch):
     assert not default_check([ref], [ref[:10]])
     i = torch.arange(10)
     assert default_check(i, i) and not default_check(i, i + 1)
+
+
+def test_rmsnorm_and_fused_add_default_to_no_weight():
+    """``rmsnorm(x)`` and ``fused_add_rmsnorm(x, r)`` run without a weight (flashinfer/norm/__init__.py at
+    09928cf3: ``weight: Optional[Tensor] = None``), the same as an explicit ``weight=None``."""
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    torch.testing.assert_close(fi.rmsnorm(x), fi.rmsnorm(x, None, 1e-6), rtol=0, atol=0)
+    a, ra, b, rb = x.clone(), x.clone() * 2, x.clone(), x.clone() * 2
+    fi.fused_add_rmsnorm(a, ra)
+    fi.fused_add_rmsnorm(b, rb, None, 1e-6)
+    assert torch.equal(a, b) and torch.equal(ra, rb)
+    assert torch.equal(ra, (x.float() * 3).to(torch.bfloat16))
+
+
+def test_layernorm_quant_takes_no_enable_pdl():
+    """FlashInfer's ``layernorm_quant`` (flashinfer/norm/__init__.py at 09928cf3) has no ``enable_pdl``: passing it
+    there is a TypeError, so it is one here."""
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    g, b, out = torch.ones(64), torch.zeros(64), torch.empty(4, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="enable_pdl"):
+        fi.layernorm_quant(out, x, g, b, torch.tensor(1.0), 1e-6, enable_pdl=False)
+    with pytest.raises(TypeError):
+        fi.layernorm_quant(out, x, g, b, torch.tensor(1.0), 1e-6, False)
+
+
+def _t(t):
+    """t's values in a layout whose last dimension has stride 2."""
+    return torch.stack([t, t], dim=-1)[..., 0]
+
+
+def test_last_dim_strides_are_refused_as_flashinfer_refuses_them():
+    """csrc/norm.cu at 09928cf3 checks every tensor with ``CHECK_LAST_DIM_CONTIGUOUS_INPUT`` (stride(-1) == 1; the
+    message glues the argument's name to "must be contiguous at last dimension"); row strides stay accepted."""
+    x, w = torch.randn(4, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    g, b = torch.ones(64), torch.zeros(64)
+    q, s = torch.empty(4, 64, dtype=torch.float8_e4m3fn), torch.tensor(1.0)
+    cases = [
+        ("input", lambda: fi.rmsnorm(_t(x), w)),
+        ("weight", lambda: fi.rmsnorm(x, _t(w))),
+        ("out", lambda: fi.rmsnorm(x, w, out=_t(torch.empty_like(x)))),
+        ("input", lambda: fi.gemma_rmsnorm(_t(x), w)),
+        ("residual", lambda: fi.fused_add_rmsnorm(x.clone(), _t(x.clone()), w)),
+        ("input", lambda: fi.gemma_fused_add_rmsnorm(_t(x.clone()), x.clone(), w)),
+        ("input", lambda: fi.layernorm(_t(x), g, b)),
+        ("gamma", lambda: fi.layernorm(x, _t(g), b)),
+        ("output", lambda: fi.rmsnorm_quant(_t(q), x, w, s)),
+        ("output", lambda: fi.fused_add_rmsnorm_quant(_t(q), x, x.clone(), w, s)),
+        ("beta", lambda: fi.layernorm_quant(q, x, g, _t(b), s)),
+    ]
+    for name, call in cases:
+        with pytest.raises(RuntimeError, match=f"^{name}must be contiguous at last dimension"):
+            call()
+    wide = torch.randn(4, 128).to(torch.bfloat16)[:, :64]  # a row stride: accepted there and here
+    torch.testing.assert_close(fi.rmsnorm(wide, w), fi.rmsnorm(wide.contiguous(), w), rtol=0, atol=0)
+
+
+def test_weight_of_another_dtype_or_missing_is_refused():
+    """FlashInfer's RMSNorm kernels (csrc/norm.cu at 09928cf3) read the weight through a pointer of the input's
+    type, unconverted: a float32 weight with bf16 input would be misread there, so it is refused here. The gemma
+    and quant bindings take a weight tensor, not None."""
+    x, w = torch.randn(4, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    q, s = torch.empty(4, 64, dtype=torch.float8_e4m3fn), torch.tensor(1.0)
+    with pytest.raises(RuntimeError, match="weight must have input's dtype"):
+        fi.rmsnorm(x, w.float())
+    with pytest.raises(RuntimeError, match="weight must have input's dtype"):
+        fi.fused_add_rmsnorm(x.clone(), x.clone(), w.float())
+    with pytest.raises(RuntimeError, match="weight must have input's dtype"):
+        fi.rmsnorm_quant(q, x, w.half(), s)
+    with pytest.raises(RuntimeError, match="weight must be a tensor"):
+        fi.rmsnorm_quant(q, x, None, s)
+    with pytest.raises(RuntimeError, match="weight must be a tensor"):
+        fi.gemma_rmsnorm(x, None)

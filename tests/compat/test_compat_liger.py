@@ -82,12 +82,24 @@ def test_inputs_are_not_overwritten_with_in_place():
     assert torch.equal(X, X0) and torch.equal(R, R0)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"), [(dict(casting_mode="fp8"), "casting_mode"), (dict(offset="1"), "offset")]
-)
-def test_bad_arguments_are_named(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        liger_fused_add_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.ones(4), 1e-6, **kwargs)
-    if "casting_mode" in kwargs:
-        with pytest.raises(ValueError, match=match):
-            LigerFusedAddRMSNorm(4, **kwargs)
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="offset"):
+        liger_fused_add_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.ones(4), 1e-6, offset="1")
+    with pytest.raises(ValueError, match="casting_mode"):
+        LigerFusedAddRMSNorm(4, casting_mode="fp8")
+
+
+def test_casting_mode_and_hidden_size_as_liger_checks_them():
+    """Liger's ``fused_add_rms_norm_forward`` (linkedin/Liger-Kernel src/liger_kernel/ops/fused_add_rms_norm.py at
+    0ece4877) takes a casting mode by name or by its integer code (llama 0, gemma 1, none -1), asserts anything else
+    ("Invalid casting mode: ..."), and asserts W's length against X's hidden size: AssertionErrors there and here."""
+    X, R, W = torch.randn(3, 8), torch.randn(3, 8), torch.rand(8) + 0.5
+    for code, name in ((0, "llama"), (1, "gemma"), (-1, "none")):
+        got = liger_fused_add_rms_norm(X, R, W, 1e-6, casting_mode=code, backend="torch")
+        want = liger_fused_add_rms_norm(X, R, W, 1e-6, casting_mode=name, backend="torch")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for bad in ("fp8", 2, None):
+        with pytest.raises(AssertionError, match="Invalid casting mode"):
+            LigerFusedAddRMSNormFunction.apply(X, R, W, 1e-6, 0.0, bad)
+    with pytest.raises(AssertionError, match="Incompatible hidden size dimension"):
+        liger_fused_add_rms_norm(X, R, torch.ones(4), 1e-6)

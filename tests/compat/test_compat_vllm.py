@@ -318,3 +318,30 @@ def test_opcheck(case, monkeypatch):
     utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     result = torch.library.opcheck(getattr(torch.ops.addnorm_vllm, name), args, test_utils=utils)
     assert set(result) == set(utils) and set(result.values()) == {"SUCCESS"}
+
+
+def test_norm_ops_refuse_layouts_and_weight_dtypes_vllm_refuses():
+    """vLLM's ``rms_norm`` and ``fused_add_rms_norm`` (vllm-project/vllm csrc/layernorm_kernels.cu at 0112cf23):
+    ``TORCH_CHECK`` a contiguous ``out``, a unit last stride on ``input``, a contiguous ``residual`` and weight, and
+    read the weight as ``data_ptr<scalar_t>()`` of the input's type, which torch refuses for another dtype. All
+    RuntimeErrors; a row-strided input stays accepted (the kernels take ``input.stride(-2)``)."""
+    x, r, w = _inputs(torch.bfloat16, shape=(4, 256))
+    out = torch.empty_like(x)
+    strided = torch.stack([x, x], dim=-1)[..., 0]  # last-dimension stride 2
+    with pytest.raises(RuntimeError, match=r"Expected out.is_contiguous\(\) to be true"):
+        vllm.rms_norm(out.t().contiguous().t(), x, w, EPS)
+    with pytest.raises(RuntimeError, match=r"Expected input.stride\(-1\) == 1 to be true"):
+        vllm.rms_norm(out, strided, w, EPS)
+    with pytest.raises(RuntimeError, match=r"Expected weight.is_contiguous\(\) to be true"):
+        vllm.rms_norm(out, x, torch.stack([w, w], -1)[:, 0], EPS)
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
+        vllm.rms_norm(out, x, w.float(), EPS)
+    with pytest.raises(RuntimeError, match=r"Expected residual.is_contiguous\(\) to be true"):
+        vllm.fused_add_rms_norm(x.clone(), torch.stack([r, r], -1)[..., 0], w, EPS)
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Half"):
+        vllm.fused_add_rms_norm(x.clone(), r.clone(), w.half(), EPS)
+    wide = torch.cat([x, x], dim=-1)[:, :256]  # row stride 512, unit last stride
+    vllm.rms_norm(out, wide, w, EPS)
+    ref = torch.empty_like(x)
+    vllm.rms_norm(ref, x, w, EPS)
+    assert torch.equal(out, ref)

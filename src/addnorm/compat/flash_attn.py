@@ -37,14 +37,48 @@ __all__ = [
 ]
 
 
+def _require(ok: bool, message: str) -> None:
+    """flash-attention checks its arguments with bare ``assert``s: the same AssertionError here (with a message),
+    kept under ``python -O``."""
+    if not ok:
+        raise AssertionError(message)
+
+
+def _check_args(x, weight, bias, residual, x1, weight1, bias1, rowscale) -> None:
+    """The shape checks of flash-attention's ``LayerNormFn.forward`` and ``_layer_norm_fwd``: residual and x1 of x's
+    shape exactly, every weight and bias of shape (N,), rowscale one value per row (any shape of M elements)."""
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    if residual is not None:
+        _require(
+            residual.shape == x.shape, f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
+        )
+    if x1 is not None:
+        _require(x1.shape == x.shape, f"x1 must have x's shape {tuple(x.shape)}, got {tuple(x1.shape)}")
+    for t, name in ((weight, "weight"), (bias, "bias"), (weight1, "weight1"), (bias1, "bias1")):
+        if t is not None:
+            _require(t.shape == (n,), f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    if rowscale is not None:
+        _require(
+            rowscale.numel() == rows, f"rowscale must hold one value per row ({rows}), got {tuple(rowscale.shape)}"
+        )
+
+
 def _into(buffer: Tensor | None, value: Tensor, name: str) -> Tensor:
-    """flash-attention's out=/residual_out= buffers: the result is written into the caller's tensor (a
-    differentiable copy), which is what is returned."""
+    """flash-attention's out=/residual_out= buffers: viewed as (rows, N), they must have x's rows and a unit last
+    stride; the result is written into the caller's tensor (a differentiable copy) and returned as a view of it in
+    x's shape, as flash-attention returns its kernel's output buffer reshaped."""
     if buffer is None:
         return value
-    if buffer.shape != value.shape:
-        raise ValueError(f"{name} must have shape {tuple(value.shape)}, got {tuple(buffer.shape)}")
-    return buffer.copy_(value)
+    n = value.shape[-1]
+    rows = value.numel() // n if n else 0
+    _require(
+        buffer.dim() > 0 and buffer.shape[-1] == n and buffer.numel() == rows * n,
+        f"{name} must have x's shape {tuple(value.shape)} (as rows of {n}), got {tuple(buffer.shape)}",
+    )
+    _require(buffer.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+    buffer.copy_(value.reshape(buffer.shape))
+    return buffer if buffer.shape == value.shape else buffer.view(value.shape)
 
 
 def layer_norm_fn(
@@ -73,6 +107,7 @@ def layer_norm_fn(
     ``residual_out = dropout(x * rowscale) + dropout(x1) + residual``, ``y = norm(residual_out) * weight + bias``,
     ``y1 = norm(residual_out) * weight1 + bias1``. Returns ``y``, ``(y, y1)``, with ``residual_out`` appended
     when ``prenorm`` and ``(dropout_mask, dropout_mask1)`` appended when ``return_dropout_mask``."""
+    _check_args(x, weight, bias, residual, x1, weight1, bias1, rowscale)
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
     r = add_norm_multi(
         x,
@@ -94,8 +129,18 @@ def layer_norm_fn(
     )
     y = _into(out, r.out, "out")
     outs = (y,) if weight1 is None else (y, r.out1)
+    # flash-attention computes (and writes into a given residual_out buffer) residual_out whenever the sum is not
+    # x itself, prenorm or not; otherwise the buffer is left alone
+    summed = (
+        residual is not None
+        or (residual_dtype is not None and residual_dtype != x.dtype)
+        or dropout_p > 0.0
+        or rowscale is not None
+        or x1 is not None
+    )
+    res = _into(residual_out, r.residual_out, "residual_out") if summed else r.residual_out
     if prenorm:
-        outs += (_into(residual_out, r.residual_out, "residual_out"),)
+        outs += (res,)
     if return_dropout_mask:
         outs += (r.dropout_mask, r.dropout_mask1)
     return outs[0] if len(outs) == 1 else outs

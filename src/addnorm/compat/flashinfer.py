@@ -6,9 +6,9 @@ by addnorm's kernels on every backend (``backend='auto'``; ``ADDNORM_BACKEND`` p
 
 What each function is in addnorm's terms (docs/compat.md lists where the numerics differ):
 
-- ``rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None) -> out``: :func:`addnorm.rms_norm`, 2-D or 3-D input;
+- ``rmsnorm(input, weight=None, eps=1e-6, out=None, enable_pdl=None) -> out``: :func:`addnorm.rms_norm`, 2-D or 3-D input;
 - ``gemma_rmsnorm(...)``: the same with ``1 + weight`` (``zero_centered_weight``);
-- ``fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None) -> None``: residual += input (rounded to
+- ``fused_add_rmsnorm(input, residual, weight=None, eps=1e-6, enable_pdl=None) -> None``: residual += input (rounded to
   residual's dtype), input = RMSNorm of the float32 sum before that rounding (FlashInfer's kernels keep it and
   normalize it; addnorm's own in-place op, :func:`addnorm.add_rms_norm_`, normalizes residual as stored);
   ``gemma_fused_add_rmsnorm`` and ``fused_add_rmsnorm_quant`` likewise;
@@ -16,7 +16,7 @@ What each function is in addnorm's terms (docs/compat.md lists where the numeric
   bf16 input, as FlashInfer wants them);
 - ``rmsnorm_quant(out, input, weight, scale, eps=1e-6, enable_pdl=None) -> None``, ``fused_add_rmsnorm_quant(out,
   input, residual, weight, scale, eps=1e-6, enable_pdl=None) -> None`` (residual updated in place, input only read)
-  and ``layernorm_quant(out, input, gemma, beta, scale, eps=1e-6, enable_pdl=None) -> None`` (the same convention):
+  and ``layernorm_quant(out, input, gemma, beta, scale, eps=1e-6) -> None`` (no ``enable_pdl`` there):
   :func:`addnorm.add_rms_norm_quant` with a static scale, quantized to ``out``'s dtype, ``q = saturate(y * (1 /
   scale))`` as FlashInfer's reference computes it; ``layernorm_quant`` rounds LayerNorm's output to bf16 and divides
   by the scale, as FlashInfer's kernel does.
@@ -27,7 +27,8 @@ same way), or a Python float with FlashInfer's FutureWarning (a float scale is d
 
 They refuse what FlashInfer refuses (its ``flashinfer/norm`` wrappers and ``csrc/norm.cu`` at 09928cf3), so code
 developed here runs there: RMSNorm inputs of float16 or bfloat16 only, 2-D (3-D for ``rmsnorm``/``gemma_rmsnorm``),
-``out`` of the input's dtype; the quantized ops' ``out`` in FP8; LayerNorm (and ``layernorm_quant``) on bfloat16
+``out`` of the input's dtype, the weight of the input's dtype (its kernels read it as that type), every tensor
+with a unit stride in its last dimension; the quantized ops' ``out`` in FP8; LayerNorm (and ``layernorm_quant``) on bfloat16
 input with float32 gamma and beta, ``layernorm_quant`` on contiguous rows. addnorm's own functions
 (``addnorm.add_rms_norm`` and the rest) accept more: docs/compat.md lists it.
 """
@@ -84,9 +85,36 @@ def _check_input(input: Tensor, dims=(2,)) -> None:
         raise RuntimeError(f"input must be float16 or bfloat16 (FlashInfer's norm kernels), got {input.dtype}")
     if input.dim() not in dims:
         raise RuntimeError(f"Unsupported input dimension: {input.dim()}")
+    _check_last_dim(input, "input")
+
+
+def _check_last_dim(t: Tensor | None, name: str) -> None:
+    """FlashInfer's bindings take a row stride but no element stride: every tensor is checked for a unit stride in
+    its last dimension (``CHECK_LAST_DIM_CONTIGUOUS_INPUT``; its message glues the name to the text)."""
+    if t is not None and t.dim() > 0 and t.stride(-1) != 1:
+        raise RuntimeError(f"{name}must be contiguous at last dimension")
+
+
+def _check_weight(weight: Tensor | None, input: Tensor, required: bool = False) -> None:
+    """FlashInfer's RMSNorm kernels read the weight through a pointer of the input's element type: another dtype
+    is not converted there (its bytes are reinterpreted), so it is refused here; only ``rmsnorm`` and
+    ``fused_add_rmsnorm`` take ``weight=None``."""
+    if weight is None:
+        if required:
+            raise RuntimeError(
+                "weight must be a tensor (only rmsnorm and fused_add_rmsnorm take weight=None in FlashInfer)"
+            )
+        return
+    _check_last_dim(weight, "weight")
+    if weight.dtype != input.dtype:
+        raise RuntimeError(
+            f"weight must have input's dtype {input.dtype} (FlashInfer's RMSNorm kernels read it as that type), "
+            f"got {weight.dtype}"
+        )
 
 
 def _check_fp8_out(out: Tensor, input: Tensor) -> None:
+    _check_last_dim(out, "output")
     if out.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise RuntimeError(f"out must be float8_e4m3fn or float8_e5m2 (FlashInfer quantizes to FP8), got {out.dtype}")
     if out.shape != input.shape:
@@ -103,6 +131,8 @@ def _check_layernorm(input: Tensor, gemma: Tensor, beta: Tensor) -> None:
         raise RuntimeError(f"beta must be float32 (FlashInfer's layernorm), got {beta.dtype}")
     if input.dim() != 2:
         raise RuntimeError(f"Unsupported input dimension: {input.dim()}")
+    for t, name in ((input, "input"), (gemma, "gamma"), (beta, "beta")):
+        _check_last_dim(t, name)
 
 
 def _scale(scale, ref: Tensor) -> Tensor:
@@ -121,10 +151,17 @@ def _scale(scale, ref: Tensor) -> Tensor:
 
 
 def rmsnorm(
-    input: Tensor, weight: Tensor, eps: float = 1e-6, out: Tensor | None = None, enable_pdl: bool | None = None
+    input: Tensor,
+    weight: Tensor | None = None,
+    eps: float = 1e-6,
+    out: Tensor | None = None,
+    enable_pdl: bool | None = None,
 ) -> Tensor:
-    """``out = input / RMS(input) * weight`` over the last dim (2-D or 3-D input; ``weight=None``: no weight)."""
+    """``out = input / RMS(input) * weight`` over the last dim (2-D or 3-D input; ``weight=None``, the default:
+    no weight)."""
     _check_input(input, (2, 3))
+    _check_weight(weight, input)
+    _check_last_dim(out, "out")
     return _into(out, add_rms_norm(input, None, weight, eps)[0], input)
 
 
@@ -133,15 +170,19 @@ def gemma_rmsnorm(
 ) -> Tensor:
     """``out = input / RMS(input) * (1 + weight)``."""
     _check_input(input, (2, 3))
+    _check_weight(weight, input, required=True)
+    _check_last_dim(out, "out")
     return _into(out, add_rms_norm(input, None, weight, eps, zero_centered_weight=True)[0], input)
 
 
 def fused_add_rmsnorm(
-    input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, enable_pdl: bool | None = None
+    input: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, enable_pdl: bool | None = None
 ) -> None:
-    """In place: ``residual += input``; ``input = residual / RMS(residual) * weight`` (``weight=None``: none)."""
+    """In place: ``residual += input``; ``input = residual / RMS(residual) * weight`` (``weight=None``, the
+    default: none)."""
     _check_input(input)
     _check_residual(input, residual)
+    _check_weight(weight, input)
     _fused_add(input, residual, weight, eps, False)
 
 
@@ -151,6 +192,7 @@ def gemma_fused_add_rmsnorm(
     """In place: ``residual += input``; ``input = residual / RMS(residual) * (1 + weight)``."""
     _check_input(input)
     _check_residual(input, residual)
+    _check_weight(weight, input, required=True)
     _fused_add(input, residual, weight, eps, True)
 
 
@@ -164,9 +206,11 @@ def rmsnorm_quant(
     out: Tensor, input: Tensor, weight: Tensor, scale, eps: float = 1e-6, enable_pdl: bool | None = None
 ) -> None:
     """``out = quantize(input / RMS(input) * weight, scale)`` in ``out``'s dtype (static scale)."""
+    s = _scale(scale, input)  # FlashInfer normalizes the scale before its kernel checks the tensors
     _check_input(input)
+    _check_weight(weight, input, required=True)
     _check_fp8_out(out, input)
-    add_rms_norm_quant(input, None, weight, eps, quant_dtype=out.dtype, scale=_scale(scale, input), out=out)
+    add_rms_norm_quant(input, None, weight, eps, quant_dtype=out.dtype, scale=s, out=out)
 
 
 def fused_add_rmsnorm_quant(
@@ -179,10 +223,11 @@ def fused_add_rmsnorm_quant(
     enable_pdl: bool | None = None,
 ) -> None:
     """In place: ``residual += input``; ``out = quantize(residual / RMS(residual) * weight, scale)``."""
+    s = _scale(scale, input)  # FlashInfer normalizes the scale before its kernel checks the tensors
     _check_input(input)
     _check_residual(input, residual)
+    _check_weight(weight, input, required=True)
     _check_fp8_out(out, input)
-    s = _scale(scale, input)
     h = _sum_in_place(input, residual)
     add_rms_norm_quant(h, None, weight, eps, quant_dtype=out.dtype, scale=s, out=out)
 
@@ -194,7 +239,6 @@ def layernorm_quant(
     beta: Tensor,
     scale,
     eps: float = 1e-6,
-    enable_pdl: bool | None = None,
 ) -> None:
     """``out = fp8(saturate(round_bf16(LayerNorm(input) * gemma + beta) / scale))`` in ``out``'s dtype: FlashInfer's
     kernel rounds the normalized value to the input's dtype, then divides by the scale (its reference says so)."""
@@ -224,6 +268,7 @@ def _fused_add(input: Tensor, residual: Tensor, weight, eps: float, gemma: bool)
 
 
 def _check_residual(input: Tensor, residual: Tensor) -> None:
+    _check_last_dim(residual, "residual")
     if residual.dtype != input.dtype or residual.shape != input.shape:
         raise RuntimeError(
             f"residual must have input's dtype {input.dtype} and shape {tuple(input.shape)}, got {residual.dtype} "

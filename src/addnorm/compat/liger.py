@@ -32,15 +32,29 @@ from addnorm.ops.add_norm import add_rms_norm
 __all__ = ["LigerFusedAddRMSNormFunction", "liger_fused_add_rms_norm", "LigerFusedAddRMSNorm"]
 
 _CASTING_MODES = ("llama", "gemma", "none")
+# Liger's kernels also take the casting mode as its integer code (its _CASTING_MODE_* constants)
+_CASTING_CODES = {0: "llama", 1: "gemma", -1: "none"}
+
+
+def _casting_mode(casting_mode) -> str:
+    """Liger's ``fused_add_rms_norm_forward``: a mode name or its integer code; anything else fails its
+    ``assert`` (an AssertionError, kept here under ``python -O``)."""
+    if isinstance(casting_mode, int) and not isinstance(casting_mode, bool) and casting_mode in _CASTING_CODES:
+        return _CASTING_CODES[casting_mode]
+    if isinstance(casting_mode, str) and casting_mode in _CASTING_MODES:
+        return casting_mode
+    raise AssertionError(f"Invalid casting mode: {casting_mode}")
 
 
 def _fused_add_rms_norm(X, R, W, eps, offset, casting_mode, backend):
-    if casting_mode not in _CASTING_MODES:
-        raise ValueError(f"casting_mode must be one of {_CASTING_MODES}, got {casting_mode!r}")
+    casting_mode = _casting_mode(casting_mode)
     if not isinstance(offset, numbers.Real):
         raise TypeError(f"offset must be a number, got {type(offset).__name__}")
     if not isinstance(W, Tensor):
         raise TypeError(f"W must be a torch.Tensor, got {type(W).__name__}")
+    if W.dim() == 0 or X.shape[-1] != W.shape[0]:
+        # Liger's check, as an AssertionError with its message
+        raise AssertionError("Incompatible hidden size dimension between tensor1.shape[1] and tensor2.shape[0]")
     zero_centered = offset == 1
     if offset not in (0, 1):
         W = W.float() + float(offset) if W.dtype != torch.float64 else W + float(offset)

@@ -160,8 +160,33 @@ def _op(name: str, schema: str, mutates: tuple[str, ...]):
     return register
 
 
+def _torch_check(ok: bool, condition: str) -> None:
+    """vLLM's ``TORCH_CHECK(condition)`` with no message: a RuntimeError naming the condition."""
+    if not ok:
+        raise RuntimeError(f"Expected {condition} to be true, but got false.")
+
+
+def _check_norm_weight(weight: Tensor | None, input: Tensor) -> None:
+    """``rms_norm`` and ``fused_add_rms_norm`` (csrc/layernorm_kernels.cu at 0112cf23): a contiguous weight, read
+    as ``data_ptr<scalar_t>()`` of the input's type, which torch refuses for another dtype."""
+    if weight is None:
+        return
+    _torch_check(weight.is_contiguous(), "weight.is_contiguous()")
+    if weight.dtype != input.dtype:
+        raise RuntimeError(f"expected scalar type {_scalar_name(input.dtype)} but found {_scalar_name(weight.dtype)}")
+
+
+def _scalar_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double"}.get(
+        dtype, str(dtype)
+    )
+
+
 @_op("rms_norm", "(Tensor(a!) result, Tensor input, Tensor? weight, float epsilon) -> ()", ("result",))
 def rms_norm(result: Tensor, input: Tensor, weight: Tensor | None, epsilon: float) -> None:
+    _torch_check(result.is_contiguous(), "out.is_contiguous()")
+    _torch_check(input.stride(-1) == 1, "input.stride(-1) == 1")
+    _check_norm_weight(weight, input)
     result.copy_(add_rms_norm(input, None, weight, epsilon, cast_before_weight=True)[0])
 
 
@@ -171,6 +196,8 @@ def rms_norm(result: Tensor, input: Tensor, weight: Tensor | None, epsilon: floa
     ("input", "residual"),
 )
 def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, epsilon: float) -> None:
+    _torch_check(residual.is_contiguous(), "residual.is_contiguous()")
+    _check_norm_weight(weight, input)
     out, res = add_rms_norm(input, residual, weight, epsilon, cast_before_weight=True)
     residual.copy_(res)
     input.copy_(out)
