@@ -201,6 +201,31 @@ def run_training(args: argparse.Namespace) -> int:
         return _run_training(args, stack)
 
 
+# TrainConfig fields that have their own flag: an error about one names the flag the user typed
+_FIELD_FLAGS = {
+    "steps": "--steps",
+    "lr": "--lr",
+    "warmup": "--warmup",
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "seed": "--seed",
+    "device": "--device",
+}
+
+
+def name_flags(message: str) -> str:
+    """``message`` with each ``TrainConfig.FIELD`` that has a flag named as that flag too (``--lr (TrainConfig.lr)``),
+    so an error about ``--lr nan`` names ``--lr``."""
+    import re
+
+    def named(m: re.Match) -> str:
+        flag = _FIELD_FLAGS.get(m.group(1))
+        already = message[m.end() : m.end() + len(flag) + 2] == f" ({flag}" if flag else True
+        return m.group(0) if flag is None or already else f"{flag} ({m.group(0)})"
+
+    return re.sub(r"TrainConfig\.(\w+)", named, message)
+
+
 def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import dataclasses
     import sys
@@ -237,7 +262,7 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             preset=args.preset, sets=sets, train_fields=flags, data_file=args.data, data_seed=args.data_seed
         )
     except (ValueError, TypeError) as e:
-        print(f"addnorm train: error: {e}", file=sys.stderr)
+        print(f"addnorm train: error: {name_flags(str(e))}", file=sys.stderr)
         return 2
     info = D.init_from_env(cfg.device)
     if args.out and info.is_main:

@@ -1,0 +1,43 @@
+"""``addnorm train``: an error about a value given with its own flag names that flag (not only the TrainConfig
+field), and nan is refused as "not a finite number" (it is a number to Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from addnorm.cli import main
+from addnorm.train.cli import name_flags
+from addnorm.train.config import TrainConfig
+from tests.train.test_train_hostile import TINY
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--lr", "nan", "finite number, got nan"),
+        ("--lr", "-1", "> 0"),
+        ("--steps", "0", "positive int"),
+        ("--batch-size", "0", "positive int"),
+        ("--seq-len", "0", "positive int"),
+        ("--warmup", "-1", ">= 0"),
+        ("--seed", "-1", "[0, 2**63)"),
+    ],
+)
+def test_a_bad_flag_value_is_an_error_naming_the_flag(flag, value, words, capsys):
+    argv = ["train", *TINY, *(["--steps", "1"] if flag != "--steps" else []), flag, value]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"addnorm train: error: {flag} (TrainConfig." in err and words in err
+    assert "Traceback" not in err
+
+
+def test_nan_in_a_train_field_is_a_value_error_saying_finite():
+    with pytest.raises(ValueError, match="z_loss must be a finite number, got nan"):
+        TrainConfig(z_loss=float("nan"))
+
+
+def test_name_flags_leaves_fields_without_a_flag_and_named_ones_alone():
+    assert name_flags("TrainConfig.z_loss must be >= 0") == "TrainConfig.z_loss must be >= 0"
+    already = "TrainConfig.device (--device) must be cpu"
+    assert name_flags(already) == already
+    assert name_flags("TrainConfig.lr must be > 0") == "--lr (TrainConfig.lr) must be > 0"
