@@ -114,3 +114,15 @@ def test_a_closed_stdout_pipe_is_no_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_merge_refuses_one_directory_given_twice(tmp_path, fake_cli, capsys):
+    from addnorm.cli import main
+
+    assert main_lab(["--out", str(tmp_path / "a"), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    again = str(tmp_path / "x" / ".." / "a")  # the same folder by another spelling
+    assert main(["lab", "merge", str(tmp_path / "a"), again, "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "given twice" in err and again in err
+    assert not (tmp_path / "m" / "results.json").exists()
