@@ -126,3 +126,34 @@ def test_merge_refuses_one_directory_given_twice(tmp_path, fake_cli, capsys):
     err = capsys.readouterr().err
     assert "given twice" in err and again in err
     assert not (tmp_path / "m" / "results.json").exists()
+
+
+@pytest.mark.parametrize("name", ["index.html", "report.md", "results.json"])
+def test_out_holding_files_no_lab_run_wrote_is_refused_and_they_are_kept(tmp_path, fake_cli, capsys, name):
+    from addnorm.cli import main
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / name).write_text("my own page\n")
+    for argv in (
+        ["lab", "--out", str(site), "--no-progress", "--device", "cpu"],
+        ["lab", "merge", str(tmp_path / "a"), "--out", str(site)],
+    ):
+        if argv[1] == "merge":
+            assert main(["lab", "--out", str(tmp_path / "a"), "--no-progress", "--device", "cpu"]) == 0
+            capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and name in err and "no `addnorm lab` run wrote" in err
+        assert (site / name).read_text() == "my own page\n"
+    assert sorted(p.name for p in site.iterdir()) == [name]
+
+
+def test_a_lab_output_is_reused_and_a_killed_first_run_too(tmp_path, fake_cli, capsys):
+    out = tmp_path / "o"
+    argv = ["--out", str(out), "--no-progress", "--device", "cpu"]
+    assert main_lab(argv) == 0 and main_lab([*argv, "--fresh"]) == 0  # its own report files are replaced
+    (out / "results.json").unlink()
+    (out / "index.html").write_text("left by a killed run\n")
+    assert main_lab(argv) == 0  # runs/ says it is a lab folder
+    assert json.loads((out / "results.json").read_text())["experiments"]
