@@ -41,3 +41,25 @@ def test_name_flags_leaves_fields_without_a_flag_and_named_ones_alone():
     already = "TrainConfig.device (--device) must be cpu"
     assert name_flags(already) == already
     assert name_flags("TrainConfig.lr must be > 0") == "--lr (TrainConfig.lr) must be > 0"
+
+
+def test_sigterm_stops_a_training_run_with_the_resume_message_and_exit_143(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    argv = ["train", *TINY, "--steps", "100000", "--set", "checkpoint_every=5", "--out", str(tmp_path / "r")]
+    code = f"import sys; from addnorm.cli import main; sys.exit(main({argv!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, env=env, cwd=os.getcwd())
+    log = tmp_path / "r" / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and log.read_text().count("\n") >= 6):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 143, err
+    assert "interrupted (SIGTERM)" in err and "--resume" in err and "Traceback" not in err
+    assert (tmp_path / "r" / "checkpoint.pt").exists()

@@ -292,11 +292,13 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", gnorm=f"{entry['grad_norm']:.2f}")
 
+    from addnorm.lab.interrupt import sigterm_interrupts
     from addnorm.ops.backends import BackendUnavailableError
 
     try:
         try:
-            result = train(model, data, cfg, callback=on_step)
+            with sigterm_interrupts():  # `timeout`, `kill`, schedulers: stop as Ctrl-C does, with the message
+                result = train(model, data, cfg, callback=on_step)
         finally:
             if bar is not None:  # before any message: a message printed over a live bar shares its line
                 bar.close()
@@ -308,15 +310,17 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)} ({e})", file=sys.stderr
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", 2)  # 15 from sigterm_interrupts: exit 143, as a shell reports SIGTERM
         every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
         where = (
             f"the last checkpoint in {args.out} (written {every}; --set checkpoint_every=N to change)"
             if args.out
             else "nothing (no --out, nothing saved)"
         )
-        print(f"\naddnorm train: interrupted; --resume would continue from {where}", file=sys.stderr)
-        return 130
+        what = "interrupted (SIGTERM)" if signum == 15 else "interrupted"
+        print(f"\naddnorm train: {what}; --resume would continue from {where}", file=sys.stderr)
+        return 128 + signum
     if not info.is_main:
         return 0
     summary = result.summary()
