@@ -63,3 +63,15 @@ def test_sigterm_stops_a_training_run_with_the_resume_message_and_exit_143(tmp_p
     assert proc.wait(timeout=60) == 143, err
     assert "interrupted (SIGTERM)" in err and "--resume" in err and "Traceback" not in err
     assert (tmp_path / "r" / "checkpoint.pt").exists()
+
+
+def test_a_new_run_into_an_out_holding_a_checkpoint_is_refused_and_it_is_kept(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = (out / "checkpoint.pt").read_bytes(), (out / "args.json").read_bytes()
+    assert main(["train", *TINY, "--steps", "3", "--lr", "3e-3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "checkpoint.pt" in err and "--resume" in err
+    assert ((out / "checkpoint.pt").read_bytes(), (out / "args.json").read_bytes()) == before
+    assert main(["train", "--out", str(out), "--resume"]) == 0  # --resume still continues it

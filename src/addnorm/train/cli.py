@@ -12,7 +12,8 @@ final, best and optimum loss, spikes, max gradient norm, diverged or not (a non-
 divergence: exit status 1); with ``--out`` the JSONL log, a checkpoint (every 50 steps and at the end;
 ``--set checkpoint_every=N``), ``args.json`` (the flags, with --data's absolute path and SHA-256, for
 ``--resume``), ``summary.json`` and ``loss.png``; one run at a time per ``--out``. ``--resume`` on a directory
-without a run, or after the --data file changed, is an error.
+without a run, or after the --data file changed, is an error; so is a new run (no ``--resume``) into a directory that
+holds a checkpoint (it would overwrite it).
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def resolve_run_args(args: argparse.Namespace) -> None:
     given with another value (it would continue a different run from the checkpoint)."""
     if args.resume:
         _check_something_to_resume(args.out)
+    elif args.out and (Path(args.out) / CHECKPOINT).is_file():  # a new run would overwrite it: a forgotten --resume
+        raise ValueError(
+            f"--out {str(args.out)!r} holds a run ({CHECKPOINT}): --resume continues it; to start a new run, give "
+            f"another --out (or delete {Path(args.out) / CHECKPOINT} first)"
+        )
     saved = _saved_args(Path(args.out)) if args.resume and args.out else None
     if saved is not None:
         conflicts = []
