@@ -6,6 +6,7 @@ A subcommand module exposes ``register(subparsers)``, which adds its parser and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
@@ -130,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # stdout closed early (`addnorm lab --list | head`): the reader has what it wanted, so no traceback. Point
+        # stdout at devnull so the interpreter's final flush does not raise again; 141 = 128 + SIGPIPE, as a shell
+        # reports a command a pipe ended.
+        import os
+
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ def test_a_second_train_into_a_locked_out_is_refused_and_writes_nothing(tmp_path
     before = _files(out)
     capsys.readouterr()
     with outpaths.out_lock(out, command="addnorm train"):  # what a run in progress holds
-        assert main(["train", *TINY, "--steps", "3", "--out", str(out)]) == 2
+        # --resume: a new run into an --out holding a checkpoint is refused before the lock (test_train_flag_names)
+        assert main(["train", "--out", str(out), "--resume"]) == 2
         err = capsys.readouterr().err
         assert "in use by another `addnorm train` run" in err and "--out" in err
     after = _files(out)

@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print results.json to stdout at the end (the verdict table then goes to stderr)",
+        help="print results.json to stdout at the end (the verdict table then goes to stderr); an error or "
+        "interrupt prints one JSON object {error, status: error/interrupted, exit_code} instead",
     )
     p.add_argument(
         "--shard",
@@ -241,6 +242,26 @@ def _load_seed_record(path):
     return None if path is None else load_record(Path(path))
 
 
+def _failed(
+    args: argparse.Namespace, command: str, message: str, code: int, status: str = "error", lead: str = ""
+) -> int:
+    """Exit ``code`` with ``message`` on stderr; with --json also one JSON object on stdout (``{"error": MESSAGE,
+    "status": "error" | "interrupted", "exit_code": code}``), so a caller that runs json.loads on stdout gets the
+    reason rather than an empty string (as ``addnorm doctor --json`` does)."""
+    print(f"{lead}{command}: {'error: ' if status == 'error' else ''}{message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "status": status, "exit_code": code}, indent=2), flush=True)
+    return code
+
+
+def _os_message(err: OSError) -> str:
+    """``err`` in words, with its own text after it when that says more (not twice when it has no errno)."""
+    from addnorm.outpaths import describe_os_error
+
+    described = describe_os_error(err)
+    return described if str(err) in described else f"{described} ({err})"
+
+
 def _finish(doc: dict, as_json: bool) -> None:
     from addnorm.lab.report import terminal_table
 
@@ -259,7 +280,6 @@ def _lab(args: argparse.Namespace) -> int:
 
     from addnorm.lab.report import load_results
     from addnorm.lab.runner import RunOptions, parse_shard, run
-    from addnorm.outpaths import describe_os_error
 
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
@@ -284,24 +304,19 @@ def _lab(args: argparse.Namespace) -> int:
         )
         summary = run(options)
     except ValueError as err:
-        print(f"addnorm lab: error: {err}", file=sys.stderr)
-        return 2
+        return _failed(args, "addnorm lab", str(err), 2)
     except OSError as err:  # disk full, permissions, ...: finished experiments stay cached
-        print(
-            f"addnorm lab: error: cannot write the results into {args.out}: {describe_os_error(err)} ({err})",
-            file=sys.stderr,
-        )
-        return 2
+        message = f"cannot write the results into {args.out}: {_os_message(err)}"
+        return _failed(args, "addnorm lab", message, 2)
     except KeyboardInterrupt as err:
         # Finished experiments and tasks are already on disk (each written atomically): a pause, not a loss.
         # Ctrl-C exits 130, SIGTERM (a Terminated, interrupt.py) 143: 128 + the signal, as a shell reports it.
         signum = getattr(err, "signum", 2)
-        print(
-            f"\naddnorm lab: interrupted{' (SIGTERM)' if signum == 15 else ''}; finished experiments and tasks are "
-            f"kept in {Path(args.out) / 'runs'}; run the same command again to resume",
-            file=sys.stderr,
+        message = (
+            f"interrupted{' (SIGTERM)' if signum == 15 else ''}; finished experiments and tasks are "
+            f"kept in {Path(args.out) / 'runs'}; run the same command again to resume"
         )
-        return 128 + signum
+        return _failed(args, "addnorm lab", message, 128 + signum, status="interrupted", lead="\n")
     if int(os.environ.get("RANK", "0") or 0) != 0:  # torchrun: rank 0 reports
         return 1 if summary.failed else 0
     doc = load_results(options.out)
@@ -323,17 +338,15 @@ def _merge(args: argparse.Namespace) -> int:
 
     from addnorm.lab.merge import merge
     from addnorm.lab.report import load_results
-    from addnorm.outpaths import describe_os_error, out_dir
+    from addnorm.outpaths import out_dir
 
     try:
         out_dir(args.out, create=False)  # before Path("") turns an empty --out into the current folder
         merge([Path(d) for d in args.dirs], Path(args.out))
     except ValueError as err:
-        print(f"addnorm lab merge: error: {err}", file=sys.stderr)
-        return 2
+        return _failed(args, "addnorm lab merge", str(err), 2)
     except OSError as err:
-        print(f"addnorm lab merge: error: {describe_os_error(err)} ({err})", file=sys.stderr)
-        return 2
+        return _failed(args, "addnorm lab merge", _os_message(err), 2)
     _finish(load_results(args.out), args.json)
     if not args.json:
         print(f"report: {Path(args.out) / 'index.html'}")

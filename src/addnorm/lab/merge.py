@@ -35,6 +35,11 @@ def merge(dirs: Sequence[Path], out: Path) -> RunSummary:
     """
     if not dirs:
         raise ValueError("merge needs at least one directory")
+    seen: dict[Path, Path] = {}
+    for d in map(Path, dirs):  # `merge a a` is a typo for `merge a b`: merging a with itself hides b's absence
+        if d.resolve() in seen:
+            raise ValueError(f"{d} is given twice (as {seen[d.resolve()]} and {d}): give each shard's directory once")
+        seen[d.resolve()] = d
     out = Path(out)
     by_name: dict[str, dict] = {}
     origin: dict[str, Path] = {}

@@ -54,6 +54,9 @@ from addnorm.train.distributed import DistInfo
 
 # Experiments derive seeds such as seed * 1000 + repeat and hand them to numpy and torch generators.
 SEED_LIMIT = 2**32
+# --jobs beyond this many worker processes per core only waits on the CPU (each holds torch: ~200 MB); 100000 of
+# them hung the machine instead of failing.
+JOBS_PER_CORE = 4
 
 
 # ----------------------------------------------------------------------------------------------- small utilities
@@ -187,7 +190,10 @@ class RunOptions:
         if not 0 <= self.seed < SEED_LIMIT:  # numpy's generators refuse negative seeds; torch's overflow at 2**64
             raise ValueError(f"seed (--seed) must be in [0, 2**32), got {self.seed}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be an int >= 1 (or None to keep torch's setting), got {self.threads!r}")
+            raise ValueError(
+                f"threads (--threads) must be an int >= 1 (or 0 on the command line, None here, to keep torch's "
+                f"setting), got {self.threads!r}"
+            )
         cores = os.cpu_count() or 1
         if self.threads is not None and self.threads > cores:  # 100000 threads crashed the OpenMP runtime
             raise ValueError(
@@ -196,6 +202,11 @@ class RunOptions:
             )
         if self.jobs is not None and (not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1):
             raise ValueError(f"jobs (--jobs) must be an int >= 1, got {self.jobs!r}")
+        if self.jobs is not None and self.jobs > JOBS_PER_CORE * cores:  # 100000 workers hung the machine
+            raise ValueError(
+                f"jobs (--jobs) {self.jobs} is more than {JOBS_PER_CORE} worker processes per CPU core of this "
+                f"machine ({cores} core(s)): give at most {JOBS_PER_CORE * cores}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,8 @@ final, best and optimum loss, spikes, max gradient norm, diverged or not (a non-
 divergence: exit status 1); with ``--out`` the JSONL log, a checkpoint (every 50 steps and at the end;
 ``--set checkpoint_every=N``), ``args.json`` (the flags, with --data's absolute path and SHA-256, for
 ``--resume``), ``summary.json`` and ``loss.png``; one run at a time per ``--out``. ``--resume`` on a directory
-without a run, or after the --data file changed, is an error.
+without a run, or after the --data file changed, is an error; so is a new run (no ``--resume``) into a directory that
+holds a checkpoint (it would overwrite it).
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def resolve_run_args(args: argparse.Namespace) -> None:
     given with another value (it would continue a different run from the checkpoint)."""
     if args.resume:
         _check_something_to_resume(args.out)
+    elif args.out and (Path(args.out) / CHECKPOINT).is_file():  # a new run would overwrite it: a forgotten --resume
+        raise ValueError(
+            f"--out {str(args.out)!r} holds a run ({CHECKPOINT}): --resume continues it; to start a new run, give "
+            f"another --out (or delete {Path(args.out) / CHECKPOINT} first)"
+        )
     saved = _saved_args(Path(args.out)) if args.resume and args.out else None
     if saved is not None:
         conflicts = []
@@ -201,6 +207,31 @@ def run_training(args: argparse.Namespace) -> int:
         return _run_training(args, stack)
 
 
+# TrainConfig fields that have their own flag: an error about one names the flag the user typed
+_FIELD_FLAGS = {
+    "steps": "--steps",
+    "lr": "--lr",
+    "warmup": "--warmup",
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "seed": "--seed",
+    "device": "--device",
+}
+
+
+def name_flags(message: str) -> str:
+    """``message`` with each ``TrainConfig.FIELD`` that has a flag named as that flag too (``--lr (TrainConfig.lr)``),
+    so an error about ``--lr nan`` names ``--lr``."""
+    import re
+
+    def named(m: re.Match) -> str:
+        flag = _FIELD_FLAGS.get(m.group(1))
+        already = message[m.end() : m.end() + len(flag) + 2] == f" ({flag}" if flag else True
+        return m.group(0) if flag is None or already else f"{flag} ({m.group(0)})"
+
+    return re.sub(r"TrainConfig\.(\w+)", named, message)
+
+
 def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import dataclasses
     import sys
@@ -237,7 +268,7 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             preset=args.preset, sets=sets, train_fields=flags, data_file=args.data, data_seed=args.data_seed
         )
     except (ValueError, TypeError) as e:
-        print(f"addnorm train: error: {e}", file=sys.stderr)
+        print(f"addnorm train: error: {name_flags(str(e))}", file=sys.stderr)
         return 2
     info = D.init_from_env(cfg.device)
     if args.out and info.is_main:
@@ -267,11 +298,13 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", gnorm=f"{entry['grad_norm']:.2f}")
 
+    from addnorm.lab.interrupt import sigterm_interrupts
     from addnorm.ops.backends import BackendUnavailableError
 
     try:
         try:
-            result = train(model, data, cfg, callback=on_step)
+            with sigterm_interrupts():  # `timeout`, `kill`, schedulers: stop as Ctrl-C does, with the message
+                result = train(model, data, cfg, callback=on_step)
         finally:
             if bar is not None:  # before any message: a message printed over a live bar shares its line
                 bar.close()
@@ -283,15 +316,17 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             f"addnorm train: error: cannot write into --out {args.out}: {describe_os_error(e)} ({e})", file=sys.stderr
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", 2)  # 15 from sigterm_interrupts: exit 143, as a shell reports SIGTERM
         every = f"every {cfg.checkpoint_every} steps" if cfg.checkpoint_every else "only at the end"
         where = (
             f"the last checkpoint in {args.out} (written {every}; --set checkpoint_every=N to change)"
             if args.out
             else "nothing (no --out, nothing saved)"
         )
-        print(f"\naddnorm train: interrupted; --resume would continue from {where}", file=sys.stderr)
-        return 130
+        what = "interrupted (SIGTERM)" if signum == 15 else "interrupted"
+        print(f"\naddnorm train: {what}; --resume would continue from {where}", file=sys.stderr)
+        return 128 + signum
     if not info.is_main:
         return 0
     summary = result.summary()

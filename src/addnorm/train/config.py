@@ -65,8 +65,10 @@ class TrainConfig:
             "spike_sigma",
         ) + (("clip",) if self.clip is not None else ()):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise TypeError(f"TrainConfig.{name} must be a number, got {v!r}")
+            if math.isnan(v):  # a number to Python, not to a training run: say what is wanted
+                raise ValueError(f"TrainConfig.{name} must be a finite number, got nan")
             # inf is meaningless everywhere but diverge_factor (inf: never stop a run early)
             if math.isinf(v) and name != "diverge_factor":
                 raise ValueError(f"TrainConfig.{name} must be a finite number, got {v!r}")
