@@ -52,20 +52,21 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _inference_mode_enabled = torch.is_inference_mode_enabled
 
 
-def _inside(p, t) -> bool:
-    """Whether contiguous p's bytes overlap contiguous t's (data pointers and sizes: no allocation)."""
-    p0, t0 = p.data_ptr(), t.data_ptr()
-    return p0 < t0 + t.nbytes and t0 < p0 + p.nbytes
-
-
 def _unsafe_write(written, params) -> bool:
     """Whether the general path must judge an in-place call: an inference tensor written outside inference mode, or
-    a weight/bias overlapping a written tensor (all contiguous here). It raises the refusal."""
-    if (written[0].is_inference() or written[1].is_inference()) and not _inference_mode_enabled():
+    a weight/bias overlapping a written tensor (all contiguous here: byte ranges from data pointers and sizes, no
+    allocation). It raises the refusal."""
+    a, b = written
+    if not _inference_mode_enabled() and (a.is_inference() or b.is_inference()):
         return True
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.nbytes, b0 + b.nbytes
     for p in params:
-        if p is not None and (_inside(p, written[0]) or _inside(p, written[1])):
-            return True
+        if p is not None:
+            p0 = p.data_ptr()
+            p1 = p0 + p.nbytes
+            if (p0 < a1 and a0 < p1) or (p0 < b1 and b0 < p1):
+                return True
     return False
 
 
