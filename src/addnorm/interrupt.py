@@ -1,11 +1,12 @@
-"""SIGTERM stops a lab run the way Ctrl-C does.
+"""SIGTERM stops a long command (``addnorm lab``, ``addnorm train``) the way Ctrl-C does.
 
 ``timeout``, batch schedulers and ``kill`` send SIGTERM, whose default action ends the process on the spot: no
 ``finally`` runs, so the worker pool is not stopped, the multiprocessing semaphores are never released (the
 resource tracker then warns of "leaked semaphore objects") and the user is not told that a rerun resumes.
 :func:`sigterm_interrupts` turns SIGTERM into :class:`Terminated`, a KeyboardInterrupt, so it takes Ctrl-C's path:
-the executor stops its workers, finished experiments and tasks stay in the cache, and ``addnorm lab`` prints its
-resume hint and exits with 128 + the signal's number (143), as a shell reports a process ended by that signal.
+the lab's executor stops its workers, finished experiments and tasks stay in the cache (train keeps its checkpoint),
+and the command prints its resume hint and exits with 128 + the signal's number (143), as a shell reports a
+process ended by that signal. It lives beside the commands, not in the lab, because train imports nothing of the lab.
 """
 
 from __future__ import annotations

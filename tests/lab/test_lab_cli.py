@@ -233,7 +233,7 @@ def test_sigterm_like_timeout_sends_it_stops_cleanly_exits_143_and_the_rerun_res
 def test_sigterm_raises_terminated_once_and_the_handler_is_restored():
     import signal
 
-    from addnorm.lab.interrupt import Terminated, sigterm_interrupts
+    from addnorm.interrupt import Terminated, sigterm_interrupts
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

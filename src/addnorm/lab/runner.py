@@ -39,13 +39,14 @@ from typing import Any
 
 import torch
 
+from addnorm.interrupt import sigterm_interrupts
+
 # The writers live in addnorm.io (train's checkpoints use them too); re-exported here for existing callers.
 from addnorm.io import atomic_write_json, atomic_write_text, strict_json  # noqa: F401
 from addnorm.io import json_default as _json_default
 from addnorm.lab import cache
 from addnorm.lab.core import ENGINES, EXPERIMENTS, Context, Experiment, Result
 from addnorm.lab.executor import Executor, default_jobs, init_group
-from addnorm.lab.interrupt import sigterm_interrupts
 from addnorm.lab.machine import run_meta
 from addnorm.lab.outdir import out_lock, prepare_out_dir
 from addnorm.lab.registry import record_fields

@@ -298,7 +298,7 @@ def _run_training(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", gnorm=f"{entry['grad_norm']:.2f}")
 
-    from addnorm.lab.interrupt import sigterm_interrupts
+    from addnorm.interrupt import sigterm_interrupts
     from addnorm.ops.backends import BackendUnavailableError
 
     try:
