@@ -55,7 +55,7 @@ def _fused_add_rms_norm(X, R, W, eps, offset, casting_mode, backend):
     if W.dim() == 0 or X.shape[-1] != W.shape[0]:
         # Liger's check, as an AssertionError with its message
         raise AssertionError("Incompatible hidden size dimension between tensor1.shape[1] and tensor2.shape[0]")
-    zero_centered = offset == 1
+    zero_centered = bool(offset == 1)  # a bool, as the op requires: np.float64(1.0) == 1 is a numpy bool
     if offset not in (0, 1):
         W = W.float() + float(offset) if W.dtype != torch.float64 else W + float(offset)
     return add_rms_norm(

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from addnorm.ops import add_norm as _ops
 from addnorm.ops.add_norm import add_layer_norm, add_rms_norm
+from addnorm.ops.contract import check_bools
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -39,6 +40,8 @@ class _AddNormMixin:
     def _extra_init(
         self, zero_centered_weight: bool, cast_before_weight: bool, residual_dtype: torch.dtype | None, backend: str
     ) -> None:
+        # refused here, not at the first forward: reset_parameters reads zero_centered_weight below
+        check_bools(("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight))
         self.zero_centered_weight = zero_centered_weight
         self.cast_before_weight = cast_before_weight
         self.residual_dtype = residual_dtype

@@ -70,6 +70,10 @@ checkpointing restores) and ``torch.compile``/``torch.export``. The kernel backe
 differentiating them again raises an error naming ``backend='torch'``, which is differentiable to any order.
 ``torch.func`` transforms (vmap, grad, jacrev: per-sample gradients) see through plain PyTorch only, so ``auto``
 uses the torch backend inside one and a kernel backend asked for by name raises.
+
+The bool options (``zero_centered_weight``, ``cast_before_weight``; ``is_rms`` and ``return_dropout_mask`` of
+add_norm_multi) must be Python bools, on every op: anything else (``1``, ``"no"``, a tensor, ``numpy.bool_``) is a
+TypeError naming the option and the value (:func:`addnorm.ops.contract.check_bools`), not read by truthiness.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from torch import Tensor
 
 from addnorm.ops import torch_backend
 from addnorm.ops.backends import ENV_VAR, backend_override, resolve_backend, resolve_backend_for_trace
-from addnorm.ops.contract import AddNormSpec
+from addnorm.ops.contract import AddNormSpec, check_bools
 from addnorm.ops.fast_path import try_add_norm
 from addnorm.ops.kernel_ops import kernel_add_norm
 
@@ -103,7 +107,10 @@ def run_add_norm(
     """What the public functions (and add_norm_multi's fused calls) share: validate the call into an
     :class:`~addnorm.ops.contract.AddNormSpec`, resolve the backend, run the torch backend or the kernel route.
     Arguments positional, in the order of the signature. A decode-size call in the common inference case is served
-    by the fast path first (:mod:`addnorm.ops.fast_path`: the same bits)."""
+    by the fast path first (:mod:`addnorm.ops.fast_path`: the same bits). The flags are Python bools, checked first
+    (every caller: the public functions, add_norm_multi, the nn modules)."""
+    if type(zero_centered_weight) is not bool or type(cast_before_weight) is not bool:
+        check_bools(("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight))
     fast = try_add_norm(
         x,
         residual,

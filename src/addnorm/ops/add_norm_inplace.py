@@ -22,6 +22,7 @@ from addnorm.ops.backends import compiled_ops_usable, kernel_module, resolve_bac
 from addnorm.ops.contract import (
     AddNormSpec,
     bump_versions,
+    check_bools,
     check_disjoint,
     check_not_written,
     check_writable,
@@ -192,6 +193,8 @@ def _(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_
 
 
 def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
+    if type(zero_centered_weight) is not bool or type(cast_before_weight) is not bool:
+        check_bools(("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight))
     # a decode-size call in the common case: the fast path (addnorm.ops.fast_path), which refuses anything unusual
     if try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cast_before_weight, backend):
         return x, residual
@@ -202,9 +205,9 @@ def _add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, cas
     if bias is not None and is_rms:
         bias = None
     # the cast changes nothing when there is no affine step, or when x's dtype is the statistics dtype
-    cast = bool(cast_before_weight) and (weight is not None or bias is not None)
+    cast = cast_before_weight and (weight is not None or bias is not None)
     cast = cast and x.dtype != stats_dtype(x.dtype, residual.dtype)
-    args = (x, residual, weight, bias, float(eps), is_rms, bool(zero_centered_weight), cast)
+    args = (x, residual, weight, bias, float(eps), is_rms, zero_centered_weight, cast)
     if torch.compiler.is_compiling():
         if x is residual:
             # _check_inplace put the refusing op in the graph: it raises when the graph runs, so nothing after it

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from addnorm.ops.add_norm_multi import add_norm_multi
-from addnorm.ops.contract import check_float, default_rms_eps, row_mean, stats_dtype
+from addnorm.ops.contract import check_bools, check_float, default_rms_eps, row_mean, stats_dtype
 
 __all__ = ["add_norm_linear"]
 
@@ -134,6 +134,7 @@ def add_norm_linear(
     """``(linear(norm(x + residual)), x + residual)`` with the norm's output recomputed in the backward instead of
     stored. ``out_dtype`` is the norm output's dtype (default x's); the linear runs in linear_weight's dtype (cast
     it first for mixed precision). Under autocast, norm output and linear weight take autocast's dtype."""
+    check_bools(("is_rms", is_rms), ("zero_centered_weight", zero_centered_weight))
     check_float("linear_weight", linear_weight)
     if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
         raise ValueError(

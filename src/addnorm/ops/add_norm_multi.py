@@ -35,6 +35,7 @@ from addnorm.ops.add_norm import run_add_norm
 from addnorm.ops.contract import (
     as_dtype,
     check_affine,
+    check_bools,
     check_float,
     check_like_x,
     default_rms_eps,
@@ -130,11 +131,15 @@ def add_norm_multi(
     to x's dtype; ``eps=None`` (RMSNorm) to the machine epsilon of residual_dtype. The other options are those of
     :func:`addnorm.add_layer_norm`.
     """
+    check_bools(
+        ("is_rms", is_rms),
+        ("zero_centered_weight", zero_centered_weight),
+        ("cast_before_weight", cast_before_weight),
+        ("return_dropout_mask", return_dropout_mask),
+    )
     _validate_extra(x, x1, weight1, bias1, rowscale, bias, is_rms)
     if is_rms and eps is None:
         eps = default_rms_eps(x, residual, residual_dtype)
-    if not isinstance(return_dropout_mask, bool):
-        raise TypeError(f"return_dropout_mask must be a bool, got {return_dropout_mask!r}")
     fused = x1 is None and rowscale is None and weight1 is None and not (is_rms and bias is not None)
     if fused and not return_dropout_mask:
         out, res = run_add_norm(
@@ -160,7 +165,7 @@ def add_norm_multi(
     branch, kernel_p = x, dropout_p
     compose_branch = x1 is not None or rowscale is not None or (return_dropout_mask and dropout_p > 0)
     if compose_branch:
-        if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        if not isinstance(dropout_p, (int, float)) or type(dropout_p) is bool or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
         branch = as_dtype(x, cd)
         if rowscale is not None:

@@ -343,6 +343,17 @@ def validate(x, residual, weight, bias, eps, dropout_p, residual_dtype) -> None:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
+def check_bools(*pairs) -> None:
+    """Refuse a bool option (``zero_centered_weight``, ``cast_before_weight``, ``is_rms``, ...) that is not a Python
+    bool: ``(name, value)`` pairs, checked in order. Read by truthiness, ``"no"``, ``0.5`` or ``torch.tensor(0.)``
+    would be taken as an answer; so are ``1``/``0`` and ``numpy.bool_`` refused (numpy's bool is no ``bool``
+    subclass), as :mod:`addnorm.ops.norm_add` refuses them: ``bool(flag)`` is the caller's one-word fix. The ops
+    test ``type(v) is bool`` inline (tens of nanoseconds) and call this only to raise."""
+    for name, v in pairs:
+        if type(v) is not bool:
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
 def _is_real(v) -> bool:
     # numbers.Real: numpy scalars too (np.float32 is no float subclass), as torch.nn.functional accepts them; float
     # and int first, since an isinstance check against the ABC costs about a microsecond on every call

@@ -22,6 +22,7 @@ from addnorm.ops.contract import (
     AddNormSpec,
     as_dtype,
     bump_versions,
+    check_bools,
     check_disjoint,
     check_not_written,
     check_writable,
@@ -98,6 +99,7 @@ def _run(
     out,
     inplace,
 ):
+    check_bools(("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight))
     if is_rms:
         bias = None
         if eps is None:
@@ -110,7 +112,7 @@ def _run(
         _check_inplace(x, residual, weight, bias, residual_dtype)
     rd = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     cd = stats_dtype(x.dtype, rd)
-    cast = bool(cast_before_weight) and (weight is not None or bias is not None) and x.dtype != cd
+    cast = cast_before_weight and (weight is not None or bias is not None) and x.dtype != cd
     if out is not None:
         _check_out(out, x, residual, quant_dtype)
         check_writable("out", out)
