@@ -132,3 +132,46 @@ def test_quantized_in_place_and_out_follow_the_byte_range_rule(backend):
     expected = addnorm.add_rms_norm_quant(xs.clone(), r2, w, quant_dtype=torch.int8, backend=backend)[0]
     q, _, _ = addnorm.add_rms_norm_quant(xs, r2, w, quant_dtype=torch.int8, out=out, backend=backend)
     assert q is out and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("op", ["add_rms_norm_", "add_layer_norm_", "norm_add_", "norm_add_norm_"])
+def test_the_decode_fast_path_serves_disjoint_views_and_leaves_overlap_to_the_general_path(op, monkeypatch):
+    """The fast paths judge aliasing by byte range too (not by storage): disjoint views of one buffer take the
+    raw-address launch with the general path's bits; overlapping ones never launch and meet the general path's
+    refusal, nothing written."""
+    import importlib
+
+    from addnorm.ops.cpu import fast_launch, norm_add_fast_launch
+
+    _skip_unavailable("cpu")
+    na = importlib.import_module("addnorm.ops.norm_add")
+    ani = importlib.import_module("addnorm.ops.add_norm_inplace")
+    seen = []
+    for mod in (fast_launch, norm_add_fast_launch):
+        monkeypatch.setattr(mod, "forward_ptr", lambda *a, _real=mod.forward_ptr: seen.append(1) or _real(*a))
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    calls = {
+        "add_rms_norm_": lambda x, r: addnorm.add_rms_norm_(x, r, w, 1e-6, backend="cpu"),
+        "add_layer_norm_": lambda x, r: addnorm.add_layer_norm_(x, r, w, b, 1e-5, backend="cpu"),
+        "norm_add_": lambda x, r: addnorm.norm_add_(x, r, w, backend="cpu"),
+        "norm_add_norm_": lambda x, r: addnorm.norm_add_norm_(x, r, w, w, backend="cpu"),
+    }
+    call = calls[op]
+    buf = torch.randn(2, 3, 48, generator=g)
+    want = buf.clone()
+    with monkeypatch.context() as m:  # the general path's bits: the fast paths switched off
+        m.setattr(ani, "try_add_norm_", lambda *a: False)
+        m.setattr(na, "try_norm_add_", lambda *a: False)
+        call(want[0], want[1])
+    seen.clear()
+    with torch.no_grad():
+        call(buf[0], buf[1])
+    assert seen == [1]
+    assert torch.equal(buf, want)
+    flat = torch.randn(4 * 48, generator=g)
+    before = flat.clone()
+    seen.clear()
+    with torch.no_grad(), pytest.raises(ValueError, match="must not overlap in memory"):
+        call(flat[:144].view(3, 48), flat[48:].view(3, 48))  # one row in common
+    assert seen == [] and torch.equal(flat, before)

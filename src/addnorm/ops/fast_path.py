@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.backends import kernel_module, resolve_cpu_backend
-from addnorm.ops.contract import MACHINE_EPS, bump_versions
+from addnorm.ops.contract import MACHINE_EPS
 from addnorm.ops.torch_backend import rms_norm_one_dtype
 
 __all__ = ["try_add_norm", "try_add_norm_"]
@@ -50,23 +50,43 @@ _STATS_DTYPES = (torch.float32, torch.float64)  # x in one of these: the cast be
 _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 _inference_mode_enabled = torch.is_inference_mode_enabled
+_increment_version = torch._C._increment_version  # what contract.bump_versions calls, without its frame
 
 
-def _unsafe_write(written, params) -> bool:
-    """Whether the general path must judge an in-place call: an inference tensor written outside inference mode, or
-    a weight/bias overlapping a written tensor (all contiguous here: byte ranges from data pointers and sizes, no
-    allocation). It raises the refusal."""
-    a, b = written
-    if not _inference_mode_enabled() and (a.is_inference() or b.is_inference()):
+def _unsafe_write(a: Tensor, b: Tensor, rows: int, write_a: bool, w, c, w2=None, c2=None) -> bool:
+    """Whether the general path must judge an in-place call that writes b, and a when ``write_a`` (else a is only
+    read), reading weights/biases w, c, w2, c2 (None when absent): an inference tensor written outside inference
+    mode, a and b overlapping, or a weight/bias overlapping a written tensor. That path raises the refusal.
+
+    What the fast path has already established makes this a few integer comparisons, each address and size read
+    once, nothing allocated: a and b contiguous, of one shape and dtype (one byte size), ``rows`` rows; every
+    weight/bias contiguous and 1-D with one row's elements in that dtype (one row's bytes)."""
+    if not _inference_mode_enabled() and (b.is_inference() or (write_a and a.is_inference())):
         return True
     a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.nbytes, b0 + b.nbytes
-    for p in params:
-        if p is not None:
-            p0 = p.data_ptr()
-            p1 = p0 + p.nbytes
-            if (p0 < a1 and a0 < p1) or (p0 < b1 and b0 < p1):
-                return True
+    size = a.nbytes
+    b1 = b0 + size
+    if a0 < b1 and b0 < a0 + size:
+        return True  # views of one buffer whose bytes overlap (disjoint ones are fine, as on the general path)
+    a1 = a0 + size if write_a else a0  # (a only read: an empty written range)
+    row = size // rows
+    # unrolled, not a loop over a tuple: ~0.1 us less a call
+    if w is not None:
+        p0 = w.data_ptr()
+        if (p0 < b1 and b0 < p0 + row) or (p0 < a1 and a0 < p0 + row):
+            return True
+    if c is not None:
+        p0 = c.data_ptr()
+        if (p0 < b1 and b0 < p0 + row) or (p0 < a1 and a0 < p0 + row):
+            return True
+    if w2 is not None:
+        p0 = w2.data_ptr()
+        if (p0 < b1 and b0 < p0 + row) or (p0 < a1 and a0 < p0 + row):
+            return True
+    if c2 is not None:
+        p0 = c2.data_ptr()
+        if (p0 < b1 and b0 < p0 + row) or (p0 < a1 and a0 < p0 + row):
+            return True
     return False
 
 
@@ -119,12 +139,12 @@ def _fast_case(x, residual, weight, bias, eps, is_rms):
     return (m, n, float(eps)) if m else None
 
 
-def _kernel_fits(cpu, x, residual, weight, bias, m: int, n: int) -> bool:
+def _kernel_fits(cpu, x, residual, weight, bias, m: int, n: int, rows_contiguous: bool = False) -> bool:
+    """Whether the serial kernel takes the call (``rows_contiguous``: x's and residual's contiguity already seen)."""
     return (
         m * n < cpu.PARALLEL_MIN_ELEMENTS  # large calls: the general launch (threads), where Python is noise
         and x.dtype in cpu.fast_launch.DTYPES
-        and x.is_contiguous()
-        and (residual is None or residual.is_contiguous())
+        and (rows_contiguous or (x.is_contiguous() and (residual is None or residual.is_contiguous())))
         and (weight is None or weight.is_contiguous())
         and (bias is None or bias.is_contiguous())
     )
@@ -204,23 +224,21 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ):
         return False
-    # contiguous (no element stored twice) and not one storage: the general path's checks for what it writes
+    # contiguous (no element stored twice), then the general path's write-safety checks (_unsafe_write)
     if not (x.is_contiguous() and residual.is_contiguous()):
         return False
-    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
-        return False
-    if _unsafe_write((x, residual), (weight, bias)):
-        return False
     m, n, eps = rows
+    if _unsafe_write(x, residual, m, True, weight, bias):
+        return False
     name = resolve_cpu_backend(backend)
     if name == "cpu":
         cpu = kernel_module("cpu")
-        if not _kernel_fits(cpu, x, residual, weight, bias, m, n):
+        if not _kernel_fits(cpu, x, residual, weight, bias, m, n, True):
             return False
         flags = _flags(cpu, residual, weight, bias, is_rms, zero_centered_weight, cast_before_weight, x.dtype)
         flags |= cpu.fast_launch.STORE | cpu.fast_launch.IN_PLACE
         cpu.fast_launch.forward_ptr(x, residual, weight, bias, x, residual, m, n, flags, eps)
-        bump_versions(x, residual)  # written through pointers: PyTorch's counters as add_/copy_ leave them
+        _increment_version((x, residual))  # (bump_versions) written through pointers: counters as add_/copy_ leave
         return True
     if name == "torch" and is_rms:
         if zero_centered_weight and weight is not None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from addnorm.ops.backends import kernel_module, resolve_cpu_backend
-from addnorm.ops.contract import MACHINE_EPS, bump_versions
+from addnorm.ops.contract import MACHINE_EPS
 from addnorm.ops.fast_path import _unsafe_write
 
 __all__ = ["try_norm_add", "try_norm_add_"]
@@ -28,6 +28,7 @@ _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
 _HALF = (torch.bfloat16, torch.float16)  # the cast before the weight rounds something only here
 _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
+_increment_version = torch._C._increment_version
 
 
 def _parallel_min() -> int:
@@ -135,17 +136,18 @@ def try_norm_add_(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2, ba
     if type(residual) is not Tensor or y is residual or y.requires_grad or residual.requires_grad:
         return False
     case = _flags_and_eps(y, residual, params, eps1, eps2, norms, zc, cbw, has_norm2)
-    if case is None or y.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
-        return False  # one storage: the general path checks whether the views overlap
-    if _unsafe_write((y, residual), params):
-        return False  # an inference tensor outside inference mode, or a weight in written memory: refused there
+    if case is None:
+        return False
+    m, n, flags, e1, e2 = case
+    # an inference tensor written outside inference mode, y and residual overlapping, or a weight/bias in written
+    # memory (y is written with the second norm only, as the general path's _check_inplace has it): refused there
+    w1, b1, w2, b2 = params
+    if _unsafe_write(y, residual, m, has_norm2, w1, b1, w2, b2):
+        return False
     if resolve_cpu_backend(backend) != "cpu":
         return False
     fast = _fast_launch()
-    m, n, flags, e1, e2 = case
     fast.forward_ptr(y, residual, residual, y if has_norm2 else None, *params, m, n, flags | fast.IN_PLACE, e1, e2)
-    if has_norm2:
-        bump_versions(y, residual)  # written through pointers: PyTorch's counters as copy_ leaves them
-    else:
-        bump_versions(residual)
+    # (bump_versions) written through pointers: PyTorch's counters as copy_ leaves them
+    _increment_version((y, residual) if has_norm2 else (residual,))
     return True
