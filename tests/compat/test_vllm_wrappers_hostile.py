@@ -288,10 +288,11 @@ def test_static_fp8_norm_ops_refusals():
     w = torch.ones(256, dtype=torch.bfloat16)
     s = torch.tensor([0.05])
     f8 = torch.empty(4, 256, dtype=FP8)
-    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
-        vllm.rms_norm_static_fp8_quant(f8, x, w.float(), s, EPS)
-    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
-        vllm.fused_add_rms_norm_static_fp8_quant(f8, x, r.clone(), w.float(), s, EPS)
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Half"):
+        vllm.rms_norm_static_fp8_quant(f8, x, w.half(), s, EPS)
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Half"):
+        vllm.fused_add_rms_norm_static_fp8_quant(f8, x, r.clone(), w.half(), s, EPS)
+    vllm.rms_norm_static_fp8_quant(f8, x, w.float(), s, EPS)  # a float32 weight stays accepted (0a88d969's tests)
     with pytest.raises(RuntimeError, match=r"Expected out.is_contiguous\(\) to be true"):
         vllm.rms_norm_static_fp8_quant(torch.empty(256, 4, dtype=FP8).t(), x, w, s, EPS)
     with pytest.raises(RuntimeError, match=r"Expected residual.is_contiguous\(\) to be true"):

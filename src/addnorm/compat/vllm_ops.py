@@ -285,15 +285,16 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, e
 def _static_fp8(result, input, residual, weight, scale, epsilon) -> None:
     """``rms_norm_static_fp8_quant`` / ``fused_add_rms_norm_static_fp8_quant`` (csrc/layernorm_quant_kernels.cu at
     0112cf23): ``TORCH_CHECK(out.is_contiguous())`` (and the residual's, by the caller), the input's dtype
-    dispatched (float32, float16, bfloat16), out's FP8 type dispatched, the weight read as the input's type and the
-    scale as float32 (``data_ptr``). addnorm also refuses an ``out`` of another shape and a scale of more than one
+    dispatched (float32, float16, bfloat16), out's FP8 type dispatched, the weight read as the input's type (or
+    float32: vLLM's tests at 0a88d969 pass a float32 weight with a bf16 input) and the scale as float32
+    (``data_ptr``). addnorm also refuses an ``out`` of another shape and a scale of more than one
     element (vLLM's kernel would write past ``out`` or read only ``scale[0]``)."""
     _torch_check(result.is_contiguous(), "out.is_contiguous()")
     name = "rms_norm_kernel" if residual is None else "fused_add_rms_norm_kernel"
     _dispatch_floating(input, f"{name}_scalar_type")
     if result.dtype != FP8:
         raise NotImplementedError(f"\"{name}_fp8_type\" not implemented for '{_scalar_name(result.dtype)}'")
-    if weight.dtype != input.dtype:
+    if weight.dtype not in (input.dtype, torch.float32):  # 0a88d969's tests pass a float32 weight (bf16 input)
         raise RuntimeError(f"expected scalar type {_scalar_name(input.dtype)} but found {_scalar_name(weight.dtype)}")
     _float_ptr(scale)
     if result.shape != input.shape:
