@@ -37,7 +37,7 @@ SIGNATURES = {
     "scaled_int8_quant": "(input, scale=None, azp=None, symmetric=True)",
     "rms_norm_static_fp8_quant": "(out, input, weight, scale, epsilon)",
     "fused_add_rms_norm_static_fp8_quant": "(out, input, residual, weight, scale, epsilon)",
-    "static_scaled_fp8_quant": "(out, input, scale)",
+    "static_scaled_fp8_quant": "(out, input, scale, group_shape=None)",
 }
 # torch.ops._C's schemas (alias sets named a, b, c here: torch.library's custom ops need them named)
 SCHEMAS = {
@@ -257,7 +257,7 @@ def test_addnorm_order_is_the_fused_kernels(backend, qd):
 def test_dynamic_per_token_quant_refuses_scales_vllm_refuses(scales):
     x, _, w = _inputs()
     q = torch.empty(x.shape, dtype=FP8)
-    with pytest.raises(ValueError, match=r"scales must be a float32 tensor of shape \(num_tokens, 1\) = \(33, 1\)"):
+    with pytest.raises(RuntimeError, match=r"scales must be a float32 tensor of shape \(num_tokens, 1\) = \(33, 1\)"):
         torch.ops.addnorm_vllm.rms_norm_dynamic_per_token_quant(q, x, w, scales, EPS, None, None)
 
 

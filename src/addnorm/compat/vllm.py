@@ -70,9 +70,12 @@ def fused_add_rms_norm_static_fp8_quant(
     _ops.fused_add_rms_norm_static_fp8_quant(out, input, residual, weight, scale, epsilon)
 
 
-def static_scaled_fp8_quant(out: Tensor, input: Tensor, scale: Tensor) -> None:
-    """``torch.ops._C.static_scaled_fp8_quant``: ``out = fp8(input * (1 / scale))``, saturated."""
-    _ops.static_scaled_fp8_quant(out, input, scale)
+def static_scaled_fp8_quant(
+    out: Tensor, input: Tensor, scale: Tensor, group_shape: tuple[int, int] | None = None
+) -> None:
+    """``torch.ops._C.static_scaled_fp8_quant``: ``out = fp8(input * (1 / scale))``, saturated; ``scale`` one
+    element, 1-D with ``group_shape`` ((-1, 1) per channel, (1, -1) per token) or 2-D per group, as vLLM's."""
+    _ops.static_scaled_fp8_quant(out, input, scale, None if group_shape is None else list(group_shape))
 
 
 def rms_norm_dynamic_per_token_quant(
