@@ -70,9 +70,14 @@ def test_newer_run_replaces_older_code_and_same_code_disagreeing_is_refused(tmp_
     clash = _run(tmp_path, "clash", 1, {"lr": "not reproduced"}, code="c1", date="2026-12-01T11:00")
     with pytest.raises(ValueError, match=r"lr at --seed 1: .*new.* says 'reproduced' .*clash.* says 'not reproduced'"):
         build_record([new, clash])
-    # the same code with the other engine may differ (float rounding): the newer run counts
+    # the same code with the other engine may differ (float rounding): either run is as valid, so the record does
+    # not drop one unasked; with replace=True the newer run counts, and the one dropped is reported
     batched = _run(tmp_path, "b", 1, {"lr": "not reproduced"}, code="c1", date="2026-12-01T12:00", engine="batched")
-    assert build_record([new, batched])["experiments"]["lr"]["1"]["engine"] == "batched"
+    with pytest.raises(ValueError, match=r"lr at --seed 1: .*new.* --engine sequential .*b/results.json.* --replace"):
+        build_record([new, batched])
+    dropped: list[str] = []
+    assert build_record([new, batched], replace=True, replaced=dropped)["experiments"]["lr"]["1"]["engine"] == "batched"
+    assert len(dropped) == 1 and "dropped the run (reproduced, code c1, --engine sequential" in dropped[0]
 
 
 def test_quick_runs_and_missing_files_are_refused(tmp_path):
@@ -175,7 +180,7 @@ def test_cli_writes_adds_to_and_reads_the_record(tmp_path, capsys):
     assert main(["lab", "doc", str(s0), "--output", str(page), "--seed-record", str(out)]) == 0
     assert "this verdict flips with `--seed`" in page.read_text()
     bad = tmp_path / "bad.json"
-    bad.write_text('{"version": 7}')
+    bad.write_text('{"version": "2"}')
     assert main(["lab", "doc", str(s0), "--seed-record", str(bad)]) == 2
     assert "not a seed record of version 1 or 2" in capsys.readouterr().err
     zero = _run(tmp_path, "zero", "zero", {"lr": "reproduced"})

@@ -164,7 +164,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the record of runs at every lab seed (written by `addnorm lab seeds`, e.g. docs/lab-seeds.json): each "
         "empirical verdict is pooled over every recorded run of the current code (with the rules' 95%% intervals "
         "and a per-lab-seed table), the headline counts the pooled verdicts; experiments whose runs stored no "
-        "evidence show the majority of their seeds' verdicts, labelled 'not pooled'",
+        "evidence show the majority of their seeds' verdicts, labelled 'not pooled'. OUT's run counts at its own lab "
+        "seed: refused where the record holds a different run of the same code there (another --engine, verdict or "
+        "evidence), and --output may not be this file",
     )
     d.set_defaults(func=_doc)
 
@@ -185,14 +187,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read the results.json of `addnorm lab` runs made at different --seed values (not --quick) "
         "and write, per empirical experiment and lab seed, the run's evidence (units and rules), verdict, the "
         "experiment's code identity, engine and date, as JSON (version 2; version 1 records are still read). "
-        "Refused, naming the file: a seed that is not an integer in [0, 2**32), a run without meta.code, a date in "
-        "the future, and two runs of the same code at one seed that disagree. With --add the runs are added to the "
-        "existing record in --output (a newer run at the same seed replaces an older one). `addnorm lab doc "
-        "--seed-record FILE` then pools every recorded run of the current code into one verdict per experiment.",
+        "Refused, naming the file: a seed that is not an integer in [0, 2**32), a run without meta.code or "
+        "meta.quick, a date in the future, a run given twice, --output being one of the runs' results.json, and two "
+        "runs of the same code at one seed that disagree. The record holds one run per experiment and lab seed: "
+        "with --add the runs are added to the existing record in --output, a newer run of other code at the same "
+        "seed replaces an older one (the command lists each run it drops), and a run of the same code made with the "
+        "other --engine is refused unless --replace. `addnorm lab doc --seed-record FILE` then pools every recorded "
+        "run of the current code into one verdict per experiment.",
     )
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of `addnorm lab` runs")
     s.add_argument("--output", required=True, metavar="FILE", help="the record to write (e.g. docs/lab-seeds.json)")
     s.add_argument("--add", action="store_true", help="add to the record already in --output instead of replacing it")
+    s.add_argument(
+        "--replace",
+        action="store_true",
+        help="where two runs of the same code at one lab seed were made with different --engine values (the record "
+        "or another run given here holds the other), keep the newer one and list the one dropped, instead of "
+        "refusing",
+    )
     s.set_defaults(func=_seeds)
 
 
@@ -321,12 +333,18 @@ def _lab(args: argparse.Namespace) -> int:
         return 1 if summary.failed else 0
     doc = load_results(options.out)
     if record is not None:
-        from addnorm.lab.pooled import pool_record, pooled_headline
+        from addnorm.lab.pooled import page_conflicts, pool_record, pooled_headline
         from addnorm.lab.report import write_views
 
         pooled = pool_record(record, current_codes(), doc)
         write_views(options.out, doc, pooled)
         print(f"pooled with {args.seed_record}: {pooled_headline(pooled)}", file=sys.stderr)
+        for line in page_conflicts(record, doc):  # this run counts at its seed, in place of the recorded one
+            print(
+                f"addnorm lab: warning: {line}; this run is pooled in place of the recorded one "
+                f"(`addnorm lab seeds` would refuse to record it without --replace)",
+                file=sys.stderr,
+            )
     _finish(doc, args.json)
     if not args.json:
         print(f"report: {options.out / 'index.html'}")
@@ -365,11 +383,16 @@ def _doc(args: argparse.Namespace) -> int:
     try:
         if args.output is not None:
             out_file(args.output, "--output")
-            check_distinct([(f"the run's {path}", path), ("--output", args.output)])
+            inputs = [(f"the run's {path}", path)]
+            if args.seed_record is not None:  # the page written over the record it pools would lose the record
+                inputs.append((f"--seed-record {args.seed_record}", args.seed_record))
+            check_distinct([*inputs, ("--output", args.output)])
         if not path.is_file():
             raise ValueError(f"{args.dir} has no results.json: run `addnorm lab --out {args.dir}` first")
         record = _load_seed_record(args.seed_record)
         doc, codes = read_results(path), current_codes() if record is not None else None
+        if record is not None:
+            _refuse_conflicts(record, doc, path, args.seed_record)
         text = render_results_doc(doc, record, codes)
         if record is not None:
             _warn_stale(record, codes, doc)
@@ -386,6 +409,21 @@ def _doc(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _refuse_conflicts(record: dict, doc: dict, path, record_path: str) -> None:
+    """``lab doc``: the page pools its own run at its lab seed in place of the record's entry there; refuse where
+    those are runs of the same code that differ, so the page never pools a run its record does not hold."""
+    from addnorm.lab.pooled import page_conflicts
+
+    conflicts = page_conflicts(record, doc)
+    if conflicts:
+        raise ValueError(
+            f"{path} and --seed-record {record_path} hold different runs of the same code at one lab seed: "
+            f"{'; '.join(conflicts)}. The page would pool a run the record does not hold: give `lab doc` the run "
+            "the record holds, or record this one first (`addnorm lab seeds RUN --output FILE --add`, with "
+            "--replace for another --engine)"
+        )
 
 
 def _warn_stale(record: dict, codes: dict[str, str], doc: dict) -> None:
@@ -410,13 +448,26 @@ def _seeds(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from addnorm import io
-    from addnorm.lab.seed_record import build_record, load_record
+    from addnorm.lab.seed_record import build_record, load_record, run_file
     from addnorm.outpaths import describe_os_error, out_file
 
+    replaced: list[str] = []
     try:
         out_file(args.output, "--output")
+        for d in args.dirs:  # `--output s0/results.json` would write the record over the run it reads
+            if os.path.realpath(run_file(Path(d))) == os.path.realpath(args.output):
+                raise ValueError(
+                    f"--output {args.output} is the results.json of the run {d}: writing the record there would "
+                    "destroy the run; give the record its own file (e.g. docs/lab-seeds.json)"
+                )
         previous = load_record(Path(args.output)) if args.add and Path(args.output).exists() else None
-        record = build_record([Path(d) for d in args.dirs], previous)
+        record = build_record(
+            [Path(d) for d in args.dirs],
+            previous,
+            replace=args.replace,
+            previous_name=f"the record {args.output}",
+            replaced=replaced,
+        )
         io.atomic_write_text(Path(args.output), json.dumps(record, indent=1) + "\n")
     except ValueError as err:
         print(f"addnorm lab seeds: error: {err}", file=sys.stderr)
@@ -424,6 +475,8 @@ def _seeds(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"addnorm lab seeds: error: cannot write {args.output}: {describe_os_error(err)}", file=sys.stderr)
         return 2
+    for line in replaced:  # never silently: each recorded run this command dropped, and which one it kept
+        print(f"addnorm lab seeds: note: {line}", file=sys.stderr)
     flips = [n for n, by_seed in record["experiments"].items() if len({e["verdict"] for e in by_seed.values()}) > 1]
     with_ev = sum(any(e.get("evidence") for e in by_seed.values()) for by_seed in record["experiments"].values())
     print(

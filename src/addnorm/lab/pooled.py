@@ -11,6 +11,9 @@ code's are *current*; the others ran older code and are listed, never pooled. Th
   version 1 record): the verdict most lab seeds gave (more than half of them, else inconclusive);
 * **this run alone**: no recorded run of the current code; the page's own run's verdict, if any.
 
+The page's own run is the newest word at its lab seed, except that a run of older code never displaces a recorded
+run of the current code; :func:`page_conflicts` names where it and the record's run of the same code there differ.
+
 The headline counts these verdicts and says how many rest on each basis.
 """
 
@@ -24,7 +27,15 @@ from addnorm.lab.core import VERDICTS
 from addnorm.lab.evidence import Judgement, Rule, judge, judge_evidence, pool_evidence
 from addnorm.lab.formatting import fmt_value, kind_of
 
-__all__ = ["Pooled", "pool_record", "pooled_headline", "basis_text", "judgement_rows", "verdict_basis"]
+__all__ = [
+    "Pooled",
+    "page_conflicts",
+    "pool_record",
+    "pooled_headline",
+    "basis_text",
+    "judgement_rows",
+    "verdict_basis",
+]
 
 
 @dataclass(kw_only=True)
@@ -58,17 +69,58 @@ def _each(counts: list[int], what: str) -> str:
     return f" x {lo}{what}" if lo == hi else f" x {lo}-{hi}{what}"
 
 
-def _entries(record: dict | None, page: dict | None) -> dict[str, dict[str, dict]]:
-    """The record's entries, with the page's own run (not --quick) as the newest word at its lab seed."""
-    out = {name: dict(by_seed) for name, by_seed in ((record or {}).get("experiments") or {}).items()}
+def _page_entries(page: dict | None) -> tuple[str | None, dict[str, dict]]:
+    """The page's own run (not --quick) as record entries: its lab seed and {name: entry}."""
     meta = (page or {}).get("meta") or {}
-    if page is not None and not meta.get("quick") and isinstance(meta.get("seed"), int):
-        for r in page.get("experiments") or []:
-            if kind_of(r) != "empirical" or r.get("code") is None:
-                continue
-            entry = {"verdict": r["verdict"], "code": r["code"], "date": meta.get("date")}
-            entry.update(engine=meta.get("engine") or "sequential", evidence=r.get("evidence"))
-            out.setdefault(r["name"], {})[str(meta["seed"])] = entry
+    if page is None or meta.get("quick") or not isinstance(meta.get("seed"), int):
+        return None, {}
+    out = {}
+    for r in page.get("experiments") or []:
+        if kind_of(r) != "empirical" or r.get("code") is None:
+            continue
+        entry = {"verdict": r["verdict"], "code": r["code"], "date": meta.get("date")}
+        entry.update(engine=meta.get("engine") or "sequential", evidence=r.get("evidence"))
+        out[r["name"]] = entry
+    return str(meta["seed"]), out
+
+
+def _entries(
+    record: dict | None, page: dict | None, current_codes: dict[str, str] | None = None
+) -> dict[str, dict[str, dict]]:
+    """The record's entries, with the page's own run (not --quick) as the newest word at its lab seed; except that
+    a page's run of older code never displaces a recorded run of the current code there (``current_codes``)."""
+    out = {name: dict(by_seed) for name, by_seed in ((record or {}).get("experiments") or {}).items()}
+    seed, mine = _page_entries(page)
+    for name, entry in mine.items():
+        recorded = out.get(name, {}).get(seed)
+        now = (current_codes or {}).get(name)
+        if recorded is not None and now is not None and recorded.get("code") == now != entry["code"]:
+            continue
+        out.setdefault(name, {})[seed] = entry
+    return out
+
+
+def page_conflicts(record: dict | None, page: dict | None) -> list[str]:
+    """Where the page's run and the record's entry at its lab seed are runs of the same code that differ (another
+    --engine, another verdict or other evidence): pooling the page's run there would pool a run the record does not
+    hold. One sentence per experiment; [] when none."""
+    seed, mine = _page_entries(page)
+    recorded_all = (record or {}).get("experiments") or {}
+    out = []
+    for name, entry in mine.items():
+        recorded = recorded_all.get(name, {}).get(seed)
+        if recorded is None or recorded.get("code") != entry["code"]:
+            continue
+        theirs = recorded.get("engine") or "sequential"
+        if theirs != entry["engine"]:
+            what = f"the record's run was made with --engine {theirs}, the page's with --engine {entry['engine']}"
+        elif recorded.get("verdict") != entry["verdict"]:
+            what = f"the record says {recorded.get('verdict')!r}, the page's run {entry['verdict']!r}"
+        elif (recorded.get("evidence") or None) != (entry["evidence"] or None):
+            what = "their evidence (units) differs"
+        else:
+            continue
+        out.append(f"{name} at --seed {seed} (same code {entry['code']}): {what}")
     return out
 
 
@@ -151,7 +203,7 @@ def pool_record(
     page's own records' codes as current (and only the page's experiments). Experiments on the page come first,
     in its order, then the record's other experiments that ``current_codes`` names."""
     page_records = [r for r in (page or {}).get("experiments") or [] if kind_of(r) == "empirical"]
-    entries = _entries(record, page)
+    entries = _entries(record, page, current_codes)
     names = [r["name"] for r in page_records]
     if current_codes is None:
         current_codes = {r["name"]: r["code"] for r in page_records if r.get("code")}

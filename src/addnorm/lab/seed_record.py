@@ -7,8 +7,10 @@ are made apart (``addnorm lab --seed S --out sS``) and recorded here:
 
 * :func:`build_record` reads their ``results.json`` (not ``--quick`` ones) and keeps, per experiment and lab seed,
   the run's ``evidence`` (its units and rules), verdict, code identity (registry.code_identity: the experiment's
-  code version and config), engine and date. Two runs of one experiment at one lab seed with the same code and
-  engine must agree on the verdict; otherwise the newer run replaces the older.
+  code version and config), engine and date: one run per experiment and lab seed. Two runs of one experiment at one
+  lab seed with the same code and engine must agree on the verdict; the same code with another ``--engine`` is
+  refused unless ``replace`` (--replace: the newer is kept); a run of other code replaces the older. Each run
+  dropped (other than an exact repeat) is reported, never lost silently.
 * Version 1 records (before evidence was stored) are still read: their entries carry no evidence, so they count
   only as "the verdict at this seed" and are never pooled; adding runs to one writes version 2.
 
@@ -55,12 +57,23 @@ def parse_date(text: Any) -> datetime.datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
 
 
+def run_file(d: Path) -> Path:
+    """The results.json of the run ``d`` (its output directory, or the file itself)."""
+    d = Path(d)
+    return d / RESULTS_FILE if d.is_dir() else d
+
+
 def _runs(dirs: Iterable[Path]) -> list[tuple[Path, dict]]:
     runs = []
+    seen: dict[Path, Path] = {}
     for d in map(Path, dirs):
-        path = d / RESULTS_FILE if d.is_dir() else d
+        path = run_file(d)
         if not path.is_file():
             raise ValueError(f"{d} has no {RESULTS_FILE}: give the output directory of an `addnorm lab` run")
+        # `seeds s0 s0` is a typo for `seeds s0 s1`: recording s0 twice hides s1's absence (as lab merge refuses)
+        if path.resolve() in seen:
+            raise ValueError(f"{d} is given twice (as {seen[path.resolve()]} and {d}): give each run once")
+        seen[path.resolve()] = d
         runs.append((path, read_results(path)))
     return runs
 
@@ -70,6 +83,12 @@ def _checked_meta(path: Path, doc: dict) -> tuple[int, str, str]:
     meta = doc.get("meta") or {}
     if meta.get("quick"):
         raise ValueError(f"{path} is a --quick run: its verdicts are not recorded (quick sizes are a smoke test)")
+    if not isinstance(meta.get("quick"), bool):
+        # the code identity does not cover the sizes: a quick run would be pooled with full-size ones unnoticed
+        raise ValueError(
+            f"{path}: meta.quick must be true or false, got {meta.get('quick')!r}: without it a --quick run (smoke-test "
+            "sizes, never recorded) cannot be told from a full-size one, so the run is not recorded"
+        )
     seed = meta.get("seed")
     if seed is None:
         raise ValueError(f"{path}: its results.json records no seed (meta.seed)")
@@ -126,17 +145,33 @@ def upgrade(record: dict) -> dict[str, dict[str, dict]]:
     return out
 
 
-def build_record(dirs: Iterable[Path], previous: dict | None = None) -> dict[str, Any]:
+def build_record(
+    dirs: Iterable[Path],
+    previous: dict | None = None,
+    *,
+    replace: bool = False,
+    previous_name: str = "the previous record",
+    replaced: list[str] | None = None,
+) -> dict[str, Any]:
     """The record of the empirical experiments in the runs ``dirs`` (output directories or results.json files),
-    added to ``previous`` (an earlier record, version 1 or 2: its entries stay unless a run here replaces them).
+    added to ``previous`` (an earlier record, version 1 or 2: its entries stay unless a run here replaces them;
+    ``previous_name`` names it in errors).
 
     Returns ``{"version": 2, "experiments": {name: {lab seed (str): {"verdict", "code", "engine", "date",
-    "summary", "evidence"}}}}``. Refuses quick runs, runs whose meta is unusable (module docstring), and two runs of
-    the same code and engine at the same lab seed that disagree: the lab's results repeat exactly, so that means a
-    broken run or an edited file.
+    "summary", "evidence"}}}}``. At one lab seed the record holds one run per experiment:
+
+    * same code and engine: the runs must agree on the verdict (the lab's results repeat exactly, so otherwise a
+      run is broken or a file edited: refused); the newer one is kept, an exact repeat;
+    * same code, another engine (``--engine``; equal up to float rounding, so a verdict at a criterion's boundary
+      can differ): refused unless ``replace``, since either run is as valid as the other and silently keeping one
+      would change what the record pools; with ``replace`` the newer is kept;
+    * another code: the newer run replaces the older (older code is never pooled).
+
+    Each run dropped that was not an exact repeat is described in ``replaced`` (when given), so the caller can say
+    so. Also refuses quick runs, runs whose meta is unusable (module docstring) and a run given twice.
     """
     experiments = upgrade(previous) if previous is not None else {}
-    source: dict[tuple[str, str], Path] = {}  # which file each entry came from, for the error message only
+    source: dict[tuple[str, str], Path] = {}  # which file each entry came from, for the messages only
     for path, doc in _runs(dirs):
         seed_int, package, date = _checked_meta(path, doc)
         seed, engine = str(seed_int), (doc.get("meta") or {}).get("engine") or "sequential"
@@ -153,18 +188,47 @@ def build_record(dirs: Iterable[Path], previous: dict | None = None) -> dict[str
                 "evidence": _evidence_of(path, r, seed_int),
             }
             old = experiments.setdefault(r["name"], {}).get(seed)
-            same = old is not None and (old.get("code"), old.get("engine", "sequential")) == (entry["code"], engine)
-            if same and old["verdict"] != entry["verdict"]:
-                where = source.get((r["name"], seed), "the previous record")
+            if old is None:
+                experiments[r["name"]][seed] = entry
+                source[r["name"], seed] = path
+                continue
+            where = source.get((r["name"], seed), previous_name)
+            old_engine = old.get("engine") or "sequential"
+            same_code = old.get("code") == entry["code"]
+            if same_code and old_engine == engine and old["verdict"] != entry["verdict"]:
                 raise ValueError(
                     f"{r['name']} at --seed {seed}: {where} says {old['verdict']!r} and {path} says "
                     f"{entry['verdict']!r} with the same code {entry['code']}: one of the runs is broken"
                 )
-            if old is None or _entry_date(entry) >= _entry_date(old):
+            if same_code and old_engine != engine and not replace:
+                raise ValueError(
+                    f"{r['name']} at --seed {seed}: {where} holds a run of the same code {entry['code']} made with "
+                    f"--engine {old_engine} and {path} one made with --engine {engine} (equal up to float rounding, "
+                    "so a verdict at its criterion's boundary can differ): the record keeps one run per lab seed and "
+                    "will not drop either unasked; give --replace to keep the newer one, or leave one run out"
+                )
+            newer = _entry_date(entry) >= _entry_date(old)
+            if not (same_code and old_engine == engine):  # an exact repeat drops nothing
+                kept, dropped = (entry, old) if newer else (old, entry)
+                kept_from, dropped_from = (path, where) if newer else (where, path)
+                if replaced is not None:
+                    replaced.append(
+                        f"{r['name']} at --seed {seed}: kept the newer run ({_describe(kept)}, {kept_from}), "
+                        f"dropped the run ({_describe(dropped)}) from {dropped_from}"
+                    )
+            if newer:
                 experiments[r["name"]][seed] = entry
                 source[r["name"], seed] = path
     ordered = {name: dict(sorted(by_seed.items(), key=lambda kv: int(kv[0]))) for name, by_seed in experiments.items()}
     return {"version": RECORD_VERSION, "experiments": ordered}
+
+
+def _describe(entry: dict) -> str:
+    """A recorded run in words: its verdict, code, engine and date."""
+    return (
+        f"{entry.get('verdict')}, code {entry.get('code')}, --engine {entry.get('engine') or 'sequential'}, "
+        f"dated {entry.get('date')}"
+    )
 
 
 def load_record(path: Path) -> dict[str, Any]:
@@ -173,6 +237,12 @@ def load_record(path: Path) -> dict[str, Any]:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable seed record: {err}") from None
+    version = record.get("version") if isinstance(record, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > RECORD_VERSION:
+        raise ValueError(
+            f"{path} is a seed record of version {version}, written by a newer addnorm (this one reads versions "
+            f"{' and '.join(map(str, READABLE_VERSIONS))}): upgrade addnorm to read or add to it"
+        )
     if not isinstance(record, dict) or record.get("version") not in READABLE_VERSIONS:
         raise ValueError(
             f"{path} is not a seed record of version {' or '.join(map(str, READABLE_VERSIONS))} "
@@ -184,14 +254,30 @@ def load_record(path: Path) -> dict[str, Any]:
         for by_seed in experiments.values()
     ):
         raise ValueError(f"{path}: 'experiments' must map each name to {{seed: {{'verdict': ...}}}}")
-    bad = [f"{n} at {s}" for n, by_seed in experiments.items() for s in by_seed if not str(s).isdigit()]
+    # "007" next to "7" would be one lab seed counted twice in the pooled interval, as two independent ones
+    bad = [
+        f"{n} at {s!r}"
+        for n, by_seed in experiments.items()
+        for s in by_seed
+        if not (str(s).isascii() and str(s).isdigit() and str(int(s)) == s and int(s) < SEED_LIMIT)
+    ]
     if bad:
-        raise ValueError(f"{path}: lab seeds must be non-negative integers, got {', '.join(bad)}")
+        raise ValueError(
+            f"{path}: lab seeds must be integers in [0, 2**32) written plainly (no sign, no leading zero), got "
+            f"{', '.join(bad)}"
+        )
     for name, by_seed in experiments.items():
         for seed, entry in by_seed.items():
             problem = _evidence_problem(entry.get("evidence"))
             if problem:
                 raise ValueError(f"{path}: the evidence of {name} at lab seed {seed} {problem}")
+            ev = entry.get("evidence")
+            labs = {u.get("lab_seed") for us in (ev or {}).get("units", {}).values() for u in us}
+            if labs - {int(seed)}:  # pooling groups units by their lab seed: these would join another seed's
+                raise ValueError(
+                    f"{path}: the evidence of {name} at lab seed {seed} has units of lab seed(s) "
+                    f"{sorted(labs - {int(seed)}, key=str)}"
+                )
     return record
 
 
