@@ -33,6 +33,22 @@ import os
 import torch
 from torch import Tensor
 
+from addnorm.compat.vllm_checks import (
+    FP8,
+    check_common,
+    check_norm_weight,
+    check_scales,
+    dispatch_floating,
+    dispatch_fused,
+    float_ptr,
+    fp8_out,
+    int8_out,
+    int_ptr,
+    same_type,
+    scalar_name,
+    static_fp8_scales,
+    torch_check,
+)
 from addnorm.ops.add_norm import add_rms_norm
 from addnorm.ops.quant import add_rms_norm_quant, add_rms_norm_quant_
 
@@ -43,7 +59,6 @@ _state = {"order": os.environ.get("ADDNORM_VLLM_ORDER", "vllm")}
 if _state["order"] not in ORDERS:
     raise ValueError(f"ADDNORM_VLLM_ORDER must be one of {ORDERS}, got {_state['order']!r}")
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_FLOOR = float(torch.tensor(1.0 / (FP8_MAX * 512.0), dtype=torch.float32))
 INT8_FLOOR = float(torch.finfo(torch.float32).eps)
@@ -114,107 +129,6 @@ def _quant_fused(y: Tensor, s: Tensor, quant_dtype: torch.dtype) -> Tensor:
     return _fp8(y / s) if quant_dtype == FP8 else _int8(y * (1.0 / s))
 
 
-def _expected(condition: str) -> str:
-    """The text of vLLM's ``TORCH_CHECK(condition)`` without a message."""
-    return f"Expected {condition} to be true, but got false."
-
-
-def _check_quant_out(result: Tensor, input: Tensor) -> None:
-    if result.dtype not in (FP8, torch.int8):
-        raise RuntimeError(
-            f"{_expected('out.dtype() == kFp8Type || out.dtype() == torch::kInt8')} (result must be float8_e4m3fn or "
-            f"int8 (vLLM's kernels), got {result.dtype})"
-        )
-    if not result.is_contiguous() or result.shape != input.shape:
-        raise RuntimeError(
-            f"{_expected('out.is_contiguous()') + ' ' if not result.is_contiguous() else ''}(result must be "
-            f"contiguous of input's shape {tuple(input.shape)})"
-        )
-    if input.stride(-1) != 1:
-        raise RuntimeError("Input must be contiguous in the last dimension")
-
-
-def _check_common(result, input, weight, scale_ub, residual) -> None:
-    """``rms_norm_dynamic_per_token_quant`` and ``rms_norm_per_block_quant``'s checks, in vLLM's order
-    (csrc/quantization/fused_kernels/fused_layernorm_dynamic_per_token_quant.cu)."""
-    _check_quant_out(result, input)
-    if scale_ub is not None and result.dtype != FP8:
-        raise RuntimeError(
-            f"{_expected('out.dtype() == kFp8Type')} (scale_ub is for FP8 output only: vLLM's kernels refuse it "
-            "with int8)"
-        )
-    if weight.dtype not in (input.dtype, torch.float32):
-        raise RuntimeError(
-            f"{_expected('weight.dtype() == input.dtype()')} (weight must be of input's dtype {input.dtype} (or "
-            f"float32), got {weight.dtype})"
-        )
-    if residual is not None and residual.dtype != input.dtype:
-        raise RuntimeError(
-            f"{_expected('residual->scalar_type() == input.scalar_type()')} (residual must be of input's dtype "
-            f"{input.dtype}, got {residual.dtype})"
-        )
-
-
-def _dispatch_fused(input: Tensor, scale_ub: Tensor | None, name: str) -> None:
-    """After the checks: the input's dtype dispatched, then ``scale_ub->data_ptr<float>()``."""
-    _dispatch_floating(input, name)
-    if scale_ub is not None:
-        _float_ptr(scale_ub)
-
-
-def _check_scales(scales: Tensor, input: Tensor, groups: int) -> None:
-    """vLLM's kernels write float32 scales, one per token (per group), through a raw pointer: another dtype is
-    vLLM's ``TORCH_CHECK(scales.dtype() == torch::kFloat32)``; another shape (which vLLM's kernel would fill past
-    its end or leave partly unwritten) is refused here too, with the same RuntimeError."""
-    tokens = input.numel() // input.shape[-1]
-    if scales.dtype != torch.float32 or tuple(scales.shape) != (tokens, groups):
-        raise RuntimeError(
-            f"{_expected('scales.dtype() == torch::kFloat32') + ' ' if scales.dtype != torch.float32 else ''}"
-            f"(scales must be a float32 tensor of shape (num_tokens, {'1' if groups == 1 else 'groups'}) = "
-            f"({tokens}, {groups}), got {scales.dtype} of shape {tuple(scales.shape)})"
-        )
-
-
-_C10_NAMES = {
-    torch.float32: "Float",
-    torch.float16: "Half",
-    torch.bfloat16: "BFloat16",
-    torch.float64: "Double",
-    torch.int8: "Char",
-    torch.uint8: "Byte",
-    torch.int16: "Short",
-    torch.int32: "Int",
-    torch.int64: "Long",
-    torch.bool: "Bool",
-    torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-    torch.float8_e4m3fn: "Float8_e4m3fn",
-    torch.float8_e5m2: "Float8_e5m2",
-    torch.float8_e4m3fnuz: "Float8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "Float8_e5m2fnuz",
-}
-
-
-def _dispatch_floating(input: Tensor, name: str) -> None:
-    """vLLM's ``VLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), name, ...)``: float32, float16 and bfloat16 only;
-    another dtype raises torch's dispatch error (a NotImplementedError, which is a RuntimeError)."""
-    if input.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise NotImplementedError(f"\"{name}\" not implemented for '{_scalar_name(input.dtype)}'")
-
-
-def _float_ptr(t: Tensor) -> None:
-    """``t.data_ptr<float>()``, which torch refuses for a tensor of another dtype (vLLM reads scales, ``scale_ub``
-    and static scales this way: a bf16 or float64 scale is refused, not converted)."""
-    if t.dtype != torch.float32:
-        raise RuntimeError(f"expected scalar type Float but found {_scalar_name(t.dtype)}")
-
-
-def _int_ptr(t: Tensor) -> None:
-    """``t.data_ptr<int32_t>()`` (vLLM's int8 zero points)."""
-    if t.dtype != torch.int32:
-        raise RuntimeError(f"expected scalar type Int but found {_scalar_name(t.dtype)}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The ops (vLLM's schemas)
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,39 +145,13 @@ def _op(name: str, schema: str, mutates: tuple[str, ...]):
     return register
 
 
-def _torch_check(ok: bool, condition: str) -> None:
-    """vLLM's ``TORCH_CHECK(condition)`` with no message: a RuntimeError naming the condition."""
-    if not ok:
-        raise RuntimeError(f"Expected {condition} to be true, but got false.")
-
-
-def _check_norm_weight(weight: Tensor | None, input: Tensor) -> None:
-    """``rms_norm`` and ``fused_add_rms_norm`` (csrc/layernorm_kernels.cu at 0112cf23): a contiguous weight, read
-    as ``data_ptr<scalar_t>()`` of the input's type, which torch refuses for another dtype."""
-    if weight is None:
-        return
-    _torch_check(weight.is_contiguous(), "weight.is_contiguous()")
-    if weight.dtype != input.dtype:
-        raise RuntimeError(f"expected scalar type {_scalar_name(input.dtype)} but found {_scalar_name(weight.dtype)}")
-
-
-def _same_type(t: Tensor, input: Tensor) -> None:
-    """``t.data_ptr<scalar_t>()`` with scalar_t the input's type: torch refuses a tensor of another dtype."""
-    if t.dtype != input.dtype:
-        raise RuntimeError(f"expected scalar type {_scalar_name(input.dtype)} but found {_scalar_name(t.dtype)}")
-
-
-def _scalar_name(dtype: torch.dtype) -> str:
-    return _C10_NAMES.get(dtype, str(dtype))
-
-
 @_op("rms_norm", "(Tensor(a!) result, Tensor input, Tensor? weight, float epsilon) -> ()", ("result",))
 def rms_norm(result: Tensor, input: Tensor, weight: Tensor | None, epsilon: float) -> None:
-    _torch_check(result.is_contiguous(), "out.is_contiguous()")
-    _torch_check(input.stride(-1) == 1, "input.stride(-1) == 1")
-    _check_norm_weight(weight, input)
-    _dispatch_floating(input, "rms_norm_kernel")
-    _same_type(result, input)  # out.data_ptr<scalar_t>(): out is written in the input's type, not cast
+    torch_check(result.is_contiguous(), "out.is_contiguous()")
+    torch_check(input.stride(-1) == 1, "input.stride(-1) == 1")
+    check_norm_weight(weight, input)
+    dispatch_floating(input, "rms_norm_kernel")
+    same_type(result, input)  # out.data_ptr<scalar_t>(): out is written in the input's type, not cast
     result.copy_(add_rms_norm(input, None, weight, epsilon, cast_before_weight=True)[0])
 
 
@@ -273,10 +161,10 @@ def rms_norm(result: Tensor, input: Tensor, weight: Tensor | None, epsilon: floa
     ("input", "residual"),
 )
 def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, epsilon: float) -> None:
-    _torch_check(residual.is_contiguous(), "residual.is_contiguous()")
-    _check_norm_weight(weight, input)
-    _dispatch_floating(input, "fused_add_rms_norm_kernel")
-    _same_type(residual, input)  # residual.data_ptr<scalar_t>()
+    torch_check(residual.is_contiguous(), "residual.is_contiguous()")
+    check_norm_weight(weight, input)
+    dispatch_floating(input, "fused_add_rms_norm_kernel")
+    same_type(residual, input)  # residual.data_ptr<scalar_t>()
     out, res = add_rms_norm(input, residual, weight, epsilon, cast_before_weight=True)
     residual.copy_(res)
     input.copy_(out)
@@ -289,14 +177,14 @@ def _static_fp8(result, input, residual, weight, scale, epsilon) -> None:
     float32: vLLM's tests at 0a88d969 pass a float32 weight with a bf16 input) and the scale as float32
     (``data_ptr``). addnorm also refuses an ``out`` of another shape and a scale of more than one
     element (vLLM's kernel would write past ``out`` or read only ``scale[0]``)."""
-    _torch_check(result.is_contiguous(), "out.is_contiguous()")
+    torch_check(result.is_contiguous(), "out.is_contiguous()")
     name = "rms_norm_kernel" if residual is None else "fused_add_rms_norm_kernel"
-    _dispatch_floating(input, f"{name}_scalar_type")
+    dispatch_floating(input, f"{name}_scalar_type")
     if result.dtype != FP8:
-        raise NotImplementedError(f"\"{name}_fp8_type\" not implemented for '{_scalar_name(result.dtype)}'")
+        raise NotImplementedError(f"\"{name}_fp8_type\" not implemented for '{scalar_name(result.dtype)}'")
     if weight.dtype not in (input.dtype, torch.float32):  # 0a88d969's tests pass a float32 weight (bf16 input)
-        raise RuntimeError(f"expected scalar type {_scalar_name(input.dtype)} but found {_scalar_name(weight.dtype)}")
-    _float_ptr(scale)
+        raise RuntimeError(f"expected scalar type {scalar_name(input.dtype)} but found {scalar_name(weight.dtype)}")
+    float_ptr(scale)
     if result.shape != input.shape:
         raise RuntimeError(f"result must be of input's shape {tuple(input.shape)}, got {tuple(result.shape)}")
     if scale.numel() != 1:
@@ -328,7 +216,7 @@ def rms_norm_static_fp8_quant(result: Tensor, input: Tensor, weight: Tensor, sca
 def fused_add_rms_norm_static_fp8_quant(
     result: Tensor, input: Tensor, residual: Tensor, weight: Tensor, scale: Tensor, epsilon: float
 ) -> None:
-    _torch_check(residual.is_contiguous(), "residual.is_contiguous()")
+    torch_check(residual.is_contiguous(), "residual.is_contiguous()")
     _static_fp8(result, input, residual, weight, scale, epsilon)
 
 
@@ -347,9 +235,9 @@ def rms_norm_dynamic_per_token_quant(
     scale_ub: Tensor | None,
     residual: Tensor | None,
 ) -> None:
-    _check_common(result, input, weight, scale_ub, residual)
-    _check_scales(scale, input, 1)
-    _dispatch_fused(input, scale_ub, "rms_norm_dynamic_per_token_quant_dispatch")
+    check_common(result, input, weight, scale_ub, residual)
+    check_scales(scale, input, 1)
+    dispatch_fused(input, scale_ub, "rms_norm_dynamic_per_token_quant_dispatch")
     if get_order() == "addnorm":
         kw = dict(quant_dtype=result.dtype, scale_ub=scale_ub, cast_before_weight=True, out=result)
         fn = add_rms_norm_quant if residual is None else add_rms_norm_quant_
@@ -381,16 +269,16 @@ def rms_norm_per_block_quant(
     group_size: int,
     is_scale_transposed: bool,
 ) -> None:
-    _check_common(result, input, weight, scale_ub, residual)
+    check_common(result, input, weight, scale_ub, residual)
     if group_size not in (64, 128):
         raise RuntimeError(f"Unsupported group size: {group_size}")
     n = input.shape[-1]
     if n % group_size:
         raise RuntimeError(f"group_size {group_size} must divide the hidden size {n}")
-    _check_scales(scale, input, n // group_size)
+    check_scales(scale, input, n // group_size)
     if scale.dim() == 2 and scale.stride(1) > 1 and not is_scale_transposed:
         raise RuntimeError("Outer scale stride must be 1 when scales are not transposed")
-    _dispatch_fused(input, scale_ub, "rms_norm_per_block_quant_fp_dispatch")
+    dispatch_fused(input, scale_ub, "rms_norm_per_block_quant_fp_dispatch")
     y, h = _norm_unrounded_sum(input, residual, weight, epsilon)
     fp8 = result.dtype == FP8
     s = _dynamic_scales(y, n // group_size, FP8_MAX if fp8 else 127.0, FP8_FLOOR if fp8 else INT8_FLOOR, scale_ub)
@@ -398,75 +286,6 @@ def rms_norm_per_block_quant(
         residual.copy_(h.view(residual.shape))
     result.copy_(_quant_fused(y, s, result.dtype).view(result.shape))
     scale.copy_(s)
-
-
-def _fp8_out(result: Tensor, input: Tensor, name: str) -> None:
-    """The FP8 quant ops' checks (csrc/quantization/w8a8/fp8/common.cu at cda1b348): unit last strides on input and
-    output (their rows may be strided), the input's dtype and out's FP8 type dispatched. addnorm also refuses an
-    ``out`` whose last dimension is not the input's (vLLM's kernel would write past it)."""
-    if input.stride(-1) != 1:
-        raise RuntimeError("last dimension of input must be contiguous")
-    if result.stride(-1) != 1:
-        raise RuntimeError("last dimension of output must be contiguous")
-    _dispatch_floating(input, f"{name}_scalar_type")
-    if result.dtype != FP8:
-        raise NotImplementedError(
-            f"\"{name}_fp8_type\" not implemented for '{_scalar_name(result.dtype)}' (result must be float8_e4m3fn)"
-        )
-    if result.shape[-1] != input.shape[-1] or result.numel() < input.numel():
-        raise RuntimeError(
-            f"result must have input's last dimension {input.shape[-1]} and at least its rows, got "
-            f"{tuple(result.shape)}"
-        )
-
-
-def _static_fp8_scales(scale: Tensor, m: int, n: int, group_shape: list[int] | None) -> Tensor:
-    """The scale of each element (M, N) as vLLM's ``static_scaled_fp8_quant`` picks it, with its refusals: one
-    element (or 0-D) per tensor; 1-D only with an explicit ``group_shape`` (-1: the full extent), whose scale count
-    must match and vary along one dimension; 2-D (M / group_m, N / group_n), dividing M and N, an explicit
-    ``group_shape`` matching the inferred one."""
-    flat = scale.float()
-    if scale.dim() == 0 or scale.numel() == 1:
-        return flat.reshape(1, 1).expand(m, n)
-    if scale.dim() == 1:
-        if group_shape is None:
-            raise RuntimeError(
-                "1D scale requires explicit group_shape to disambiguate per-channel vs per-token quantization. "
-                "Use group_shape=(-1, 1) for per-channel or group_shape=(1, -1) for per-token."
-            )
-        opt_m, opt_n = group_shape
-        gm, gn = (m if opt_m == -1 else int(opt_m)), (n if opt_n == -1 else int(opt_n))
-        want_m, want_n = m // gm, n // gn
-        if scale.numel() != want_m * want_n:
-            raise RuntimeError(
-                f"1D scale length ({scale.numel()}) does not match expected size ({want_m * want_n}) for "
-                f"group_shape ({opt_m}, {opt_n}) with input shape ({m}, {n})"
-            )
-        if want_m == 1:  # varies along N
-            return flat[torch.arange(n) // gn].reshape(1, n).expand(m, n)
-        if want_n == 1:  # varies along M
-            return flat[torch.arange(m) // gm].reshape(m, 1).expand(m, n)
-        raise RuntimeError(
-            "1D scale can only be used when one of the scale dimensions is 1. For 2D group scaling, use a 2D scale "
-            "tensor."
-        )
-    if scale.dim() == 2:
-        s0, s1 = scale.shape
-        if m % s0:
-            raise RuntimeError(f"num_tokens ({m}) must be divisible by scale.size(0) ({s0})")
-        if n % s1:
-            raise RuntimeError(f"hidden_size ({n}) must be divisible by scale.size(1) ({s1})")
-        gm, gn = m // s0, n // s1
-        if group_shape is not None:
-            opt_m, opt_n = group_shape
-            em, en = (m if opt_m == -1 else int(opt_m)), (n if opt_n == -1 else int(opt_n))
-            if (em, en) != (gm, gn):
-                raise RuntimeError(
-                    f"Explicit group_shape ({opt_m}, {opt_n}) does not match inferred group shape ({gm}, {gn}) from "
-                    f"2D scale tensor shape ({s0}, {s1})"
-                )
-        return flat.repeat_interleave(gm, 0).repeat_interleave(gn, 1)
-    raise RuntimeError(f"scale must be 0D, 1D, or 2D tensor, but got {scale.dim()}D")
 
 
 @_op(
@@ -481,16 +300,16 @@ def static_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor, group_
         raise RuntimeError("last dimension of output must be contiguous")
     x = _rows(input)
     m, n = x.shape
-    s = _static_fp8_scales(scale, m, n, group_shape)
-    _fp8_out(result, input, "scaled_fp8_quant_kernel")
-    _float_ptr(scale)
+    s = static_fp8_scales(scale, m, n, group_shape)
+    fp8_out(result, input, "scaled_fp8_quant_kernel")
+    float_ptr(scale)
     result[:m].copy_(_fp8(x.float() * (1.0 / s)).view(result[:m].shape))
 
 
 @_op("dynamic_scaled_fp8_quant", "(Tensor(a!) result, Tensor input, Tensor(b!) scale) -> ()", ("result", "scale"))
 def dynamic_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor) -> None:
-    _fp8_out(result, input, "scaled_fp8_quant_kernel")
-    _float_ptr(scale)
+    fp8_out(result, input, "scaled_fp8_quant_kernel")
+    float_ptr(scale)
     x = _rows(input).float()
     s = (x.abs().amax() if x.numel() else x.new_zeros(())) / FP8_MAX  # atomicMax of each row's amax / QMAX
     scale.copy_(s.reshape(scale.shape))
@@ -503,23 +322,14 @@ def dynamic_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor) -> No
     ("result", "scale"),
 )
 def dynamic_per_token_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor, scale_ub: Tensor | None) -> None:
-    _fp8_out(result, input, "dynamic_per_token_scaled_fp8_quant_kernel")
-    _float_ptr(scale)
+    fp8_out(result, input, "dynamic_per_token_scaled_fp8_quant_kernel")
+    float_ptr(scale)
     if scale_ub is not None:
-        _float_ptr(scale_ub)
+        float_ptr(scale_ub)
     x = _rows(input).float()
     s = _dynamic_scales(x, 1, FP8_MAX, FP8_FLOOR, scale_ub)
     scale[: x.shape[0]].copy_(s.view(scale[: x.shape[0]].shape))
     result[: x.shape[0]].copy_(_fp8(x / s).view(result[: x.shape[0]].shape))
-
-
-def _int8_out(result: Tensor, input: Tensor) -> None:
-    """addnorm's own check (vLLM's int8 kernels write ``out`` as the input's shape without checking it)."""
-    if result.dtype != torch.int8 or result.shape[-1] != input.shape[-1]:
-        raise RuntimeError(
-            f"result must be int8 with input's last dimension {input.shape[-1]}, got {result.dtype} of shape "
-            f"{tuple(result.shape)}"
-        )
 
 
 def _int8_rn_azp(v: Tensor, azp: Tensor) -> Tensor:
@@ -536,15 +346,15 @@ def _int8_rn_azp(v: Tensor, azp: Tensor) -> Tensor:
 def static_scaled_int8_quant(result: Tensor, input: Tensor, scale: Tensor, azp: Tensor | None) -> None:
     """csrc/quantization/w8a8/int8/scaled_quant.cu at 180df48e: contiguous input and output, one scale (float32)
     and one zero point (int32), the input's dtype dispatched."""
-    _torch_check(input.is_contiguous(), "input.is_contiguous()")
-    _torch_check(result.is_contiguous(), "out.is_contiguous()")
-    _torch_check(scale.numel() == 1, "scale.numel() == 1")
-    _torch_check(azp is None or azp.numel() == 1, "!azp || azp->numel() == 1")
-    _dispatch_floating(input, "static_scaled_int8_quant_kernel")
-    _int8_out(result, input)
-    _float_ptr(scale)
+    torch_check(input.is_contiguous(), "input.is_contiguous()")
+    torch_check(result.is_contiguous(), "out.is_contiguous()")
+    torch_check(scale.numel() == 1, "scale.numel() == 1")
+    torch_check(azp is None or azp.numel() == 1, "!azp || azp->numel() == 1")
+    dispatch_floating(input, "static_scaled_int8_quant_kernel")
+    int8_out(result, input)
+    float_ptr(scale)
     if azp is not None:
-        _int_ptr(azp)
+        int_ptr(azp)
     x, s = input.float(), scale.float().reshape(())
     result.copy_(_int8(x / s) if azp is None else _int8_rn_azp(x * (1.0 / s), azp.reshape(())))
 
@@ -557,15 +367,15 @@ def static_scaled_int8_quant(result: Tensor, input: Tensor, scale: Tensor, azp: 
 def dynamic_scaled_int8_quant(result: Tensor, input: Tensor, scale: Tensor, azp: Tensor | None) -> None:
     """csrc/quantization/w8a8/int8/scaled_quant.cu at 180df48e: contiguous input, output, scales and zero points,
     the input's dtype dispatched, float32 scales and int32 zero points."""
-    _torch_check(input.is_contiguous(), "input.is_contiguous()")
-    _torch_check(result.is_contiguous(), "out.is_contiguous()")
-    _torch_check(scale.is_contiguous(), "scales.is_contiguous()")
-    _torch_check(azp is None or azp.is_contiguous(), "!azp || azp->is_contiguous()")
-    _dispatch_floating(input, "dynamic_scaled_int8_quant_kernel")
-    _int8_out(result, input)
-    _float_ptr(scale)
+    torch_check(input.is_contiguous(), "input.is_contiguous()")
+    torch_check(result.is_contiguous(), "out.is_contiguous()")
+    torch_check(scale.is_contiguous(), "scales.is_contiguous()")
+    torch_check(azp is None or azp.is_contiguous(), "!azp || azp->is_contiguous()")
+    dispatch_floating(input, "dynamic_scaled_int8_quant_kernel")
+    int8_out(result, input)
+    float_ptr(scale)
     if azp is not None:
-        _int_ptr(azp)
+        int_ptr(azp)
     x = _rows(input).float()
     if azp is None:
         amax = x.abs().amax(-1, keepdim=True)
