@@ -92,6 +92,10 @@ OPS = {
     "add_layer_norm_quant_": (lambda **kw: _q_(addnorm.add_layer_norm_quant_, True, **kw), ZC_CBW),
     "nn.RMSNorm": (lambda **kw: ann.RMSNorm(N, **kw)(_t(2, N), _t(2, N)), ZC_CBW),
     "nn.LayerNorm": (lambda **kw: ann.LayerNorm(N, **kw)(_t(2, N), _t(2, N)), ZC_CBW),
+}
+CASES = [(op, flag) for op, (_, flags) in OPS.items() for flag in flags]
+# compat.flash_attn reads its flags by truthiness, as flash-attention does (a drop-in takes what upstream takes)
+FA_OPS = {
     "flash_attn.layer_norm_fn": (
         lambda **kw: fa.layer_norm_fn(_t(2, N), _t(N), _t(N), _t(2, N), backend="torch", **kw),
         ("prenorm", "residual_in_fp32", "zero_centered_weight", "is_rms_norm", "return_dropout_mask"),
@@ -107,7 +111,7 @@ OPS = {
     "flash_attn.RMSNorm": (lambda **kw: fa.RMSNorm(N, **kw)(_t(2, N)), ("zero_centered_weight",)),
     "flash_attn.LayerNorm": (lambda **kw: fa.LayerNorm(N, **kw)(_t(2, N)), ("zero_centered_weight",)),
 }
-CASES = [(op, flag) for op, (_, flags) in OPS.items() for flag in flags]
+FA_CASES = [(op, flag) for op, (_, flags) in FA_OPS.items() for flag in flags]
 
 
 @pytest.mark.parametrize("bad", list(BAD))
@@ -160,3 +164,19 @@ def test_liger_passes_a_bool_for_a_numpy_offset():
     y, s = liger_fused_add_rms_norm(x, r, w, 1e-6, offset=np.float64(1.0), backend="torch")
     y1, s1 = liger_fused_add_rms_norm(x, r, w, 1e-6, offset=1.0, backend="torch")
     assert torch.equal(y, y1) and torch.equal(s, s1)
+
+
+@pytest.mark.parametrize(("truthy", "falsy"), [(1, 0), (np.True_, np.False_), (torch.tensor(1.0), torch.tensor(0.0))])
+@pytest.mark.parametrize(("op", "flag"), FA_CASES, ids=[f"{op}-{flag}" for op, flag in FA_CASES])
+def test_flash_attn_takes_flags_by_truthiness_as_flash_attention_does(op, flag, truthy, falsy):
+    fn = FA_OPS[op][0]
+    for value, as_bool in ((truthy, True), (falsy, False)):
+        torch.manual_seed(0)
+        got = fn(**{flag: value})
+        torch.manual_seed(0)
+        want = fn(**{flag: as_bool})
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b)

@@ -14,10 +14,9 @@ distribution, different bits for a given seed. ``rowscale`` may be given with ``
 
 Which combinations run in one fused kernel and which are composed is in :mod:`addnorm.ops.add_norm_multi`;
 ``layer_norm_linear_fn`` is :func:`addnorm.ops.add_norm_linear.add_norm_linear`. ``backend=`` (addnorm's) is an
-extra keyword argument on every function and module. One difference: the flags (``prenorm``, ``residual_in_fp32``,
-``zero_centered_weight``, ``is_rms_norm``, ``return_dropout_mask``) must be Python bools, as on every addnorm op;
-flash-attention reads them by truthiness, so ``prenorm="no"`` or ``is_rms_norm=torch.tensor(0.)`` would silently be
-an answer there, and is a TypeError naming the flag here.
+extra keyword argument on every function and module. The flags (``prenorm``, ``residual_in_fp32``,
+``zero_centered_weight``, ``is_rms_norm``, ``return_dropout_mask``) are read by truthiness, as flash-attention reads
+them (``prenorm=1`` is ``True``), and handed to addnorm's ops, which take Python bools only, as ``bool(flag)``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from torch import Tensor, nn
 
 from addnorm.ops.add_norm_linear import add_norm_linear
 from addnorm.ops.add_norm_multi import add_norm_multi
-from addnorm.ops.contract import check_bools
 
 __all__ = [
     "layer_norm_fn",
@@ -112,12 +110,9 @@ def layer_norm_fn(
     ``y1 = norm(residual_out) * weight1 + bias1``. Returns ``y``, ``(y, y1)``, with ``residual_out`` appended
     when ``prenorm`` and ``(dropout_mask, dropout_mask1)`` appended when ``return_dropout_mask``."""
     _check_args(x, weight, bias, residual, x1, weight1, bias1, rowscale)
-    check_bools(
-        ("prenorm", prenorm),
-        ("residual_in_fp32", residual_in_fp32),
-        ("zero_centered_weight", zero_centered_weight),
-        ("is_rms_norm", is_rms_norm),
-        ("return_dropout_mask", return_dropout_mask),
+    # flash-attention reads the flags by truthiness; addnorm's ops take Python bools only
+    prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask = map(
+        bool, (prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask)
     )
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
     r = add_norm_multi(
@@ -354,7 +349,7 @@ def layer_norm_linear_fn(
 ):
     """flash-attention's ``layer_norm_linear_fn``: ``linear(norm(x + residual))``, plus residual_out with
     ``prenorm``; the norm's output is recomputed in the backward, not stored."""
-    check_bools(("prenorm", prenorm), ("residual_in_fp32", residual_in_fp32), ("is_rms_norm", is_rms_norm))
+    prenorm, residual_in_fp32, is_rms_norm = bool(prenorm), bool(residual_in_fp32), bool(is_rms_norm)  # truthiness
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
     if not torch.is_autocast_enabled(x.device.type):
         # as flash-attention: without autocast the linear runs in x's dtype (the norm output's); under autocast
@@ -391,7 +386,7 @@ class RMSNorm(nn.Module):
         backend="auto",
     ):
         super().__init__()
-        check_bools(("zero_centered_weight", zero_centered_weight))  # reset_parameters reads it
+        zero_centered_weight = bool(zero_centered_weight)  # flash-attention reads it by truthiness
         self.eps, self.zero_centered_weight, self.backend = eps, zero_centered_weight, backend
         self.drop = nn.Dropout(dropout_p) if dropout_p > 0.0 else None
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
@@ -431,7 +426,7 @@ class LayerNorm(nn.LayerNorm):
         *,
         backend="auto",
     ):
-        check_bools(("zero_centered_weight", zero_centered_weight))  # reset_parameters reads it
+        zero_centered_weight = bool(zero_centered_weight)  # flash-attention reads it by truthiness
         self.zero_centered_weight = zero_centered_weight
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
         self.backend = backend
