@@ -40,6 +40,7 @@ from addnorm.ops.backends import resolve_backend, resolve_backend_for_trace
 from addnorm.ops.contract import (
     MACHINE_EPS,
     bump_versions,
+    check_bools,
     check_disjoint,
     check_float,
     check_not_written,
@@ -167,9 +168,7 @@ _NAMES2 = ("weight1", "bias1", "eps1", "weight2", "bias2", "eps2")
 def _single(weight, bias, eps, norm, zero_centered_weight, cast_before_weight) -> tuple:
     """One norm's arguments (norm_add, norm_add_) in the chain's layout, the absent second norm filled in:
     (weight1, bias1, weight2, bias2), (eps1, eps2), (norm, norm2), zc pair, cast pair."""
-    for name, v in (("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be a bool, got {v!r}")
+    check_bools(("zero_centered_weight", zero_centered_weight), ("cast_before_weight", cast_before_weight))
     pairs = (zero_centered_weight, False), (cast_before_weight, False)
     return (weight, bias, None, None), (eps, None), (norm, "rms"), *pairs
 
