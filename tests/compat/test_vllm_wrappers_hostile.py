@@ -17,6 +17,7 @@ outside ``VLLM_DISPATCH_FLOATING_TYPES`` (float32, float16, bfloat16) torch's di
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -147,6 +148,40 @@ def test_scales_of_another_dtype_are_refused(case):
     converted (the old code converted it)."""
     with pytest.raises(RuntimeError, match="expected scalar type Float but found (BFloat16|Half|Double)"):
         _scale_dtype_cases()[case]()
+
+
+def _scale_ub_cases(ub, residual):
+    x, w = _x(), torch.ones(256, dtype=torch.bfloat16)
+    f8, s = torch.empty(4, 256, dtype=FP8), torch.empty(4, 1)
+    return {
+        "scaled_fp8_quant": lambda: vllm.scaled_fp8_quant(x, scale_ub=ub, use_per_token_if_dynamic=True),
+        "rms_norm_dynamic_per_token_quant": lambda: vllm.rms_norm_dynamic_per_token_quant(x, w, EPS, FP8, ub, residual),
+        "rms_norm_per_block_quant": lambda: vllm.rms_norm_per_block_quant(x, w, EPS, FP8, [1, 128], ub, residual),
+        "_C.dynamic_per_token_scaled_fp8_quant": lambda: _ops.dynamic_per_token_scaled_fp8_quant(f8, x, s, ub),
+        "_C.rms_norm_dynamic_per_token_quant": lambda: _ops.rms_norm_dynamic_per_token_quant(
+            f8, x, w, s, EPS, ub, residual
+        ),
+        "_C.rms_norm_per_block_quant": lambda: _ops.rms_norm_per_block_quant(
+            f8, x, w, torch.empty(4, 2), EPS, ub, residual, 128, False
+        ),
+    }
+
+
+@pytest.mark.parametrize("shape", [(2,), (0,), (1, 2)], ids=["2", "empty", "1x2"])
+@pytest.mark.parametrize("case", list(_scale_ub_cases(None, None)))
+def test_scale_ub_of_several_elements_is_refused_naming_it(case, shape):
+    """``scale_ub`` is one float32 value: a tensor of several (or none) is a ValueError naming the argument and the
+    shape (before: torch's "shape '[]' is invalid for input of size 2" from a reshape), and nothing is written."""
+    residual = None if case.endswith("scaled_fp8_quant") else _x()
+    before = None if residual is None else residual.clone()
+    ub = torch.ones(shape)
+    message = f"scale_ub must hold one value (a float32 tensor of one element), got shape {tuple(shape)}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _scale_ub_cases(ub, residual)[case]()
+    if residual is not None:
+        assert torch.equal(residual, before)
+    for one in (torch.tensor(2.0), torch.tensor([[2.0]])):  # one element, of any shape: vLLM's reading
+        _scale_ub_cases(one, None if residual is None else residual.clone())[case]()
 
 
 @pytest.mark.parametrize("azp_dtype", [torch.int64, torch.float32], ids=["int64", "float32"])

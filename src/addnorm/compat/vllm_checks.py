@@ -56,6 +56,17 @@ def dispatch_fused(input: Tensor, scale_ub: Tensor | None, name: str) -> None:
     dispatch_floating(input, name)
     if scale_ub is not None:
         float_ptr(scale_ub)
+        check_scale_ub(scale_ub)
+
+
+def check_scale_ub(scale_ub: Tensor) -> None:
+    """vLLM reads ``scale_ub`` as one float (``*scale_ub->data_ptr<float>()``): of a tensor of several elements it
+    would read the first and ignore the rest, of an empty one past its end. addnorm refuses both, naming the
+    argument (after vLLM's own dtype check, ``float_ptr``)."""
+    if scale_ub.numel() != 1:
+        raise ValueError(
+            f"scale_ub must hold one value (a float32 tensor of one element), got shape {tuple(scale_ub.shape)}"
+        )
 
 
 def check_scales(scales: Tensor, input: Tensor, groups: int) -> None:

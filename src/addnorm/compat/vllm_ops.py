@@ -37,6 +37,7 @@ from addnorm.compat.vllm_checks import (
     FP8,
     check_common,
     check_norm_weight,
+    check_scale_ub,
     check_scales,
     dispatch_floating,
     dispatch_fused,
@@ -326,6 +327,7 @@ def dynamic_per_token_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Ten
     float_ptr(scale)
     if scale_ub is not None:
         float_ptr(scale_ub)
+        check_scale_ub(scale_ub)
     x = _rows(input).float()
     s = _dynamic_scales(x, 1, FP8_MAX, FP8_FLOOR, scale_ub)
     scale[: x.shape[0]].copy_(s.view(scale[: x.shape[0]].shape))
