@@ -46,6 +46,19 @@ def test_a_run_of_the_same_code_at_a_recorded_seed_with_the_other_engine_is_refu
     assert load_record(record)["experiments"]["lr"]["1"]["engine"] == "batched"
 
 
+def test_add_to_a_record_that_does_not_exist_is_refused_naming_it(tmp_path, capsys):
+    """A mistyped path of an existing record with --add used to start a new record there silently: the user then
+    believed the runs added to the record they meant. Refused, naming the file, and nothing is written."""
+    s0 = _run(tmp_path, "s0", 0, {"lr": "reproduced"})
+    typo = tmp_path / "lab-seed.json"
+    capsys.readouterr()
+    assert _seeds(s0, "--output", typo, "--add") == 2
+    err = capsys.readouterr().err
+    assert f"there is no record {typo} to add to" in err and "leave out --add to start a new record" in err
+    assert not typo.exists()
+    assert _seeds(s0, "--output", typo) == 0 and list(load_record(typo)["experiments"]["lr"]) == ["0"]
+
+
 def test_two_runs_given_at_one_seed_with_different_engines_are_refused(tmp_path, capsys):
     seq = _run(tmp_path, "seq", 0, {"lr": "reproduced"})
     bat = _run(tmp_path, "bat", 0, {"lr": "reproduced"}, engine="batched", date="2026-12-01T11:00")

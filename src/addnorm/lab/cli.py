@@ -188,7 +188,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and write, per empirical experiment and lab seed, the run's evidence (units and rules), verdict, the "
         "experiment's code identity, engine and date, as JSON (version 2; version 1 records are still read). "
         "Refused, naming the file: a seed that is not an integer in [0, 2**32), a run without meta.code or "
-        "meta.quick, a date in the future, a run given twice, --output being one of the runs' results.json, and two "
+        "meta.quick, a date in the future, a run given twice, --output being one of the runs' results.json, --add "
+        "with an --output that does not exist (leave out --add to start a new record), and two "
         "runs of the same code at one seed that disagree. The record holds one run per experiment and lab seed: "
         "with --add the runs are added to the existing record in --output, a newer run of other code at the same "
         "seed replaces an older one (the command lists each run it drops), and a run of the same code made with the "
@@ -197,7 +198,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of `addnorm lab` runs")
     s.add_argument("--output", required=True, metavar="FILE", help="the record to write (e.g. docs/lab-seeds.json)")
-    s.add_argument("--add", action="store_true", help="add to the record already in --output instead of replacing it")
+    s.add_argument(
+        "--add",
+        action="store_true",
+        help="add to the record already in --output instead of replacing it (refused when --output does not exist)",
+    )
     s.add_argument(
         "--replace",
         action="store_true",
@@ -460,7 +465,12 @@ def _seeds(args: argparse.Namespace) -> int:
                     f"--output {args.output} is the results.json of the run {d}: writing the record there would "
                     "destroy the run; give the record its own file (e.g. docs/lab-seeds.json)"
                 )
-        previous = load_record(Path(args.output)) if args.add and Path(args.output).exists() else None
+        if args.add and not Path(args.output).exists():  # a mistyped path would start a new record silently
+            raise ValueError(
+                f"--add: there is no record {args.output} to add to (is the path right?); leave out --add to start a "
+                "new record there"
+            )
+        previous = load_record(Path(args.output)) if args.add else None
         record = build_record(
             [Path(d) for d in args.dirs],
             previous,
