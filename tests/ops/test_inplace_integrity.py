@@ -115,6 +115,46 @@ def test_a_weight_or_bias_in_written_memory_is_refused(backend, op, param, where
     call(x2, r2, w2, b2, backend)
 
 
+def _weight_in_written_memory(layout):
+    """(the written (rows, N) tensor, a weight of N elements whose bytes reach into it, the buffer holding both)."""
+    if layout == "last-row":  # contiguous rows: the fast paths' case
+        buf = _t(4, N)
+        return buf, buf[-1], buf
+    if layout == "across-rows":  # a contiguous weight straddling two rows
+        buf = _t(4, N)
+        return buf, buf.view(-1)[5 : 5 + N], buf
+    if layout == "strided-inside":
+        buf = _t(4, N)
+        return buf, buf.view(-1)[7::3][:N], buf
+    if layout == "strided-before":  # starts before the written rows, its later elements inside them
+        buf = _t(N + 1, N)
+        return buf[1:5], buf[:N, 0], buf
+    buf = _t(N, N)  # "transposed": a column of a transposed (N, N) residual (contiguous in memory)
+    return buf.t(), buf.t()[:, 0], buf
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "cpu"])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("where", ["x", "residual"])
+@pytest.mark.parametrize("layout", ["last-row", "across-rows", "strided-inside", "strided-before", "transposed"])
+def test_a_weight_anywhere_in_written_memory_is_refused_on_every_route(backend, op, where, layout):
+    """Not only a weight over the written tensor's first row: one in its last row, across two rows, strided inside
+    it, strided from before it (the torch backend's in-place fast route accepted that one: it compared one row's
+    bytes from the weight's address), a column of a transposed layout. Contiguous rows take the fast paths, the
+    transposed one the general path; each refuses before writing anything."""
+    _skip_unavailable(backend)
+    call, writes = OPS[op]
+    if where == "x" and not writes[0]:
+        pytest.skip("the op only reads its first argument")
+    written, w, buf = _weight_in_written_memory(layout)
+    other = _t(*written.shape)
+    x, r = (written, other) if where == "x" else (other, written)
+    before = buf.clone(), other.clone()
+    with pytest.raises(ValueError, match="weight1? and .* must not overlap in memory"):
+        call(x, r, w, _t(N), backend)
+    assert torch.equal(buf, before[0]) and torch.equal(other, before[1])
+
+
 @pytest.mark.parametrize("backend", ["torch", "reference", "cpu"])
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
 def test_quant_inplace_refusals_and_version_bump(backend, is_rms):

@@ -224,8 +224,15 @@ def try_add_norm_(x, residual, weight, bias, eps, is_rms, zero_centered_weight, 
         (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ):
         return False
-    # contiguous (no element stored twice), then the general path's write-safety checks (_unsafe_write)
-    if not (x.is_contiguous() and residual.is_contiguous()):
+    # contiguous (no element stored twice; a weight/bias spanning one row's bytes from its address, which is what
+    # _unsafe_write compares: a strided weight starting before the written rows reaches into them), then the
+    # general path's write-safety checks (_unsafe_write)
+    if not (
+        x.is_contiguous()
+        and residual.is_contiguous()
+        and (weight is None or weight.is_contiguous())
+        and (bias is None or bias.is_contiguous())
+    ):
         return False
     m, n, eps = rows
     if _unsafe_write(x, residual, m, True, weight, bias):
