@@ -20,12 +20,17 @@ from addnorm.ops.cpu import bf16_pairs as PN
 from addnorm.ops.cpu import norm_add_launch as L
 
 rev, rounds, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rev = subprocess.run(["git", "rev-parse", rev], capture_output=True, text=True, check=True).stdout.strip()
 src = subprocess.run(
     ["git", "show", f"{rev}:src/addnorm/ops/cpu/bf16_pairs.py"], capture_output=True, text=True, check=True
 )
-path = os.path.join(tempfile.mkdtemp(), "bf16_pairs_old.py")
-with open(path, "w") as f:
-    f.write(src.stdout)
+# one folder per revision, the file rewritten only when missing: numba's cache beside it (keyed on the file's path
+# and mtime) then serves the next run of the same revision, rather than compiling it again (up to 14 minutes)
+path = os.path.join(tempfile.gettempdir(), f"addnorm-ab-{rev[:12]}", "bf16_pairs_old.py")
+if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(src.stdout)
 spec = importlib.util.spec_from_file_location("bf16_pairs_old", path)
 PO = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(PO)

@@ -314,3 +314,58 @@ def test_n2s_pass_without_the_nan_selects_gives_the_general_bits(monkeypatch, pa
             assert nan[6:, n - 2].all()  # (~3 * 3e38 = inf) + -inf
         else:
             assert not nan[4:].any()
+
+
+def test_each_call_kind_compiles_its_own_driver(monkeypatch, pairs):
+    # the flags are constants of a kind's driver, compiled on its first call: one compile no longer holds every
+    # kind's loops (14 minutes before a first large bf16 call returned)
+    g = torch.Generator().manual_seed(5)
+    y, r = _rows(3, 70, "contiguous", g), _rows(3, 70, "contiguous", g)
+    vectors = _vectors(70, g, "w", True, True)
+    before = dict(P._DRIVERS)
+    for has_norm2, in_place in [(False, True), (True, True), (True, True), (True, False)]:  # the second kind twice
+        _forward(monkeypatch, 0, y, r, vectors, _opts(True, True, False, False, vectors), has_norm2, in_place)
+    assert pairs == ["fwd_serial"] * 4
+    new = [k for k, d in P._DRIVERS.items() if before.get(k) is not d]
+    assert len(new) <= 3 and all(not parallel for _, _, parallel in new)
+    assert all(len(d.signatures) == 1 for d in P._DRIVERS.values())  # one kind, one compile
+    assert len({id(d) for d in P._DRIVERS.values()}) == len(P._DRIVERS)
+    for has_norm2, in_place in [(False, True), (True, True), (True, False)]:
+        assert (P._kind((True, True, False, False, has_norm2, True, True, False, False)), in_place, False) in P._DRIVERS
+    # without N2 its flags are not read: one driver whatever they are
+    assert P._kind((1, 1, 0, 0, 0, 1, 1, 1, 1)) == P._kind((1, 1, 0, 0, 0, 0, 0, 0, 0)) == (True, True) + (False,) * 7
+    assert P._kind((1, 1, 0, 0, 1, 1, 1, 0, 0)) == (True, True, False, False, True, True, True, False, False)
+
+
+_CACHED_KIND = """
+import sys
+import torch
+from addnorm.ops.cpu import bf16_pairs as P
+from addnorm.ops.cpu import norm_add_launch as L
+P.MIN_ELEMENTS = 0
+y, r = torch.randn(3, 40).bfloat16(), torch.randn(3, 40).bfloat16()
+opts = dict(eps1=1e-6, eps2=1e-6, is_rms1=True, is_rms2=True, zc1=False, zc2=False, cast1=False, cast2=False)
+for kind in sys.argv[1:]:  # "rms": RMSNorm, "ln": LayerNorm, in place without weights
+    L.forward_into(r, None, torch.zeros(4, 3), y, r, None, None, None, None, has_norm2=False,
+                   **dict(opts, is_rms1=kind == "rms"))
+    d = P._driver(P._kind((kind == "rms",) + (False,) * 8), True, False)
+    print(kind, sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()))
+"""
+
+
+def test_a_kinds_driver_is_read_back_from_numbas_cache(tmp_path):
+    # a driver is a closure over its flags, and numba's cache keys closures on their values: a later process reads
+    # each kind back rather than compiling it again, and never another kind's code (numba would then run RMSNorm's
+    # loops for a LayerNorm call: wrong bits that no test within one process would see)
+    import os
+    import subprocess
+    import sys
+
+    def run(*kinds):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+        done = subprocess.run([sys.executable, "-c", _CACHED_KIND, *kinds], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("\n")[:-1]
+
+    assert run("rms") == ["rms 0 1"]  # compiled into the empty cache
+    assert run("ln", "rms") == ["ln 0 1", "rms 1 0"]  # the other kind compiled, the first read back

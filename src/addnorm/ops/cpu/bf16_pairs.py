@@ -17,14 +17,22 @@ Each value goes through the operations the general loops apply in the same order
 ``fastmath``), so every value and every rounding is the same. The statistics are the general kernels' own
 (:func:`~addnorm.ops.cpu.stats.guarded_row_stats`: the RMSNorm sum of squares in PyTorch's order, the guard), and so
 are the rows the pairs do not serve: a row the guard rescaled, and a row whose arrays disagree on 4-byte alignment
-(strided rows). A row starting at an odd element (odd N) does its first value on the general loop, then pairs, and
-an odd value left at the end on the general loop again.
+(strided rows). The pairs go in whole blocks of one cache line (16 words); a row starting at an odd element does its
+first value on the general loop, and the values after the last whole block (up to 31 pairs and an odd one) go to
+the general loop too.
 
 In ``norm_add_norm`` the norm-add pass stores h without pack's NaN selects (:func:`pack_raw`: ~15% of that
 pass): a NaN then keeps its sign. h's statistics, which N2 takes next, are NaN exactly when h holds a NaN, and
 only then :func:`_canonical_nans` makes the row's NaNs 0x7FC0 and the statistics are taken again (the same bits).
 N2's pass stores without the selects too where no NaN can arise: an ordinary row (the guard's test on h's
-statistics) and finite N2 weights and biases (the launch tests them once a call); other rows keep pack.
+statistics) and finite N2 weights and biases (the launch tests them once a call); other rows take the general
+loop, which stores NaNs as 0x7FC0.
+
+Each call kind (the nine flags and in place or not) has its own driver, compiled on its first call with the flags
+as constants (:func:`_driver`), so a kind's compile holds one block loop per pass: with the flags as arguments one
+compile held every kind's loops (54 copies), and numba's inlining took 14 minutes before a first large bf16 call
+returned (2026-12-04, 855 s for ``norm_add_``; now 5-15 s, the general row functions included). numba's cache keeps
+the kinds apart: its key includes a closure's values.
 
 While working on row i, the rows a thread does next (y and the residual, ``PREFETCH_ROWS`` ahead) are prefetched
 a cache line at a time between the elementwise blocks: without it each row's passes wait on DRAM in turn, the
@@ -62,127 +70,50 @@ _BLOCK = 16
 
 
 @njit(inline="always")
-def _norm_add_pairs(y, r, h, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub, canon):
-    # _norm_add_loop of norm_add_kernels, two values a word: the same operations in the same order
-    for k in range(k0, k1):
-        wy, wr = y[k], r[k]
-        if sub:
-            a, b = (lo(wy) - mean) * rstd, (hi(wy) - mean) * rstd
-        else:  # RMSNorm: mean is +0.0 and v - 0.0 is v, bit for bit (-0.0 included; a NaN stays a NaN)
-            a, b = lo(wy) * rstd, hi(wy) * rstd
-        if cast:
-            a, b = via_bf16(a), via_bf16(b)
-        if has_w:
-            a, b = a * Wa[k], b * Wb[k]
-        if has_b:
-            a, b = a + Ba[k], b + Bb[k]
-        if canon:
-            h[k] = pack(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
-        else:  # NaNs as they come (pack_raw)
-            h[k] = pack_raw(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
-
-
-@njit(inline="always")
-def _normalize_pairs(h, o, Wa, Wb, Ba, Bb, k0, k1, mean, rstd, has_w, has_b, cast, sub, canon):
-    # kernels._normalize_loop, two values a word
-    for k in range(k0, k1):
-        wh = h[k]
-        if sub:
-            a, b = (lo(wh) - mean) * rstd, (hi(wh) - mean) * rstd
-        else:
-            a, b = lo(wh) * rstd, hi(wh) * rstd
-        if cast:
-            a, b = via_bf16(a), via_bf16(b)
-        if has_w:
-            a, b = a * Wa[k], b * Wb[k]
-        if has_b:
-            a, b = a + Ba[k], b + Bb[k]
-        if canon:
-            o[k] = pack(a, b)
-        else:  # a row where no NaN can arise (_fwd_row says when)
-            o[k] = pack_raw(a, b)
-
-
-@njit(inline="always")
-def _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
-    # blocks of one cache line per row, each followed by one prefetch of the rows ahead (Pa[pa..], Pb[pb..]); the
-    # block loop has a constant trip count with the flags constant: LLVM vectorizes it whole
-    nb = npairs // _BLOCK
+def _norm_add_blocks(y, r, h, Wa, Wb, Ba, Bb, nb, mean, rstd, has_w, has_b, cast, sub, canon, Pa, pa, Pb, pb):
+    # _norm_add_loop of norm_add_kernels over nb blocks of one cache line per row, two values a word: the same
+    # operations in the same order. The block has a constant trip count with the flags constant: LLVM vectorizes it
+    # whole. After each block, one prefetch of each of the rows ahead (Pa[pa..], Pb[pb..])
     for q in range(nb):
-        k0 = q * _BLOCK
-        if add:
-            _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
-        else:
-            _normalize_pairs(x, out, Wa, Wb, Ba, Bb, k0, k0 + _BLOCK, mean, rstd, has_w, has_b, cast, sub, canon)
-        prefetch(Pa, pa + 2 * k0)
-        prefetch(Pb, pb + 2 * k0)
-    if add:
-        _norm_add_pairs(x, r, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
-    else:
-        _normalize_pairs(x, out, Wa, Wb, Ba, Bb, nb * _BLOCK, npairs, mean, rstd, has_w, has_b, cast, sub, canon)
-
-
-@njit(inline="always")
-def _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
-    # the flags as constants in each branch (a cast without weight or bias rounds twice: a no-op). sub False
-    # (RMSNorm, mean +0.0) skips the subtraction: compiled for the bias-free cases only (RMSNorm's), to keep the
-    # variants few
-    if has_w and has_b:
-        if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, True, True, add, canon, Pa, pa, Pb, pb)
-        else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, True, False, True, add, canon, Pa, pa, Pb, pb)
-    elif has_w:
-        if cast:
+        for k in range(q * _BLOCK, (q + 1) * _BLOCK):
+            wy, wr = y[k], r[k]
             if sub:
-                _pass(
-                    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, True, add, canon, Pa, pa, Pb, pb
-                )
-            else:
-                _pass(
-                    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, True, False, add, canon, Pa, pa, Pb, pb
-                )
-        elif sub:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, True, add, canon, Pa, pa, Pb, pb)
-        else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, True, False, False, False, add, canon, Pa, pa, Pb, pb)
-    elif has_b:
-        if cast:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, True, True, add, canon, Pa, pa, Pb, pb)
-        else:
-            _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, True, False, True, add, canon, Pa, pa, Pb, pb)
-    elif sub:
-        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, True, add, canon, Pa, pa, Pb, pb)
-    else:
-        _pass(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, False, False, False, False, add, canon, Pa, pa, Pb, pb)
+                a, b = (lo(wy) - mean) * rstd, (hi(wy) - mean) * rstd
+            else:  # RMSNorm: mean is +0.0 and v - 0.0 is v, bit for bit (-0.0 included; a NaN stays a NaN)
+                a, b = lo(wy) * rstd, hi(wy) * rstd
+            if cast:
+                a, b = via_bf16(a), via_bf16(b)
+            if has_w:
+                a, b = a * Wa[k], b * Wb[k]
+            if has_b:
+                a, b = a + Ba[k], b + Bb[k]
+            if canon:
+                h[k] = pack(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
+            else:  # NaNs as they come (pack_raw)
+                h[k] = pack_raw(via_bf16(a) + lo(wr), via_bf16(b) + hi(wr))
+        prefetch(Pa, pa + 2 * q * _BLOCK)
+        prefetch(Pb, pb + 2 * q * _BLOCK)
 
 
 @njit(inline="always")
-def _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, canon, Pa, pa, Pb, pb):
-    # canon as a constant too (add is one where _pairs calls this): a branch on it in the block loop cost norm_add_
-    # ~4% in cache
-    if canon:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, True, Pa, pa, Pb, pb)
-    else:
-        _unswitched(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, False, Pa, pa, Pb, pb)
-
-
-@njit(**JIT)
-def _pairs(
-    x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, add, in_place, canon, Pa, pa, Pb, pb
-):
-    """One elementwise pass over npairs words: norm-add (add: out = pairs of round(N1(x)) + r) or normalize
-    (out = N2(x), r unused). sub: subtract the mean (False: RMSNorm). canon False: stores without the NaN selects
-    (:func:`pack_raw`; the norm-add pass's caller makes the NaNs 0x7FC0, the normalize pass's has none). in_place
-    (norm-add only): out is r, passed on as one array (two arrays at one address, LLVM's overlap test fails and it
-    runs the scalar loop: 5x slower). Six variants of the block loop for each flag set: add in place or not, and
-    normalize, each with canon True and False."""
-    if not add:
-        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, False, canon, Pa, pa, Pb, pb)
-    elif in_place:
-        _kinds(x, r, r, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
-    else:
-        _kinds(x, r, out, Wa, Wb, Ba, Bb, npairs, mean, rstd, has_w, has_b, cast, sub, True, canon, Pa, pa, Pb, pb)
+def _normalize_blocks(h, o, Wa, Wb, Ba, Bb, nb, mean, rstd, has_w, has_b, cast, sub, Pa, pa):
+    # kernels._normalize_loop over nb blocks, two values a word, stored without the NaN selects: only for rows
+    # where no NaN can arise (_fwd_row says when). After each block, one prefetch of a row ahead (Pa[pa..])
+    for q in range(nb):
+        for k in range(q * _BLOCK, (q + 1) * _BLOCK):
+            wh = h[k]
+            if sub:
+                a, b = (lo(wh) - mean) * rstd, (hi(wh) - mean) * rstd
+            else:
+                a, b = lo(wh) * rstd, hi(wh) * rstd
+            if cast:
+                a, b = via_bf16(a), via_bf16(b)
+            if has_w:
+                a, b = a * Wa[k], b * Wb[k]
+            if has_b:
+                a, b = a + Ba[k], b + Bb[k]
+            o[k] = pack_raw(a, b)
+        prefetch(Pa, pa + 2 * q * _BLOCK)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -218,7 +149,7 @@ def _words(a, hd, npairs):
     return a[hd : hd + 2 * npairs].view(np.uint32)
 
 
-@njit(**JIT)
+@njit(inline="always")
 def _fwd_row(
     i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
 ):
@@ -235,8 +166,8 @@ def _fwd_row(
         ahead = np.int64(i)
     py, pr = ahead * sy, ahead * sr
     # with N2, the rows ahead are prefetched half in each pass (y's in the norm-add pass, the residual's in N2's),
-    # spread over the whole row rather than all in the first pass; the second prefetch of a pass then asks for a
-    # line the first just asked for (one instruction a cache line)
+    # spread over the whole row rather than all in the first pass (the norm-add pass's second prefetch then asks
+    # for the line its first just asked for: one instruction a cache line)
     pb = py if has_norm2 else pr
     Pb = Y if has_norm2 else R
     mean1, rstd1, k1, mean_s1, r1 = guarded_row_stats(y, n, is_rms1, eps1, zero)
@@ -250,20 +181,27 @@ def _fwd_row(
         else:
             _norm_add_row(y, r, h, W1, B1, n, mean1, rstd1, has_w1, has_b1, cast1, zero)
     else:
-        npairs = (n - hd) // 2
-        e = hd + 2 * npairs  # the first value after the pairs
+        # the pairs in whole blocks from element hd (a row starting at the high half of a word does its first
+        # value alone), the values after the last block on the general loops: one inlined loop for the pass, so
+        # that a call kind compiles in seconds
+        nb = (n - hd) // (2 * _BLOCK)
+        npairs = nb * _BLOCK
+        e = hd + 2 * npairs  # the first value after the blocks
         if hd:
             _norm_add_row(y[:1], r[:1], h[:1], W1[:1], B1[:1], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
         Wa, Wb = _split(D, 0, L, hd, npairs)
         Ba, Bb = _split(D, 1, L, hd, npairs)
         y32, r32 = _words(y, hd, npairs), _words(r, hd, npairs)
+        # in place, h is r itself: two arrays at one address fail LLVM's overlap test, and it runs the scalar loop
+        # (5x slower). A cast without weight or bias rounds twice: a no-op
         h32 = r32 if in_place else _words(h, hd, npairs)
-        _pairs(
-            y32, r32, h32, Wa, Wb, Ba, Bb, npairs, mean1, rstd1, has_w1, has_b1,
-            cast1, not is_rms1, True, in_place, not has_norm2, Y, py, Pb, pb,
+        c1 = cast1 and (has_w1 or has_b1)
+        _norm_add_blocks(
+            y32, r32, h32, Wa, Wb, Ba, Bb, nb, mean1, rstd1, has_w1, has_b1, c1, not is_rms1, not has_norm2,
+            Y, py, Pb, pb,
         )  # fmt: skip
         if e < n:
-            _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], 1, mean1, rstd1, has_w1, has_b1, cast1, zero)
+            _norm_add_row(y[e:], r[e:], h[e:], W1[e:], B1[e:], n - e, mean1, rstd1, has_w1, has_b1, cast1, zero)
     if has_norm2:  # h is still in cache: its statistics and N2 cost no DRAM reads
         mean2, rstd2, k2, mean_s2, r2 = guarded_row_stats(h, n, is_rms2, eps2, zero)
         if rstd2 != rstd2 or mean2 != mean2:  # a NaN in h (or inf - inf in a sum): the NaNs the pass kept as they came
@@ -278,44 +216,85 @@ def _fwd_row(
         hd = _head(h)
         if k2 != NOT_SCALED:
             normalize_row_scaled(h, o2, W2, B2, n, k2, mean_s2, r2, has_w2, has_b2, cast2)
-        elif hd != _head(o2):
+        elif canon2 or hd != _head(o2):  # (the general loops store NaNs as 0x7FC0)
             normalize_row(h, o2, W2, B2, n, mean2, rstd2, has_w2, has_b2, cast2, zero)
         else:
-            npairs = (n - hd) // 2
+            nb = (n - hd) // (2 * _BLOCK)
+            npairs = nb * _BLOCK
             e = hd + 2 * npairs
             if hd:
                 normalize_row(h[:1], o2[:1], W2[:1], B2[:1], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
             Wa, Wb = _split(D, 2, L, hd, npairs)
             Ba, Bb = _split(D, 3, L, hd, npairs)
-            h32, o32 = _words(h, hd, npairs), _words(o2, hd, npairs)
-            _pairs(
-                h32, h32, o32, Wa, Wb, Ba, Bb, npairs, mean2, rstd2, has_w2, has_b2,
-                cast2, not is_rms2, False, False, canon2, R, pr, R, pr,
+            c2 = cast2 and (has_w2 or has_b2)
+            _normalize_blocks(
+                _words(h, hd, npairs), _words(o2, hd, npairs), Wa, Wb, Ba, Bb, nb, mean2, rstd2, has_w2, has_b2, c2,
+                not is_rms2, R, pr,
             )  # fmt: skip
             if e < n:
-                normalize_row(h[e:], o2[e:], W2[e:], B2[e:], 1, mean2, rstd2, has_w2, has_b2, cast2, zero)
+                normalize_row(h[e:], o2[e:], W2[e:], B2[e:], n - e, mean2, rstd2, has_w2, has_b2, cast2, zero)
 
 
 # The drivers take norm_add_kernels.fwd_parallel's arguments plus D (split_pairs), pf (PREFETCH_ROWS) and fin2
-# (N2's weight and bias finite: once a call, in the launch); fp32 statistics only.
-@njit(parallel=True, **JIT)
+# (N2's weight and bias finite: once a call, in the launch); fp32 statistics only. Each call kind (the flags and
+# in_place) has its own compiled driver with them as constants, compiled on its first call: with the flags as
+# arguments one compile held every kind's passes (54 copies of the block loop, 14 minutes of numba's inlining
+# before a first bf16 call returned); one kind's driver compiles in seconds. numba's cache keeps each kind apart
+# (its key includes a closure's values).
+_DRIVERS: dict = {}  # (flags, in_place, parallel) -> that kind's compiled driver
+
+
+def _driver(flags: tuple, in_place: bool, parallel: bool):
+    key = (flags, in_place, parallel)
+    if key not in _DRIVERS:  # (two threads racing here each make one: the same code, harmless)
+        _DRIVERS[key] = _make_driver(flags, in_place, parallel)
+    return _DRIVERS[key]
+
+
+def _make_driver(flags: tuple, in_place: bool, parallel: bool):
+    if parallel:
+
+        @njit(parallel=True, **JIT)
+        def fwd_kind_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, eps1, eps2, pf, fin2):
+            zero = zero_of(Stats)
+            e1, e2 = np.float32(eps1), np.float32(eps2)
+            for i in prange(m):
+                _fwd_row(
+                    i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, e1, e2,
+                    zero, pf, fin2,
+                )  # fmt: skip
+
+        return fwd_kind_parallel
+
+    @njit(**JIT)
+    def fwd_kind_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, eps1, eps2, pf, fin2):
+        zero = zero_of(Stats)
+        e1, e2 = np.float32(eps1), np.float32(eps2)
+        for i in range(m):
+            _fwd_row(
+                i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, e1, e2,
+                zero, pf, fin2,
+            )  # fmt: skip
+
+    return fwd_kind_serial
+
+
+def _kind(flags) -> tuple:
+    """The flags as the drivers' key: N2's flags are not read without N2 (one driver for every value of them)."""
+    f = tuple(bool(v) for v in flags)
+    return f if f[4] else f[:5] + (False,) * 4
+
+
 def fwd_parallel(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
-    zero = zero_of(Stats)
-    eps1, eps2 = np.float32(eps1), np.float32(eps2)
-    for i in prange(m):
-        _fwd_row(
-            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
-        )
+    """The forward over the rows in parallel (numba threads), the driver of this call's kind."""
+    run = _driver(_kind(flags), bool(in_place), True)
+    run(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, eps1, eps2, pf, fin2)
 
 
-@njit(**JIT)
 def fwd_serial(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, pf, fin2):
-    zero = zero_of(Stats)
-    eps1, eps2 = np.float32(eps1), np.float32(eps2)
-    for i in range(m):
-        _fwd_row(
-            i, Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, flags, in_place, eps1, eps2, zero, pf, fin2
-        )
+    """The forward over the rows in order, the driver of this call's kind."""
+    run = _driver(_kind(flags), bool(in_place), False)
+    run(Y, sy, R, sr, H, sh, O2, so2, W1, B1, W2, B2, D, Stats, m, n, eps1, eps2, pf, fin2)
 
 
 def split_pairs(n: int, vectors) -> np.ndarray:
