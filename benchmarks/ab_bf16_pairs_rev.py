@@ -33,6 +33,7 @@ if not os.path.exists(path):
         f.write(src.stdout)
 spec = importlib.util.spec_from_file_location("bf16_pairs_old", path)
 PO = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = PO  # (numba's cache names a kernel's module: one not in sys.modules can't be read back)
 spec.loader.exec_module(PO)
 incache = mode == "cache"
 torch.manual_seed(0)

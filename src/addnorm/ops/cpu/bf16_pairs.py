@@ -252,6 +252,8 @@ def _driver(flags: tuple, in_place: bool, parallel: bool):
 
 
 def _make_driver(flags: tuple, in_place: bool, parallel: bool):
+    # two closures, not one compiled both ways: numba's cache key holds a closure's values and its code, not the
+    # compile options, so one closure compiled with and without parallel=True would share cache entries
     if parallel:
 
         @njit(parallel=True, **JIT)
